@@ -1,0 +1,40 @@
+"""ductor_celery: durable workflow execution for Celery.
+
+The public surface (see the README and docs/): everything a user imports lives here.
+"""
+
+from .definition.builder import Workflow
+from .definition.retry import RetryPolicy
+from .ductor import Ductor
+from .engine.status import NodeStatus, RunStatus
+from .errors import (
+    DefinitionError,
+    DuctorError,
+    InvalidOperation,
+    NonRetryableError,
+    PayloadTooLarge,
+    RunNotFound,
+    WorkflowNotFound,
+)
+from .runtime.steps import Step, StepContext
+from .views import NodeView, RunHandle, RunView
+
+__all__ = [
+    "DefinitionError",
+    "Ductor",
+    "DuctorError",
+    "InvalidOperation",
+    "NodeStatus",
+    "NodeView",
+    "NonRetryableError",
+    "PayloadTooLarge",
+    "RetryPolicy",
+    "RunHandle",
+    "RunNotFound",
+    "RunStatus",
+    "RunView",
+    "Step",
+    "StepContext",
+    "Workflow",
+    "WorkflowNotFound",
+]

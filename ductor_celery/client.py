@@ -1,0 +1,192 @@
+"""The client: start runs, read them, wait for them. Inserts rows and sends wake-ups only.
+
+It never imports ``runtime/``: the facade hands it a ``wake`` function.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from .definition.spec import WorkflowSpec
+from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
+from .errors import PayloadNotSerializable, PayloadTooLarge, RunNotFound, WorkflowNotFound
+from .settings import Settings
+from .store import runs
+from .store.db import get_engine, is_postgres, with_retry
+from .store.runs import RunRow
+from .store.ticks import RUN_FINISHED_CHANNEL
+from .views import NodeView, RunHandle, RunView
+
+log = logging.getLogger("ductor_celery.client")
+
+
+def check_payload(value: Any, what: str, limit: int) -> Any:
+    """Refuse a payload that is not JSON or is over the limit, naming it; return it as JSON."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise PayloadNotSerializable(f"{what} is not JSON-serializable: {exc}") from None
+    if len(text) > limit:
+        raise PayloadTooLarge(
+            f"{what} is {len(text)} bytes, over ductor_max_payload_bytes={limit}"
+        )
+    return json.loads(text)
+
+
+class Client:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        wake: Callable[[str], None],
+        find_spec: Callable[[str], WorkflowSpec | None],
+        remember_spec: Callable[[WorkflowSpec], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._wake = wake
+        self._find_spec = find_spec
+        self._remember_spec = remember_spec
+
+    @property
+    def engine(self) -> Engine:
+        return get_engine(self.settings.database_url)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def start(
+        self, workflow: str, input: Any = None, workflow_id: str | None = None
+    ) -> RunHandle:
+        spec = self._find_spec(workflow) or runs.latest_definition(self.engine, workflow)
+        if spec is None:
+            raise WorkflowNotFound(f"no workflow named {workflow!r} is registered")
+        if self._remember_spec is not None:
+            self._remember_spec(spec)
+        value = check_payload(input, f"input of workflow {workflow!r}",
+                              self.settings.max_payload_bytes)
+        if workflow_id is not None and (not isinstance(workflow_id, str) or not workflow_id):
+            raise ValueError(f"workflow_id must be a non-empty string, got {workflow_id!r}")
+        run_id = uuid.uuid4().hex
+        engine = self.engine
+        with_retry(lambda: runs.save_definition(engine, spec), what="save definition")
+        actual, created = with_retry(
+            lambda: runs.insert_run(
+                engine, run_id=run_id, workflow_id=workflow_id or run_id, spec=spec, input=value
+            ),
+            what="insert run",
+        )
+        if created:
+            self._safe_wake(actual)
+        return RunHandle(run_id=actual, workflow_id=workflow_id or run_id)
+
+    def _safe_wake(self, run_id: str) -> None:
+        # The row is committed; if the broker is down the sweeper picks the run up instead.
+        try:
+            self._wake(run_id)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not wake run %s (the sweeper will): %s", run_id, exc)
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def _row(self, target: str) -> RunRow:
+        row = runs.find_run(self.engine, target)
+        if row is None:
+            raise RunNotFound(f"no run with run id or workflow id {target!r}")
+        return row
+
+    def get(self, target: str) -> RunView:
+        return self._view(self._row(target))
+
+    def list_runs(
+        self, status: str | None = None, workflow: str | None = None, limit: int = 50
+    ) -> list[RunView]:
+        if status is not None:
+            status = RunStatus(status).value
+        rows = runs.list_runs(self.engine, status=status, workflow=workflow, limit=limit)
+        return [self._view(r) for r in rows]
+
+    def _view(self, row: RunRow) -> RunView:
+        tokens = [ns.output_token for ns in row.state.nodes.values() if ns.output_token]
+        outputs = runs.attempt_outputs(self.engine, tokens)
+        nodes = {
+            node_id: NodeView(
+                status=ns.status,
+                attempts=ns.generation,
+                output=outputs.get(ns.output_token) if ns.output_token else None,
+                error=ns.error if ns.status != NodeStatus.SUCCEEDED else None,
+                started_at=ns.started_at,
+                finished_at=ns.finished_at,
+            )
+            for node_id, ns in row.state.nodes.items()
+        }
+        return RunView(
+            run_id=row.run_id,
+            workflow_id=row.workflow_id,
+            workflow=row.workflow,
+            version=row.version,
+            status=row.status,
+            input=row.input,
+            context=row.state.context,
+            output=row.output,
+            error=row.error,
+            nodes=nodes,
+            parent_run_id=row.parent_run_id,
+            continued_from=row.continued_from,
+            continued_to=row.continued_to,
+            created_at=row.created_at,
+            finished_at=row.finished_at,
+        )
+
+    def wait(self, target: str, timeout: float | None = None) -> RunView:
+        """Block until the run is terminal. Told by NOTIFY on PostgreSQL; polls otherwise."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        row = self._row(target)
+        if is_postgres(self.engine):
+            return self._wait_notified(target, row, deadline)
+        delay = 0.01
+        while True:
+            row = self._follow(target, row)
+            if row.status in TERMINAL_RUN_STATUSES:
+                return self._view(row)
+            self._check_deadline(target, deadline, timeout)
+            time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 1.5, 0.2)
+            row = self._row(row.run_id)
+
+    def _follow(self, target: str, row: RunRow) -> RunRow:
+        """On a workflow id, a continued run hands over to its successor."""
+        while row.status == RunStatus.CONTINUED and row.continued_to and target != row.run_id:
+            row = self._row(row.continued_to)
+        return row
+
+    @staticmethod
+    def _check_deadline(target: str, deadline: float | None, timeout: float | None) -> None:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"run {target!r} did not finish within {timeout}s")
+
+    def _wait_notified(self, target: str, row: RunRow, deadline: float | None) -> RunView:
+        import psycopg
+
+        url = sa.engine.make_url(self.settings.database_url).set(drivername="postgresql")
+        with psycopg.connect(url.render_as_string(hide_password=False), autocommit=True) as conn:
+            conn.execute(f"LISTEN {RUN_FINISHED_CHANNEL}")
+            while True:
+                # Re-read after LISTEN so a finish that happened before it is not missed.
+                row = self._follow(target, self._row(row.run_id))
+                if row.status in TERMINAL_RUN_STATUSES:
+                    return self._view(row)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"run {target!r} did not finish in time")
+                # Wake on our run's notification, or every second as a safety net.
+                wait_s = 1.0 if remaining is None else min(1.0, remaining)
+                for note in conn.notifies(timeout=wait_s):
+                    if note.payload == row.run_id:
+                        break

@@ -1,0 +1,146 @@
+"""The Workflow builder users write, turned into a validated WorkflowSpec at register time.
+
+The builder only records what it is told; every check happens in ``build()`` so that a bad
+definition is reported by ``register`` with a message naming the node or path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from ..errors import DefinitionError
+from .retry import RetryPolicy
+from .spec import RetrySpec, StepNodeSpec, WorkflowSpec
+from .validate import validate_spec
+
+
+@runtime_checkable
+class StepLike(Protocol):
+    """What the builder needs to know of a step (``@ductor.step`` objects satisfy it)."""
+
+    name: str
+    retry: RetryPolicy
+    timeout: float | None
+    queue: str | None
+
+
+#: Looks a step up by name at build time; returns None for an unknown step.
+StepResolver = Callable[[str], StepLike | None]
+
+
+class Workflow:
+    """A DAG of nodes. ``Workflow("order", version=1)`` then ``wf.step(...)``, ``wf.output(...)``."""
+
+    def __init__(self, name: str, version: int = 1) -> None:
+        if not isinstance(name, str) or not name:
+            raise DefinitionError(f"a workflow name must be a non-empty string, got {name!r}")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise DefinitionError(
+                f"workflow {name!r}: version must be a positive integer, got {version!r}"
+            )
+        self.name = name
+        self.version = version
+        self._nodes: list[dict[str, Any]] = []
+        self._output: Any = None
+
+    def __repr__(self) -> str:
+        return f"Workflow({self.name!r}, version={self.version}, nodes={len(self._nodes)})"
+
+    @property
+    def node_ids(self) -> list[str]:
+        return [n["id"] for n in self._nodes]
+
+    def step(
+        self,
+        id: str,
+        step: StepLike | str,
+        *,
+        after: Iterable[str] | None = None,
+        args: Mapping[str, Any] | None = None,
+        when: str | bool | None = None,
+        continue_on_failure: bool = False,
+        retry: RetryPolicy | None = None,
+        timeout: float | None = None,
+    ) -> Workflow:
+        """Add a node that runs ``step`` with ``args`` once every node in ``after`` finished."""
+        self._nodes.append(
+            {
+                "id": id,
+                "step": step,
+                "after": after,
+                "args": args,
+                "when": when,
+                "continue_on_failure": continue_on_failure,
+                "retry": retry,
+                "timeout": timeout,
+            }
+        )
+        return self
+
+    def output(self, template: Any) -> Workflow:
+        """The run's output: a literal, a path, or dicts and lists of them."""
+        self._output = template
+        return self
+
+    def build(self, resolve_step: StepResolver | None = None) -> WorkflowSpec:
+        """Validate and freeze. Raises DefinitionError naming the offending node or path."""
+        nodes = [self._build_node(raw, resolve_step) for raw in self._nodes]
+        try:
+            spec = WorkflowSpec(
+                name=self.name, version=self.version, nodes=tuple(nodes), output=self._output
+            )
+        except ValueError as exc:  # pydantic: the output is not JSON-like
+            raise DefinitionError(f"workflow {self.name!r}: invalid output: {exc}") from None
+        validate_spec(spec)
+        return spec
+
+    def _build_node(self, raw: dict[str, Any], resolve_step: StepResolver | None) -> StepNodeSpec:
+        node_id = raw["id"]
+        where = f"workflow {self.name!r}, node {node_id!r}"
+        step = raw["step"]
+        if isinstance(step, str):
+            step_name = step
+            found = resolve_step(step) if resolve_step is not None else None
+            if resolve_step is not None and found is None:
+                raise DefinitionError(f"{where}: unknown step {step!r} (decorate it with @ductor.step)")
+            step = found if found is not None else step
+        elif isinstance(step, StepLike):
+            step_name = step.name
+            if resolve_step is not None and resolve_step(step_name) is None:
+                raise DefinitionError(
+                    f"{where}: step {step_name!r} is not registered with this Ductor"
+                )
+        else:
+            raise DefinitionError(
+                f"{where}: unknown step {step!r}: pass a @ductor.step function or its name"
+            )
+        after = raw["after"]
+        if after is None:
+            after = ()
+        elif isinstance(after, str):
+            after = (after,)
+        args = raw["args"] or {}
+        if not isinstance(args, Mapping):
+            raise DefinitionError(f"{where}: args must be a mapping of argument name to value")
+        policy: RetryPolicy | None = raw["retry"] or (step.retry if isinstance(step, StepLike) else None)
+        retry = policy.to_spec() if policy is not None else RetrySpec()
+        timeout = raw["timeout"]
+        if timeout is None and isinstance(step, StepLike):
+            timeout = step.timeout
+        if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
+            raise DefinitionError(f"{where}: timeout must be a positive number of seconds")
+        try:
+            return StepNodeSpec(
+                id=node_id,
+                step=step_name,
+                after=tuple(after),
+                args=dict(args),
+                when=raw["when"],
+                continue_on_failure=bool(raw["continue_on_failure"]),
+                retry=retry,
+                timeout=timeout,
+                queue=step.queue if isinstance(step, StepLike) else None,
+            )
+        except ValueError as exc:
+            raise DefinitionError(f"{where}: {exc}") from None

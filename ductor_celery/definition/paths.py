@@ -1,0 +1,132 @@
+"""Path expressions: ``$.input.a.b``, ``$.context.k``, ``$.nodes.<id>.output[0].x``, ``$.item``.
+
+A string that starts with ``$.`` is a path; every other value is a literal. Dicts and lists are
+resolved element by element. A path that points at nothing resolves to ``None`` (the way a
+missing key reads in JSONPath), so a ``when`` on an absent field is simply falsy.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import DefinitionError
+
+ROOTS = ("input", "context", "nodes", "item")
+_SEGMENT = re.compile(r"\.([A-Za-z_][A-Za-z0-9_\-]*)|\[(\d+)\]")
+
+
+@dataclass(frozen=True, slots=True)
+class Path:
+    """A parsed path: a root and the keys or indexes below it."""
+
+    text: str
+    root: str
+    node: str | None  # for $.nodes.<id>.output paths
+    keys: tuple[str | int, ...]
+
+
+def is_path(value: object) -> bool:
+    return isinstance(value, str) and (value.startswith("$.") or value.startswith("!$."))
+
+
+def parse_path(text: str) -> Path:
+    """Parse ``text`` or raise DefinitionError naming it."""
+    body = text[1:] if text.startswith("!") else text
+    if not body.startswith("$"):
+        raise DefinitionError(f"malformed path {text!r}: a path starts with '$.'")
+    rest = body[1:]
+    keys: list[str | int] = []
+    pos = 0
+    while pos < len(rest):
+        m = _SEGMENT.match(rest, pos)
+        if m is None:
+            raise DefinitionError(
+                f"malformed path {text!r}: cannot read {rest[pos:]!r} "
+                "(expected '.name' or '[index]')"
+            )
+        keys.append(m.group(1) if m.group(1) is not None else int(m.group(2)))
+        pos = m.end()
+    if not keys or keys[0] not in ROOTS:
+        raise DefinitionError(
+            f"malformed path {text!r}: it must start with one of "
+            + ", ".join(f"$.{r}" for r in ROOTS)
+        )
+    root = str(keys[0])
+    if root == "nodes":
+        if len(keys) < 3 or not isinstance(keys[1], str) or keys[2] != "output":
+            raise DefinitionError(
+                f"malformed path {text!r}: node paths read '$.nodes.<id>.output...'"
+            )
+        return Path(text, root, keys[1], tuple(keys[3:]))
+    return Path(text, root, None, tuple(keys[1:]))
+
+
+def iter_paths(template: Any) -> list[Path]:
+    """Every path inside a template (a literal, a path, or dicts and lists of them)."""
+    found: list[Path] = []
+
+    def walk(value: Any) -> None:
+        if is_path(value):
+            found.append(parse_path(value))
+        elif isinstance(value, Mapping):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                walk(v)
+
+    walk(template)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """What paths resolve against. ``outputs`` holds only the nodes the caller loaded."""
+
+    input: Any
+    context: Mapping[str, Any]
+    outputs: Mapping[str, Any]
+    item: Any = None
+
+
+def _dig(value: Any, keys: tuple[str | int, ...]) -> Any:
+    for key in keys:
+        if isinstance(key, int):
+            if isinstance(value, list) and -len(value) <= key < len(value):
+                value = value[key]
+            else:
+                return None
+        elif isinstance(value, Mapping):
+            value = value.get(key)
+        else:
+            return None
+    return value
+
+
+def resolve_path(path: Path, scope: Scope) -> Any:
+    if path.root == "input":
+        value = _dig(scope.input, path.keys)
+    elif path.root == "context":
+        value = _dig(scope.context, path.keys)
+    elif path.root == "item":
+        value = _dig(scope.item, path.keys)
+    else:
+        assert path.node is not None
+        value = _dig(scope.outputs.get(path.node), path.keys)
+    if path.text.startswith("!"):
+        return not value
+    return value
+
+
+def resolve(template: Any, scope: Scope) -> Any:
+    """Resolve every path inside ``template``; literals come back unchanged."""
+    if is_path(template):
+        return resolve_path(parse_path(template), scope)
+    if isinstance(template, Mapping):
+        return {k: resolve(v, scope) for k, v in template.items()}
+    if isinstance(template, list | tuple):
+        return [resolve(v, scope) for v in template]
+    return template

@@ -1,0 +1,108 @@
+"""The stored form of a workflow: frozen pydantic models, hashed and pinned by each run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import cached_property
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .paths import iter_paths
+
+
+class RetrySpec(BaseModel):
+    """The retry policy as stored: exception classes become their qualified names."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_attempts: int = Field(default=3, ge=1)
+    initial_interval: float = Field(default=1.0, ge=0)
+    backoff: float = Field(default=2.0, ge=1)
+    max_interval: float = Field(default=60.0, ge=0)
+    non_retryable: tuple[str, ...] = ()
+
+
+class StepNodeSpec(BaseModel):
+    """A node that runs one attempt of a step at a time until it succeeds or runs out of tries."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    kind: Literal["step"] = "step"
+    step: str
+    after: tuple[str, ...] = ()
+    args: dict[str, Any] = Field(default_factory=dict)
+    when: str | bool | None = None
+    continue_on_failure: bool = False
+    retry: RetrySpec = Field(default_factory=RetrySpec)
+    timeout: float | None = None
+    queue: str | None = None
+
+
+NodeSpec = StepNodeSpec
+
+
+class Graph:
+    """Derived, read-only facts about a spec's graph, computed once per spec."""
+
+    def __init__(self, spec: WorkflowSpec) -> None:
+        self.nodes: dict[str, NodeSpec] = {n.id: n for n in spec.nodes}
+        self.dependants: dict[str, list[str]] = {n.id: [] for n in spec.nodes}
+        for n in spec.nodes:
+            for dep in n.after:
+                if dep in self.dependants:
+                    self.dependants[dep].append(n.id)
+        self.order: list[str] = _topological_order(spec)
+        # Which node outputs each node reads (args and when), and which the run output reads.
+        self.reads: dict[str, frozenset[str]] = {
+            n.id: frozenset(
+                p.node for p in iter_paths([n.args, n.when]) if p.node is not None
+            )
+            for n in spec.nodes
+        }
+        self.output_reads: frozenset[str] = frozenset(
+            p.node for p in iter_paths(spec.output) if p.node is not None
+        )
+
+
+def _topological_order(spec: WorkflowSpec) -> list[str]:
+    """Kahn's algorithm, stable in declaration order. Nodes on a cycle are left out."""
+    indegree = {n.id: len(set(n.after)) for n in spec.nodes}
+    dependants: dict[str, list[str]] = {n.id: [] for n in spec.nodes}
+    for n in spec.nodes:
+        for dep in set(n.after):
+            dependants.setdefault(dep, []).append(n.id)
+    ready = [n.id for n in spec.nodes if indegree[n.id] == 0]
+    order: list[str] = []
+    while ready:
+        current = ready.pop(0)
+        order.append(current)
+        for child in dependants.get(current, []):
+            indegree[child] -= 1
+            if indegree[child] == 0:
+                ready.append(child)
+    return order
+
+
+class WorkflowSpec(BaseModel):
+    """A whole workflow: its name, version, nodes in declaration order and output template."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    version: int = 1
+    nodes: tuple[NodeSpec, ...]
+    output: Any = None
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @cached_property
+    def spec_hash(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+    @cached_property
+    def graph(self) -> Graph:
+        return Graph(self)

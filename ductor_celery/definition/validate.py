@@ -1,0 +1,105 @@
+"""Graph checks: ids, dependencies, cycles, paths. Every message names the node or path."""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import DefinitionError
+from .paths import Path, iter_paths, parse_path
+from .spec import WorkflowSpec
+
+_ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+
+
+def validate_spec(spec: WorkflowSpec) -> None:
+    wf = f"workflow {spec.name!r}"
+    if not spec.nodes:
+        raise DefinitionError(f"{wf} has no nodes")
+    seen: set[str] = set()
+    for node in spec.nodes:
+        if not isinstance(node.id, str) or not _ID.match(node.id):
+            raise DefinitionError(
+                f"{wf}: invalid node id {node.id!r} (letters, digits, '_' and '-', "
+                "not starting with a digit)"
+            )
+        if node.id in seen:
+            raise DefinitionError(f"{wf}: duplicate node id {node.id!r}")
+        seen.add(node.id)
+    for node in spec.nodes:
+        for dep in node.after:
+            if dep == node.id:
+                raise DefinitionError(f"{wf}: node {node.id!r} depends on itself (a cycle)")
+            if dep not in seen:
+                raise DefinitionError(f"{wf}: node {node.id!r} depends on unknown node {dep!r}")
+    _check_acyclic(spec)
+    ancestors = _ancestors(spec)
+    for node in spec.nodes:
+        if node.when is not None and not isinstance(node.when, bool):
+            if not node.when.startswith(("$.", "!$.")):
+                raise DefinitionError(
+                    f"{wf}: node {node.id!r}: when={node.when!r} is not a path "
+                    "(write '$.input.flag' or '!$.input.flag')"
+                )
+            parse_path_at(node.when, f"{wf}: node {node.id!r}")
+        for path in _paths_at([node.args, node.when], f"{wf}: node {node.id!r}"):
+            _check_path(spec, path, f"{wf}: node {node.id!r}", ancestors[node.id])
+    for path in _paths_at(spec.output, f"{wf}: output"):
+        _check_path(spec, path, f"{wf}: output", None)
+
+
+def parse_path_at(text: str, where: str) -> Path:
+    try:
+        return parse_path(text)
+    except DefinitionError as exc:
+        raise DefinitionError(f"{where}: {exc}") from None
+
+
+def _paths_at(template: object, where: str) -> list[Path]:
+    try:
+        return iter_paths(template)
+    except DefinitionError as exc:
+        raise DefinitionError(f"{where}: {exc}") from None
+
+
+def _check_path(spec: WorkflowSpec, path: Path, where: str, upstream: set[str] | None) -> None:
+    if path.root == "item":
+        raise DefinitionError(f"{where}: path {path.text!r} is only valid inside a scatter")
+    if path.node is None:
+        return
+    if path.node not in spec.graph.nodes:
+        raise DefinitionError(f"{where}: path {path.text!r} names unknown node {path.node!r}")
+    if upstream is not None and path.node not in upstream:
+        raise DefinitionError(
+            f"{where}: path {path.text!r} reads node {path.node!r}, which it does not depend on "
+            f"(add {path.node!r} to after=)"
+        )
+
+
+def _check_acyclic(spec: WorkflowSpec) -> None:
+    order = spec.graph.order
+    if len(order) == len(spec.nodes):
+        return
+    # Walk from any node left out of the order to name one actual cycle.
+    remaining = {n.id: n.after for n in spec.nodes if n.id not in set(order)}
+    start = next(iter(remaining))
+    trail: list[str] = []
+    current = start
+    while current not in trail:
+        trail.append(current)
+        current = next(dep for dep in remaining[current] if dep in remaining)
+    cycle = trail[trail.index(current):] + [current]
+    raise DefinitionError(
+        f"workflow {spec.name!r}: cycle between nodes " + " -> ".join(repr(c) for c in cycle)
+    )
+
+
+def _ancestors(spec: WorkflowSpec) -> dict[str, set[str]]:
+    result: dict[str, set[str]] = {}
+    for node_id in spec.graph.order:
+        node = spec.graph.nodes[node_id]
+        acc: set[str] = set()
+        for dep in node.after:
+            acc.add(dep)
+            acc |= result[dep]
+        result[node_id] = acc
+    return result

@@ -1,0 +1,152 @@
+"""The facade: ``Ductor(app)`` wires the client and the Celery runtime together."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, overload
+
+from .client import Client
+from .definition.builder import Workflow
+from .definition.retry import RetryPolicy
+from .definition.spec import WorkflowSpec
+from .errors import DefinitionError
+from .runtime.runtime import Runtime
+from .runtime.steps import Step
+from .settings import Settings
+from .store import migrate
+from .views import RunHandle, RunView
+
+log = logging.getLogger("ductor_celery")
+
+
+class Ductor:
+    """Durable workflows on a Celery app: ``ductor = Ductor(app)``."""
+
+    def __init__(self, app: Any, database_url: str | None = None) -> None:
+        self.app = app
+        self.settings = Settings.from_conf(app.conf, database_url)
+        self._steps: dict[str, Step] = {}
+        self._workflows: dict[str, WorkflowSpec] = {}
+        self._runtime = Runtime(app, self.settings)
+        self.client = Client(
+            self.settings,
+            wake=self._runtime.wake,
+            find_spec=self._workflows.get,
+            remember_spec=self._runtime.remember_spec,
+        )
+        app._ductor = self
+        self._configure_app()
+
+    def _configure_app(self) -> None:
+        def apply(**_: Any) -> None:
+            conf = self.app.conf
+            # Flower needs task events; turn them on unless the user decided otherwise.
+            for key in ("worker_send_task_events", "task_send_sent_event"):
+                if key not in conf.changes:
+                    conf[key] = True
+            if self.settings.embedded and str(conf.broker_url or "").split(":")[0] not in (
+                "", "memory"
+            ):
+                log.warning(
+                    "ductor is using the embedded SQLite database %s with a networked broker: "
+                    "workers on other hosts cannot share that file; set ductor_database_url",
+                    self.settings.database_url,
+                )
+
+        if self.app.configured:
+            apply()
+        else:
+            self.app.on_after_configure.connect(apply, weak=False)
+
+    # -- steps and workflows ----------------------------------------------------------------
+
+    @overload
+    def step(self, fn: Callable[..., Any], /) -> Step: ...
+
+    @overload
+    def step(
+        self,
+        fn: None = None,
+        /,
+        *,
+        name: str | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: float | None = None,
+        heartbeat_timeout: float | None = None,
+        queue: str | None = None,
+        concurrency: Any = None,
+    ) -> Callable[[Callable[..., Any]], Step]: ...
+
+    def step(
+        self,
+        fn: Callable[..., Any] | None = None,
+        /,
+        *,
+        name: str | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: float | None = None,
+        heartbeat_timeout: float | None = None,
+        queue: str | None = None,
+        concurrency: Any = None,
+    ) -> Any:
+        """Turn a function ``fn(ctx, **args)`` into a durable step (a Celery task)."""
+
+        def decorate(func: Callable[..., Any]) -> Step:
+            if concurrency is not None:
+                raise DefinitionError(
+                    f"step {func.__name__!r}: concurrency limits are not supported yet"
+                )
+            if timeout is not None and timeout <= 0:
+                raise DefinitionError(f"step {func.__name__!r}: timeout must be positive")
+            step_name = name or f"{func.__module__}.{func.__qualname__}"
+            if step_name in self._steps and self._steps[step_name].fn is not func:
+                raise DefinitionError(f"two different functions are registered as step {step_name!r}")
+            step = Step(
+                name=step_name,
+                fn=func,
+                retry=retry or RetryPolicy(),
+                timeout=timeout,
+                heartbeat_timeout=heartbeat_timeout,
+                queue=queue,
+            )
+            self._runtime.register_step(step)
+            self._steps[step_name] = step
+            return step
+
+        if fn is not None:
+            return decorate(fn)
+        return decorate
+
+    def register(self, workflow: Workflow) -> WorkflowSpec:
+        """Validate and register a workflow; raises DefinitionError naming the problem."""
+        if not isinstance(workflow, Workflow):
+            raise DefinitionError(f"register() takes a Workflow, got {type(workflow).__name__}")
+        spec = workflow.build(self._steps.get)
+        self._workflows[spec.name] = spec
+        self._runtime.remember_spec(spec)
+        return spec
+
+    # -- client -----------------------------------------------------------------------------
+
+    def start(self, workflow: str, input: Any = None, workflow_id: str | None = None) -> RunHandle:
+        return self.client.start(workflow, input=input, workflow_id=workflow_id)
+
+    def get(self, target: str) -> RunView:
+        return self.client.get(target)
+
+    def wait(self, target: str, timeout: float | None = None) -> RunView:
+        return self.client.wait(target, timeout=timeout)
+
+    def list_runs(
+        self, status: str | None = None, workflow: str | None = None, limit: int = 50
+    ) -> list[RunView]:
+        return self.client.list_runs(status=status, workflow=workflow, limit=limit)
+
+    def migrate(self) -> None:
+        """Create or upgrade the ``eec_`` schema in the configured database."""
+        migrate.upgrade(self.settings.database_url)
+
+    @property
+    def runtime(self) -> Runtime:
+        return self._runtime

@@ -1,0 +1,164 @@
+"""Phase 1: advance nodes. Fold finished attempts, check in-flight ones, fire due retries."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+from ..definition.retry import backoff_delay
+from .context import TickContext
+from .inputs import AttemptResult, ClosedAttempt, Dispatch, NewAttempt
+from .status import NodeStatus
+
+
+def fold_results(t: TickContext) -> None:
+    """Apply each finished attempt once; a result for a token nobody waits on is stale."""
+    for result in t.inputs.results:
+        t.payload.folded.append(result.token)
+        t.payload.changed = True
+        ns = t.nodes.get(result.node)
+        if ns is None or ns.token != result.token or ns.status != NodeStatus.RUNNING:
+            status = ns.status.value if ns is not None else "unknown"
+            t.record(result.node, status, status, f"stale result ignored (token {result.token})")
+            continue
+        if result.outcome == "succeeded":
+            problem = _bad_success(result, t.inputs.config.max_payload_bytes)
+            if problem is None:
+                _succeed(t, result)
+                continue
+            _fail_attempt(t, result.node, {"type": "InvalidResult", "message": problem}, False)
+        else:
+            error = result.error or {"type": "Error", "message": f"attempt {result.outcome}"}
+            _fail_attempt(t, result.node, error, result.retryable)
+
+
+def _bad_success(result: AttemptResult, limit: int) -> str | None:
+    """The worker validates results; this is the coordinator's own guard against bad rows."""
+    if result.patch is not None and not isinstance(result.patch, dict):
+        return f"context patch must be a mapping, got {type(result.patch).__name__}"
+    try:
+        size = len(json.dumps([result.output, result.patch]))
+    except (TypeError, ValueError) as exc:
+        return f"result is not JSON-serializable: {exc}"
+    if size > limit:
+        return f"result is {size} bytes, over ductor_max_payload_bytes={limit}"
+    return None
+
+
+def _succeed(t: TickContext, result: AttemptResult) -> None:
+    ns = t.nodes[result.node]
+    ns.output_token = result.token
+    ns.token = None
+    ns.check_at = None
+    ns.finished_at = t.now
+    ns.error = None
+    if result.patch:
+        t.payload.state.context.update(result.patch)
+    t.outputs[result.node] = result.output
+    t.move_node(result.node, NodeStatus.SUCCEEDED, f"attempt {ns.attempt} succeeded")
+
+
+def _fail_attempt(t: TickContext, node: str, error: dict[str, Any], retryable: bool) -> None:
+    """One attempt failed: schedule a durable retry timer, or fail the node."""
+    ns = t.nodes[node]
+    spec = t.spec.graph.nodes[node]
+    ns.token = None
+    ns.check_at = None
+    ns.claimed_at = None
+    message = str(error.get("message", ""))
+    if retryable and ns.attempt < spec.retry.max_attempts:
+        delay = backoff_delay(spec.retry, ns.attempt)
+        ns.retry_at = t.now + timedelta(seconds=delay)
+        ns.error = error
+        t.move_node(
+            node,
+            NodeStatus.RUNNING,
+            f"attempt {ns.attempt} failed: {message}; retry in {delay:g}s",
+        )
+        return
+    ns.error = error
+    ns.finished_at = t.now
+    why = "not retryable" if not retryable else f"{ns.attempt} attempts used"
+    t.move_node(node, NodeStatus.FAILED, f"attempt {ns.attempt} failed ({why}): {message}")
+
+
+def check_in_flight(t: TickContext) -> None:
+    """Resend unclaimed attempts; time out claimed ones past their start-to-close deadline."""
+    cfg = t.inputs.config
+    for node, ns in t.nodes.items():
+        if ns.status != NodeStatus.RUNNING or ns.token is None or ns.check_at is None:
+            continue
+        if ns.check_at > t.now:
+            continue
+        check = t.inputs.checks.get(ns.token)
+        if check is None or check.finished:
+            continue  # not loaded, or finished after the load: the next tick folds it
+        spec = t.spec.graph.nodes[node]
+        if check.claimed_at is None:
+            ns.resends += 1
+            ns.check_at = t.now + timedelta(seconds=cfg.resend_unclaimed_after * 2**ns.resends)
+            t.payload.dispatches.append(
+                Dispatch("step", t.inputs.run_id, node, ns.token, spec.step, spec.queue)
+            )
+            t.record(node, ns.status, ns.status, f"attempt {ns.attempt} unclaimed: re-sent")
+            continue
+        timeout = spec.timeout or cfg.default_step_timeout
+        deadline = check.claimed_at + timedelta(seconds=timeout)
+        if deadline > t.now:
+            if ns.claimed_at != check.claimed_at or ns.check_at != deadline:
+                ns.claimed_at = check.claimed_at
+                ns.check_at = deadline
+                t.payload.changed = True
+            continue
+        error = {
+            "type": "StepTimeout",
+            "message": f"attempt {ns.attempt} did not finish within {timeout:g}s of its start "
+            "(worker lost or step too slow)",
+        }
+        t.payload.closed.append(ClosedAttempt(ns.token, "timed_out", error))
+        _fail_attempt(t, node, error, True)
+
+
+def fire_retries(t: TickContext) -> None:
+    for node, ns in t.nodes.items():
+        if ns.status == NodeStatus.RUNNING and ns.token is None and ns.retry_at is not None:
+            if ns.retry_at <= t.now:
+                ns.retry_at = None
+                # A retry runs with the same arguments as the first attempt: the store copies
+                # them from the previous attempt row instead of the tick re-resolving paths.
+                start_attempt(t, node, None, args_from=t.token_for(node, ns.generation))
+                t.record(node, ns.status, ns.status, f"attempt {ns.attempt} dispatched (retry)")
+
+
+def start_attempt(
+    t: TickContext, node: str, args: dict[str, Any] | None, args_from: str | None = None
+) -> None:
+    """Insert a new attempt under a new generation and queue its message."""
+    ns = t.nodes[node]
+    spec = t.spec.graph.nodes[node]
+    ns.generation += 1
+    ns.attempt += 1
+    ns.token = t.token_for(node, ns.generation)
+    ns.check_at = t.now + timedelta(seconds=t.inputs.config.resend_unclaimed_after)
+    ns.resends = 0
+    ns.claimed_at = None
+    if ns.started_at is None:
+        ns.started_at = t.now
+    t.payload.new_attempts.append(
+        NewAttempt(
+            token=ns.token,
+            node=node,
+            step=spec.step,
+            queue=spec.queue,
+            generation=ns.generation,
+            attempt=ns.attempt,
+            args=args or {},
+            args_from=args_from,
+            timeout=spec.timeout or t.inputs.config.default_step_timeout,
+        )
+    )
+    t.payload.dispatches.append(
+        Dispatch("step", t.inputs.run_id, node, ns.token, spec.step, spec.queue)
+    )
+    t.payload.changed = True

@@ -1,0 +1,50 @@
+"""The working set of one tick, shared by the phases: the state copy and the payload so far."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from ..definition.spec import WorkflowSpec
+from .inputs import TickInputs, TickPayload, Transition
+from .state import NodeState
+from .status import NODE_TRANSITIONS, NodeStatus, RunStatus
+
+
+@dataclass(slots=True)
+class TickContext:
+    spec: WorkflowSpec
+    inputs: TickInputs
+    now: datetime
+    payload: TickPayload
+    #: Outputs readable by paths this tick: loaded ones plus those folded in this tick.
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nodes(self) -> dict[str, NodeState]:
+        return self.payload.state.nodes
+
+    def token_for(self, node: str, generation: int) -> str:
+        return f"{self.inputs.run_id}:{node}:{generation}"
+
+    def move_node(self, node: str, to: NodeStatus, reason: str) -> None:
+        """Change a node's status along the allowed map and record the transition."""
+        ns = self.nodes[node]
+        if to not in NODE_TRANSITIONS[ns.status]:
+            # A bug in a phase, never a data problem: keep the state and say so in history.
+            self.record(node, ns.status, ns.status, f"refused transition to {to.value}: {reason}")
+            return
+        self.record(node, ns.status, to, reason)
+        ns.status = to
+
+    def move_run(self, to: RunStatus, reason: str) -> None:
+        state = self.payload.state
+        self.record(None, state.status, to, reason)
+        state.status = to
+
+    def record(self, node: str | None, old: str | None, new: str, reason: str) -> None:
+        self.payload.transitions.append(
+            Transition(node=node, from_status=old, to_status=new, reason=reason)
+        )
+        self.payload.changed = True

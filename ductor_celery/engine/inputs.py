@@ -1,0 +1,114 @@
+"""What a tick reads besides the state, and the decisions it returns (TickPayload)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from .state import RunState
+from .status import NodeStatus, RunStatus
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    resend_unclaimed_after: float = 30.0
+    default_step_timeout: float = 300.0
+    max_payload_bytes: int = 1_048_576
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptResult:
+    """A finished attempt row that has not been folded into the run yet."""
+
+    token: str
+    node: str
+    outcome: str  # "succeeded" | "failed"
+    output: Any = None
+    error: dict[str, Any] | None = None
+    retryable: bool = True
+    patch: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptCheck:
+    """The claim status of an in-flight attempt whose check time is due."""
+
+    token: str
+    claimed_at: datetime | None
+    finished: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TickInputs:
+    run_id: str
+    input: Any = None
+    results: tuple[AttemptResult, ...] = ()
+    checks: dict[str, AttemptCheck] = field(default_factory=dict)
+    #: Outputs of nodes that succeeded in earlier ticks and that pending nodes read.
+    outputs: dict[str, Any] = field(default_factory=dict)
+    config: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class NewAttempt:
+    token: str
+    node: str
+    step: str
+    queue: str | None
+    generation: int
+    attempt: int
+    args: dict[str, Any]
+    #: When set, the store copies the args of this earlier attempt (a retry) instead.
+    args_from: str | None
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedAttempt:
+    """An attempt the coordinator closes itself (timed out, or cancelled with its run)."""
+
+    token: str
+    outcome: str  # "timed_out" | "cancelled"
+    error: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """A message to send after commit. ``step`` dispatches carry the attempt token."""
+
+    kind: str  # "step"
+    run_id: str
+    node: str
+    token: str
+    step: str
+    queue: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    node: str | None  # None: the run itself
+    from_status: str | None
+    to_status: str
+    reason: str
+
+
+@dataclass(slots=True)
+class TickPayload:
+    state: RunState
+    changed: bool = False
+    new_attempts: list[NewAttempt] = field(default_factory=list)
+    closed: list[ClosedAttempt] = field(default_factory=list)
+    folded: list[str] = field(default_factory=list)
+    dispatches: list[Dispatch] = field(default_factory=list)
+    transitions: list[Transition] = field(default_factory=list)
+    next_wake_at: datetime | None = None
+    output: Any = None
+    error: dict[str, Any] | None = None
+
+    @property
+    def status(self) -> RunStatus:
+        return self.state.status
+
+    def node_status(self, node: str) -> NodeStatus:
+        return self.state.nodes[node].status

@@ -1,0 +1,112 @@
+"""Phase 2: settle the run. Fail it on a fatal node, start ready nodes, finish it when done."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+from ..definition.paths import Scope, resolve
+from .advance import start_attempt
+from .context import TickContext
+from .inputs import ClosedAttempt
+from .status import FINISHED_NODE_STATUSES, NodeStatus, RunStatus
+
+
+def fail_run_on_fatal_node(t: TickContext) -> bool:
+    """A failed node without continue_on_failure fails the run. Returns True if it did."""
+    for node_id in t.spec.graph.order:
+        ns = t.nodes[node_id]
+        if ns.status == NodeStatus.FAILED and not t.spec.graph.nodes[node_id].continue_on_failure:
+            error = dict(ns.error or {})
+            error["node"] = node_id
+            close_in_flight(t, f"run failed: node {node_id!r} failed")
+            t.payload.error = error
+            t.move_run(RunStatus.FAILED, f"node {node_id!r} failed: {error.get('message', '')}")
+            return True
+    return False
+
+
+def close_in_flight(t: TickContext, reason: str) -> None:
+    """Cancel every node with an attempt in flight or a retry pending; close open attempts."""
+    for node_id, ns in t.nodes.items():
+        if ns.status not in (NodeStatus.RUNNING, NodeStatus.WAITING):
+            continue
+        if ns.token is not None:
+            t.payload.closed.append(
+                ClosedAttempt(ns.token, "cancelled", {"type": "Cancelled", "message": reason})
+            )
+        ns.token = None
+        ns.check_at = None
+        ns.retry_at = None
+        ns.finished_at = t.now
+        t.move_node(node_id, NodeStatus.CANCELLED, reason)
+
+
+def _dependency_done(t: TickContext, dep: str) -> bool:
+    status = t.nodes[dep].status
+    if status in (NodeStatus.SUCCEEDED, NodeStatus.SKIPPED):
+        return True
+    return status == NodeStatus.FAILED and t.spec.graph.nodes[dep].continue_on_failure
+
+
+def start_ready_nodes(t: TickContext) -> None:
+    """Start or skip every pending node whose dependencies are all done, in topological order.
+
+    One pass suffices: a node skipped here is seen as done by its dependants later in the order.
+    """
+    scope = Scope(
+        input=t.inputs.input, context=t.payload.state.context, outputs=t.outputs, item=None
+    )
+    for node_id in t.spec.graph.order:
+        ns = t.nodes[node_id]
+        if ns.status != NodeStatus.PENDING:
+            continue
+        spec = t.spec.graph.nodes[node_id]
+        if not all(_dependency_done(t, dep) for dep in spec.after):
+            continue
+        if spec.after and all(t.nodes[d].status == NodeStatus.SKIPPED for d in spec.after):
+            ns.finished_at = t.now
+            t.move_node(node_id, NodeStatus.SKIPPED, "every dependency was skipped")
+            continue
+        if spec.when is not None:
+            truthy = spec.when if isinstance(spec.when, bool) else resolve(spec.when, scope)
+            if not truthy:
+                ns.finished_at = t.now
+                t.move_node(node_id, NodeStatus.SKIPPED, f"when {spec.when!r} is falsy")
+                continue
+        args = resolve(spec.args, scope)
+        problem = _args_problem(args, t.inputs.config.max_payload_bytes)
+        if problem is not None:
+            ns.error = {"type": "PayloadTooLarge", "message": problem}
+            ns.finished_at = t.now
+            t.move_node(node_id, NodeStatus.FAILED, problem)
+            continue
+        start_attempt(t, node_id, args)
+        t.move_node(node_id, NodeStatus.RUNNING, f"attempt {ns.attempt} dispatched")
+
+
+def _args_problem(args: object, limit: int) -> str | None:
+    size = len(json.dumps(args))
+    if size > limit:
+        return f"resolved arguments are {size} bytes, over ductor_max_payload_bytes={limit}"
+    return None
+
+
+def finish_if_done(t: TickContext) -> None:
+    if all(ns.status in FINISHED_NODE_STATUSES for ns in t.nodes.values()):
+        scope = Scope(
+            input=t.inputs.input, context=t.payload.state.context, outputs=t.outputs, item=None
+        )
+        t.payload.output = resolve(t.spec.output, scope)
+        t.move_run(RunStatus.SUCCEEDED, "every node finished")
+
+
+def next_wake_at(t: TickContext) -> datetime | None:
+    due = [
+        when
+        for ns in t.nodes.values()
+        if ns.status == NodeStatus.RUNNING
+        for when in (ns.check_at, ns.retry_at)
+        if when is not None
+    ]
+    return min(due) if due else None

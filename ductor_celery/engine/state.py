@@ -1,0 +1,100 @@
+"""The run state the coordinator keeps in ``eec_workflow_run.state``: small and JSON-friendly.
+
+It holds node statuses, the token each running node waits on, its timers and a reference
+(``output_token``) to the attempt row that holds the output: never the outputs themselves, so
+the run row's size is bounded by the number of nodes, not by what the steps return.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from datetime import datetime
+from typing import Any
+
+from .status import NodeStatus, RunStatus
+
+_DATETIME_FIELDS = ("check_at", "retry_at", "started_at", "finished_at", "claimed_at")
+
+
+@dataclass(slots=True)
+class NodeState:
+    status: NodeStatus = NodeStatus.PENDING
+    #: Attempts dispatched over the node's whole life (lost and timed-out ones included);
+    #: each gets a new token, so a stale worker can never land on a newer attempt.
+    generation: int = 0
+    #: Attempt number within the current retry budget (1-based once started).
+    attempt: int = 0
+    #: The one token whose result this node will accept.
+    token: str | None = None
+    #: When to look at the in-flight attempt again (resend if unclaimed, time out if claimed).
+    check_at: datetime | None = None
+    #: How many times the current attempt's message was re-sent while unclaimed.
+    resends: int = 0
+    #: When the in-flight attempt was claimed, as learned at a check.
+    claimed_at: datetime | None = None
+    #: When the pending retry is due (status running, no token).
+    retry_at: datetime | None = None
+    #: The attempt row holding the output of a succeeded node.
+    output_token: str | None = None
+    error: dict[str, Any] | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"status": self.status.value}
+        for f in fields(self):
+            if f.name == "status":
+                continue
+            value = getattr(self, f.name)
+            if value in (None, 0):
+                continue
+            out[f.name] = value.isoformat() if isinstance(value, datetime) else value
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> NodeState:
+        kwargs: dict[str, Any] = dict(data)
+        kwargs["status"] = NodeStatus(kwargs.get("status", "pending"))
+        for name in _DATETIME_FIELDS:
+            if kwargs.get(name) is not None:
+                kwargs[name] = datetime.fromisoformat(kwargs[name])
+        return cls(**kwargs)
+
+
+@dataclass(slots=True)
+class RunState:
+    status: RunStatus = RunStatus.PENDING
+    nodes: dict[str, NodeState] = field(default_factory=dict)
+    context: dict[str, Any] = field(default_factory=dict)
+    #: Number of transitions recorded so far; the next transition's seq.
+    transitions: int = 0
+
+    @classmethod
+    def initial(cls, node_ids: list[str]) -> RunState:
+        return cls(nodes={n: NodeState() for n in node_ids})
+
+    def copy(self) -> RunState:
+        return RunState(
+            status=self.status,
+            nodes={k: copy.copy(v) for k, v in self.nodes.items()},
+            context=copy.deepcopy(self.context),
+            transitions=self.transitions,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": self.status.value,
+            "nodes": {k: v.to_json() for k, v in self.nodes.items()},
+            "context": self.context,
+            "transitions": self.transitions,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunState:
+        return cls(
+            status=RunStatus(data.get("status", "pending")),
+            nodes={k: NodeState.from_json(v) for k, v in data.get("nodes", {}).items()},
+            context=dict(data.get("context") or {}),
+            transitions=int(data.get("transitions", 0)),
+        )

@@ -1,0 +1,79 @@
+"""Run and node statuses, their groups, and the allowed node transitions."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class RunStatus(StrEnum):
+    PENDING = "pending"  #: inserted by a client, not ticked yet
+    RUNNING = "running"  #: the coordinator is driving it
+    PAUSED = "paused"  #: nothing new is dispatched until resumed
+    SUCCEEDED = "succeeded"  #: every node finished; output computed
+    FAILED = "failed"  #: a node failed without continue_on_failure
+    CANCELLED = "cancelled"  #: an operator cancelled it
+    TERMINATED = "terminated"  #: an operator terminated it
+    CONTINUED = "continued"  #: closed in favour of a successor run
+
+
+class NodeStatus(StrEnum):
+    PENDING = "pending"  #: not reached yet
+    RUNNING = "running"  #: an attempt is in flight or a retry timer is pending
+    WAITING = "waiting"  #: parked on external input (signal, approval, timer, child)
+    SUCCEEDED = "succeeded"  #: finished with an output
+    FAILED = "failed"  #: retry budget spent or non-retryable error
+    SKIPPED = "skipped"  #: `when` was falsy or every dependency was skipped
+    CANCELLED = "cancelled"  #: the run ended while this node was in flight
+
+
+TERMINAL_RUN_STATUSES: frozenset[RunStatus] = frozenset(
+    {
+        RunStatus.SUCCEEDED,
+        RunStatus.FAILED,
+        RunStatus.CANCELLED,
+        RunStatus.TERMINATED,
+        RunStatus.CONTINUED,
+    }
+)
+OPEN_RUN_STATUSES: frozenset[RunStatus] = frozenset(RunStatus) - TERMINAL_RUN_STATUSES
+
+#: Node statuses after which the node never changes again within one run generation.
+FINISHED_NODE_STATUSES: frozenset[NodeStatus] = frozenset(
+    {NodeStatus.SUCCEEDED, NodeStatus.FAILED, NodeStatus.SKIPPED, NodeStatus.CANCELLED}
+)
+#: Node statuses with something in flight.
+ACTIVE_NODE_STATUSES: frozenset[NodeStatus] = frozenset({NodeStatus.RUNNING, NodeStatus.WAITING})
+
+NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
+    NodeStatus.PENDING: frozenset({NodeStatus.RUNNING, NodeStatus.SKIPPED, NodeStatus.WAITING}),
+    NodeStatus.RUNNING: frozenset(
+        {NodeStatus.RUNNING, NodeStatus.SUCCEEDED, NodeStatus.FAILED, NodeStatus.CANCELLED}
+    ),
+    NodeStatus.WAITING: frozenset(
+        {NodeStatus.SUCCEEDED, NodeStatus.FAILED, NodeStatus.CANCELLED}
+    ),
+    NodeStatus.SUCCEEDED: frozenset(),
+    NodeStatus.FAILED: frozenset(),
+    NodeStatus.SKIPPED: frozenset(),
+    NodeStatus.CANCELLED: frozenset(),
+}
+
+RUN_TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
+    RunStatus.PENDING: frozenset({RunStatus.RUNNING}),
+    RunStatus.RUNNING: frozenset(
+        {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.PAUSED, RunStatus.CANCELLED,
+         RunStatus.TERMINATED, RunStatus.CONTINUED}
+    ),
+    RunStatus.PAUSED: frozenset(
+        {RunStatus.RUNNING, RunStatus.CANCELLED, RunStatus.TERMINATED}
+    ),
+    RunStatus.SUCCEEDED: frozenset(),
+    RunStatus.FAILED: frozenset(),
+    RunStatus.CANCELLED: frozenset(),
+    RunStatus.TERMINATED: frozenset(),
+    RunStatus.CONTINUED: frozenset(),
+}
+
+
+def node_transition_allowed(old: NodeStatus, new: NodeStatus) -> bool:
+    return new in NODE_TRANSITIONS[old]

@@ -1,0 +1,96 @@
+"""compute_tick: one pure step of a run. No clock, no IO, no randomness, no exceptions.
+
+    advance (fold results, check in-flight attempts, fire due retries)
+      -> settle (fail the run on a fatal node, or start ready nodes, or finish)
+      -> schedule the next wake-up
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from ..definition.spec import WorkflowSpec
+from .advance import check_in_flight, fold_results, fire_retries
+from .context import TickContext
+from .inputs import TickInputs, TickPayload
+from .schedule import fail_run_on_fatal_node, finish_if_done, next_wake_at, start_ready_nodes
+from .state import NodeState, RunState
+from .status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
+
+
+def compute_tick(
+    definition: WorkflowSpec, state: RunState, inputs: TickInputs, now: datetime
+) -> TickPayload:
+    """Decide what the run does next. The input ``state`` is never modified."""
+    payload = TickPayload(state=state.copy())
+    t = TickContext(spec=definition, inputs=inputs, now=now, payload=payload)
+    t.outputs.update(inputs.outputs)
+    _ensure_nodes(t)
+    if payload.state.status in TERMINAL_RUN_STATUSES:
+        # Late results for a finished run are folded so nobody wakes the run for them again.
+        for result in inputs.results:
+            payload.folded.append(result.token)
+            payload.changed = True
+        return _finish(t)
+    if payload.state.status == RunStatus.PENDING:
+        t.move_run(RunStatus.RUNNING, "started")
+    fold_results(t)
+    check_in_flight(t)
+    fire_retries(t)
+    if not fail_run_on_fatal_node(t):
+        start_ready_nodes(t)
+        finish_if_done(t)
+    return _finish(t)
+
+
+def _ensure_nodes(t: TickContext) -> None:
+    for node_id in t.spec.graph.order:
+        if node_id not in t.nodes:
+            t.nodes[node_id] = NodeState()
+
+
+def _finish(t: TickContext) -> TickPayload:
+    payload = t.payload
+    payload.next_wake_at = (
+        None if payload.state.status in TERMINAL_RUN_STATUSES else next_wake_at(t)
+    )
+    payload.state.transitions += len(payload.transitions)
+    return payload
+
+
+def needed_outputs(definition: WorkflowSpec, state: RunState) -> dict[str, str]:
+    """Node -> output token for every succeeded node that a pending node or the output reads.
+
+    The loader fetches these outputs from attempt rows before computing the tick; outputs folded
+    in the tick itself are available without a read.
+    """
+    graph = definition.graph
+    wanted: set[str] = set(graph.output_reads)
+    for node_id, ns in state.nodes.items():
+        if ns.status == NodeStatus.PENDING:
+            wanted |= graph.reads.get(node_id, frozenset())
+    out: dict[str, str] = {}
+    for node_id in wanted:
+        ns = state.nodes.get(node_id)
+        if ns is not None and ns.status == NodeStatus.SUCCEEDED and ns.output_token:
+            out[node_id] = ns.output_token
+    return out
+
+
+def describe(payload: TickPayload) -> dict[str, Any]:
+    """A compact, JSON-friendly summary of a payload, for golden tests and debugging."""
+    return {
+        "status": payload.state.status.value,
+        "nodes": {k: v.status.value for k, v in payload.state.nodes.items()},
+        "new_attempts": [a.token for a in payload.new_attempts],
+        "closed": [(c.token, c.outcome) for c in payload.closed],
+        "folded": list(payload.folded),
+        "dispatches": [d.token for d in payload.dispatches],
+        "transitions": [
+            (tr.node, tr.from_status, tr.to_status, tr.reason) for tr in payload.transitions
+        ],
+        "next_wake_at": payload.next_wake_at.isoformat() if payload.next_wake_at else None,
+        "output": payload.output,
+        "error": payload.error,
+    }

@@ -1,0 +1,60 @@
+"""Every exception ductor raises.
+
+::
+
+    DuctorError                  base of everything ductor raises
+      DefinitionError            a workflow that cannot be registered (names the node or path)
+      WorkflowNotFound           start of an unregistered workflow name
+      RunNotFound                no run with that id or workflow id
+      InvalidOperation           a control, approval or signal the run's state does not allow
+      PayloadTooLarge            an input or payload over ductor_max_payload_bytes
+      PayloadNotSerializable     a value that cannot be stored as JSON
+      StoreUnavailable           the database could not be reached
+    NonRetryableError            raise it inside a step to fail without retry
+
+``TimeoutError`` (the builtin) is what ``wait()`` raises when it runs out of time.
+"""
+
+from __future__ import annotations
+
+
+class DuctorError(Exception):
+    """Base of everything ductor raises."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or self.__class__.__name__).strip())
+
+
+class DefinitionError(DuctorError):
+    """The workflow definition is invalid."""
+
+
+class WorkflowNotFound(DuctorError):
+    """No workflow registered under that name."""
+
+
+class RunNotFound(DuctorError):
+    """No run with that run id or workflow id."""
+
+
+class InvalidOperation(DuctorError):
+    """The run's state does not allow this operation."""
+
+
+class PayloadTooLarge(DuctorError):
+    """A payload is larger than ductor_max_payload_bytes."""
+
+
+class PayloadNotSerializable(DuctorError):
+    """A payload cannot be serialized as JSON."""
+
+
+class StoreUnavailable(DuctorError):
+    """The database could not be reached."""
+
+
+class NonRetryableError(Exception):
+    """Raise inside a step to fail the attempt without retrying it.
+
+    Deliberately not a DuctorError: it is raised by user code, not by ductor.
+    """

@@ -1,0 +1,103 @@
+"""Celery glue: registers the tick task and step tasks on the app and holds per-process state."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+from ..definition.spec import WorkflowSpec
+from ..settings import Settings
+from ..store import runs
+from ..store.db import get_engine
+from .coordinator import run_tick
+from .dispatch import TICK_TASK_NAME, Dispatcher
+from .failpoints import failpoint
+from .steps import Step, execute_attempt
+from .sweeper import SweeperBootstep
+
+log = logging.getLogger("ductor_celery.runtime")
+
+
+class Runtime:
+    """Everything a worker process needs to run ticks and steps for one Celery app."""
+
+    def __init__(self, app: Any, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+        self.dispatcher = Dispatcher(app, settings.steps_queue, settings.coord_queue)
+        self._specs: dict[str, WorkflowSpec] = {}
+        self._specs_lock = threading.Lock()
+        self.failpoint = failpoint
+        app._ductor_runtime = self
+        self.tick_task = self._register_tick_task()
+        if SweeperBootstep not in app.steps["worker"]:
+            app.steps["worker"].add(SweeperBootstep)
+
+    def engine(self) -> Engine:
+        return get_engine(self.settings.database_url)
+
+    def wake(self, run_id: str) -> None:
+        self.dispatcher.wake(run_id)
+
+    def remember_spec(self, spec: WorkflowSpec) -> None:
+        with self._specs_lock:
+            self._specs[spec.spec_hash] = spec
+
+    def spec_for(self, spec_hash: str) -> WorkflowSpec:
+        spec = self._specs.get(spec_hash)
+        if spec is None:
+            spec = runs.load_definition(self.engine(), spec_hash)
+            if spec is None:
+                raise LookupError(f"workflow definition {spec_hash} is not in the database")
+            self.remember_spec(spec)
+        return spec
+
+    def consumes_coord_queue(self, app: Any) -> bool:
+        consume_from = getattr(app.amqp.queues, "consume_from", None)
+        if not consume_from:
+            return bool(app.conf.get("ductor_sweeper", False))
+        return self.settings.coord_queue in consume_from
+
+    def _register_tick_task(self) -> Any:
+        rt = self
+
+        @self.app.task(
+            name=TICK_TASK_NAME,
+            queue=self.settings.coord_queue,
+            ignore_result=True,
+            serializer="json",
+            acks_late=True,
+            shared=False,
+        )
+        def tick(run_id: str) -> str:
+            return run_tick(rt, run_id)
+
+        return tick
+
+    def register_step(self, step: Step) -> Any:
+        rt = self
+
+        def run(task: Any, token: str) -> str:
+            return execute_attempt(rt, step, token, hostname=task.request.hostname)
+
+        run.__name__ = step.fn.__name__
+        run.__doc__ = step.fn.__doc__
+        task = self.app.task(
+            name=step.name,
+            bind=True,
+            queue=step.queue or self.settings.steps_queue,
+            ignore_result=True,
+            serializer="json",
+            acks_late=True,
+            reject_on_worker_lost=True,
+            shared=False,
+        )(run)
+        step.task = task
+        return task
+
+
+StepFactory = Callable[[Callable[..., Any]], Step]

@@ -1,0 +1,192 @@
+"""What runs inside a step worker: the Step object, StepContext, and one attempt's execution."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..definition.retry import RetryPolicy
+from ..errors import NonRetryableError
+from ..store import attempts
+from ..store.db import with_retry
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+log = logging.getLogger("ductor_celery.step")
+
+#: How long a worker keeps trying to write a finished attempt's outcome to the database.
+FINISH_DEADLINE_S = 600.0
+
+
+@dataclass
+class Step:
+    """A ``@ductor.step`` function: a real Celery task named ``name`` on the steps queue.
+
+    Calling the object calls the function directly (handy in unit tests).
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    timeout: float | None = None
+    heartbeat_timeout: float | None = None
+    queue: str | None = None
+    task: Any = None  # the Celery task, set when registered
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<ductor step {self.name}>"
+
+
+class StepContext:
+    """What a step function gets first: who it is, and a way to heartbeat and patch context."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        workflow_id: str,
+        node: str,
+        branch: int | None,
+        attempt: int,
+        input: Any,
+        context: Mapping[str, Any],
+        heartbeat_fn: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.workflow_id = workflow_id
+        self.node = node
+        self.branch = branch
+        self.attempt = attempt
+        self.input = input
+        self.context: Mapping[str, Any] = _ReadOnly(context)
+        self._patch: dict[str, Any] = {}
+        self._heartbeat_fn = heartbeat_fn
+
+    @property
+    def idempotency_key(self) -> str:
+        """Stable across retries of the same node and branch of the same run."""
+        branch = "" if self.branch is None else f":{self.branch}"
+        return f"{self.run_id}:{self.node}{branch}"
+
+    def heartbeat(self, details: Any = None) -> None:
+        if self._heartbeat_fn is not None:
+            self._heartbeat_fn(details)
+
+    def patch(self, mapping: Mapping[str, Any]) -> None:
+        """Merge ``mapping`` into the run context when this attempt succeeds."""
+        if not isinstance(mapping, Mapping):
+            raise TypeError(f"ctx.patch takes a mapping, got {type(mapping).__name__}")
+        self._patch.update(mapping)
+
+    @property
+    def patch_value(self) -> dict[str, Any] | None:
+        return dict(self._patch) if self._patch else None
+
+
+class _ReadOnly(Mapping[str, Any]):
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = dict(data)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+
+def _json_problem(value: Any, what: str, limit: int) -> tuple[Any, str | None]:
+    """Normalize ``value`` through JSON; return it with a readable problem, if any."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        return None, f"{what} is not JSON-serializable: {exc}"
+    if len(text) > limit:
+        return None, f"{what} is {len(text)} bytes, over ductor_max_payload_bytes={limit}"
+    return json.loads(text), None
+
+
+def _is_non_retryable(step: Step, exc: BaseException) -> bool:
+    return isinstance(exc, NonRetryableError) or (
+        bool(step.retry.non_retryable) and isinstance(exc, step.retry.non_retryable)
+    )
+
+
+def worker_identity(hostname: str | None) -> str:
+    return f"{hostname or socket.gethostname()}:{os.getpid()}"
+
+
+def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = None) -> str:
+    """Claim, run, record, wake. Returns what happened (for logs and tests)."""
+    engine = rt.engine()
+    claimed = with_retry(
+        lambda: attempts.claim(engine, token, worker_identity(hostname)), what="claim attempt"
+    )
+    if claimed is None:
+        log.info("attempt %s already claimed or closed; message ignored", token)
+        return "duplicate"
+    ctx = StepContext(
+        run_id=claimed.run_id,
+        workflow_id=claimed.workflow_id,
+        node=claimed.node,
+        branch=claimed.branch,
+        attempt=claimed.attempt,
+        input=claimed.input,
+        context=claimed.context,
+        heartbeat_fn=lambda _details: attempts.heartbeat(engine, token),
+    )
+    limit = rt.settings.max_payload_bytes
+    outcome = "succeeded"
+    output: Any = None
+    patch: Any = None
+    error: dict[str, Any] | None = None
+    retryable = True
+    try:
+        result = step.fn(ctx, **claimed.args)
+    except Exception as exc:  # noqa: BLE001 - a step's failure is data, not a crash
+        outcome = "failed"
+        retryable = not _is_non_retryable(step, exc)
+        error = {
+            "type": type(exc).__qualname__,
+            "message": str(exc)[:4000],
+            "traceback": traceback.format_exc()[-8000:],
+        }
+    else:
+        output, problem = _json_problem(result, f"step {step.name!r} result", limit)
+        if problem is None:
+            patch, problem = _json_problem(ctx.patch_value, f"step {step.name!r} context patch",
+                                           limit)
+        if problem is not None:
+            outcome, retryable, output, patch = "failed", False, None, None
+            error = {"type": "InvalidResult", "message": problem}
+            log.error("attempt %s: %s", token, problem)
+    written = with_retry(
+        lambda: attempts.finish(
+            engine,
+            token,
+            outcome=outcome,
+            output=output,
+            error=error,
+            retryable=retryable,
+            patch=patch,
+        ),
+        what="record attempt outcome",
+        deadline_s=FINISH_DEADLINE_S,
+    )
+    rt.wake(claimed.run_id)
+    return outcome if written else "closed"

@@ -1,0 +1,98 @@
+"""The sweeper: a thread in the coordinator worker that replaces lost messages.
+
+Every ``ductor_sweep_interval`` seconds it wakes runs with due timers, re-sends outbox rows a
+dead dispatcher left behind, and wakes runs whose wake-up was lost (finished attempts not
+folded, runs still pending). It never changes run state itself: it only sends hints.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery import bootsteps
+
+from ..store import sweep
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+log = logging.getLogger("ductor_celery.sweeper")
+
+#: Don't wake the same run for the same reason more often than this.
+REWAKE_AFTER_S = 5.0
+
+
+class Sweeper:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._recent: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="ductor-sweeper", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        interval = self.rt.settings.sweep_interval
+        while not self._stop.wait(interval):
+            try:
+                self.sweep_once()
+            except Exception:  # noqa: BLE001 - keep sweeping through outages
+                log.exception("sweep failed; retrying in %.1fs", interval)
+
+    def sweep_once(self) -> dict[str, int]:
+        engine = self.rt.engine()
+        grace = self.rt.settings.outbox_grace
+        due = sweep.due_timer_runs(engine, rewake_after=REWAKE_AFTER_S)
+        relayed = sweep.relay_stale_outbox(engine, self.rt.dispatcher.send, older_than=grace)
+        lost = self._throttle(
+            sweep.unfolded_runs(engine, older_than=grace)
+            + sweep.pending_runs(engine, older_than=grace)
+        )
+        self.rt.dispatcher.wake_many(due + lost)
+        if due or relayed or lost:
+            log.info("sweep: %d due timers, %d outbox rows re-sent, %d lost wake-ups",
+                     len(due), relayed, len(lost))
+        return {"timers": len(due), "outbox": relayed, "lost_wakeups": len(lost)}
+
+    def _throttle(self, run_ids: list[str]) -> list[str]:
+        now = time.monotonic()
+        self._recent = {k: v for k, v in self._recent.items() if now - v < REWAKE_AFTER_S}
+        fresh = [r for r in dict.fromkeys(run_ids) if r not in self._recent]
+        for run_id in fresh:
+            self._recent[run_id] = now
+        return fresh
+
+
+class SweeperBootstep(bootsteps.StartStopStep):
+    """Runs the sweeper inside ``celery worker -Q ductor-coord``; no extra process to deploy."""
+
+    requires = {"celery.worker.components:Pool"}
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.sweeper: Sweeper | None = None
+
+    def start(self, worker: Any) -> None:
+        rt = getattr(worker.app, "_ductor_runtime", None)
+        if rt is None or not rt.consumes_coord_queue(worker.app):
+            return
+        self.sweeper = Sweeper(rt)
+        self.sweeper.start()
+        log.info("ductor sweeper started (every %.1fs)", rt.settings.sweep_interval)
+
+    def stop(self, worker: Any) -> None:
+        if self.sweeper is not None:
+            self.sweeper.stop()
+            self.sweeper = None
+
+    shutdown = stop

@@ -1,0 +1,74 @@
+"""ductor's settings, read from a Celery app's configuration (lowercase ``ductor_*`` keys)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .engine.inputs import EngineConfig
+
+EMBEDDED_DATABASE_URL = "sqlite:///.ductor/ductor.sqlite3"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    database_url: str = EMBEDDED_DATABASE_URL
+    steps_queue: str = "ductor-steps"
+    coord_queue: str = "ductor-coord"
+    sweep_interval: float = 1.0
+    default_step_timeout: float = 300.0
+    resend_unclaimed_after: float = 30.0
+    max_payload_bytes: int = 1_048_576
+    max_transitions: int = 10_000
+    #: Outbox rows older than this are considered abandoned by their dispatcher.
+    outbox_grace: float = 2.0
+
+    @property
+    def embedded(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            resend_unclaimed_after=self.resend_unclaimed_after,
+            default_step_timeout=self.default_step_timeout,
+            max_payload_bytes=self.max_payload_bytes,
+        )
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, Any], database_url: str | None = None) -> Settings:
+        """Database URL, first found wins: argument, ``ductor_database_url``, env, embedded."""
+        url = (
+            database_url
+            or conf.get("ductor_database_url")
+            or os.environ.get("DUCTOR_DATABASE_URL")
+            or EMBEDDED_DATABASE_URL
+        )
+        defaults = cls()
+
+        def get(key: str, default: Any, kind: type) -> Any:
+            value = conf.get(f"ductor_{key}")
+            return default if value is None else kind(value)
+
+        return cls(
+            database_url=normalize_url(str(url)),
+            steps_queue=get("steps_queue", defaults.steps_queue, str),
+            coord_queue=get("coord_queue", defaults.coord_queue, str),
+            sweep_interval=get("sweep_interval", defaults.sweep_interval, float),
+            default_step_timeout=get("default_step_timeout", defaults.default_step_timeout, float),
+            resend_unclaimed_after=get(
+                "resend_unclaimed_after", defaults.resend_unclaimed_after, float
+            ),
+            max_payload_bytes=get("max_payload_bytes", defaults.max_payload_bytes, int),
+            max_transitions=get("max_transitions", defaults.max_transitions, int),
+            outbox_grace=get("outbox_grace", defaults.outbox_grace, float),
+        )
+
+
+def normalize_url(url: str) -> str:
+    """``postgresql://`` and ``postgres://`` mean psycopg 3 to us."""
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    return url

@@ -1,0 +1,120 @@
+"""The step worker's side of the store: claim an attempt by token, write its outcome once.
+
+Workers never touch ``eec_workflow_run`` rows; they read the run's input and context to build
+the StepContext, and write only the attempt row whose token they were handed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from .db import is_postgres
+from .schema import step_attempt, workflow_run
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedAttempt:
+    token: str
+    run_id: str
+    workflow_id: str
+    node: str
+    branch: int | None
+    generation: int
+    attempt: int
+    step: str
+    args: dict[str, Any]
+    input: Any
+    context: dict[str, Any]
+
+
+def _now(engine: Engine) -> Any:
+    return sa.func.now() if is_postgres(engine) else datetime.now(UTC)
+
+
+def claim(engine: Engine, token: str, worker: str) -> ClaimedAttempt | None:
+    """Take the attempt for this worker. None if it was claimed or closed already.
+
+    A claim is exclusive: a duplicate or redelivered message for a claimed token does nothing.
+    If the claiming worker died, the coordinator's start-to-close timeout retries the node
+    under a new token.
+    """
+    with engine.begin() as conn:
+        row = conn.execute(
+            sa.update(step_attempt)
+            .where(
+                step_attempt.c.token == token,
+                step_attempt.c.claimed_at.is_(None),
+                step_attempt.c.finished_at.is_(None),
+            )
+            .values(claimed_at=_now(engine), claimed_by=worker[:200])
+            .returning(
+                step_attempt.c.run_id,
+                step_attempt.c.node,
+                step_attempt.c.branch,
+                step_attempt.c.generation,
+                step_attempt.c.attempt,
+                step_attempt.c.step,
+                step_attempt.c.args,
+            )
+        ).one_or_none()
+        if row is None:
+            return None
+        run = conn.execute(
+            sa.select(
+                workflow_run.c.workflow_id, workflow_run.c.input, workflow_run.c.state
+            ).where(workflow_run.c.run_id == row.run_id)
+        ).one()
+    return ClaimedAttempt(
+        token=token,
+        run_id=row.run_id,
+        workflow_id=run.workflow_id,
+        node=row.node,
+        branch=row.branch,
+        generation=row.generation,
+        attempt=row.attempt,
+        step=row.step,
+        args=dict(row.args or {}),
+        input=run.input,
+        context=dict((run.state or {}).get("context") or {}),
+    )
+
+
+def finish(
+    engine: Engine,
+    token: str,
+    *,
+    outcome: str,
+    output: Any = None,
+    error: dict[str, Any] | None = None,
+    retryable: bool = True,
+    patch: dict[str, Any] | None = None,
+) -> bool:
+    """Write the outcome once. False if the attempt was already finished or closed."""
+    with engine.begin() as conn:
+        res = conn.execute(
+            sa.update(step_attempt)
+            .where(step_attempt.c.token == token, step_attempt.c.finished_at.is_(None))
+            .values(
+                finished_at=_now(engine),
+                outcome=outcome,
+                output=output,
+                error=error,
+                retryable=retryable,
+                patch=patch,
+            )
+        )
+        return res.rowcount == 1
+
+
+def heartbeat(engine: Engine, token: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(step_attempt)
+            .where(step_attempt.c.token == token, step_attempt.c.finished_at.is_(None))
+            .values(heartbeat_at=_now(engine))
+        )

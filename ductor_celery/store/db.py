@@ -1,0 +1,141 @@
+"""Engines per process, created after fork, and the transient-error retry used by every writer.
+
+A prefork child must never reuse a connection pool inherited from its parent (two processes
+on one socket corrupt the protocol), so engines are keyed by (pid, url) and built lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from ..errors import StoreUnavailable
+
+log = logging.getLogger("ductor_celery.store")
+
+_engines: dict[tuple[int, str], Engine] = {}
+_lock = threading.Lock()
+
+T = TypeVar("T")
+
+
+def _json_dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def get_engine(url: str) -> Engine:
+    """The engine for ``url`` in this process (a new one after a fork)."""
+    key = (os.getpid(), url)
+    engine = _engines.get(key)
+    if engine is not None:
+        return engine
+    with _lock:
+        engine = _engines.get(key)
+        if engine is None:
+            engine = _create_engine(url)
+            _engines[key] = engine
+    return engine
+
+
+def _create_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        path = sa.engine.make_url(url).database
+        if path and path != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        engine = sa.create_engine(
+            url,
+            json_serializer=_json_dumps,
+            connect_args={"check_same_thread": False, "timeout": 30},
+        )
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            # WAL lets readers run beside the single writer; the busy timeout waits for it.
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin(conn: Any) -> None:
+            # Take the write lock up front so two writers serialize instead of deadlocking.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return sa.create_engine(
+        url,
+        json_serializer=_json_dumps,
+        pool_pre_ping=True,
+        pool_size=5,
+        max_overflow=10,
+        pool_recycle=1800,
+    )
+
+
+def dispose_all() -> None:
+    """Forget every engine of this process (used after fork and at shutdown)."""
+    with _lock:
+        for key, engine in list(_engines.items()):
+            if key[0] == os.getpid():
+                engine.dispose()
+            del _engines[key]
+
+
+def is_postgres(engine: Engine) -> bool:
+    return engine.dialect.name == "postgresql"
+
+
+def aware(value: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; every datetime we keep is UTC-aware."""
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A dropped connection or a restarting server: worth retrying the whole transaction."""
+    if isinstance(exc, OperationalError):
+        return True
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+
+
+def with_retry(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    deadline_s: float = 120.0,
+    first_delay: float = 0.1,
+    max_delay: float = 2.0,
+) -> T:
+    """Run ``fn`` (a whole transaction), retrying transient database errors until a deadline.
+
+    Only for idempotent or conditional writes: a commit whose acknowledgement was lost is
+    retried, so the write must be safe to apply twice (ours are guarded by tokens, versions
+    and unique keys).
+    """
+    start = time.monotonic()
+    delay = first_delay
+    while True:
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - filtered just below
+            if not is_transient(exc):
+                raise
+            if time.monotonic() - start > deadline_s:
+                raise StoreUnavailable(f"{what}: database unreachable: {exc}") from exc
+            log.warning("%s: database error, retrying in %.1fs: %s", what, delay, exc)
+            time.sleep(delay)
+            delay = min(delay * 2, max_delay)

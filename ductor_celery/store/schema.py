@@ -1,0 +1,141 @@
+"""Every ductor table, on one MetaData. All names carry the ``eec_`` prefix.
+
+Partial indexes cover only live rows (open runs, unfolded attempts), so the hot queries stay
+small however much history accumulates. Unique keys make idempotency a database fact: one open
+run per workflow id, one row per attempt token, one transition per (run, seq).
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
+
+metadata = sa.MetaData()
+
+#: JSONB on PostgreSQL, JSON (text) elsewhere.
+Json = sa.JSON().with_variant(JSONB(), "postgresql")
+Ts = sa.DateTime(timezone=True)
+
+OPEN_STATUSES_SQL = "status IN ('pending', 'running', 'paused')"
+
+workflow_definition = sa.Table(
+    "eec_workflow_definition",
+    metadata,
+    sa.Column("spec_hash", sa.String(64), primary_key=True),
+    sa.Column("name", sa.String(200), nullable=False),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("spec", Json, nullable=False),
+    sa.Column("created_at", Ts, nullable=False, server_default=sa.func.now()),
+    sa.Index("eec_workflow_definition_name_version", "name", "version"),
+)
+
+workflow_run = sa.Table(
+    "eec_workflow_run",
+    metadata,
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("workflow_id", sa.String(200), nullable=False),
+    sa.Column("workflow", sa.String(200), nullable=False),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column(
+        "spec_hash",
+        sa.String(64),
+        sa.ForeignKey("eec_workflow_definition.spec_hash", name="eec_workflow_run_spec_fk"),
+        nullable=False,
+    ),
+    sa.Column("status", sa.String(20), nullable=False),
+    sa.Column("state", Json, nullable=False),
+    sa.Column("input", Json, nullable=True),
+    sa.Column("output", Json, nullable=True),
+    sa.Column("error", Json, nullable=True),
+    sa.Column("record_version", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("transition_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("parent_run_id", sa.String(64), nullable=True),
+    sa.Column("continued_from", sa.String(64), nullable=True),
+    sa.Column("continued_to", sa.String(64), nullable=True),
+    sa.Column("created_at", Ts, nullable=False, server_default=sa.func.now()),
+    sa.Column("updated_at", Ts, nullable=False, server_default=sa.func.now()),
+    sa.Column("finished_at", Ts, nullable=True),
+    # One open run per workflow id: starting twice returns the open run.
+    sa.Index(
+        "eec_workflow_run_open_workflow_id",
+        "workflow_id",
+        unique=True,
+        postgresql_where=sa.text(OPEN_STATUSES_SQL),
+        sqlite_where=sa.text(OPEN_STATUSES_SQL),
+    ),
+    sa.Index("eec_workflow_run_workflow_id_created", "workflow_id", "created_at"),
+    sa.Index("eec_workflow_run_workflow_created", "workflow", "created_at"),
+    sa.Index("eec_workflow_run_status_created", "status", "created_at"),
+)
+
+step_attempt = sa.Table(
+    "eec_workflow_step_attempt",
+    metadata,
+    sa.Column("token", sa.String(300), primary_key=True),
+    sa.Column("run_id", sa.String(64), nullable=False),
+    sa.Column("node", sa.String(200), nullable=False),
+    sa.Column("branch", sa.Integer, nullable=True),
+    sa.Column("generation", sa.Integer, nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=False),
+    sa.Column("step", sa.String(200), nullable=False),
+    sa.Column("queue", sa.String(200), nullable=True),
+    sa.Column("args", Json, nullable=False),
+    sa.Column("timeout", sa.Float, nullable=False),
+    sa.Column("created_at", Ts, nullable=False, server_default=sa.func.now()),
+    sa.Column("claimed_at", Ts, nullable=True),
+    sa.Column("claimed_by", sa.String(200), nullable=True),
+    sa.Column("heartbeat_at", Ts, nullable=True),
+    sa.Column("finished_at", Ts, nullable=True),
+    # succeeded | failed (by the worker), timed_out | cancelled (closed by the coordinator)
+    sa.Column("outcome", sa.String(20), nullable=True),
+    sa.Column("output", Json, nullable=True),
+    sa.Column("error", Json, nullable=True),
+    sa.Column("retryable", sa.Boolean, nullable=True),
+    sa.Column("patch", Json, nullable=True),
+    # Set by the coordinator in the commit that applied (or ignored) the outcome.
+    sa.Column("folded", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Index("eec_workflow_step_attempt_run_node", "run_id", "node"),
+    # The loader's and sweeper's view of outcomes waiting to be folded.
+    sa.Index(
+        "eec_workflow_step_attempt_unfolded",
+        "run_id",
+        postgresql_where=sa.text("finished_at IS NOT NULL AND NOT folded"),
+        sqlite_where=sa.text("finished_at IS NOT NULL AND NOT folded"),
+    ),
+)
+
+workflow_transition = sa.Table(
+    "eec_workflow_transition",
+    metadata,
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("seq", sa.Integer, primary_key=True),
+    sa.Column("node", sa.String(200), nullable=True),
+    sa.Column("from_status", sa.String(20), nullable=True),
+    sa.Column("to_status", sa.String(20), nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("at", Ts, nullable=False),
+)
+
+workflow_outbox = sa.Table(
+    "eec_workflow_outbox",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True,
+              autoincrement=True),
+    sa.Column("run_id", sa.String(64), nullable=False),
+    sa.Column("kind", sa.String(20), nullable=False),
+    sa.Column("task", sa.String(200), nullable=False),
+    sa.Column("queue", sa.String(200), nullable=True),
+    sa.Column("payload", Json, nullable=False),
+    sa.Column("created_at", Ts, nullable=False, server_default=sa.func.now()),
+    sa.Index("eec_workflow_outbox_created", "created_at"),
+)
+
+workflow_timer = sa.Table(
+    "eec_workflow_timer",
+    metadata,
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("fire_at", Ts, nullable=False),
+    # When the sweeper last woke the run for this timer; throttles repeat wake-ups.
+    sa.Column("woken_at", Ts, nullable=True),
+    sa.Index("eec_workflow_timer_fire_at", "fire_at"),
+)

@@ -1,0 +1,54 @@
+"""What readers get: RunHandle, RunView and NodeView, frozen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from .engine.status import NodeStatus, RunStatus
+
+
+@dataclass(frozen=True, slots=True)
+class RunHandle:
+    run_id: str
+    workflow_id: str
+
+
+class NodeView(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    status: NodeStatus
+    attempts: int = 0
+    output: Any = None
+    error: Any = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+class RunView(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str
+    workflow_id: str
+    workflow: str
+    version: int
+    status: RunStatus
+    input: Any = None
+    context: dict[str, Any] = {}
+    output: Any = None
+    error: Any = None
+    nodes: dict[str, NodeView] = {}
+    parent_run_id: str | None = None
+    continued_from: str | None = None
+    continued_to: str | None = None
+    created_at: datetime
+    finished_at: datetime | None = None
+
+    @property
+    def done(self) -> bool:
+        from .engine.status import TERMINAL_RUN_STATUSES
+
+        return self.status in TERMINAL_RUN_STATUSES

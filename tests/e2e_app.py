@@ -1,0 +1,159 @@
+"""The Celery app the end-to-end tests run in real ``celery worker`` processes.
+
+Configured from the environment (DUCTOR_DATABASE_URL, E2E_BROKER_URL) so each test module can
+point workers at its own database. Steps record each execution in a ledger table of their own
+(outside ductor's tables) so tests can count effects independently of ductor's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import sqlalchemy as sa
+from celery import Celery
+
+from ductor_celery import Ductor, NonRetryableError, RetryPolicy, StepContext, Workflow
+
+app = Celery("e2e")
+app.conf.update(
+    broker_url=os.environ.get("E2E_BROKER_URL", "memory://"),
+    broker_connection_retry_on_startup=True,
+    worker_prefetch_multiplier=1,
+    worker_hijack_root_logger=False,
+    ductor_sweep_interval=float(os.environ.get("E2E_SWEEP_INTERVAL", "0.5")),
+    ductor_resend_unclaimed_after=float(os.environ.get("E2E_RESEND_AFTER", "30")),
+)
+ductor = Ductor(app)
+
+LEDGER = sa.table(
+    "e2e_ledger",
+    sa.column("run_id", sa.String),
+    sa.column("node", sa.String),
+    sa.column("attempt", sa.Integer),
+)
+
+
+def _ledger(ctx: StepContext) -> int:
+    """Record this execution; return how many executions of this node came before it."""
+    engine = ductor.runtime.engine()
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(LEDGER).values(run_id=ctx.run_id, node=ctx.node, attempt=ctx.attempt)
+        )
+        return int(
+            conn.execute(
+                sa.select(sa.func.count()).select_from(LEDGER).where(
+                    LEDGER.c.run_id == ctx.run_id, LEDGER.c.node == ctx.node
+                )
+            ).scalar_one()
+        ) - 1
+
+
+@ductor.step(name="e2e.add")
+def add(ctx: StepContext, a: int, b: int) -> int:
+    _ledger(ctx)
+    return a + b
+
+
+@ductor.step(name="e2e.mul")
+def mul(ctx: StepContext, a: int, b: int) -> int:
+    _ledger(ctx)
+    return a * b
+
+
+@ductor.step(name="e2e.collect")
+def collect(ctx: StepContext, **values: Any) -> dict[str, Any]:
+    _ledger(ctx)
+    ctx.patch({"collected": sorted(values)})
+    return values
+
+
+@ductor.step(name="e2e.flaky", retry=RetryPolicy(max_attempts=5, initial_interval=0.2, backoff=1.0))
+def flaky(ctx: StepContext, fail_times: int) -> dict[str, int]:
+    before = _ledger(ctx)
+    if before < fail_times:
+        raise RuntimeError(f"flaky failure #{before + 1}")
+    return {"succeeded_on": ctx.attempt}
+
+
+@ductor.step(name="e2e.boom", retry=RetryPolicy(max_attempts=2, initial_interval=0.1))
+def boom(ctx: StepContext) -> None:
+    _ledger(ctx)
+    raise ValueError("boom: this step always fails")
+
+
+@ductor.step(name="e2e.fatal")
+def fatal(ctx: StepContext) -> None:
+    _ledger(ctx)
+    raise NonRetryableError("fatal: do not retry")
+
+
+@ductor.step(name="e2e.unserializable")
+def unserializable(ctx: StepContext) -> Any:
+    _ledger(ctx)
+    return {"when": object()}
+
+
+@ductor.step(name="e2e.slow", timeout=float(os.environ.get("E2E_SLOW_TIMEOUT", "4")))
+def slow(ctx: StepContext, seconds: float) -> str:
+    _ledger(ctx)
+    marker = os.environ.get("E2E_SLOW_MARKER")
+    if marker and ctx.attempt == 1:
+        with open(marker, "w") as fh:
+            fh.write(str(os.getpid()))
+    time.sleep(seconds if ctx.attempt == 1 else 0.05)
+    return f"slept on attempt {ctx.attempt}"
+
+
+@ductor.step(name="e2e.echo")
+def echo(ctx: StepContext, value: Any = None) -> Any:
+    _ledger(ctx)
+    return value
+
+
+diamond = Workflow("diamond", version=1)
+diamond.step("start", add, args={"a": "$.input.x", "b": 1})
+diamond.step("left", mul, after=["start"], args={"a": "$.nodes.start.output", "b": 2})
+diamond.step("right", mul, after=["start"], args={"a": "$.nodes.start.output", "b": 3})
+diamond.step("extra", add, after=["start"], args={"a": 100, "b": 1}, when="$.input.extra")
+diamond.step(
+    "join",
+    collect,
+    after=["left", "right", "extra"],
+    args={"left": "$.nodes.left.output", "right": "$.nodes.right.output"},
+)
+diamond.output({"join": "$.nodes.join.output", "start": "$.nodes.start.output"})
+ductor.register(diamond)
+
+flaky_wf = Workflow("flaky")
+flaky_wf.step("flaky", flaky, args={"fail_times": "$.input.fail_times"})
+flaky_wf.output("$.nodes.flaky.output")
+ductor.register(flaky_wf)
+
+failing = Workflow("failing")
+failing.step("first", echo, args={"value": 1})
+failing.step("boom", boom, after=["first"])
+failing.step("never", echo, after=["boom"])
+ductor.register(failing)
+
+fatal_wf = Workflow("fatal")
+fatal_wf.step("fatal", fatal)
+ductor.register(fatal_wf)
+
+bad_result = Workflow("bad_result")
+bad_result.step("bad", unserializable)
+ductor.register(bad_result)
+
+slow_wf = Workflow("slow")
+slow_wf.step("slow", slow, args={"seconds": "$.input.seconds"})
+slow_wf.output("$.nodes.slow.output")
+ductor.register(slow_wf)
+
+chain10 = Workflow("chain10")
+chain10.step("s0", echo, args={"value": "$.input.value"})
+for i in range(1, 10):
+    chain10.step(f"s{i}", echo, after=[f"s{i - 1}"], args={"value": f"$.nodes.s{i - 1}.output"})
+chain10.output("$.nodes.s9.output")
+ductor.register(chain10)

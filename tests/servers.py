@@ -1,0 +1,628 @@
+"""Throwaway PostgreSQL and Redis servers for the test suite.
+
+The suite needs real servers (the engine's guarantees are about PostgreSQL transactions and
+broker redelivery, which fakes would not exercise), and it needs to restart and kill them while
+work is in flight. So each server here is a private process on a free loopback port with its
+data in a temp dir, started once per pytest session (see ``conftest.py``).
+
+Design notes:
+
+* Servers listen only on 127.0.0.1 (never a wildcard address) and PostgreSQL's unix socket
+  lives in the temp dir, so nothing collides with a system cluster or another test session.
+* PostgreSQL refuses to run as root. When we are root, ``initdb`` and ``postgres`` run as the
+  ``postgres`` OS user via ``subprocess.Popen(user=..., group=...)``. ``runuser`` is avoided
+  for the long-lived server: it sits between us and the postmaster and turns our shutdown
+  signal into SIGTERM (PostgreSQL's "smart" shutdown, which waits for clients) and then SIGKILL
+  two seconds later. Running ``postgres`` directly makes ``Popen.pid`` the postmaster, so
+  SIGINT is exactly a fast shutdown.
+* Servers run in their own session (``start_new_session``) so a Ctrl-C in the terminal or a test
+  that signals its own process group does not take them down behind the fixtures' back.
+* Leftovers: servers are stopped on ``atexit``. If the test process dies without running atexit
+  (SIGKILL, OOM, a hard timeout), a tiny ``sh`` watchdog per server notices within a second,
+  shuts the server down and removes its temp dir.
+* ``restart()`` keeps the port and the data dir, so URLs handed out before stay valid.
+  Redis runs without persistence, so a Redis restart also empties it (a lost broker).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import glob
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import psycopg
+import redis
+from psycopg import sql
+
+__all__ = ["PostgresServer", "RedisServer", "ServerError", "free_port"]
+
+LOOPBACK = "127.0.0.1"
+
+
+class ServerError(RuntimeError):
+    """A test server failed to start or stop; the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago.
+
+    Another process may grab it before the server binds; ``start()`` retries with a new port
+    when the server reports "Address already in use" on its first start.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# Runs detached next to each server. Arguments: owner pid, server pid, signal name, temp dir.
+# While the owner (the pytest process) lives it only polls; it exits quietly when the server
+# goes away on its own. When the owner vanishes it stops the server, escalates to SIGKILL after
+# ten seconds and deletes the temp dir. Polling with `kill -0` (rather than waiting for EOF on a
+# pipe) keeps it independent of which thread started the server and of fds inherited by forks.
+_WATCHDOG_SH = r"""
+owner=$1 server=$2 sig=$3 dir=$4
+while kill -0 "$owner" 2>/dev/null; do
+    kill -0 "$server" 2>/dev/null || exit 0
+    sleep 1
+done
+kill -s "$sig" "$server" 2>/dev/null
+n=0
+while kill -0 "$server" 2>/dev/null && [ "$n" -lt 100 ]; do sleep 0.1; n=$((n + 1)); done
+kill -s KILL "$server" 2>/dev/null
+rm -rf "$dir"
+"""
+
+# Servers started by this process and not yet stopped; stopped at interpreter exit.
+_LIVE: set[_ManagedServer] = set()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    for server in list(_LIVE):
+        # A forked child that exits normally runs atexit too; it must not stop our servers.
+        if server._owner_pid != os.getpid():
+            continue
+        with contextlib.suppress(Exception):
+            server.stop()
+
+
+def _pids_alive(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            return True
+        return True
+    return False
+
+
+def _child_pids(parent: int) -> list[int]:
+    """Direct children of ``parent``, read from /proc (Linux only, like the rest of this)."""
+    children = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            data = Path(stat).read_text()
+        except OSError:
+            continue
+        # The command name (2nd field) is in parentheses and may contain spaces.
+        fields = data[data.rfind(")") + 2 :].split()
+        if len(fields) > 1 and int(fields[1]) == parent:
+            children.append(int(stat.split("/")[2]))
+    return children
+
+
+class _ManagedServer:
+    """Shared process plumbing: temp dir, log file, spawn, watchdog, stop, context manager."""
+
+    #: Prefix of the temp dir, e.g. ``ductor-pg-``.
+    _kind = "server"
+    #: Signal for a graceful-but-quick shutdown.
+    _stop_signal = signal.SIGTERM
+    #: Signal the watchdog sends when the owning process has died.
+    _orphan_signal = "TERM"
+
+    def __init__(self, *, port: int | None = None, start_timeout: float = 60.0) -> None:
+        self.port: int | None = port
+        self.start_timeout = start_timeout
+        self._port_fixed = port is not None
+        self._tmpdir: Path | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
+        self._owner_pid = os.getpid()
+
+    # -- public API ----------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """True while the server process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def tmpdir(self) -> Path:
+        """The server's private temp dir (data, socket, log)."""
+        if self._tmpdir is None:
+            raise ServerError(f"{self._kind} server has not been started")
+        return self._tmpdir
+
+    @property
+    def log_path(self) -> Path:
+        """The server's log file; kept across restarts (appended to)."""
+        return self.tmpdir / f"{self._kind}.log"
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the server log, for error messages."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 16384))
+                text = f.read().decode("utf-8", "replace")
+        except (OSError, ServerError):
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def start(self) -> None:
+        """Start the server and wait until it accepts connections.
+
+        Idempotent while running. On the first start of a server whose port was chosen
+        automatically, a lost race for the port is retried with a new one.
+        """
+        if self.running:
+            return
+        first_start = self._tmpdir is None
+        if first_start:
+            self._tmpdir = self._make_tmpdir()
+            self._prepare()
+        attempts = 3 if first_start and not self._port_fixed else 1
+        for attempt in range(attempts):
+            if self.port is None or (attempt > 0):
+                self.port = free_port()
+            try:
+                self._launch()
+                self._wait_ready()
+            except ServerError as exc:
+                self.kill()
+                if attempt + 1 < attempts and "Address already in use" in str(exc):
+                    continue
+                if first_start:
+                    self._cleanup()
+                raise
+            break
+        _LIVE.add(self)
+
+    def stop(self) -> None:
+        """Stop the server (fast shutdown) and delete its temp dir. Idempotent."""
+        try:
+            self._shutdown(self._stop_signal, timeout=30)
+        finally:
+            self._cleanup()
+
+    def restart(self) -> None:
+        """Stop and start again on the same port with the same data dir, so URLs stay valid."""
+        if self._tmpdir is None:
+            raise ServerError(f"{self._kind} server has never been started")
+        self._shutdown(self._stop_signal, timeout=30)
+        self.start()
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash). ``start()``/``restart()`` brings it back afterwards."""
+        if self._proc is None:
+            return
+        self._stop_watchdog()
+        victims = [self._proc.pid, *_child_pids(self._proc.pid)]
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._proc.wait()
+        self._proc = None
+        # The children are not ours to wait() for; wait until they are gone so that a following
+        # start() does not find them still holding the old port or shared memory.
+        deadline = time.monotonic() + 10
+        while _pids_alive(victims[1:]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<{type(self).__name__} {LOOPBACK}:{self.port} {state}>"
+
+    # -- hooks for subclasses -----------------------------------------------------------
+
+    def _prepare(self) -> None:
+        """One-time setup of a fresh temp dir (e.g. initdb)."""
+
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    def _spawn_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    def _probe(self) -> bool:
+        """Return True once the server answers; False (or raise) while it does not yet."""
+        raise NotImplementedError
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _make_tmpdir(self) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"ductor-{self._kind}-"))
+
+    def _launch(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.tmpdir,
+                start_new_session=True,
+                **self._spawn_kwargs(),
+            )
+        self._watchdog = subprocess.Popen(
+            [
+                "sh",
+                "-c",
+                _WATCHDOG_SH,
+                f"ductor-{self._kind}-watchdog",
+                str(os.getpid()),
+                str(self._proc.pid),
+                self._orphan_signal,
+                str(self.tmpdir),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def _wait_ready(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            if self._proc.poll() is not None:
+                raise ServerError(
+                    f"{self._kind} server exited with code {self._proc.returncode} during "
+                    f"start on {LOOPBACK}:{self.port}; log tail:\n{self.log_tail()}"
+                )
+            with contextlib.suppress(Exception):
+                if self._probe():
+                    return
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"{self._kind} server on {LOOPBACK}:{self.port} did not become ready within "
+                    f"{self.start_timeout:.0f}s; log tail:\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+
+    def _stop_watchdog(self) -> None:
+        # Stop the watchdog before the server so it can never act on a recycled pid.
+        if self._watchdog is not None:
+            # It leads its own process group; killing the group takes its `sleep` along.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._watchdog.pid, signal.SIGKILL)
+            self._watchdog.wait()
+            self._watchdog = None
+
+    def _shutdown(self, sig: signal.Signals, timeout: float) -> None:
+        """Signal the server and wait; escalate to SIGKILL (server and children) on timeout."""
+        self._stop_watchdog()
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._proc = None
+
+    def _cleanup(self) -> None:
+        _LIVE.discard(self)
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+        if not self._port_fixed:
+            self.port = None
+
+
+# --------------------------------------------------------------------------------------------
+# PostgreSQL
+# --------------------------------------------------------------------------------------------
+
+
+def find_pg_bindir() -> Path:
+    """Locate the PostgreSQL server binaries (the directory holding ``initdb``).
+
+    Order: ``$DUCTOR_TEST_PG_BINDIR``, ``pg_config --bindir``, the newest
+    ``/usr/lib/postgresql/*/bin`` (Debian keeps server binaries off PATH), then PATH.
+    """
+    candidates: list[Path] = []
+    if env := os.environ.get("DUCTOR_TEST_PG_BINDIR"):
+        candidates.append(Path(env))
+    if shutil.which("pg_config"):
+        with contextlib.suppress(OSError, subprocess.CalledProcessError):
+            out = subprocess.run(
+                ["pg_config", "--bindir"], capture_output=True, text=True, check=True
+            ).stdout
+            candidates.append(Path(out.strip()))
+    versions = glob.glob("/usr/lib/postgresql/*/bin")
+    versions.sort(key=lambda p: int(p.split("/")[-2]) if p.split("/")[-2].isdigit() else 0)
+    candidates.extend(Path(p) for p in reversed(versions))
+    if initdb := shutil.which("initdb"):
+        candidates.append(Path(initdb).parent)
+    for bindir in candidates:
+        if (bindir / "initdb").is_file() and (bindir / "postgres").is_file():
+            return bindir
+    raise ServerError(
+        "PostgreSQL server binaries (initdb, postgres) not found; install the `postgresql` "
+        "package (scripts/test does) or set DUCTOR_TEST_PG_BINDIR"
+    )
+
+
+class PostgresServer(_ManagedServer):
+    """A private PostgreSQL cluster on 127.0.0.1, tuned for speed, with trust auth.
+
+    The superuser is ``postgres`` (no password; trust is fine on a loopback-only server).
+    Durability is switched off (``fsync``, ``synchronous_commit``, ``full_page_writes``): a
+    crash of the test server may lose the cluster, which is irrelevant for tests, and it makes
+    commits and CREATE DATABASE much cheaper. ``restart()`` and ``kill()`` still behave like a
+    real server as far as clients can tell (connections drop, committed data survives a clean
+    restart, crash recovery runs after ``kill()``).
+
+    Example::
+
+        with PostgresServer() as pg:
+            pg.create_database("t1")
+            engine = sqlalchemy.create_engine(pg.url("t1"))
+    """
+
+    _kind = "pg"
+    _stop_signal = signal.SIGINT  # "fast" shutdown: roll back and disconnect clients.
+    _orphan_signal = "QUIT"  # "immediate" shutdown; the postmaster takes its children along.
+
+    #: Settings passed as ``-c name=value``; extra ``settings`` override these.
+    DEFAULT_SETTINGS: Mapping[str, str] = {
+        "fsync": "off",
+        "synchronous_commit": "off",
+        "full_page_writes": "off",
+        "max_connections": "300",
+        "shared_buffers": "128MB",
+        # Parallel query needs dynamic shared memory in /dev/shm, which is tiny in some CI
+        # containers; tests gain nothing from it on two cores.
+        "max_parallel_workers_per_gather": "0",
+    }
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        settings: Mapping[str, str] | None = None,
+        bindir: Path | str | None = None,
+        start_timeout: float = 60.0,
+    ) -> None:
+        super().__init__(port=port, start_timeout=start_timeout)
+        self.settings = {**self.DEFAULT_SETTINGS, **(settings or {})}
+        self.bindir = Path(bindir) if bindir is not None else find_pg_bindir()
+        # PostgreSQL refuses to run as root; then we run it as the `postgres` OS user.
+        self._os_user: pwd.struct_passwd | None = None
+        if os.geteuid() == 0:
+            try:
+                self._os_user = pwd.getpwnam("postgres")
+            except KeyError:
+                raise ServerError(
+                    "running as root but there is no `postgres` OS user to run PostgreSQL as"
+                ) from None
+
+    @property
+    def data_dir(self) -> Path:
+        """The cluster's data directory (inside ``tmpdir``)."""
+        return self.tmpdir / "data"
+
+    def url(self, dbname: str = "postgres") -> str:
+        """SQLAlchemy URL (psycopg 3 driver) for ``dbname`` as the superuser."""
+        return f"postgresql+psycopg://postgres@{LOOPBACK}:{self._require_port()}/{dbname}"
+
+    def conninfo(self, dbname: str = "postgres") -> str:
+        """libpq connection string, for ``psycopg.connect`` without SQLAlchemy."""
+        return (
+            f"host={LOOPBACK} port={self._require_port()} user=postgres dbname={dbname} "
+            "connect_timeout=5"
+        )
+
+    def connect(self, dbname: str = "postgres") -> psycopg.Connection[tuple[Any, ...]]:
+        """An autocommit psycopg connection, for admin statements (caller closes it)."""
+        return psycopg.connect(self.conninfo(dbname), autocommit=True)
+
+    def create_database(self, name: str, template: str | None = None) -> None:
+        """CREATE DATABASE ``name``, optionally as a copy of ``template``.
+
+        Copying a migrated template is much faster than migrating every test database. PG
+        refuses to copy a database that has other sessions, so any connections to the template
+        (e.g. a pool left open by whoever migrated it) are terminated first; CREATE DATABASE
+        then waits (up to 5 s) for them to go away.
+        """
+        stmt = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+        if template is not None:
+            stmt = sql.SQL("{} TEMPLATE {}").format(stmt, sql.Identifier(template))
+        with self.connect() as conn:
+            if template is not None:
+                self._terminate_backends(conn, template)
+            conn.execute(stmt)
+
+    def drop_database(self, name: str) -> None:
+        """DROP DATABASE ``name`` if it exists, disconnecting its sessions first."""
+        with self.connect() as conn:
+            self._terminate_backends(conn, name)
+            # WITH (FORCE) also catches sessions that connect between the two statements.
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+    # -- internals -----------------------------------------------------------------------
+
+    @staticmethod
+    def _terminate_backends(conn: psycopg.Connection[tuple[Any, ...]], dbname: str) -> None:
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = %s AND pid <> pg_backend_pid()",
+            (dbname,),
+        )
+
+    def _require_port(self) -> int:
+        if self.port is None:
+            raise ServerError("PostgreSQL server has not been started")
+        return self.port
+
+    def _make_tmpdir(self) -> Path:
+        tmp = super()._make_tmpdir()
+        if self._os_user is not None:
+            # mkdtemp makes it 0700 root; the postgres user needs to own it (data dir, socket).
+            os.chown(tmp, self._os_user.pw_uid, self._os_user.pw_gid)
+        return tmp
+
+    def _spawn_kwargs(self) -> dict[str, Any]:
+        # C locale: deterministic, always available, and English log messages we can match.
+        env = {**os.environ, "LC_ALL": "C", "LANG": "C"}
+        if self._os_user is None:
+            return {"env": env}
+        env.update(HOME=self._os_user.pw_dir, USER="postgres", LOGNAME="postgres")
+        return {
+            "env": env,
+            "user": self._os_user.pw_uid,
+            "group": self._os_user.pw_gid,
+            "extra_groups": [],  # drop root's supplementary groups
+        }
+
+    def _prepare(self) -> None:
+        cmd = [
+            str(self.bindir / "initdb"),
+            "-D",
+            str(self.data_dir),
+            "-U",
+            "postgres",
+            "-A",
+            "trust",
+            "-E",
+            "UTF8",
+            "--locale=C",
+            "--no-sync",
+        ]
+        result = subprocess.run(
+            cmd,
+            cwd=self.tmpdir,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            check=False,
+            **self._spawn_kwargs(),
+        )
+        if result.returncode != 0:
+            raise ServerError(
+                f"initdb failed with code {result.returncode}:\n{result.stdout}\n{result.stderr}"
+            )
+
+    def _command(self) -> list[str]:
+        settings = {
+            **self.settings,
+            "listen_addresses": LOOPBACK,
+            "unix_socket_directories": str(self.tmpdir),
+        }
+        cmd = [str(self.bindir / "postgres"), "-D", str(self.data_dir), "-p", str(self.port)]
+        for name, value in settings.items():
+            cmd += ["-c", f"{name}={value}"]
+        return cmd
+
+    def _probe(self) -> bool:
+        with psycopg.connect(
+            host=LOOPBACK, port=self.port, user="postgres", dbname="postgres", connect_timeout=2
+        ) as conn:
+            conn.execute("SELECT 1")
+        return True
+
+
+# --------------------------------------------------------------------------------------------
+# Redis
+# --------------------------------------------------------------------------------------------
+
+
+class RedisServer(_ManagedServer):
+    """A private, non-persistent redis-server on 127.0.0.1 (the Celery broker in tests).
+
+    No RDB snapshots and no AOF, so ``restart()`` comes back empty: that is what losing the
+    broker looks like, and what the engine must survive.
+    """
+
+    _kind = "redis"
+    _stop_signal = signal.SIGTERM
+    _orphan_signal = "TERM"
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        executable: str | None = None,
+        extra_args: list[str] | None = None,
+        start_timeout: float = 30.0,
+    ) -> None:
+        super().__init__(port=port, start_timeout=start_timeout)
+        exe = executable or shutil.which("redis-server") or "/usr/bin/redis-server"
+        if not Path(exe).is_file():
+            raise ServerError("redis-server not found; install the `redis-server` package")
+        self.executable = exe
+        self.extra_args = list(extra_args or [])
+
+    def url(self, db: int = 0) -> str:
+        """``redis://127.0.0.1:PORT/DB``, for Celery's broker URL or ``Redis.from_url``."""
+        if self.port is None:
+            raise ServerError("Redis server has not been started")
+        return f"redis://{LOOPBACK}:{self.port}/{db}"
+
+    def client(self, db: int = 0) -> redis.Redis:
+        """A ``redis.Redis`` client for ``db`` (caller closes it)."""
+        return redis.Redis.from_url(self.url(db))
+
+    def _command(self) -> list[str]:
+        return [
+            self.executable,
+            "--port", str(self.port),
+            "--bind", LOOPBACK,
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.tmpdir),
+            "--daemonize", "no",
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def _probe(self) -> bool:
+        assert self.port is not None
+        client = redis.Redis(host=LOOPBACK, port=self.port, socket_connect_timeout=1)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
