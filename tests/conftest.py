@@ -30,3 +30,105 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 # --- end server fixtures --------------------------------------------------------------------
+
+
+# --- databases, clients and workers ---------------------------------------------------------
+
+import itertools  # noqa: E402
+import uuid  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import sqlalchemy as sa  # noqa: E402
+from cluster import Cluster  # noqa: E402
+
+_redis_dbs = itertools.count(1)
+LEDGER_DDL = "CREATE TABLE e2e_ledger (run_id text, node text, attempt int, at timestamptz DEFAULT now())"
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_server: PostgresServer) -> str:
+    """A database migrated to head (plus the e2e ledger table) that tests copy."""
+    from ductor_celery.store.db import dispose_all
+    from ductor_celery.store.migrate import upgrade
+
+    pg_server.create_database("ductor_template")
+    url = pg_server.url("ductor_template")
+    upgrade(url)
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with engine.begin() as conn:
+        conn.execute(sa.text(LEDGER_DDL))
+    engine.dispose()
+    dispose_all()
+    return "ductor_template"
+
+
+def _fresh_db(pg_server: PostgresServer, template: str) -> str:
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    pg_server.create_database(name, template=template)
+    return pg_server.url(name)
+
+
+@pytest.fixture
+def database_url(pg_server: PostgresServer, template_db: str) -> str:
+    """A fresh, migrated database for one test."""
+    return _fresh_db(pg_server, template_db)
+
+
+def _broker(redis_server: RedisServer) -> str:
+    return redis_server.url(next(_redis_dbs) % 16)
+
+
+@pytest.fixture
+def cluster_factory(
+    pg_server: PostgresServer, redis_server: RedisServer, template_db: str, tmp_path: Path
+) -> Iterator[Any]:
+    """Make Clusters (a fresh database + Redis db + worker processes); stopped at teardown."""
+    made: list[Cluster] = []
+
+    def make(**env: str) -> Cluster:
+        cluster = Cluster(_fresh_db(pg_server, template_db), _broker(redis_server), tmp_path, **env)
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in made:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(
+    pg_server: PostgresServer,
+    redis_server: RedisServer,
+    template_db: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Cluster]:
+    """One running step worker and coordinator shared by a module's well-behaved tests."""
+    cluster = Cluster(
+        _fresh_db(pg_server, template_db),
+        _broker(redis_server),
+        tmp_path_factory.mktemp("cluster"),
+    )
+    try:
+        cluster.start_steps(concurrency=2)
+        cluster.start_coordinator()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def client_for(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The e2e app's Ductor, pointed at a cluster's database and broker, in this process."""
+    import importlib
+    import sys
+
+    def make(cluster: Cluster) -> Any:
+        monkeypatch.setenv("DUCTOR_DATABASE_URL", cluster.database_url)
+        monkeypatch.setenv("E2E_BROKER_URL", cluster.broker_url)
+        sys.modules.pop("e2e_app", None)
+        module = importlib.import_module("e2e_app")
+        return module.ductor
+
+    yield make
+    sys.modules.pop("e2e_app", None)

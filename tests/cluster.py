@@ -1,0 +1,144 @@
+"""Real ``celery worker`` processes for end-to-end tests, pointed at a private database.
+
+A Cluster is one database plus a Redis db index, and the workers the test starts: a step
+worker (``-Q ductor-steps``) and a coordinator (``-Q ductor-coord -c 1``), exactly the commands
+a user runs. Tests can SIGKILL them, start them again, and pass failpoint settings through the
+environment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+TESTS_DIR = Path(__file__).resolve().parent
+CELERY = [sys.executable, "-m", "celery", "-A", "e2e_app"]
+
+
+class Worker:
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [*CELERY, "worker", "-n", f"{name}@%h", "--without-mingle", "--without-gossip",
+             "-l", "INFO", *args],
+            cwd=TESTS_DIR,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker {self.name} exited:\n{self.log_tail()}")
+            if b" ready." in self.log_path.read_bytes():
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"worker {self.name} not ready in {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def child_pids(self) -> list[int]:
+        out = subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False
+        ).stdout
+        return [int(p) for p in out.split()]
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker (main process and pool children)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self._log.close()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+
+class Cluster:
+    def __init__(self, database_url: str, broker_url: str, workdir: Path, **env: str) -> None:
+        self.database_url = database_url
+        self.broker_url = broker_url
+        self.workdir = workdir
+        self.env = {
+            **os.environ,
+            "DUCTOR_DATABASE_URL": database_url,
+            "E2E_BROKER_URL": broker_url,
+            "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+            **env,
+        }
+        self.workers: list[Worker] = []
+        self.engine = sa.create_engine(database_url, poolclass=sa.pool.NullPool)
+
+    def start_steps(self, concurrency: int = 2, name: str = "steps", **env: str) -> Worker:
+        return self._start(name, ["-Q", "ductor-steps", "-c", str(concurrency)], env)
+
+    def start_coordinator(self, name: str = "coord", **env: str) -> Worker:
+        return self._start(name, ["-Q", "ductor-coord", "-c", "1"], env)
+
+    def _start(self, name: str, args: list[str], env: dict[str, str]) -> Worker:
+        worker = Worker(
+            f"{name}{len(self.workers)}", args, {**self.env, **env},
+            self.workdir / f"{name}{len(self.workers)}.log",
+        )
+        worker.wait_ready()
+        self.workers.append(worker)
+        return worker
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+        self.engine.dispose()
+
+    def logs(self) -> str:
+        return "\n\n".join(f"== {w.name} ==\n{w.log_tail()}" for w in self.workers)
+
+    # -- ledger: what steps actually executed, written by the steps themselves ------------
+
+    def executions(self, run_id: str, node: str | None = None) -> int:
+        query = "SELECT count(*) FROM e2e_ledger WHERE run_id = :r"
+        params: dict[str, Any] = {"r": run_id}
+        if node is not None:
+            query += " AND node = :n"
+            params["n"] = node
+        with self.engine.connect() as conn:
+            return int(conn.execute(sa.text(query), params).scalar_one())
+
+    def attempts(self, run_id: str) -> list[Any]:
+        with self.engine.connect() as conn:
+            return list(
+                conn.execute(
+                    sa.text(
+                        "SELECT token, node, outcome, folded, claimed_at, finished_at "
+                        "FROM eec_workflow_step_attempt WHERE run_id = :r ORDER BY token"
+                    ),
+                    {"r": run_id},
+                )
+            )
+
+    def record_version(self, run_id: str) -> int:
+        with self.engine.connect() as conn:
+            return int(
+                conn.execute(
+                    sa.text("SELECT record_version FROM eec_workflow_run WHERE run_id = :r"),
+                    {"r": run_id},
+                ).scalar_one()
+            )
