@@ -11,15 +11,8 @@ from typing import Any
 from alembic import context
 from sqlalchemy import create_engine
 
+from ductor_celery.store.migrate import VERSION_TABLE, include_object
 from ductor_celery.store.schema import metadata
-
-VERSION_TABLE = "eec_alembic_version"
-
-
-def include_object(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
-    if type_ == "table":
-        return bool(name and name.startswith("eec_"))
-    return True
 
 
 def run_migrations() -> None:

@@ -51,5 +51,8 @@ def backoff_delay(retry: RetrySpec, failed_attempt: int) -> float:
     """Seconds to wait after attempt number ``failed_attempt`` (1-based) failed."""
     exponent = max(failed_attempt - 1, 0)
     # Cap the exponent so a large attempt count cannot overflow the float.
-    delay = retry.initial_interval * retry.backoff ** min(exponent, 64)
+    try:
+        delay = retry.initial_interval * retry.backoff ** min(exponent, 64)
+    except OverflowError:  # a huge backoff overflows even under the cap
+        delay = float("inf") if retry.initial_interval > 0 else 0.0
     return float(min(delay, retry.max_interval))

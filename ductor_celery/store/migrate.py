@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
@@ -11,6 +13,13 @@ from sqlalchemy.engine import Engine
 from .db import get_engine
 
 VERSION_TABLE = "eec_alembic_version"
+
+
+def include_object(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
+    """Alembic compares only ductor's own tables, never the user's (nor its version table)."""
+    if type_ == "table":
+        return bool(name and name.startswith("eec_") and name != VERSION_TABLE)
+    return True
 
 
 def alembic_config(url: str) -> Config:

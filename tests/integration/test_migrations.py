@@ -1,0 +1,97 @@
+"""The migrations build exactly the schema the code declares, and round-trip."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from click.testing import CliRunner
+
+from ductor_celery.cli import ductor as ductor_cli
+from ductor_celery.store.db import get_engine
+from ductor_celery.store.migrate import (
+    current_revision,
+    downgrade,
+    head_revision,
+    include_object,
+    upgrade,
+)
+from ductor_celery.store.schema import metadata
+
+
+def _diff(url: str) -> list[Any]:
+    engine = get_engine(url)
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(
+            conn,
+            opts={
+                "compare_type": True,
+                "include_object": include_object,
+            },
+        )
+        return list(compare_metadata(ctx, metadata))
+
+
+def test_upgrade_from_empty_matches_the_metadata(pg_server: Any) -> None:
+    pg_server.create_database("mig_fresh")
+    url = pg_server.url("mig_fresh")
+    upgrade(url)
+    assert _diff(url) == []
+    assert current_revision(get_engine(url)) == head_revision(url)
+    with get_engine(url).connect() as conn:
+        tables = set(sa.inspect(conn).get_table_names())
+    assert "eec_alembic_version" in tables and "alembic_version" not in tables
+
+
+def test_downgrade_to_base_and_back(pg_server: Any) -> None:
+    pg_server.create_database("mig_roundtrip")
+    url = pg_server.url("mig_roundtrip")
+    upgrade(url)
+    downgrade(url, "base")
+    with get_engine(url).connect() as conn:
+        assert [t for t in sa.inspect(conn).get_table_names() if t != "eec_alembic_version"] == []
+    upgrade(url)
+    assert _diff(url) == []
+
+
+def test_migrations_leave_the_users_own_tables_alone(pg_server: Any) -> None:
+    pg_server.create_database("mig_shared")
+    url = pg_server.url("mig_shared")
+    with get_engine(url).begin() as conn:
+        conn.execute(sa.text("CREATE TABLE alembic_version (version_num varchar(32))"))
+        conn.execute(sa.text("INSERT INTO alembic_version VALUES ('users_own_rev')"))
+        conn.execute(sa.text("CREATE TABLE orders (id int)"))
+    upgrade(url)
+    with get_engine(url).connect() as conn:
+        assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar_one() == (
+            "users_own_rev"
+        )
+    assert _diff(url) == []
+
+
+def test_sqlite_embedded_schema_matches_too(tmp_path: Any) -> None:
+    url = f"sqlite:///{tmp_path}/ductor.sqlite3"
+    upgrade(url)
+    assert _diff(url) == []
+
+
+def test_cli_migrate_then_again_is_a_no_op(pg_server: Any) -> None:
+    pg_server.create_database("mig_cli")
+    url = pg_server.url("mig_cli")
+    runner = CliRunner()
+    first = runner.invoke(ductor_cli, ["migrate", "--database-url", url])
+    assert first.exit_code == 0, first.output
+    second = runner.invoke(ductor_cli, ["migrate", "--database-url", url])
+    assert second.exit_code == 0 and "up to date" in second.output
+
+
+def test_cli_migrate_against_an_unreachable_database_fails_in_one_line() -> None:
+    result = CliRunner().invoke(
+        ductor_cli,
+        ["migrate", "--database-url", "postgresql+psycopg://nobody@127.0.0.1:1/none"],
+    )
+    assert result.exit_code == 1
+    assert result.output.startswith("error: migration failed")
+    assert len(result.output.strip().splitlines()) == 1
