@@ -49,14 +49,18 @@ class Client:
         wake: Callable[[str], None],
         find_spec: Callable[[str], WorkflowSpec | None],
         remember_spec: Callable[[WorkflowSpec], None] | None = None,
+        get_engine: Callable[[], Engine] | None = None,
     ) -> None:
         self.settings = settings
         self._wake = wake
         self._find_spec = find_spec
         self._remember_spec = remember_spec
+        self._get_engine = get_engine
 
     @property
     def engine(self) -> Engine:
+        if self._get_engine is not None:
+            return self._get_engine()
         return get_engine(self.settings.database_url)
 
     # -- writes -----------------------------------------------------------------------------

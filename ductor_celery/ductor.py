@@ -34,6 +34,7 @@ class Ductor:
             wake=self._runtime.wake,
             find_spec=self._workflows.get,
             remember_spec=self._runtime.remember_spec,
+            get_engine=self._runtime.engine,
         )
         app._ductor = self
         self._configure_app()
@@ -41,6 +42,13 @@ class Ductor:
     def _configure_app(self) -> None:
         def apply(**_: Any) -> None:
             conf = self.app.conf
+            if not conf.broker_url and "broker_url" not in conf.changes:
+                # No broker configured: Celery's in-memory transport, polled briskly, so a
+                # script with local_workers() needs no server at all.
+                conf.broker_url = "memory://"
+                conf.broker_transport_options = {
+                    **(conf.broker_transport_options or {}), "polling_interval": 0.01
+                }
             # Flower needs task events; turn them on unless the user decided otherwise.
             for key in ("worker_send_task_events", "task_send_sent_event"):
                 if key not in conf.changes:
@@ -142,6 +150,12 @@ class Ductor:
         self, status: str | None = None, workflow: str | None = None, limit: int = 50
     ) -> list[RunView]:
         return self.client.list_runs(status=status, workflow=workflow, limit=limit)
+
+    def local_workers(self, concurrency: int = 4) -> Any:
+        """Run a coordinator and step consumers as threads in this process (a context manager)."""
+        from .runtime.local import local_workers
+
+        return local_workers(self._runtime, concurrency=concurrency)
 
     def migrate(self) -> None:
         """Create or upgrade the ``eec_`` schema in the configured database."""

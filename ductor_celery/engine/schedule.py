@@ -28,10 +28,17 @@ def fail_run_on_fatal_node(t: TickContext) -> bool:
 
 def close_in_flight(t: TickContext, reason: str) -> None:
     """Cancel every node with an attempt in flight or a retry pending; close open attempts."""
+    created = {a.token for a in t.payload.new_attempts}
     for node_id, ns in t.nodes.items():
         if ns.status not in (NodeStatus.RUNNING, NodeStatus.WAITING):
             continue
-        if ns.token is not None:
+        if ns.token in created:
+            # Started in this very tick: there is no row to close yet (the store closes before
+            # it inserts), so never insert or send the attempt instead.
+            p = t.payload
+            p.new_attempts = [a for a in p.new_attempts if a.token != ns.token]
+            p.dispatches = [d for d in p.dispatches if d.token != ns.token]
+        elif ns.token is not None:
             t.payload.closed.append(
                 ClosedAttempt(ns.token, "cancelled", {"type": "Cancelled", "message": reason})
             )

@@ -45,7 +45,10 @@ FINISHED_NODE_STATUSES: frozenset[NodeStatus] = frozenset(
 ACTIVE_NODE_STATUSES: frozenset[NodeStatus] = frozenset({NodeStatus.RUNNING, NodeStatus.WAITING})
 
 NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
-    NodeStatus.PENDING: frozenset({NodeStatus.RUNNING, NodeStatus.SKIPPED, NodeStatus.WAITING}),
+    NodeStatus.PENDING: frozenset(
+        # failed: the node cannot start (its resolved arguments are too large)
+        {NodeStatus.RUNNING, NodeStatus.SKIPPED, NodeStatus.WAITING, NodeStatus.FAILED}
+    ),
     NodeStatus.RUNNING: frozenset(
         {NodeStatus.RUNNING, NodeStatus.SUCCEEDED, NodeStatus.FAILED, NodeStatus.CANCELLED}
     ),

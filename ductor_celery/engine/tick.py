@@ -40,7 +40,8 @@ def compute_tick(
     fire_retries(t)
     if not fail_run_on_fatal_node(t):
         start_ready_nodes(t)
-        finish_if_done(t)
+        if not fail_run_on_fatal_node(t):
+            finish_if_done(t)
     return _finish(t)
 
 

@@ -31,6 +31,7 @@ class Runtime:
         self.dispatcher = Dispatcher(app, settings.steps_queue, settings.coord_queue)
         self._specs: dict[str, WorkflowSpec] = {}
         self._specs_lock = threading.Lock()
+        self._schema_ready = False
         self.failpoint = failpoint
         app._ductor_runtime = self
         self.tick_task = self._register_tick_task()
@@ -38,7 +39,19 @@ class Runtime:
             app.steps["worker"].add(SweeperBootstep)
 
     def engine(self) -> Engine:
-        return get_engine(self.settings.database_url)
+        engine = get_engine(self.settings.database_url)
+        if self.settings.embedded and not self._schema_ready:
+            self._ensure_embedded_schema()
+        return engine
+
+    def _ensure_embedded_schema(self) -> None:
+        """The embedded SQLite default needs no ``ductor migrate``: it migrates on first use."""
+        with self._specs_lock:
+            if not self._schema_ready:
+                from ..store.migrate import upgrade
+
+                upgrade(self.settings.database_url)
+                self._schema_ready = True
 
     def wake(self, run_id: str) -> None:
         self.dispatcher.wake(run_id)
