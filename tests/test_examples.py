@@ -1,0 +1,33 @@
+"""Every example runs, as a user would run it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quickstart_runs_on_the_embedded_default(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "DUCTOR_DATABASE_URL": f"sqlite:///{tmp_path}/ductor.sqlite3",
+        "COLUMNS": "120",
+    }
+    env.pop("E2E_BROKER_URL", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "examples.quickstart"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "status: succeeded" in result.stdout
+    assert "TRK-" in result.stdout
+    assert "'packed': ['book', 'lamp', 'mug']" in result.stdout
+    assert (tmp_path / "ductor.sqlite3").exists()
