@@ -28,18 +28,20 @@ def fail_run_on_fatal_node(t: TickContext) -> bool:
 
 def close_in_flight(t: TickContext, reason: str) -> None:
     """Cancel every node with an attempt in flight or a retry pending; close open attempts."""
-    created = {a.token for a in t.payload.new_attempts}
+    p = t.payload
+    created = {a.token for a in p.new_attempts}
     for node_id, ns in t.nodes.items():
         if ns.status not in (NodeStatus.RUNNING, NodeStatus.WAITING):
             continue
+        if ns.token is not None:
+            # Never send an attempt that is closed (a resend queued earlier in this tick).
+            p.dispatches = [d for d in p.dispatches if d.token != ns.token]
         if ns.token in created:
             # Started in this very tick: there is no row to close yet (the store closes before
-            # it inserts), so never insert or send the attempt instead.
-            p = t.payload
+            # it inserts), so never insert the attempt instead.
             p.new_attempts = [a for a in p.new_attempts if a.token != ns.token]
-            p.dispatches = [d for d in p.dispatches if d.token != ns.token]
         elif ns.token is not None:
-            t.payload.closed.append(
+            p.closed.append(
                 ClosedAttempt(ns.token, "cancelled", {"type": "Cancelled", "message": reason})
             )
         ns.token = None

@@ -37,8 +37,10 @@ def compute_tick(
         t.move_run(RunStatus.RUNNING, "started")
     fold_results(t)
     check_in_flight(t)
-    fire_retries(t)
     if not fail_run_on_fatal_node(t):
+        # Retries fire only for a run that goes on, and a node that fails as it starts
+        # (arguments too large) fails the run in this same tick.
+        fire_retries(t)
         start_ready_nodes(t)
         if not fail_run_on_fatal_node(t):
             finish_if_done(t)
