@@ -1,4 +1,4 @@
-"""The ``ductor`` command, also ``celery -A app ductor ...`` through the celery.commands entry point."""
+"""The ``ductor`` command; also ``celery -A app ductor ...`` (the celery.commands entry point)."""
 
 from __future__ import annotations
 
@@ -125,8 +125,18 @@ def runs(ctx: click.Context, status: str | None, workflow: str | None, limit: in
     d = _load_ductor(ctx)
     try:
         for view in d.list_runs(status=status, workflow=workflow, limit=limit):
-            click.echo(view.model_dump_json(include={"run_id", "workflow_id", "workflow",
-                                                      "status", "created_at", "finished_at"}))
+            click.echo(
+                view.model_dump_json(
+                    include={
+                        "run_id",
+                        "workflow_id",
+                        "workflow",
+                        "status",
+                        "created_at",
+                        "finished_at",
+                    }
+                )
+            )
     except (DuctorError, ValueError) as exc:
         _fail(str(exc))
 

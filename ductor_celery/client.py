@@ -35,9 +35,7 @@ def check_payload(value: Any, what: str, limit: int) -> Any:
     except (TypeError, ValueError) as exc:
         raise PayloadNotSerializable(f"{what} is not JSON-serializable: {exc}") from None
     if len(text) > limit:
-        raise PayloadTooLarge(
-            f"{what} is {len(text)} bytes, over ductor_max_payload_bytes={limit}"
-        )
+        raise PayloadTooLarge(f"{what} is {len(text)} bytes, over ductor_max_payload_bytes={limit}")
     return json.loads(text)
 
 
@@ -65,16 +63,15 @@ class Client:
 
     # -- writes -----------------------------------------------------------------------------
 
-    def start(
-        self, workflow: str, input: Any = None, workflow_id: str | None = None
-    ) -> RunHandle:
+    def start(self, workflow: str, input: Any = None, workflow_id: str | None = None) -> RunHandle:
         spec = self._find_spec(workflow) or runs.latest_definition(self.engine, workflow)
         if spec is None:
             raise WorkflowNotFound(f"no workflow named {workflow!r} is registered")
         if self._remember_spec is not None:
             self._remember_spec(spec)
-        value = check_payload(input, f"input of workflow {workflow!r}",
-                              self.settings.max_payload_bytes)
+        value = check_payload(
+            input, f"input of workflow {workflow!r}", self.settings.max_payload_bytes
+        )
         if workflow_id is not None and (not isinstance(workflow_id, str) or not workflow_id):
             raise ValueError(f"workflow_id must be a non-empty string, got {workflow_id!r}")
         run_id = uuid.uuid4().hex
@@ -160,7 +157,9 @@ class Client:
             if row.status in TERMINAL_RUN_STATUSES:
                 return self._view(row)
             self._check_deadline(target, deadline, timeout)
-            time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
+            time.sleep(
+                delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
+            )
             delay = min(delay * 1.5, 0.2)
             row = self._row(row.run_id)
 

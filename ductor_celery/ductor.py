@@ -47,14 +47,16 @@ class Ductor:
                 # script with local_workers() needs no server at all.
                 conf.broker_url = "memory://"
                 conf.broker_transport_options = {
-                    **(conf.broker_transport_options or {}), "polling_interval": 0.01
+                    **(conf.broker_transport_options or {}),
+                    "polling_interval": 0.01,
                 }
             # Flower needs task events; turn them on unless the user decided otherwise.
             for key in ("worker_send_task_events", "task_send_sent_event"):
                 if key not in conf.changes:
                     conf[key] = True
             if self.settings.embedded and str(conf.broker_url or "").split(":")[0] not in (
-                "", "memory"
+                "",
+                "memory",
             ):
                 log.warning(
                     "ductor is using the embedded SQLite database %s with a networked broker: "
@@ -109,7 +111,9 @@ class Ductor:
                 raise DefinitionError(f"step {func.__name__!r}: timeout must be positive")
             step_name = name or f"{func.__module__}.{func.__qualname__}"
             if step_name in self._steps and self._steps[step_name].fn is not func:
-                raise DefinitionError(f"two different functions are registered as step {step_name!r}")
+                raise DefinitionError(
+                    f"two different functions are registered as step {step_name!r}"
+                )
             step = Step(
                 name=step_name,
                 fn=func,

@@ -70,5 +70,5 @@ def normalize_url(url: str) -> str:
     """``postgresql://`` and ``postgres://`` mean psycopg 3 to us."""
     for prefix in ("postgres://", "postgresql://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
+            return "postgresql+psycopg://" + url[len(prefix) :]
     return url

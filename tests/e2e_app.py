@@ -107,6 +107,12 @@ def slow(ctx: StepContext, seconds: float) -> str:
     return f"slept on attempt {ctx.attempt}"
 
 
+@ductor.step(name="e2e.big")
+def big(ctx: StepContext, size: int) -> str:
+    _ledger(ctx)
+    return "x" * size
+
+
 @ductor.step(name="e2e.echo")
 def echo(ctx: StepContext, value: Any = None) -> Any:
     _ledger(ctx)
@@ -145,6 +151,11 @@ ductor.register(fatal_wf)
 bad_result = Workflow("bad_result")
 bad_result.step("bad", unserializable)
 ductor.register(bad_result)
+
+big_wf = Workflow("big")
+big_wf.step("big", big, args={"size": "$.input.size"})
+big_wf.output("$.nodes.big.output")
+ductor.register(big_wf)
 
 slow_wf = Workflow("slow")
 slow_wf.step("slow", slow, args={"seconds": "$.input.seconds"})

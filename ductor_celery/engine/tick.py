@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from ..definition.spec import WorkflowSpec
-from .advance import check_in_flight, fold_results, fire_retries
+from .advance import check_in_flight, fire_retries, fold_results
 from .context import TickContext
 from .inputs import TickInputs, TickPayload
 from .schedule import fail_run_on_fatal_node, finish_if_done, next_wake_at, start_ready_nodes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -34,14 +35,17 @@ def run_tick(rt: Runtime, run_id: str) -> str:
             return "noop"
         rt.failpoint("before_commit")
         try:
-            outbox = with_retry(lambda: commit_tick(engine, loaded, payload), what="commit tick")
+            outbox = with_retry(
+                functools.partial(commit_tick, engine, loaded, payload), what="commit tick"
+            )
         except VersionConflict as conflict:
             log.debug("run %s: %s; recomputing", run_id, conflict)
             continue
         rt.failpoint("after_commit_before_dispatch")
         if outbox:
             rt.dispatcher.send(outbox)
-            with_retry(lambda: delete_outbox(engine, [r.id for r in outbox]), what="clear outbox")
+            sent_ids = [r.id for r in outbox]
+            with_retry(functools.partial(delete_outbox, engine, sent_ids), what="clear outbox")
         return "committed"
     log.error("run %s: gave up after %d conflicting ticks", run_id, MAX_CONFLICT_RETRIES)
     return "conflict"

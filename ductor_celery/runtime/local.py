@@ -52,6 +52,7 @@ def local_workers(rt: Runtime, concurrency: int = 4, timeout: float = 30.0) -> I
         without_gossip=True,
         ready_callback=None,
     )
+
     def run() -> None:
         app.set_current()
         worker.start()

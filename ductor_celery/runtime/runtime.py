@@ -78,7 +78,7 @@ class Runtime:
     def _register_tick_task(self) -> Any:
         rt = self
 
-        @self.app.task(
+        @self.app.task(  # type: ignore[untyped-decorator]
             name=TICK_TASK_NAME,
             queue=self.settings.coord_queue,
             ignore_result=True,

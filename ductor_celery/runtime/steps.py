@@ -169,8 +169,9 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
     else:
         output, problem = _json_problem(result, f"step {step.name!r} result", limit)
         if problem is None:
-            patch, problem = _json_problem(ctx.patch_value, f"step {step.name!r} context patch",
-                                           limit)
+            patch, problem = _json_problem(
+                ctx.patch_value, f"step {step.name!r} context patch", limit
+            )
         if problem is not None:
             outcome, retryable, output, patch = "failed", False, None, None
             error = {"type": "InvalidResult", "message": problem}

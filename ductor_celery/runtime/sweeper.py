@@ -60,8 +60,12 @@ class Sweeper:
         )
         self.rt.dispatcher.wake_many(due + lost)
         if due or relayed or lost:
-            log.info("sweep: %d due timers, %d outbox rows re-sent, %d lost wake-ups",
-                     len(due), relayed, len(lost))
+            log.info(
+                "sweep: %d due timers, %d outbox rows re-sent, %d lost wake-ups",
+                len(due),
+                relayed,
+                len(lost),
+            )
         return {"timers": len(due), "outbox": relayed, "lost_wakeups": len(lost)}
 
     def _throttle(self, run_ids: list[str]) -> list[str]:
@@ -73,7 +77,7 @@ class Sweeper:
         return fresh
 
 
-class SweeperBootstep(bootsteps.StartStopStep):
+class SweeperBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Runs the sweeper inside ``celery worker -Q ductor-coord``; no extra process to deploy."""
 
     requires = {"celery.worker.components:Pool"}

@@ -65,9 +65,9 @@ def claim(engine: Engine, token: str, worker: str) -> ClaimedAttempt | None:
         if row is None:
             return None
         run = conn.execute(
-            sa.select(
-                workflow_run.c.workflow_id, workflow_run.c.input, workflow_run.c.state
-            ).where(workflow_run.c.run_id == row.run_id)
+            sa.select(workflow_run.c.workflow_id, workflow_run.c.input, workflow_run.c.state).where(
+                workflow_run.c.run_id == row.run_id
+            )
         ).one()
     return ClaimedAttempt(
         token=token,

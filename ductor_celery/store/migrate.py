@@ -15,7 +15,9 @@ from .db import get_engine
 VERSION_TABLE = "eec_alembic_version"
 
 
-def include_object(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
+def include_object(
+    obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
+) -> bool:
     """Alembic compares only ductor's own tables, never the user's (nor its version table)."""
     if type_ == "table":
         return bool(name and name.startswith("eec_") and name != VERSION_TABLE)

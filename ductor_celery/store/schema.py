@@ -119,8 +119,12 @@ workflow_transition = sa.Table(
 workflow_outbox = sa.Table(
     "eec_workflow_outbox",
     metadata,
-    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True,
-              autoincrement=True),
+    sa.Column(
+        "id",
+        sa.BigInteger().with_variant(sa.Integer, "sqlite"),
+        primary_key=True,
+        autoincrement=True,
+    ),
     sa.Column("run_id", sa.String(64), nullable=False),
     sa.Column("kind", sa.String(20), nullable=False),
     sa.Column("task", sa.String(200), nullable=False),

@@ -27,18 +27,22 @@ def due_timer_runs(engine: Engine, *, rewake_after: float, limit: int = 1000) ->
     """Runs whose timer is due, marking them woken so the next sweep does not repeat at once."""
     now = _now(engine)
     with engine.begin() as conn:
-        rows = conn.execute(
-            sa.select(workflow_timer.c.run_id)
-            .where(
-                workflow_timer.c.fire_at <= now,
-                sa.or_(
-                    workflow_timer.c.woken_at.is_(None),
-                    workflow_timer.c.woken_at <= now - timedelta(seconds=rewake_after),
-                ),
+        rows = (
+            conn.execute(
+                sa.select(workflow_timer.c.run_id)
+                .where(
+                    workflow_timer.c.fire_at <= now,
+                    sa.or_(
+                        workflow_timer.c.woken_at.is_(None),
+                        workflow_timer.c.woken_at <= now - timedelta(seconds=rewake_after),
+                    ),
+                )
+                .order_by(workflow_timer.c.fire_at)
+                .limit(limit)
             )
-            .order_by(workflow_timer.c.fire_at)
-            .limit(limit)
-        ).scalars().all()
+            .scalars()
+            .all()
+        )
         if rows:
             conn.execute(
                 sa.update(workflow_timer)
@@ -106,8 +110,9 @@ def relay_stale_outbox(
         if is_postgres(engine):
             query = query.with_for_update(skip_locked=True)
         rows = [
-            OutboxRow(id=r.id, run_id=r.run_id, kind=r.kind, task=r.task, queue=r.queue,
-                      payload=r.payload)
+            OutboxRow(
+                id=r.id, run_id=r.run_id, kind=r.kind, task=r.task, queue=r.queue, payload=r.payload
+            )
             for r in conn.execute(query)
         ]
         if not rows:

@@ -193,13 +193,13 @@ def load_tick(
         if wanted:
             cached, missing = _outputs.get_many(list(wanted.values()))
             if missing:
-                for r in conn.execute(
+                for out in conn.execute(
                     sa.select(step_attempt.c.token, step_attempt.c.output).where(
                         step_attempt.c.token.in_(missing)
                     )
                 ):
-                    _outputs.put(r.token, r.output)
-                    cached[r.token] = r.output
+                    _outputs.put(out.token, out.output)
+                    cached[out.token] = out.output
             outputs = {node: cached.get(token) for node, token in wanted.items()}
         inputs = TickInputs(
             run_id=run_id,
@@ -318,7 +318,7 @@ def _commit(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list[O
 
     outbox: list[OutboxRow] = []
     if payload.dispatches:
-        rows = [
+        rows: list[dict[str, Any]] = [
             {
                 "run_id": d.run_id,
                 "kind": d.kind,
@@ -330,13 +330,21 @@ def _commit(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list[O
             for d in payload.dispatches
         ]
         result = conn.execute(
-            sa.insert(workflow_outbox).returning(workflow_outbox.c.id, sort_by_parameter_order=True),
+            sa.insert(workflow_outbox).returning(
+                workflow_outbox.c.id, sort_by_parameter_order=True
+            ),
             rows,
         )
         ids = [r.id for r in result]
         outbox = [
-            OutboxRow(id=i, run_id=r["run_id"], kind=r["kind"], task=r["task"], queue=r["queue"],
-                      payload=r["payload"])
+            OutboxRow(
+                id=i,
+                run_id=r["run_id"],
+                kind=r["kind"],
+                task=r["task"],
+                queue=r["queue"],
+                payload=r["payload"],
+            )
             for i, r in zip(ids, rows, strict=True)
         ]
 

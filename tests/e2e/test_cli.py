@@ -1,0 +1,62 @@
+"""The ``ductor`` command and the same group under ``celery -A app ductor``, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from cluster import TESTS_DIR
+
+pytestmark = pytest.mark.e2e
+
+
+def _run(cluster: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(cluster.env)
+    return subprocess.run(
+        list(args), cwd=TESTS_DIR, env=env, capture_output=True, text=True, timeout=120,
+        check=False,
+    )
+
+
+def _ductor(cluster: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "ductor")
+    return _run(cluster, exe, "-A", "e2e_app", *args)
+
+
+def test_start_wait_show_and_runs(shared_cluster: Any) -> None:
+    started = _ductor(
+        shared_cluster, "start", "diamond", "--input", '{"x": 2}', "--workflow-id", "cli-1",
+        "--wait", "--timeout", "60",
+    )
+    assert started.returncode == 0, started.stderr
+    handle = json.loads(started.stdout.splitlines()[0])
+    final = json.loads(started.stdout.splitlines()[1])
+    assert handle["workflow_id"] == "cli-1"
+    assert final["status"] == "succeeded" and final["output"]["start"] == 3
+    shown = _ductor(shared_cluster, "show", "cli-1")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["run_id"] == handle["run_id"]
+    listed = _ductor(shared_cluster, "runs", "--workflow", "diamond", "--status", "succeeded")
+    assert handle["run_id"] in listed.stdout
+
+
+def test_errors_are_one_line_and_non_zero(shared_cluster: Any) -> None:
+    bad_json = _ductor(shared_cluster, "start", "diamond", "--input", "{nope")
+    assert bad_json.returncode == 1 and "--input is not valid JSON" in bad_json.stderr
+    unknown = _ductor(shared_cluster, "start", "no_such_workflow")
+    assert unknown.returncode == 1 and "no_such_workflow" in unknown.stderr
+    assert len(unknown.stderr.strip().splitlines()) == 1
+    missing = _ductor(shared_cluster, "show", "no-such-run")
+    assert missing.returncode == 1 and "no-such-run" in missing.stderr
+
+
+def test_the_same_group_runs_as_a_celery_subcommand(shared_cluster: Any) -> None:
+    result = _run(
+        shared_cluster, sys.executable, "-m", "celery", "-A", "e2e_app", "ductor", "show", "nope"
+    )
+    assert result.returncode == 1
+    assert "no run with run id or workflow id 'nope'" in result.stderr

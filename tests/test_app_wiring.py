@@ -1,0 +1,139 @@
+"""Ductor(app) on a plain Celery app: task options, settings, client errors, embedded runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from ductor_celery import (
+    DefinitionError,
+    Ductor,
+    PayloadTooLarge,
+    RetryPolicy,
+    RunNotFound,
+    RunStatus,
+    StepContext,
+    Workflow,
+    WorkflowNotFound,
+)
+from ductor_celery.settings import Settings
+
+
+def _app(tmp_path: Path, **conf: Any) -> Celery:
+    app = Celery(f"wiring{id(conf)}", set_as_current=False)
+    app.conf.update(ductor_database_url=f"sqlite:///{tmp_path}/d.sqlite3", **conf)
+    return app
+
+
+def test_steps_are_late_acked_json_tasks_on_the_steps_queue(tmp_path: Path) -> None:
+    app = _app(tmp_path)
+
+    @app.task(name="user.own")
+    def own() -> int:
+        return 1
+
+    d = Ductor(app)
+
+    @d.step(name="shop.charge", retry=RetryPolicy(max_attempts=5), timeout=30.0)
+    def charge(ctx: StepContext, amount: int) -> int:
+        return amount
+
+    task = app.tasks["shop.charge"]
+    assert task.acks_late and task.reject_on_worker_lost
+    assert task.ignore_result and task.serializer == "json"
+    assert task.queue == "ductor-steps"
+    tick = app.tasks["ductor.tick"]
+    assert tick.queue == "ductor-coord" and tick.ignore_result and tick.serializer == "json"
+    user = app.tasks["user.own"]
+    assert not user.acks_late and getattr(user, "queue", None) is None  # left alone
+    assert app.conf.worker_send_task_events is True
+    assert charge(None, amount=3) == 3  # still callable as a function
+    assert charge.retry.max_attempts == 5 and charge.timeout == 30.0
+
+
+def test_user_configured_task_events_are_respected(tmp_path: Path) -> None:
+    app = _app(tmp_path, worker_send_task_events=False)
+    Ductor(app)
+    assert app.conf.worker_send_task_events is False
+
+
+def test_database_url_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DUCTOR_DATABASE_URL", "postgresql://env/db")
+    assert Settings.from_conf({}).database_url == "postgresql+psycopg://env/db"
+    assert Settings.from_conf({"ductor_database_url": "sqlite:///conf.db"}).database_url == (
+        "sqlite:///conf.db"
+    )
+    assert Settings.from_conf({"ductor_database_url": "x"}, "sqlite:///arg.db").database_url == (
+        "sqlite:///arg.db"
+    )
+    monkeypatch.delenv("DUCTOR_DATABASE_URL")
+    assert Settings.from_conf({}).embedded
+
+
+def test_client_errors_name_the_problem_and_write_nothing(tmp_path: Path) -> None:
+    app = _app(tmp_path, ductor_max_payload_bytes=100)
+    d = Ductor(app)
+
+    @d.step(name="t.echo")
+    def echo(ctx: StepContext, value: Any = None) -> Any:
+        return value
+
+    wf = Workflow("w")
+    wf.step("a", echo)
+    d.register(wf)
+    with pytest.raises(WorkflowNotFound, match="nope"):
+        d.start("nope")
+    with pytest.raises(PayloadTooLarge, match="ductor_max_payload_bytes=100"):
+        d.start("w", input={"blob": "x" * 200})
+    with pytest.raises(RunNotFound, match="missing-run"):
+        d.get("missing-run")
+    assert d.list_runs() == []
+
+
+def test_register_rejects_a_step_from_another_ductor(tmp_path: Path) -> None:
+    d1 = Ductor(_app(tmp_path))
+    d2 = Ductor(_app(tmp_path / "other"))
+
+    @d1.step(name="t.only_here")
+    def only_here(ctx: StepContext) -> None:
+        return None
+
+    wf = Workflow("w")
+    wf.step("a", only_here)
+    with pytest.raises(DefinitionError, match="t.only_here"):
+        d2.register(wf)
+    wf2 = Workflow("w2")
+    wf2.step("a", "t.unknown")
+    with pytest.raises(DefinitionError, match="unknown step 't.unknown'"):
+        d1.register(wf2)
+
+
+def test_local_workers_run_a_workflow_end_to_end_on_sqlite(tmp_path: Path) -> None:
+    d = Ductor(_app(tmp_path))
+
+    @d.step(name="t.inc")
+    def inc(ctx: StepContext, x: int) -> int:
+        ctx.patch({ctx.node: x})
+        return x + 1
+
+    @d.step(name="t.bad", retry=RetryPolicy(max_attempts=2, initial_interval=0.05))
+    def bad(ctx: StepContext) -> None:
+        raise RuntimeError("nope")
+
+    wf = Workflow("inc")
+    wf.step("a", inc, args={"x": "$.input"})
+    wf.step("b", inc, after=["a"], args={"x": "$.nodes.a.output"})
+    wf.step("c", bad, after=["a"], continue_on_failure=True)
+    wf.step("d", inc, after=["b", "c"], args={"x": "$.nodes.b.output"})
+    wf.output("$.nodes.d.output")
+    d.register(wf)
+    with d.local_workers():
+        view = d.wait(d.start("inc", input=1).run_id, timeout=30)
+    assert view.status == RunStatus.SUCCEEDED
+    assert view.output == 4
+    assert view.context == {"a": 1, "b": 2, "d": 3}
+    assert view.nodes["c"].status == "failed" and view.nodes["c"].attempts == 2
+    assert view.nodes["c"].output is None
