@@ -1,36 +1,51 @@
-"""The ``ductor`` command; also ``celery -A app ductor ...`` (the celery.commands entry point)."""
+"""The ``ductor`` command; also ``celery -A app ductor ...`` (the celery.commands entry point).
+
+Every error prints one line on stderr and exits non-zero; read commands take ``--json``.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
-from typing import Any
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from .errors import DuctorError
 from .settings import EMBEDDED_DATABASE_URL, normalize_url
 
+if TYPE_CHECKING:
+    from .ductor import Ductor
+    from .views import RunView
 
-def _fail(message: str) -> None:
+
+def _fail(message: str, code: int = 1) -> NoReturn:
     click.echo(f"error: {message}", err=True)
-    sys.exit(1)
+    sys.exit(code)
 
 
-def _load_ductor(ctx: click.Context) -> Any:
-    """The Ductor instance of the app given with -A (ours or celery's)."""
+def _app_path(ctx: click.Context) -> tuple[Any, str | None]:
+    obj = ctx.find_root().obj
+    app = getattr(obj, "app", None)  # celery's CLIContext when run as `celery -A app ductor`
+    path = obj.get("app") if isinstance(obj, dict) else None
+    return app, path
+
+
+def _load_ductor(ctx: click.Context) -> Ductor:
+    """The Ductor of the app given with -A (ours, or celery's own -A)."""
     from celery import Celery
 
     from .ductor import Ductor
 
-    obj = ctx.find_root().obj
-    app = getattr(obj, "app", None)  # celery's CLIContext
+    app, app_path = _app_path(ctx)
     if app is None:
-        app_path = obj.get("app") if isinstance(obj, dict) else None
         if not app_path:
             _fail("no app given: use 'ductor -A module:app ...'")
         from celery.app.utils import find_app
 
+        sys.path.insert(0, os.getcwd())  # as `celery -A` does: the app module sits here
         try:
             app = find_app(app_path)
         except Exception as exc:  # noqa: BLE001 - any import problem becomes one clear line
@@ -41,6 +56,42 @@ def _load_ductor(ctx: click.Context) -> Any:
     if not isinstance(found, Ductor):
         _fail("the app has no Ductor: create one with Ductor(app) in the app module")
     return found
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a client call; ductor's errors and bad values become one line and exit 1."""
+    try:
+        return fn(*args, **kwargs)
+    except (DuctorError, TimeoutError, ValueError) as exc:
+        _fail(str(exc))
+    except Exception as exc:  # noqa: BLE001 - e.g. the database is unreachable
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        _fail(f"{exc.__class__.__name__}: {first}")
+
+
+def _parse_json(text: str | None, option: str) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        _fail(f"{option} is not valid JSON: {exc}")
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console()
+
+
+def _when(value: datetime | None) -> str:
+    return value.strftime("%Y-%m-%d %H:%M:%S") if value else ""
+
+
+def _duration(start: datetime | None, end: datetime | None) -> str:
+    if start is None or end is None:
+        return ""
+    return f"{(end - start).total_seconds():.3f}s"
 
 
 @click.group(name="ductor")
@@ -59,15 +110,12 @@ def ductor(ctx: click.Context, app_path: str | None) -> None:
 @click.pass_context
 def migrate(ctx: click.Context, database_url: str | None) -> None:
     """Create or upgrade the eec_ schema."""
-    import os
-
     from .store.migrate import upgrade
 
     url = database_url or os.environ.get("DUCTOR_DATABASE_URL")
-    if url is None:
-        obj = ctx.find_root().obj
-        if getattr(obj, "app", None) is not None or (isinstance(obj, dict) and obj.get("app")):
-            url = _load_ductor(ctx).settings.database_url
+    app, app_path = _app_path(ctx)
+    if url is None and (app is not None or app_path):
+        url = _load_ductor(ctx).settings.database_url
     url = normalize_url(url or EMBEDDED_DATABASE_URL)
     try:
         upgrade(url)
@@ -86,7 +134,7 @@ def _redact(url: str) -> str:
 @click.argument("workflow")
 @click.option("--input", "input_json", default=None, help="The run input, as JSON.")
 @click.option("--workflow-id", default=None, help="Business key; an open run with it is reused.")
-@click.option("--wait", "wait_", is_flag=True, help="Wait for the run to finish.")
+@click.option("--wait", "wait_", is_flag=True, help="Wait for the run to finish; print it.")
 @click.option("--timeout", default=None, type=float, help="With --wait: give up after seconds.")
 @click.pass_context
 def start(
@@ -97,60 +145,154 @@ def start(
     wait_: bool,
     timeout: float | None,
 ) -> None:
-    """Start a run of WORKFLOW."""
-    try:
-        value = json.loads(input_json) if input_json is not None else None
-    except json.JSONDecodeError as exc:
-        _fail(f"--input is not valid JSON: {exc}")
+    """Start a run of WORKFLOW; prints {"run_id", "workflow_id"} (then the run, with --wait)."""
+    value = _parse_json(input_json, "--input")
     d = _load_ductor(ctx)
-    try:
-        handle = d.start(workflow, input=value, workflow_id=workflow_id)
-        click.echo(json.dumps({"run_id": handle.run_id, "workflow_id": handle.workflow_id}))
-        if wait_:
-            view = d.wait(handle.run_id, timeout=timeout)
-            click.echo(view.model_dump_json())
-            if view.status != "succeeded":
-                sys.exit(2)
-    except (DuctorError, TimeoutError) as exc:
-        _fail(str(exc))
+    handle = _call(d.start, workflow, input=value, workflow_id=workflow_id)
+    click.echo(json.dumps({"run_id": handle.run_id, "workflow_id": handle.workflow_id}))
+    if wait_:
+        view = _call(d.wait, handle.run_id, timeout=timeout)
+        click.echo(view.model_dump_json())
+        if view.status != "succeeded":
+            sys.exit(2)
 
 
 @ductor.command()
-@click.option("--status", default=None)
-@click.option("--workflow", default=None)
-@click.option("--limit", default=50, type=int)
+@click.option("--status", default=None, help="Only runs with this status.")
+@click.option("--workflow", default=None, help="Only runs of this workflow.")
+@click.option("--limit", default=50, type=click.IntRange(1, 10_000), show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.pass_context
-def runs(ctx: click.Context, status: str | None, workflow: str | None, limit: int) -> None:
-    """List runs, newest first (JSON lines)."""
+def runs(
+    ctx: click.Context, status: str | None, workflow: str | None, limit: int, as_json: bool
+) -> None:
+    """List runs, newest first."""
     d = _load_ductor(ctx)
-    try:
-        for view in d.list_runs(status=status, workflow=workflow, limit=limit):
-            click.echo(
-                view.model_dump_json(
-                    include={
-                        "run_id",
-                        "workflow_id",
-                        "workflow",
-                        "status",
-                        "created_at",
-                        "finished_at",
-                    }
-                )
-            )
-    except (DuctorError, ValueError) as exc:
-        _fail(str(exc))
+    views = _call(d.list_runs, status=status, workflow=workflow, limit=limit)
+    if as_json:
+        for view in views:
+            click.echo(view.model_dump_json(exclude={"nodes", "context", "input", "output"}))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{len(views)} runs")
+    for column in ("run id", "workflow id", "workflow", "status", "created", "took"):
+        table.add_column(column)
+    for v in views:
+        table.add_row(
+            v.run_id, v.workflow_id, f"{v.workflow} v{v.version}", _status(v.status),
+            _when(v.created_at), _duration(v.created_at, v.finished_at),
+        )
+    _console().print(table)
+
+
+_COLORS = {
+    "succeeded": "green", "running": "yellow", "waiting": "cyan", "failed": "red",
+    "cancelled": "magenta", "terminated": "magenta", "skipped": "dim", "pending": "white",
+}
+
+
+def _status(status: str) -> str:
+    return f"[{_COLORS.get(status, 'white')}]{status}[/]"
 
 
 @ductor.command()
 @click.argument("target")
+@click.option("--json", "as_json", is_flag=True, help="The run view as JSON.")
 @click.pass_context
-def show(ctx: click.Context, target: str) -> None:
-    """Show a run (by run id or workflow id) as JSON."""
+def show(ctx: click.Context, target: str, as_json: bool) -> None:
+    """Show a run (TARGET: run id or workflow id): nodes, attempts, timings, errors, the graph."""
     d = _load_ductor(ctx)
-    try:
-        click.echo(d.get(target).model_dump_json(indent=2))
-    except DuctorError as exc:
-        _fail(str(exc))
+    view: RunView = _call(d.get, target)
+    if as_json:
+        click.echo(view.model_dump_json(indent=2))
+        return
+    from rich.table import Table
+
+    from .definition.render import to_mermaid
+
+    spec = _call(d.client.definition_of, view.run_id)
+    attempts, transitions = _call(d.client.history, view.run_id)
+    console = _console()
+    console.print(
+        f"[bold]run[/] {view.run_id}  [bold]workflow id[/] {view.workflow_id}  "
+        f"[bold]workflow[/] {view.workflow} v{view.version}  [bold]status[/] "
+        f"{_status(view.status)}"
+    )
+    console.print(
+        f"created {_when(view.created_at)}  finished {_when(view.finished_at) or '-'}  "
+        f"took {_duration(view.created_at, view.finished_at) or '-'}"
+    )
+    if view.error:
+        console.print(f"[red]error:[/] {view.error.get('node', '')} {view.error.get('message')}")
+    nodes = Table(title="nodes")
+    for column in ("node", "status", "attempts", "started", "took", "output / error"):
+        nodes.add_column(column)
+    for node_id, node in view.nodes.items():
+        detail = node.output if node.error is None else (node.error or {}).get("message")
+        nodes.add_row(
+            node_id, _status(node.status), str(node.attempts), _when(node.started_at),
+            _duration(node.started_at, node.finished_at), _short(detail),
+        )
+    console.print(nodes)
+    tries = Table(title="attempts")
+    for column in ("token", "outcome", "claimed by", "took", "error"):
+        tries.add_column(column)
+    for a in attempts:
+        tries.add_row(
+            a.token.split(":", 1)[-1], a.outcome or ("running" if a.claimed_at else "queued"),
+            a.claimed_by or "", _duration(a.claimed_at, a.finished_at),
+            _short((a.error or {}).get("message")),
+        )
+    console.print(tries)
+    history = Table(title="transitions")
+    for column in ("seq", "at", "node", "from", "to", "reason"):
+        history.add_column(column)
+    for tr in transitions:
+        history.add_row(
+            str(tr.seq), _when(tr.at), tr.node or "(run)", tr.from_status or "", tr.to_status,
+            _short(tr.reason, 80),
+        )
+    console.print(history)
+    statuses = {k: v.status.value for k, v in view.nodes.items()}
+    console.print(to_mermaid(spec, statuses), markup=False, highlight=False)
+
+
+def _short(value: Any, width: int = 60) -> str:
+    text = "" if value is None else (value if isinstance(value, str) else json.dumps(value))
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+@ductor.command()
+@click.argument("workflow")
+@click.option("--format", "fmt", type=click.Choice(["mermaid", "dot"]), default="mermaid",
+              show_default=True)
+@click.pass_context
+def graph(ctx: click.Context, workflow: str, fmt: str) -> None:
+    """Print WORKFLOW's graph as Mermaid or Graphviz DOT."""
+    from .definition.render import to_dot, to_mermaid
+
+    spec = _call(_load_ductor(ctx).client.find_definition, workflow)
+    click.echo(to_mermaid(spec) if fmt == "mermaid" else to_dot(spec))
+
+
+@ductor.command()
+@click.option("--timeout", default=2.0, type=float, show_default=True,
+              help="Seconds to wait for workers to answer.")
+@click.pass_context
+def doctor(ctx: click.Context, timeout: float) -> None:
+    """Check the database, the schema, the broker, and that both ductor queues are consumed."""
+    from .doctor import run_checks
+
+    d = _load_ductor(ctx)
+    console = _console()
+    ok = True
+    for check in run_checks(d, timeout=timeout):
+        mark = "[green]ok[/]  " if check.ok else "[red]FAIL[/]"
+        console.print(f"{mark} {check.name}: {check.detail}")
+        ok = ok and check.ok
+    if not ok:
+        sys.exit(1)
 
 
 def main() -> None:

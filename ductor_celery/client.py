@@ -64,9 +64,7 @@ class Client:
     # -- writes -----------------------------------------------------------------------------
 
     def start(self, workflow: str, input: Any = None, workflow_id: str | None = None) -> RunHandle:
-        spec = self._find_spec(workflow) or runs.latest_definition(self.engine, workflow)
-        if spec is None:
-            raise WorkflowNotFound(f"no workflow named {workflow!r} is registered")
+        spec = self.find_definition(workflow)
         if self._remember_spec is not None:
             self._remember_spec(spec)
         value = check_payload(
@@ -144,6 +142,27 @@ class Client:
             created_at=row.created_at,
             finished_at=row.finished_at,
         )
+
+    def definition_of(self, target: str) -> WorkflowSpec:
+        """The spec a run is pinned to."""
+        row = self._row(target)
+        spec = runs.load_definition(self.engine, row.spec_hash)
+        if spec is None:  # the run's FK makes this impossible short of manual deletes
+            raise RunNotFound(f"run {row.run_id}: its definition {row.spec_hash} is missing")
+        return spec
+
+    def history(self, target: str, limit: int = 200) -> tuple[list[Any], list[Any]]:
+        """(attempt rows, transition rows) of a run, for ``ductor show``."""
+        row = self._row(target)
+        return runs.attempts_of(self.engine, row.run_id), runs.transitions_of(
+            self.engine, row.run_id, limit
+        )
+
+    def find_definition(self, name: str) -> WorkflowSpec:
+        spec = self._find_spec(name) or runs.latest_definition(self.engine, name)
+        if spec is None:
+            raise WorkflowNotFound(f"no workflow named {name!r} is registered")
+        return spec
 
     def wait(self, target: str, timeout: float | None = None) -> RunView:
         """Block until the run is terminal. Told by NOTIFY on PostgreSQL; polls otherwise."""

@@ -17,7 +17,7 @@ from ..definition.spec import WorkflowSpec
 from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from .db import aware
-from .schema import step_attempt, workflow_definition, workflow_run
+from .schema import step_attempt, workflow_definition, workflow_run, workflow_transition
 
 RUN_COLUMNS = (
     workflow_run.c.run_id,
@@ -225,3 +225,15 @@ def attempts_of(engine: Engine, run_id: str) -> list[Any]:
                 .order_by(step_attempt.c.created_at, step_attempt.c.token)
             ).all()
         )
+
+
+def transitions_of(engine: Engine, run_id: str, limit: int = 200) -> list[Any]:
+    """The run's most recent transitions, oldest first."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(workflow_transition)
+            .where(workflow_transition.c.run_id == run_id)
+            .order_by(workflow_transition.c.seq.desc())
+            .limit(limit)
+        ).all()
+    return list(reversed(rows))

@@ -38,10 +38,53 @@ def test_start_wait_show_and_runs(shared_cluster: Any) -> None:
     final = json.loads(started.stdout.splitlines()[1])
     assert handle["workflow_id"] == "cli-1"
     assert final["status"] == "succeeded" and final["output"]["start"] == 3
-    shown = _ductor(shared_cluster, "show", "cli-1")
+    shown = _ductor(shared_cluster, "show", "cli-1", "--json")
     assert shown.returncode == 0 and json.loads(shown.stdout)["run_id"] == handle["run_id"]
-    listed = _ductor(shared_cluster, "runs", "--workflow", "diamond", "--status", "succeeded")
-    assert handle["run_id"] in listed.stdout
+    listed = _ductor(
+        shared_cluster, "runs", "--workflow", "diamond", "--status", "succeeded", "--json"
+    )
+    assert handle["run_id"] in [json.loads(line)["run_id"] for line in listed.stdout.splitlines()]
+    table = _ductor(shared_cluster, "show", "cli-1")
+    assert table.returncode == 0, table.stderr
+    for expected in ("succeeded", "join", "attempts", "transitions", "flowchart TD"):
+        assert expected in table.stdout
+    runs_table = _ductor(shared_cluster, "runs", "--limit", "5")
+    assert runs_table.returncode == 0 and "diamond" in runs_table.stdout
+
+
+def test_graph_in_mermaid_and_dot(shared_cluster: Any) -> None:
+    mermaid = _ductor(shared_cluster, "graph", "diamond")
+    assert mermaid.returncode == 0
+    assert mermaid.stdout.startswith("flowchart TD") and "-->" in mermaid.stdout
+    dot = _ductor(shared_cluster, "graph", "diamond", "--format", "dot")
+    assert dot.returncode == 0 and '"start" -> "left";' in dot.stdout
+    unknown = _ductor(shared_cluster, "graph", "nope")
+    assert unknown.returncode == 1 and "nope" in unknown.stderr
+
+
+def test_doctor_passes_with_both_queues_consumed(shared_cluster: Any) -> None:
+    result = _ductor(shared_cluster, "doctor")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "queue ductor-steps: consumed by" in result.stdout
+    assert "queue ductor-coord: consumed by" in result.stdout
+
+
+def test_doctor_reports_a_queue_nobody_consumes(cluster_factory: Any) -> None:
+    cluster = cluster_factory()
+    cluster.start_steps(concurrency=1)
+    result = _ductor(cluster, "doctor", "--timeout", "1")
+    assert result.returncode == 1
+    assert "FAIL queue ductor-coord: no worker consumes it" in result.stdout
+    assert "ok   queue ductor-steps" in result.stdout
+
+
+def test_doctor_reports_an_unmigrated_database(cluster_factory: Any, pg_server: Any) -> None:
+    cluster = cluster_factory()
+    pg_server.create_database("doctor_empty")
+    cluster.env["DUCTOR_DATABASE_URL"] = pg_server.url("doctor_empty")
+    result = _ductor(cluster, "doctor", "--timeout", "0.5")
+    assert result.returncode == 1
+    assert "FAIL schema: at nothing" in result.stdout and "ductor migrate" in result.stdout
 
 
 def test_errors_are_one_line_and_non_zero(shared_cluster: Any) -> None:

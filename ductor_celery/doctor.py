@@ -1,0 +1,81 @@
+"""``ductor doctor``: the checks an operator wants before trusting a deployment.
+
+Celery happily routes tasks to a queue nobody consumes (``task_create_missing_queues``), and
+they pile up in silence, so "a worker consumes each ductor queue" is a check of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import sqlalchemy as sa
+
+if TYPE_CHECKING:
+    from .ductor import Ductor
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{exc.__class__.__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def run_checks(d: Ductor, timeout: float = 2.0) -> list[Check]:
+    from .store.db import get_engine
+    from .store.migrate import current_revision, head_revision
+
+    settings = d.settings
+    checks: list[Check] = []
+    url = sa.engine.make_url(settings.database_url).render_as_string(hide_password=True)
+    engine = get_engine(settings.database_url)
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+        checks.append(Check("database", True, f"reachable ({url})"))
+        current, head = current_revision(engine), head_revision(settings.database_url)
+        if current == head:
+            checks.append(Check("schema", True, f"at head ({head})"))
+        else:
+            checks.append(
+                Check("schema", False, f"at {current or 'nothing'}, head is {head}: run "
+                      "'ductor migrate'")
+            )
+    except Exception as exc:  # noqa: BLE001 - every failure is a finding, not a crash
+        checks.append(Check("database", False, f"unreachable ({url}): {_first_line(exc)}"))
+    app = d.app
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, timeout=timeout)
+        broker = app.connection_for_write().as_uri()
+        checks.append(Check("broker", True, f"reachable ({broker})"))
+    except Exception as exc:  # noqa: BLE001
+        checks.append(Check("broker", False, f"unreachable: {_first_line(exc)}"))
+        return checks
+    try:
+        replies = app.control.inspect(timeout=timeout).active_queues() or {}
+    except Exception as exc:  # noqa: BLE001
+        replies = {}
+        checks.append(Check("workers", False, f"cannot inspect workers: {_first_line(exc)}"))
+    for queue in (settings.steps_queue, settings.coord_queue):
+        consumers = sorted(
+            worker for worker, queues in replies.items()
+            if any(q.get("name") == queue for q in queues or [])
+        )
+        if consumers:
+            checks.append(Check(f"queue {queue}", True, "consumed by " + ", ".join(consumers)))
+        else:
+            cmd = f"celery -A <app> worker -Q {queue}" + (
+                " -c 1" if queue == settings.coord_queue else ""
+            )
+            checks.append(
+                Check(f"queue {queue}", False, f"no worker consumes it: tasks routed there "
+                      f"pile up; start '{cmd}'")
+            )
+    return checks
