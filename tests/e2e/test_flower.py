@@ -1,0 +1,73 @@
+"""Flower shows steps under their step names and ticks as ``ductor.tick``, from the plain
+worker commands (ductor turns task events on)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster import TESTS_DIR
+from servers import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 - loopback only
+        return json.loads(response.read())
+
+
+def test_flower_lists_step_and_tick_tasks_by_name(
+    shared_cluster: Any, client_for: Any, tmp_path: Path
+) -> None:
+    port = free_port()
+    log = open(tmp_path / "flower.log", "wb")  # noqa: SIM115
+    flower = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "e2e_app", "flower", f"--port={port}",
+         "--address=127.0.0.1"],
+        cwd=TESTS_DIR,
+        env={**shared_cluster.env, "FLOWER_UNAUTHENTICATED_API": "true"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                _get(f"{base}/api/workers?refresh=true")
+                break
+            except OSError:
+                assert time.monotonic() < deadline, (tmp_path / "flower.log").read_text()
+                time.sleep(0.3)
+        time.sleep(1.0)  # let Flower subscribe to the event stream before the run
+        ductor = client_for(shared_cluster)
+        handle = ductor.start("diamond", input={"x": 1})
+        assert ductor.wait(handle.run_id, timeout=30).status == "succeeded"
+        deadline = time.monotonic() + 20
+        while True:
+            tasks = _get(f"{base}/api/tasks?limit=500")
+            names = {t.get("name") for t in tasks.values()}
+            mine = [t for t in tasks.values() if handle.run_id in (t.get("kwargs") or "")
+                    or handle.run_id in (t.get("args") or "")]
+            if {"e2e.add", "e2e.mul", "e2e.collect", "ductor.tick"} <= names and len(mine) >= 4:
+                break
+            assert time.monotonic() < deadline, names
+            time.sleep(0.5)
+        steps = [t for t in mine if t["name"] != "ductor.tick"]
+        assert {t["state"] for t in steps} == {"SUCCESS"}
+        assert all(handle.run_id not in t["name"] for t in tasks.values())  # names are labels
+    finally:
+        os.killpg(flower.pid, signal.SIGTERM)
+        flower.wait(15)
+        log.close()
