@@ -19,18 +19,26 @@ from typing import Any
 import sqlalchemy as sa
 
 TESTS_DIR = Path(__file__).resolve().parent
-CELERY = [sys.executable, "-m", "celery", "-A", "e2e_app"]
+ROOT_DIR = TESTS_DIR.parent
 
 
 class Worker:
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        app: str = "e2e_app",
+        cwd: Path = TESTS_DIR,
+    ) -> None:
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [*CELERY, "worker", "-n", f"{name}@%h", "--without-mingle", "--without-gossip",
+            [sys.executable, "-m", "celery", "-A", app, "worker", "-n", f"{name}@%h", "--without-mingle", "--without-gossip",
              "-l", "INFO", *args],
-            cwd=TESTS_DIR,
+            cwd=cwd,
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -74,7 +82,17 @@ class Worker:
 
 
 class Cluster:
-    def __init__(self, database_url: str, broker_url: str, workdir: Path, **env: str) -> None:
+    def __init__(
+        self,
+        database_url: str,
+        broker_url: str,
+        workdir: Path,
+        app: str = "e2e_app",
+        cwd: Path = TESTS_DIR,
+        **env: str,
+    ) -> None:
+        self.app = app
+        self.cwd = cwd
         self.database_url = database_url
         self.broker_url = broker_url
         self.workdir = workdir
@@ -82,6 +100,7 @@ class Cluster:
             **os.environ,
             "DUCTOR_DATABASE_URL": database_url,
             "E2E_BROKER_URL": broker_url,
+            "SHOP_BROKER_URL": broker_url,
             "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
             **env,
         }
@@ -98,6 +117,8 @@ class Cluster:
         worker = Worker(
             f"{name}{len(self.workers)}", args, {**self.env, **env},
             self.workdir / f"{name}{len(self.workers)}.log",
+            app=self.app,
+            cwd=self.cwd,
         )
         worker.wait_ready()
         self.workers.append(worker)

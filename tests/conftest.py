@@ -40,7 +40,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import sqlalchemy as sa  # noqa: E402
-from cluster import Cluster  # noqa: E402
+from cluster import TESTS_DIR, Cluster  # noqa: E402
 
 _redis_dbs = itertools.count(1)
 LEDGER_DDL = "CREATE TABLE e2e_ledger (run_id text, node text, attempt int, at timestamptz DEFAULT now())"
@@ -86,8 +86,15 @@ def cluster_factory(
     """Make Clusters (a fresh database + Redis db + worker processes); stopped at teardown."""
     made: list[Cluster] = []
 
-    def make(**env: str) -> Cluster:
-        cluster = Cluster(_fresh_db(pg_server, template_db), _broker(redis_server), tmp_path, **env)
+    def make(app: str = "e2e_app", cwd: Path | None = None, **env: str) -> Cluster:
+        cluster = Cluster(
+            _fresh_db(pg_server, template_db),
+            _broker(redis_server),
+            tmp_path,
+            app=app,
+            cwd=cwd or TESTS_DIR,
+            **env,
+        )
         made.append(cluster)
         return cluster
 
