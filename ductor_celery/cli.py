@@ -180,15 +180,25 @@ def runs(
         table.add_column(column)
     for v in views:
         table.add_row(
-            v.run_id, v.workflow_id, f"{v.workflow} v{v.version}", _status(v.status),
-            _when(v.created_at), _duration(v.created_at, v.finished_at),
+            v.run_id,
+            v.workflow_id,
+            f"{v.workflow} v{v.version}",
+            _status(v.status),
+            _when(v.created_at),
+            _duration(v.created_at, v.finished_at),
         )
     _console().print(table)
 
 
 _COLORS = {
-    "succeeded": "green", "running": "yellow", "waiting": "cyan", "failed": "red",
-    "cancelled": "magenta", "terminated": "magenta", "skipped": "dim", "pending": "white",
+    "succeeded": "green",
+    "running": "yellow",
+    "waiting": "cyan",
+    "failed": "red",
+    "cancelled": "magenta",
+    "terminated": "magenta",
+    "skipped": "dim",
+    "pending": "white",
 }
 
 
@@ -231,8 +241,12 @@ def show(ctx: click.Context, target: str, as_json: bool) -> None:
     for node_id, node in view.nodes.items():
         detail = node.output if node.error is None else (node.error or {}).get("message")
         nodes.add_row(
-            node_id, _status(node.status), str(node.attempts), _when(node.started_at),
-            _duration(node.started_at, node.finished_at), _short(detail),
+            node_id,
+            _status(node.status),
+            str(node.attempts),
+            _when(node.started_at),
+            _duration(node.started_at, node.finished_at),
+            _short(detail),
         )
     console.print(nodes)
     tries = Table(title="attempts")
@@ -240,8 +254,10 @@ def show(ctx: click.Context, target: str, as_json: bool) -> None:
         tries.add_column(column)
     for a in attempts:
         tries.add_row(
-            a.token.split(":", 1)[-1], a.outcome or ("running" if a.claimed_at else "queued"),
-            a.claimed_by or "", _duration(a.claimed_at, a.finished_at),
+            a.token.split(":", 1)[-1],
+            a.outcome or ("running" if a.claimed_at else "queued"),
+            a.claimed_by or "",
+            _duration(a.claimed_at, a.finished_at),
             _short((a.error or {}).get("message")),
         )
     console.print(tries)
@@ -250,7 +266,11 @@ def show(ctx: click.Context, target: str, as_json: bool) -> None:
         history.add_column(column)
     for tr in transitions:
         history.add_row(
-            str(tr.seq), _when(tr.at), tr.node or "(run)", tr.from_status or "", tr.to_status,
+            str(tr.seq),
+            _when(tr.at),
+            tr.node or "(run)",
+            tr.from_status or "",
+            tr.to_status,
             _short(tr.reason, 80),
         )
     console.print(history)
@@ -265,8 +285,9 @@ def _short(value: Any, width: int = 60) -> str:
 
 @ductor.command()
 @click.argument("workflow")
-@click.option("--format", "fmt", type=click.Choice(["mermaid", "dot"]), default="mermaid",
-              show_default=True)
+@click.option(
+    "--format", "fmt", type=click.Choice(["mermaid", "dot"]), default="mermaid", show_default=True
+)
 @click.pass_context
 def graph(ctx: click.Context, workflow: str, fmt: str) -> None:
     """Print WORKFLOW's graph as Mermaid or Graphviz DOT."""
@@ -277,8 +298,13 @@ def graph(ctx: click.Context, workflow: str, fmt: str) -> None:
 
 
 @ductor.command()
-@click.option("--timeout", default=2.0, type=float, show_default=True,
-              help="Seconds to wait for workers to answer.")
+@click.option(
+    "--timeout",
+    default=2.0,
+    type=float,
+    show_default=True,
+    help="Seconds to wait for workers to answer.",
+)
 @click.pass_context
 def doctor(ctx: click.Context, timeout: float) -> None:
     """Check the database, the schema, the broker, and that both ductor queues are consumed."""
@@ -293,6 +319,87 @@ def doctor(ctx: click.Context, timeout: float) -> None:
         ok = ok and check.ok
     if not ok:
         sys.exit(1)
+
+
+@ductor.command()
+@click.argument("target")
+@click.argument("name")
+@click.option("--payload", default=None, help="The signal payload, as JSON.")
+@click.option(
+    "--idempotency-key", default=None, help="A repeat of the key is accepted and ignored."
+)
+@click.pass_context
+def signal(
+    ctx: click.Context, target: str, name: str, payload: str | None, idempotency_key: str | None
+) -> None:
+    """Send signal NAME to TARGET (run id or workflow id)."""
+    value = _parse_json(payload, "--payload")
+    signal_id = _call(
+        _load_ductor(ctx).signal, target, name, value, idempotency_key=idempotency_key
+    )
+    click.echo(json.dumps({"signal_id": signal_id}))
+
+
+def _decision(approved: bool) -> click.Command:
+    verb = "approve" if approved else "reject"
+
+    @click.command(name=verb, help=f"{verb.capitalize()} the waiting approval NODE of TARGET.")
+    @click.argument("target")
+    @click.argument("node")
+    @click.option("--by", default=None, help="Who decides.")
+    @click.option("--comment", default=None)
+    @click.pass_context
+    def decide(
+        ctx: click.Context, target: str, node: str, by: str | None, comment: str | None
+    ) -> None:
+        d = _load_ductor(ctx)
+        _call(d.approve if approved else d.reject, target, node, by=by, comment=comment)
+        click.echo(f"{verb}d {node}")
+
+    return decide
+
+
+ductor.add_command(_decision(True))
+ductor.add_command(_decision(False))
+
+
+def _control(kind: str, with_reason: bool) -> click.Command:
+    name = kind.replace("_", "-")
+
+    @click.command(name=name, help=f"{name.capitalize()} TARGET (run id or workflow id).")
+    @click.argument("target")
+    @click.pass_context
+    def control(ctx: click.Context, /, target: str, **options: Any) -> None:
+        d = _load_ductor(ctx)
+        kwargs: dict[str, Any] = {}
+        if with_reason and options.get("reason") is not None:
+            kwargs["reason"] = options["reason"]
+        if kind == "continue_as_new" and options.get("input_json") is not None:
+            kwargs["input"] = _parse_json(options["input_json"], "--input")
+        _call(getattr(d, kind), target, **kwargs)
+        click.echo(f"{name} requested")
+
+    if with_reason:
+        control = click.option("--reason", default=None)(control)
+    if kind == "continue_as_new":
+        control = click.option(
+            "--input",
+            "input_json",
+            default=None,
+            help="Start the successor from the top with this JSON input.",
+        )(control)
+    return control
+
+
+for _kind, _reason in (
+    ("pause", True),
+    ("resume", False),
+    ("cancel", True),
+    ("terminate", True),
+    ("redrive", False),
+    ("continue_as_new", False),
+):
+    ductor.add_command(_control(_kind, _reason))
 
 
 def main() -> None:

@@ -10,22 +10,39 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from .definition.spec import WorkflowSpec
+from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
 from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
-from .errors import PayloadNotSerializable, PayloadTooLarge, RunNotFound, WorkflowNotFound
+from .errors import (
+    InvalidOperation,
+    PayloadNotSerializable,
+    PayloadTooLarge,
+    RunNotFound,
+    WorkflowNotFound,
+)
 from .settings import Settings
-from .store import runs
+from .store import external, runs
 from .store.db import get_engine, is_postgres, with_retry
 from .store.runs import RunRow
 from .store.ticks import RUN_FINISHED_CHANNEL
 from .views import NodeView, RunHandle, RunView
 
 log = logging.getLogger("ductor_celery.client")
+
+_OPEN = frozenset({RunStatus.PENDING, RunStatus.RUNNING, RunStatus.PAUSED})
+CONTROL_ALLOWED: dict[str, frozenset[RunStatus]] = {
+    "pause": frozenset({RunStatus.RUNNING, RunStatus.PENDING}),
+    "resume": frozenset({RunStatus.PAUSED}),
+    "cancel": _OPEN,
+    "terminate": _OPEN,
+    "redrive": frozenset({RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.TERMINATED}),
+    "continue_as_new": frozenset({RunStatus.RUNNING, RunStatus.PAUSED, RunStatus.PENDING}),
+}
 
 
 def check_payload(value: Any, what: str, limit: int) -> Any:
@@ -92,6 +109,124 @@ class Client:
         except Exception as exc:  # noqa: BLE001
             log.warning("could not wake run %s (the sweeper will): %s", run_id, exc)
 
+    # -- external input and controls ---------------------------------------------------------
+
+    def signal(
+        self,
+        target: str,
+        name: str,
+        payload: Any = None,
+        idempotency_key: str | None = None,
+    ) -> int:
+        """Accept a signal for the run (kept until a node consumes it). Returns its id."""
+        if not isinstance(name, str) or not name or name.startswith("ductor."):
+            raise ValueError(
+                f"invalid signal name {name!r} (names starting 'ductor.' are reserved)"
+            )
+        row = self._open_row(target, f"signal {name!r}")
+        value = check_payload(
+            payload, f"payload of signal {name!r}", self.settings.max_payload_bytes
+        )
+        signal_id, created = with_retry(
+            lambda: external.insert_signal(
+                self.engine,
+                run_id=row.run_id,
+                workflow_id=row.workflow_id,
+                name=name,
+                payload=value,
+                idempotency_key=idempotency_key,
+            ),
+            what="insert signal",
+        )
+        if created:
+            self._safe_wake(row.run_id)
+        return signal_id
+
+    def decide(
+        self, target: str, node: str, *, approved: bool, by: str | None, comment: str | None
+    ) -> None:
+        """approve / reject: only a waiting approval node, and only once."""
+        verb = "approve" if approved else "reject"
+        row = self._open_row(target, f"{verb} {node!r}")
+        spec = runs.load_definition(self.engine, row.spec_hash)
+        node_spec = spec.graph.nodes.get(node) if spec is not None else None
+        if not isinstance(node_spec, ApprovalNodeSpec):
+            raise InvalidOperation(f"run {row.run_id}: {node!r} is not an approval node")
+        ns = row.state.nodes.get(node)
+        status = ns.status.value if ns is not None else "pending"
+        if status != NodeStatus.WAITING:
+            raise InvalidOperation(
+                f"cannot {verb} {node!r}: the node is {status}, not waiting for a decision"
+            )
+        if external.pending_signal_named(self.engine, row.run_id, approval_signal(node)):
+            raise InvalidOperation(f"cannot {verb} {node!r}: a decision is already on its way")
+        decision = {
+            "approved": approved,
+            "by": by,
+            "comment": comment,
+            "at": datetime.now(UTC).isoformat(),
+        }
+        check_payload(decision, f"{verb} of {node!r}", self.settings.max_payload_bytes)
+        with_retry(
+            lambda: external.insert_signal(
+                self.engine,
+                run_id=row.run_id,
+                workflow_id=row.workflow_id,
+                name=approval_signal(node),
+                payload=decision,
+                idempotency_key=None,
+            ),
+            what="insert decision",
+        )
+        self._safe_wake(row.run_id)
+
+    def control(
+        self,
+        target: str,
+        kind: str,
+        *,
+        reason: str | None = None,
+        input: Any = None,
+        has_input: bool = False,
+        requested_by: str | None = None,
+    ) -> None:
+        """Queue an operator control after checking it makes sense for the run's state."""
+        row = self._row(target)
+        allowed = CONTROL_ALLOWED[kind]
+        if row.status not in allowed:
+            raise InvalidOperation(
+                f"cannot {kind.replace('_', '-')} run {row.run_id}: it is {row.status.value} "
+                f"(allowed when {', '.join(s.value for s in sorted(allowed))})"
+            )
+        if kind == "redrive":
+            other = runs.open_run_id(self.engine, row.workflow_id)
+            if other is not None:
+                raise InvalidOperation(
+                    f"cannot redrive run {row.run_id}: run {other} of workflow id "
+                    f"{row.workflow_id!r} is open"
+                )
+        if has_input:
+            input = check_payload(input, "continue-as-new input", self.settings.max_payload_bytes)
+        with_retry(
+            lambda: external.insert_control(
+                self.engine,
+                run_id=row.run_id,
+                kind=kind,
+                reason=reason,
+                requested_by=requested_by,
+                input=input,
+                has_input=has_input,
+            ),
+            what=f"insert {kind}",
+        )
+        self._safe_wake(row.run_id)
+
+    def _open_row(self, target: str, what: str) -> RunRow:
+        row = self._row(target)
+        if row.status in TERMINAL_RUN_STATUSES:
+            raise InvalidOperation(f"cannot {what}: run {row.run_id} is {row.status.value}")
+        return row
+
     # -- reads ------------------------------------------------------------------------------
 
     def _row(self, target: str) -> RunRow:
@@ -114,11 +249,26 @@ class Client:
     def _view(self, row: RunRow) -> RunView:
         tokens = [ns.output_token for ns in row.state.nodes.values() if ns.output_token]
         outputs = runs.attempt_outputs(self.engine, tokens)
+        signal_ids = [ns.output_signal for ns in row.state.nodes.values() if ns.output_signal]
+        signal_ids += [
+            i for ns in row.state.nodes.values() for i in (ns.output_signals or {}).values()
+        ]
+        payloads = external.signal_payloads(self.engine, signal_ids)
+
+        def output_of(ns: Any) -> Any:
+            if ns.output_token:
+                return outputs.get(ns.output_token)
+            if ns.output_signal is not None:
+                return payloads.get(ns.output_signal)
+            if ns.output_signals and ns.status == NodeStatus.SUCCEEDED:
+                return {event: payloads.get(i) for event, i in ns.output_signals.items()}
+            return ns.output_value
+
         nodes = {
             node_id: NodeView(
                 status=ns.status,
                 attempts=ns.generation,
-                output=outputs.get(ns.output_token) if ns.output_token else None,
+                output=output_of(ns),
                 error=ns.error if ns.status != NodeStatus.SUCCEEDED else None,
                 started_at=ns.started_at,
                 finished_at=ns.finished_at,
@@ -184,7 +334,7 @@ class Client:
 
     def _follow(self, target: str, row: RunRow) -> RunRow:
         """On a workflow id, a continued run hands over to its successor."""
-        while row.status == RunStatus.CONTINUED and row.continued_to and target != row.run_id:
+        while row.status == RunStatus.CONTINUED and row.continued_to and target == row.workflow_id:
             row = self._row(row.continued_to)
         return row
 

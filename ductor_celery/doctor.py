@@ -44,8 +44,11 @@ def run_checks(d: Ductor, timeout: float = 2.0) -> list[Check]:
             checks.append(Check("schema", True, f"at head ({head})"))
         else:
             checks.append(
-                Check("schema", False, f"at {current or 'nothing'}, head is {head}: run "
-                      "'ductor migrate'")
+                Check(
+                    "schema",
+                    False,
+                    f"at {current or 'nothing'}, head is {head}: run 'ductor migrate'",
+                )
             )
     except Exception as exc:  # noqa: BLE001 - every failure is a finding, not a crash
         checks.append(Check("database", False, f"unreachable ({url}): {_first_line(exc)}"))
@@ -65,7 +68,8 @@ def run_checks(d: Ductor, timeout: float = 2.0) -> list[Check]:
         checks.append(Check("workers", False, f"cannot inspect workers: {_first_line(exc)}"))
     for queue in (settings.steps_queue, settings.coord_queue):
         consumers = sorted(
-            worker for worker, queues in replies.items()
+            worker
+            for worker, queues in replies.items()
             if any(q.get("name") == queue for q in queues or [])
         )
         if consumers:
@@ -75,7 +79,10 @@ def run_checks(d: Ductor, timeout: float = 2.0) -> list[Check]:
                 " -c 1" if queue == settings.coord_queue else ""
             )
             checks.append(
-                Check(f"queue {queue}", False, f"no worker consumes it: tasks routed there "
-                      f"pile up; start '{cmd}'")
+                Check(
+                    f"queue {queue}",
+                    False,
+                    f"no worker consumes it: tasks routed there pile up; start '{cmd}'",
+                )
             )
     return checks

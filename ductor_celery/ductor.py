@@ -155,6 +155,45 @@ class Ductor:
     ) -> list[RunView]:
         return self.client.list_runs(status=status, workflow=workflow, limit=limit)
 
+    def signal(
+        self, target: str, name: str, payload: Any = None, idempotency_key: str | None = None
+    ) -> int:
+        """Send a durable signal to a run (run id or workflow id). Returns the signal's id."""
+        return self.client.signal(target, name, payload, idempotency_key=idempotency_key)
+
+    def approve(
+        self, target: str, node: str, by: str | None = None, comment: str | None = None
+    ) -> None:
+        self.client.decide(target, node, approved=True, by=by, comment=comment)
+
+    def reject(
+        self, target: str, node: str, by: str | None = None, comment: str | None = None
+    ) -> None:
+        self.client.decide(target, node, approved=False, by=by, comment=comment)
+
+    def pause(self, target: str, reason: str | None = None) -> None:
+        self.client.control(target, "pause", reason=reason)
+
+    def resume(self, target: str) -> None:
+        self.client.control(target, "resume")
+
+    def cancel(self, target: str, reason: str | None = None) -> None:
+        self.client.control(target, "cancel", reason=reason)
+
+    def terminate(self, target: str, reason: str | None = None) -> None:
+        self.client.control(target, "terminate", reason=reason)
+
+    def redrive(self, target: str) -> None:
+        self.client.control(target, "redrive")
+
+    def continue_as_new(self, target: str, input: Any = None) -> None:
+        """Close the run as ``continued`` and start its successor with the same workflow id.
+
+        Without ``input`` the successor carries the context and every finished node forward;
+        with ``input`` it starts the workflow from the top with that input.
+        """
+        self.client.control(target, "continue_as_new", input=input, has_input=input is not None)
+
     def local_workers(self, concurrency: int = 4) -> Any:
         """Run a coordinator and step consumers as threads in this process (a context manager)."""
         from .runtime.local import local_workers

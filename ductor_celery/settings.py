@@ -34,6 +34,7 @@ class Settings:
             resend_unclaimed_after=self.resend_unclaimed_after,
             default_step_timeout=self.default_step_timeout,
             max_payload_bytes=self.max_payload_bytes,
+            max_transitions=self.max_transitions,
         )
 
     @classmethod

@@ -9,9 +9,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
+from pydantic import BaseModel
+
 from ..errors import DefinitionError
 from .retry import RetryPolicy
-from .spec import RetrySpec, StepNodeSpec, WorkflowSpec
+from .spec import (
+    ApprovalNodeSpec,
+    EventSetNodeSpec,
+    NodeSpec,
+    RetrySpec,
+    SleepNodeSpec,
+    StepNodeSpec,
+    WaitSignalNodeSpec,
+    WorkflowSpec,
+)
 from .validate import validate_spec
 
 
@@ -30,7 +41,7 @@ StepResolver = Callable[[str], StepLike | None]
 
 
 class Workflow:
-    """A DAG of nodes. ``Workflow("order", version=1)`` then ``wf.step(...)``, ``wf.output(...)``."""
+    """A DAG of nodes: ``Workflow("order", version=1)``, then ``wf.step(...)`` and friends."""
 
     def __init__(self, name: str, version: int = 1) -> None:
         if not isinstance(name, str) or not name:
@@ -66,6 +77,7 @@ class Workflow:
         """Add a node that runs ``step`` with ``args`` once every node in ``after`` finished."""
         self._nodes.append(
             {
+                "kind": "step",
                 "id": id,
                 "step": step,
                 "after": after,
@@ -76,6 +88,99 @@ class Workflow:
                 "timeout": timeout,
             }
         )
+        return self
+
+    def sleep(
+        self,
+        id: str,
+        *,
+        seconds: float,
+        after: Iterable[str] | None = None,
+        when: str | bool | None = None,
+    ) -> Workflow:
+        """A durable timer: a row and the sweeper, never a broker countdown."""
+        return self._parked("sleep", id, after, when, seconds=seconds)
+
+    def wait_signal(
+        self,
+        id: str,
+        *,
+        signal: str,
+        timeout: float | None = None,
+        on_timeout: str = "fail",
+        after: Iterable[str] | None = None,
+        when: str | bool | None = None,
+        continue_on_failure: bool = False,
+    ) -> Workflow:
+        """Wait for a signal named ``signal``; its payload becomes the node's output."""
+        return self._parked(
+            "wait_signal",
+            id,
+            after,
+            when,
+            signal=signal,
+            timeout=timeout,
+            on_timeout=on_timeout,
+            continue_on_failure=continue_on_failure,
+        )
+
+    def approval(
+        self,
+        id: str,
+        *,
+        timeout: float | None = None,
+        on_timeout: str = "fail",
+        on_reject: str = "fail",
+        after: Iterable[str] | None = None,
+        when: str | bool | None = None,
+        continue_on_failure: bool = False,
+    ) -> Workflow:
+        """Wait for ``ductor.approve``/``ductor.reject``; the decision is the output."""
+        return self._parked(
+            "approval",
+            id,
+            after,
+            when,
+            timeout=timeout,
+            on_timeout=on_timeout,
+            on_reject=on_reject,
+            continue_on_failure=continue_on_failure,
+        )
+
+    def event_set(
+        self,
+        id: str,
+        *,
+        events: Iterable[str],
+        mode: str | int = "all",
+        timeout: float | None = None,
+        on_timeout: str = "fail",
+        after: Iterable[str] | None = None,
+        when: str | bool | None = None,
+        continue_on_failure: bool = False,
+    ) -> Workflow:
+        """Wait for a set of named signals: ``all``, ``any``, or N distinct ones."""
+        return self._parked(
+            "event_set",
+            id,
+            after,
+            when,
+            events=tuple(events) if events is not None else (),
+            mode=mode,
+            timeout=timeout,
+            on_timeout=on_timeout,
+            continue_on_failure=continue_on_failure,
+        )
+
+    def _parked(
+        self,
+        kind: str,
+        id: str,
+        after: Iterable[str] | None,
+        when: str | bool | None,
+        **fields: Any,
+    ) -> Workflow:
+        self._nodes.append({"kind": kind, "id": id, "after": after, "when": when, **fields})
         return self
 
     def output(self, template: Any) -> Workflow:
@@ -95,15 +200,19 @@ class Workflow:
         validate_spec(spec)
         return spec
 
-    def _build_node(self, raw: dict[str, Any], resolve_step: StepResolver | None) -> StepNodeSpec:
+    def _build_node(self, raw: dict[str, Any], resolve_step: StepResolver | None) -> NodeSpec:
         node_id = raw["id"]
         where = f"workflow {self.name!r}, node {node_id!r}"
+        if raw["kind"] != "step":
+            return self._build_parked(raw, where)
         step = raw["step"]
         if isinstance(step, str):
             step_name = step
             found = resolve_step(step) if resolve_step is not None else None
             if resolve_step is not None and found is None:
-                raise DefinitionError(f"{where}: unknown step {step!r} (decorate it with @ductor.step)")
+                raise DefinitionError(
+                    f"{where}: unknown step {step!r} (decorate it with @ductor.step)"
+                )
             step = found if found is not None else step
         elif isinstance(step, StepLike):
             step_name = step.name
@@ -123,7 +232,9 @@ class Workflow:
         args = raw["args"] or {}
         if not isinstance(args, Mapping):
             raise DefinitionError(f"{where}: args must be a mapping of argument name to value")
-        policy: RetryPolicy | None = raw["retry"] or (step.retry if isinstance(step, StepLike) else None)
+        policy: RetryPolicy | None = raw["retry"] or (
+            step.retry if isinstance(step, StepLike) else None
+        )
         retry = policy.to_spec() if policy is not None else RetrySpec()
         timeout = raw["timeout"]
         if timeout is None and isinstance(step, StepLike):
@@ -144,3 +255,41 @@ class Workflow:
             )
         except ValueError as exc:
             raise DefinitionError(f"{where}: {exc}") from None
+
+    def _build_parked(self, raw: dict[str, Any], where: str) -> NodeSpec:
+        fields = dict(raw)
+        after = fields.pop("after")
+        fields["after"] = () if after is None else (after,) if isinstance(after, str) else after
+        if fields.get("when") is None:
+            fields.pop("when")
+        model = _PARKED_MODELS[fields["kind"]]
+        if fields["kind"] == "event_set":
+            mode = fields.get("mode")
+            events = fields.get("events") or ()
+            if not events:
+                raise DefinitionError(f"{where}: event_set needs at least one event")
+            if isinstance(mode, int) and not isinstance(mode, bool):
+                if not 1 <= mode <= len(set(events)):
+                    raise DefinitionError(
+                        f"{where}: mode={mode} must be between 1 and the number of distinct "
+                        f"events ({len(set(events))})"
+                    )
+            elif mode not in ("all", "any"):
+                raise DefinitionError(
+                    f"{where}: mode must be 'all', 'any' or a number, got {mode!r}"
+                )
+        try:
+            node: NodeSpec = model.model_validate(fields)  # type: ignore[assignment]
+        except ValueError as exc:
+            first = str(exc).splitlines()
+            detail = "; ".join(line.strip() for line in first[1:3]) if len(first) > 1 else str(exc)
+            raise DefinitionError(f"{where}: {detail}") from None
+        return node
+
+
+_PARKED_MODELS: dict[str, type[BaseModel]] = {
+    "sleep": SleepNodeSpec,
+    "wait_signal": WaitSignalNodeSpec,
+    "approval": ApprovalNodeSpec,
+    "event_set": EventSetNodeSpec,
+}

@@ -9,7 +9,7 @@ from .spec import WorkflowSpec
 
 def _label(spec: WorkflowSpec, node_id: str, status: str | None) -> list[str]:
     node = spec.graph.nodes[node_id]
-    parts = [node_id, node.step]
+    parts = [node_id, getattr(node, "step", node.kind)]
     if node.when is not None:
         parts.append(f"when {node.when}")
     if status:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from functools import cached_property
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,24 +24,79 @@ class RetrySpec(BaseModel):
     non_retryable: tuple[str, ...] = ()
 
 
-class StepNodeSpec(BaseModel):
-    """A node that runs one attempt of a step at a time until it succeeds or runs out of tries."""
-
+class _NodeBase(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     id: str
-    kind: Literal["step"] = "step"
-    step: str
     after: tuple[str, ...] = ()
-    args: dict[str, Any] = Field(default_factory=dict)
     when: str | bool | None = None
     continue_on_failure: bool = False
+
+
+class StepNodeSpec(_NodeBase):
+    """A node that runs one attempt of a step at a time until it succeeds or runs out of tries."""
+
+    kind: Literal["step"] = "step"
+    step: str
+    args: dict[str, Any] = Field(default_factory=dict)
     retry: RetrySpec = Field(default_factory=RetrySpec)
     timeout: float | None = None
     queue: str | None = None
 
 
-NodeSpec = StepNodeSpec
+class SleepNodeSpec(_NodeBase):
+    """A durable timer: waits ``seconds``, then succeeds with output ``None``."""
+
+    kind: Literal["sleep"] = "sleep"
+    seconds: float = Field(ge=0)
+
+
+class _ParkedBase(_NodeBase):
+    timeout: float | None = Field(default=None, gt=0)
+    on_timeout: Literal["fail", "continue"] = "fail"
+
+
+class WaitSignalNodeSpec(_ParkedBase):
+    """Waits for the oldest unapplied signal named ``signal``; its payload is the output."""
+
+    kind: Literal["wait_signal"] = "wait_signal"
+    signal: str
+
+
+class ApprovalNodeSpec(_ParkedBase):
+    """Waits for approve/reject; the decision is the output."""
+
+    kind: Literal["approval"] = "approval"
+    on_reject: Literal["fail", "continue"] = "fail"
+
+
+class EventSetNodeSpec(_ParkedBase):
+    """Waits for signals named in ``events``: all of them, any one, or N distinct ones."""
+
+    kind: Literal["event_set"] = "event_set"
+    events: tuple[str, ...]
+    mode: Literal["all", "any"] | int = "all"
+
+    def needed(self) -> int:
+        if self.mode == "all":
+            return len(set(self.events))
+        if self.mode == "any":
+            return 1
+        return int(self.mode)
+
+
+NodeSpec = Annotated[
+    StepNodeSpec | SleepNodeSpec | WaitSignalNodeSpec | ApprovalNodeSpec | EventSetNodeSpec,
+    Field(discriminator="kind"),
+]
+PARKED_KINDS = frozenset({"sleep", "wait_signal", "approval", "event_set"})
+
+#: The signal name an approval decision for ``node`` travels under.
+APPROVAL_SIGNAL_PREFIX = "ductor.approval:"
+
+
+def approval_signal(node: str) -> str:
+    return f"{APPROVAL_SIGNAL_PREFIX}{node}"
 
 
 class Graph:
@@ -58,7 +113,7 @@ class Graph:
         # Which node outputs each node reads (args and when), and which the run output reads.
         self.reads: dict[str, frozenset[str]] = {
             n.id: frozenset(
-                p.node for p in iter_paths([n.args, n.when]) if p.node is not None
+                p.node for p in iter_paths([getattr(n, "args", None), n.when]) if p.node is not None
             )
             for n in spec.nodes
         }

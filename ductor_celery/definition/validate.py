@@ -41,7 +41,7 @@ def validate_spec(spec: WorkflowSpec) -> None:
                     "(write '$.input.flag' or '!$.input.flag')"
                 )
             parse_path_at(node.when, f"{wf}: node {node.id!r}")
-        for path in _paths_at([node.args, node.when], f"{wf}: node {node.id!r}"):
+        for path in _paths_at([getattr(node, "args", None), node.when], f"{wf}: node {node.id!r}"):
             _check_path(spec, path, f"{wf}: node {node.id!r}", ancestors[node.id])
     for path in _paths_at(spec.output, f"{wf}: output"):
         _check_path(spec, path, f"{wf}: output", None)
@@ -87,7 +87,7 @@ def _check_acyclic(spec: WorkflowSpec) -> None:
     while current not in trail:
         trail.append(current)
         current = next(dep for dep in remaining[current] if dep in remaining)
-    cycle = trail[trail.index(current):] + [current]
+    cycle = trail[trail.index(current) :] + [current]
     raise DefinitionError(
         f"workflow {spec.name!r}: cycle between nodes " + " -> ".join(repr(c) for c in cycle)
     )

@@ -62,7 +62,7 @@ def _succeed(t: TickContext, result: AttemptResult) -> None:
 def _fail_attempt(t: TickContext, node: str, error: dict[str, Any], retryable: bool) -> None:
     """One attempt failed: schedule a durable retry timer, or fail the node."""
     ns = t.nodes[node]
-    spec = t.spec.graph.nodes[node]
+    spec = t.step_spec(node)
     ns.token = None
     ns.check_at = None
     ns.claimed_at = None
@@ -94,7 +94,7 @@ def check_in_flight(t: TickContext) -> None:
         check = t.inputs.checks.get(ns.token)
         if check is None or check.finished:
             continue  # not loaded, or finished after the load: the next tick folds it
-        spec = t.spec.graph.nodes[node]
+        spec = t.step_spec(node)
         if check.claimed_at is None:
             ns.resends += 1
             ns.check_at = t.now + timedelta(seconds=cfg.resend_unclaimed_after * 2**ns.resends)
@@ -136,7 +136,7 @@ def start_attempt(
 ) -> None:
     """Insert a new attempt under a new generation and queue its message."""
     ns = t.nodes[node]
-    spec = t.spec.graph.nodes[node]
+    spec = t.step_spec(node)
     ns.generation += 1
     ns.attempt += 1
     ns.token = t.token_for(node, ns.generation)

@@ -15,6 +15,7 @@ class EngineConfig:
     resend_unclaimed_after: float = 30.0
     default_step_timeout: float = 300.0
     max_payload_bytes: int = 1_048_576
+    max_transitions: int = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,26 @@ class AttemptCheck:
 
 
 @dataclass(frozen=True, slots=True)
+class SignalIn:
+    """An accepted signal not applied yet, in the order it was accepted."""
+
+    id: int
+    name: str
+    payload: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class ControlIn:
+    """The oldest unhandled operator control of the run."""
+
+    id: int
+    kind: str  # pause | resume | cancel | terminate | redrive | continue_as_new
+    reason: str | None = None
+    input: Any = None
+    has_input: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class TickInputs:
     run_id: str
     input: Any = None
@@ -48,6 +69,8 @@ class TickInputs:
     #: Outputs of nodes that succeeded in earlier ticks and that pending nodes read.
     outputs: dict[str, Any] = field(default_factory=dict)
     config: EngineConfig = field(default_factory=EngineConfig)
+    signals: tuple[SignalIn, ...] = ()
+    control: ControlIn | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +100,7 @@ class ClosedAttempt:
 class Dispatch:
     """A message to send after commit. ``step`` dispatches carry the attempt token."""
 
-    kind: str  # "step"
+    kind: str  # "step" | "revoke" | "wakeup"
     run_id: str
     node: str
     token: str
@@ -93,6 +116,27 @@ class Transition:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class AppliedSignal:
+    id: int
+    node: str | None  # None: ignored (its node was no longer waiting)
+
+
+@dataclass(frozen=True, slots=True)
+class HandledControl:
+    id: int
+    result: str  # "applied" | "rejected: <why>"
+
+
+@dataclass(frozen=True, slots=True)
+class SuccessorRun:
+    """The run a continue-as-new starts, written in the same commit."""
+
+    run_id: str
+    state: RunState
+    input: Any
+
+
 @dataclass(slots=True)
 class TickPayload:
     state: RunState
@@ -105,6 +149,11 @@ class TickPayload:
     next_wake_at: datetime | None = None
     output: Any = None
     error: dict[str, Any] | None = None
+    applied_signals: list[AppliedSignal] = field(default_factory=list)
+    handled_control: HandledControl | None = None
+    successor: SuccessorRun | None = None
+    #: A redrive reopened a finished run: the store clears its output, error and finish time.
+    reopened: bool = False
 
     @property
     def status(self) -> RunStatus:

@@ -6,8 +6,10 @@ import json
 from datetime import datetime
 
 from ..definition.paths import Scope, resolve
+from ..definition.spec import StepNodeSpec
 from .advance import start_attempt
 from .context import TickContext
+from .external import park_node
 from .inputs import ClosedAttempt
 from .status import FINISHED_NODE_STATUSES, NodeStatus, RunStatus
 
@@ -58,11 +60,14 @@ def _dependency_done(t: TickContext, dep: str) -> bool:
     return status == NodeStatus.FAILED and t.spec.graph.nodes[dep].continue_on_failure
 
 
-def start_ready_nodes(t: TickContext) -> None:
-    """Start or skip every pending node whose dependencies are all done, in topological order.
+def start_ready_nodes(t: TickContext) -> bool:
+    """Start, park or skip every pending node whose dependencies are all done, in topological
+    order. Returns True if any node moved.
 
-    One pass suffices: a node skipped here is seen as done by its dependants later in the order.
+    One pass suffices for skips: a node skipped here is seen as done by its dependants later in
+    the order. Parked nodes that finish at once (a signal already waiting) need another pass.
     """
+    moved = False
     scope = Scope(
         input=t.inputs.input, context=t.payload.state.context, outputs=t.outputs, item=None
     )
@@ -73,6 +78,7 @@ def start_ready_nodes(t: TickContext) -> None:
         spec = t.spec.graph.nodes[node_id]
         if not all(_dependency_done(t, dep) for dep in spec.after):
             continue
+        moved = True
         if spec.after and all(t.nodes[d].status == NodeStatus.SKIPPED for d in spec.after):
             ns.finished_at = t.now
             t.move_node(node_id, NodeStatus.SKIPPED, "every dependency was skipped")
@@ -83,6 +89,9 @@ def start_ready_nodes(t: TickContext) -> None:
                 ns.finished_at = t.now
                 t.move_node(node_id, NodeStatus.SKIPPED, f"when {spec.when!r} is falsy")
                 continue
+        if not isinstance(spec, StepNodeSpec):
+            park_node(t, node_id)
+            continue
         args = resolve(spec.args, scope)
         problem = _args_problem(args, t.inputs.config.max_payload_bytes)
         if problem is not None:
@@ -92,6 +101,7 @@ def start_ready_nodes(t: TickContext) -> None:
             continue
         start_attempt(t, node_id, args)
         t.move_node(node_id, NodeStatus.RUNNING, f"attempt {ns.attempt} dispatched")
+    return moved
 
 
 def _args_problem(args: object, limit: int) -> str | None:
@@ -111,11 +121,12 @@ def finish_if_done(t: TickContext) -> None:
 
 
 def next_wake_at(t: TickContext) -> datetime | None:
-    due = [
-        when
-        for ns in t.nodes.values()
-        if ns.status == NodeStatus.RUNNING
-        for when in (ns.check_at, ns.retry_at)
-        if when is not None
-    ]
+    """The earliest check, retry or deadline. A paused run's timers fire only after resume."""
+    paused = t.payload.state.status == RunStatus.PAUSED
+    due: list[datetime] = []
+    for ns in t.nodes.values():
+        if ns.status == NodeStatus.RUNNING:
+            due.extend(w for w in (ns.check_at, None if paused else ns.retry_at) if w)
+        elif ns.status == NodeStatus.WAITING and ns.deadline is not None and not paused:
+            due.append(ns.deadline)
     return min(due) if due else None

@@ -14,7 +14,14 @@ from typing import Any
 
 from .status import NodeStatus, RunStatus
 
-_DATETIME_FIELDS = ("check_at", "retry_at", "started_at", "finished_at", "claimed_at")
+_DATETIME_FIELDS = (
+    "check_at",
+    "retry_at",
+    "started_at",
+    "finished_at",
+    "claimed_at",
+    "deadline",
+)
 
 
 @dataclass(slots=True)
@@ -37,6 +44,14 @@ class NodeState:
     retry_at: datetime | None = None
     #: The attempt row holding the output of a succeeded node.
     output_token: str | None = None
+    #: A parked node: when its sleep ends or its wait times out.
+    deadline: datetime | None = None
+    #: The signal row whose payload is a wait_signal's or approval's output.
+    output_signal: int | None = None
+    #: An event set: event name -> the signal row that delivered it.
+    output_signals: dict[str, int] | None = None
+    #: A small literal output (a continued timeout's ``{"timed_out": true}``).
+    output_value: Any = None
     error: dict[str, Any] | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
@@ -47,7 +62,7 @@ class NodeState:
             if f.name == "status":
                 continue
             value = getattr(self, f.name)
-            if value in (None, 0):
+            if value is None or (value == 0 and not isinstance(value, dict)):
                 continue
             out[f.name] = value.isoformat() if isinstance(value, datetime) else value
         return out
@@ -69,6 +84,8 @@ class RunState:
     context: dict[str, Any] = field(default_factory=dict)
     #: Number of transitions recorded so far; the next transition's seq.
     transitions: int = 0
+    #: A continue-as-new waiting for in-flight attempts to drain: {"input": ..., "has_input": bool}.
+    continue_pending: dict[str, Any] | None = None
 
     @classmethod
     def initial(cls, node_ids: list[str]) -> RunState:
@@ -80,6 +97,7 @@ class RunState:
             nodes={k: copy.copy(v) for k, v in self.nodes.items()},
             context=copy.deepcopy(self.context),
             transitions=self.transitions,
+            continue_pending=copy.deepcopy(self.continue_pending),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -88,6 +106,7 @@ class RunState:
             "nodes": {k: v.to_json() for k, v in self.nodes.items()},
             "context": self.context,
             "transitions": self.transitions,
+            **({"continue_pending": self.continue_pending} if self.continue_pending else {}),
         }
 
     @classmethod
@@ -97,4 +116,5 @@ class RunState:
             nodes={k: NodeState.from_json(v) for k, v in data.get("nodes", {}).items()},
             context=dict(data.get("context") or {}),
             transitions=int(data.get("transitions", 0)),
+            continue_pending=data.get("continue_pending"),
         )

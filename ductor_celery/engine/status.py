@@ -52,9 +52,7 @@ NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
     NodeStatus.RUNNING: frozenset(
         {NodeStatus.RUNNING, NodeStatus.SUCCEEDED, NodeStatus.FAILED, NodeStatus.CANCELLED}
     ),
-    NodeStatus.WAITING: frozenset(
-        {NodeStatus.SUCCEEDED, NodeStatus.FAILED, NodeStatus.CANCELLED}
-    ),
+    NodeStatus.WAITING: frozenset({NodeStatus.SUCCEEDED, NodeStatus.FAILED, NodeStatus.CANCELLED}),
     NodeStatus.SUCCEEDED: frozenset(),
     NodeStatus.FAILED: frozenset(),
     NodeStatus.SKIPPED: frozenset(),
@@ -64,12 +62,16 @@ NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
 RUN_TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
     RunStatus.PENDING: frozenset({RunStatus.RUNNING}),
     RunStatus.RUNNING: frozenset(
-        {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.PAUSED, RunStatus.CANCELLED,
-         RunStatus.TERMINATED, RunStatus.CONTINUED}
+        {
+            RunStatus.SUCCEEDED,
+            RunStatus.FAILED,
+            RunStatus.PAUSED,
+            RunStatus.CANCELLED,
+            RunStatus.TERMINATED,
+            RunStatus.CONTINUED,
+        }
     ),
-    RunStatus.PAUSED: frozenset(
-        {RunStatus.RUNNING, RunStatus.CANCELLED, RunStatus.TERMINATED}
-    ),
+    RunStatus.PAUSED: frozenset({RunStatus.RUNNING, RunStatus.CANCELLED, RunStatus.TERMINATED}),
     RunStatus.SUCCEEDED: frozenset(),
     RunStatus.FAILED: frozenset(),
     RunStatus.CANCELLED: frozenset(),

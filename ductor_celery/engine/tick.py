@@ -1,8 +1,8 @@
 """compute_tick: one pure step of a run. No clock, no IO, no randomness, no exceptions.
 
-    advance (fold results, check in-flight attempts, fire due retries)
-      -> settle (fail the run on a fatal node, or start ready nodes, or finish)
-      -> schedule the next wake-up
+advance (fold results, check in-flight attempts, fire due retries)
+  -> settle (fail the run on a fatal node, or start ready nodes, or finish)
+  -> schedule the next wake-up
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import Any
 from ..definition.spec import WorkflowSpec
 from .advance import check_in_flight, fire_retries, fold_results
 from .context import TickContext
+from .controls import apply_control, maybe_continue_as_new, request_auto_continue
+from .external import absorb_external
 from .inputs import TickInputs, TickPayload
 from .schedule import fail_run_on_fatal_node, finish_if_done, next_wake_at, start_ready_nodes
 from .state import NodeState, RunState
@@ -27,6 +29,7 @@ def compute_tick(
     t = TickContext(spec=definition, inputs=inputs, now=now, payload=payload)
     t.outputs.update(inputs.outputs)
     _ensure_nodes(t)
+    apply_control(t)
     if payload.state.status in TERMINAL_RUN_STATUSES:
         # Late results for a finished run are folded so nobody wakes the run for them again.
         for result in inputs.results:
@@ -37,13 +40,24 @@ def compute_tick(
         t.move_run(RunStatus.RUNNING, "started")
     fold_results(t)
     check_in_flight(t)
+    if fail_run_on_fatal_node(t):
+        return _finish(t)
+    request_auto_continue(t)
+    if payload.state.continue_pending is not None:
+        maybe_continue_as_new(t)  # nothing new starts while attempts in flight drain
+        return _finish(t)
+    if payload.state.status == RunStatus.PAUSED:
+        return _finish(t)  # results are folded; nothing is dispatched, no timer fires
+    fire_retries(t)
+    # Starting nodes can fail one (arguments too large), and parked nodes can finish at once
+    # on signals that were already waiting: settle until nothing moves.
+    for _ in range(len(t.nodes) + 1):
+        moved = start_ready_nodes(t)
+        moved = absorb_external(t) or moved
+        if not moved:
+            break
     if not fail_run_on_fatal_node(t):
-        # Retries fire only for a run that goes on, and a node that fails as it starts
-        # (arguments too large) fails the run in this same tick.
-        fire_retries(t)
-        start_ready_nodes(t)
-        if not fail_run_on_fatal_node(t):
-            finish_if_done(t)
+        finish_if_done(t)
     return _finish(t)
 
 
@@ -75,9 +89,9 @@ def needed_outputs(definition: WorkflowSpec, state: RunState) -> dict[str, str]:
             wanted |= graph.reads.get(node_id, frozenset())
     out: dict[str, str] = {}
     for node_id in wanted:
-        ns = state.nodes.get(node_id)
-        if ns is not None and ns.status == NodeStatus.SUCCEEDED and ns.output_token:
-            out[node_id] = ns.output_token
+        found = state.nodes.get(node_id)
+        if found is not None and found.status == NodeStatus.SUCCEEDED and found.output_token:
+            out[node_id] = found.output_token
     return out
 
 

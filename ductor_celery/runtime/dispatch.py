@@ -30,12 +30,18 @@ class Dispatcher:
                     self.app.send_task(
                         row.task,
                         args=[token],
+                        # The token as task id: `revoke` can name it, and Flower shows it.
+                        task_id=token,
                         queue=row.queue or self.steps_queue,
                         serializer="json",
                         producer=producer,
                         argsrepr=repr([token]),
                         kwargsrepr=repr({"run_id": row.run_id, "node": row.payload.get("node")}),
                     )
+                elif row.kind == "revoke":
+                    # Drops the message if it is still queued; a step already running finishes,
+                    # but its attempt is closed, so its outcome is discarded.
+                    self.app.control.revoke(row.payload["token"])
                 elif row.kind == "wakeup":
                     self._wake(row.run_id, producer)
                 else:  # written by a newer version of ductor: leave a trace, do not crash

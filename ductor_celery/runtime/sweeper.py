@@ -23,6 +23,7 @@ log = logging.getLogger("ductor_celery.sweeper")
 
 #: Don't wake the same run for the same reason more often than this.
 REWAKE_AFTER_S = 5.0
+SIGNAL_REWAKE_AFTER_S = 30.0
 
 
 class Sweeper:
@@ -30,7 +31,7 @@ class Sweeper:
         self.rt = rt
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._recent: dict[str, float] = {}
+        self._recent: dict[str, tuple[float, float]] = {}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="ductor-sweeper", daemon=True)
@@ -57,6 +58,12 @@ class Sweeper:
         lost = self._throttle(
             sweep.unfolded_runs(engine, older_than=grace)
             + sweep.pending_runs(engine, older_than=grace)
+            + sweep.runs_with_unhandled_controls(engine, older_than=grace),
+            REWAKE_AFTER_S,
+        ) + self._throttle(
+            # A signal can wait legitimately for a node not reached yet: look again rarely.
+            sweep.runs_with_unapplied_signals(engine, older_than=grace),
+            SIGNAL_REWAKE_AFTER_S,
         )
         self.rt.dispatcher.wake_many(due + lost)
         if due or relayed or lost:
@@ -68,12 +75,13 @@ class Sweeper:
             )
         return {"timers": len(due), "outbox": relayed, "lost_wakeups": len(lost)}
 
-    def _throttle(self, run_ids: list[str]) -> list[str]:
+    def _throttle(self, run_ids: list[str], window: float) -> list[str]:
+        """Drop runs woken for the same reason within ``window`` seconds."""
         now = time.monotonic()
-        self._recent = {k: v for k, v in self._recent.items() if now - v < REWAKE_AFTER_S}
+        self._recent = {k: v for k, v in self._recent.items() if now - v[0] < v[1]}
         fresh = [r for r in dict.fromkeys(run_ids) if r not in self._recent]
         for run_id in fresh:
-            self._recent[run_id] = now
+            self._recent[run_id] = (now, window)
         return fresh
 
 

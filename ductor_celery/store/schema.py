@@ -143,3 +143,70 @@ workflow_timer = sa.Table(
     sa.Column("woken_at", Ts, nullable=True),
     sa.Index("eec_workflow_timer_fire_at", "fire_at"),
 )
+
+workflow_signal = sa.Table(
+    "eec_workflow_signal",
+    metadata,
+    sa.Column(
+        "id",
+        sa.BigInteger().with_variant(sa.Integer, "sqlite"),
+        primary_key=True,
+        autoincrement=True,
+    ),
+    # The run the signal was sent to (the newest run of the workflow id at the time).
+    sa.Column("run_id", sa.String(64), nullable=False),
+    sa.Column("workflow_id", sa.String(200), nullable=False),
+    sa.Column("name", sa.String(200), nullable=False),
+    sa.Column("payload", Json, nullable=True),
+    sa.Column("idempotency_key", sa.String(200), nullable=True),
+    sa.Column("created_at", Ts, nullable=False, server_default=sa.func.now()),
+    # Set by the coordinator in the commit that consumed it (applied_to: the node, or NULL
+    # when it was ignored because its node was no longer waiting).
+    sa.Column("applied_at", Ts, nullable=True),
+    sa.Column("applied_to", sa.String(200), nullable=True),
+    sa.Column("applied_version", sa.Integer, nullable=True),
+    sa.Index(
+        "eec_workflow_signal_idempotency",
+        "workflow_id",
+        "idempotency_key",
+        unique=True,
+        postgresql_where=sa.text("idempotency_key IS NOT NULL"),
+        sqlite_where=sa.text("idempotency_key IS NOT NULL"),
+    ),
+    sa.Index(
+        "eec_workflow_signal_unapplied",
+        "run_id",
+        "id",
+        postgresql_where=sa.text("applied_at IS NULL"),
+        sqlite_where=sa.text("applied_at IS NULL"),
+    ),
+)
+
+workflow_control = sa.Table(
+    "eec_workflow_control",
+    metadata,
+    sa.Column(
+        "id",
+        sa.BigInteger().with_variant(sa.Integer, "sqlite"),
+        primary_key=True,
+        autoincrement=True,
+    ),
+    sa.Column("run_id", sa.String(64), nullable=False),
+    # pause | resume | cancel | terminate | redrive | continue_as_new
+    sa.Column("kind", sa.String(20), nullable=False),
+    sa.Column("reason", sa.Text, nullable=True),
+    sa.Column("requested_by", sa.String(200), nullable=True),
+    sa.Column("input", Json, nullable=True),
+    sa.Column("has_input", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("created_at", Ts, nullable=False, server_default=sa.func.now()),
+    sa.Column("handled_at", Ts, nullable=True),
+    # "applied", or "rejected: <why>" when the run's state no longer allowed it
+    sa.Column("result", sa.Text, nullable=True),
+    sa.Index(
+        "eec_workflow_control_unhandled",
+        "run_id",
+        "id",
+        postgresql_where=sa.text("handled_at IS NULL"),
+        sqlite_where=sa.text("handled_at IS NULL"),
+    ),
+)

@@ -10,7 +10,14 @@ from sqlalchemy.engine import Engine
 
 from ..engine.status import RunStatus
 from .db import is_postgres
-from .schema import step_attempt, workflow_outbox, workflow_run, workflow_timer
+from .schema import (
+    step_attempt,
+    workflow_control,
+    workflow_outbox,
+    workflow_run,
+    workflow_signal,
+    workflow_timer,
+)
 from .ticks import OutboxRow
 
 
@@ -63,6 +70,45 @@ def unfolded_runs(engine: Engine, *, older_than: float, limit: int = 1000) -> li
                     step_attempt.c.finished_at.is_not(None),
                     sa.not_(step_attempt.c.folded),
                     step_attempt.c.finished_at <= cutoff,
+                )
+                .distinct()
+                .limit(limit)
+            ).scalars()
+        )
+
+
+def runs_with_unhandled_controls(
+    engine: Engine, *, older_than: float, limit: int = 1000
+) -> list[str]:
+    """Controls a tick never drained: their wake-up was lost."""
+    cutoff = _now(engine) - timedelta(seconds=older_than)
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                sa.select(workflow_control.c.run_id)
+                .where(
+                    workflow_control.c.handled_at.is_(None), workflow_control.c.created_at <= cutoff
+                )
+                .distinct()
+                .limit(limit)
+            ).scalars()
+        )
+
+
+def runs_with_unapplied_signals(
+    engine: Engine, *, older_than: float, limit: int = 1000
+) -> list[str]:
+    """Open runs holding signals not consumed yet (a lost wake-up, or a node not reached)."""
+    cutoff = _now(engine) - timedelta(seconds=older_than)
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                sa.select(workflow_signal.c.run_id)
+                .join(workflow_run, workflow_run.c.run_id == workflow_signal.c.run_id)
+                .where(
+                    workflow_signal.c.applied_at.is_(None),
+                    workflow_signal.c.created_at <= cutoff,
+                    workflow_run.c.status.in_(["running", "pending"]),
                 )
                 .distinct()
                 .limit(limit)

@@ -21,10 +21,12 @@ from ..definition.spec import WorkflowSpec
 from ..engine import (
     AttemptCheck,
     AttemptResult,
+    ControlIn,
     EngineConfig,
     NodeStatus,
     RunState,
     RunStatus,
+    SignalIn,
     TickInputs,
     TickPayload,
     needed_outputs,
@@ -33,8 +35,10 @@ from ..engine.status import TERMINAL_RUN_STATUSES
 from .db import aware, is_postgres
 from .schema import (
     step_attempt,
+    workflow_control,
     workflow_outbox,
     workflow_run,
+    workflow_signal,
     workflow_timer,
     workflow_transition,
 )
@@ -166,8 +170,39 @@ def load_tick(
                 .order_by(step_attempt.c.finished_at, step_attempt.c.token)
             )
         )
-        if state.status in TERMINAL_RUN_STATUSES:
+        control_row = conn.execute(
+            sa.select(
+                workflow_control.c.id,
+                workflow_control.c.kind,
+                workflow_control.c.reason,
+                workflow_control.c.input,
+                workflow_control.c.has_input,
+            )
+            .where(workflow_control.c.run_id == run_id, workflow_control.c.handled_at.is_(None))
+            .order_by(workflow_control.c.id)
+            .limit(1)
+        ).one_or_none()
+        control = (
+            ControlIn(
+                id=control_row.id,
+                kind=control_row.kind,
+                reason=control_row.reason,
+                input=control_row.input,
+                has_input=bool(control_row.has_input),
+            )
+            if control_row is not None
+            else None
+        )
+        if state.status in TERMINAL_RUN_STATUSES and control is None:
             return loaded, spec, TickInputs(run_id=run_id, results=results, config=config)
+        signals = tuple(
+            SignalIn(id=sig.id, name=sig.name, payload=sig.payload)
+            for sig in conn.execute(
+                sa.select(workflow_signal.c.id, workflow_signal.c.name, workflow_signal.c.payload)
+                .where(workflow_signal.c.run_id == run_id, workflow_signal.c.applied_at.is_(None))
+                .order_by(workflow_signal.c.id)
+            )
+        )
         due = [
             ns.token
             for ns in state.nodes.values()
@@ -189,7 +224,7 @@ def load_tick(
                     finished=r.finished_at is not None,
                 )
         wanted = needed_outputs(spec, state)
-        outputs: dict[str, Any] = {}
+        outputs: dict[str, Any] = _parked_outputs(conn, spec, state)
         if wanted:
             cached, missing = _outputs.get_many(list(wanted.values()))
             if missing:
@@ -200,7 +235,7 @@ def load_tick(
                 ):
                     _outputs.put(out.token, out.output)
                     cached[out.token] = out.output
-            outputs = {node: cached.get(token) for node, token in wanted.items()}
+            outputs.update({node: cached.get(token) for node, token in wanted.items()})
         inputs = TickInputs(
             run_id=run_id,
             input=row.input,
@@ -208,6 +243,8 @@ def load_tick(
             checks=checks,
             outputs=outputs,
             config=config,
+            signals=signals,
+            control=control,
         )
         return loaded, spec, inputs
 
@@ -231,6 +268,10 @@ def _commit(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list[O
     }
     if finished and loaded.state.status not in TERMINAL_RUN_STATUSES:
         values.update(output=payload.output, error=payload.error, finished_at=now)
+    if payload.reopened:
+        values.update(output=None, error=None, finished_at=None)
+    if payload.successor is not None:
+        values["continued_to"] = payload.successor.run_id
     updated = conn.execute(
         sa.update(workflow_run)
         .where(
@@ -348,6 +389,25 @@ def _commit(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list[O
             for i, r in zip(ids, rows, strict=True)
         ]
 
+    for applied in payload.applied_signals:
+        res = conn.execute(
+            sa.update(workflow_signal)
+            .where(workflow_signal.c.id == applied.id, workflow_signal.c.applied_at.is_(None))
+            .values(
+                applied_at=now, applied_to=applied.node, applied_version=loaded.record_version + 1
+            )
+        )
+        if res.rowcount != 1:
+            raise VersionConflict(f"signal {applied.id} applied meanwhile")
+    if payload.handled_control is not None:
+        conn.execute(
+            sa.update(workflow_control)
+            .where(workflow_control.c.id == payload.handled_control.id)
+            .values(handled_at=now, result=payload.handled_control.result[:2000])
+        )
+    if payload.successor is not None:
+        outbox.extend(_insert_successor(conn, loaded, payload, now))
+
     _set_timer(conn, loaded.run_id, payload.next_wake_at)
 
     if finished and loaded.state.status not in TERMINAL_RUN_STATUSES and is_postgres(conn.engine):
@@ -381,3 +441,93 @@ def run_status(engine: Engine, run_id: str) -> RunStatus | None:
             sa.select(workflow_run.c.status).where(workflow_run.c.run_id == run_id)
         ).scalar_one_or_none()
     return RunStatus(value) if value is not None else None
+
+
+def _insert_successor(
+    conn: Connection, loaded: LoadedRun, payload: TickPayload, now: datetime
+) -> list[OutboxRow]:
+    """Continue-as-new: the successor run row, linked both ways, and its first wake-up."""
+    successor = payload.successor
+    assert successor is not None
+    run = conn.execute(
+        sa.select(
+            workflow_run.c.workflow, workflow_run.c.version, workflow_run.c.parent_run_id
+        ).where(workflow_run.c.run_id == loaded.run_id)
+    ).one()
+    conn.execute(
+        sa.insert(workflow_run).values(
+            run_id=successor.run_id,
+            workflow_id=loaded.workflow_id,
+            workflow=run.workflow,
+            version=run.version,
+            spec_hash=loaded.spec_hash,
+            status=RunStatus.PENDING.value,
+            state=successor.state.to_json(),
+            input=successor.input,
+            record_version=0,
+            transition_count=0,
+            parent_run_id=run.parent_run_id,
+            continued_from=loaded.run_id,
+            created_at=now,
+            updated_at=now,
+        )
+    )
+    row = conn.execute(
+        sa.insert(workflow_outbox)
+        .values(
+            run_id=successor.run_id,
+            kind="wakeup",
+            task="ductor.tick",
+            queue=None,
+            payload={"run_id": successor.run_id},
+            created_at=now,
+        )
+        .returning(workflow_outbox.c.id)
+    ).one()
+    return [
+        OutboxRow(
+            id=row.id,
+            run_id=successor.run_id,
+            kind="wakeup",
+            task="ductor.tick",
+            queue=None,
+            payload={"run_id": successor.run_id},
+        )
+    ]
+
+
+def _parked_outputs(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[str, Any]:
+    """Outputs of finished parked nodes that pending nodes read: signal payloads or literals."""
+    graph = spec.graph
+    wanted: set[str] = set(graph.output_reads)
+    for node_id, ns in state.nodes.items():
+        if ns.status == NodeStatus.PENDING:
+            wanted |= graph.reads.get(node_id, frozenset())
+    outputs: dict[str, Any] = {}
+    ids: dict[int, str] = {}
+    sets: dict[str, dict[str, int]] = {}
+    for node_id in wanted:
+        found = state.nodes.get(node_id)
+        if found is None or found.status != NodeStatus.SUCCEEDED or found.output_token:
+            continue
+        if found.output_signal is not None:
+            ids[found.output_signal] = node_id
+        elif found.output_signals:
+            sets[node_id] = found.output_signals
+        else:
+            outputs[node_id] = found.output_value
+    every = list(ids) + [i for events in sets.values() for i in events.values()]
+    if not every:
+        return outputs
+    payloads = dict(
+        conn.execute(
+            sa.select(workflow_signal.c.id, workflow_signal.c.payload).where(
+                workflow_signal.c.id.in_(every)
+            )
+        ).all()
+    )
+    for signal_id, node_id in ids.items():
+        outputs[node_id] = payloads.get(signal_id)
+    for node_id, events in sets.items():
+        outputs[node_id] = {event: payloads.get(i) for event, i in events.items()}
+    return outputs

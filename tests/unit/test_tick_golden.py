@@ -602,6 +602,47 @@ def test_unclaimed_attempt_is_resent_with_the_same_token_and_doubling_checks() -
     assert describe(p2)["new_attempts"] == []
     assert p2.next_wake_at == at(90 + 120)
     assert p2.state.nodes["a"].resends == 2
+    # Claimed at last, then lost: the retry is a new attempt whose resend count starts over.
+    p3 = tick(spec, p2.state, now=at(400), checks=[AttemptCheck("r1:a:1", at(100), False)])
+    assert describe(p3)["closed"] == [("r1:a:1", "timed_out")]
+    p4 = tick(spec, p3.state, now=at(401))
+    assert describe(p4)["new_attempts"] == ["r1:a:2"]
+    a = p4.state.nodes["a"]
+    assert (a.resends, a.claimed_at, a.check_at) == (0, None, at(401 + 30))
+    p5 = tick(spec, p4.state, now=at(431), checks=[AttemptCheck("r1:a:2", None, False)])
+    assert p5.next_wake_at == at(431 + 60)
+
+
+def test_a_resend_is_not_sent_when_the_run_fails_in_the_same_tick() -> None:
+    spec = (
+        Workflow("w")
+        .step("lost", "s")
+        .step("slow", "s", timeout=10.0, retry=RetryPolicy(max_attempts=1))
+        .build()
+    )
+    s = tick(spec, RunState()).state
+    p = tick(spec, s, now=at(30), checks=[
+        AttemptCheck("r1:lost:1", claimed_at=None, finished=False),  # would be re-sent
+        AttemptCheck("r1:slow:1", claimed_at=at(1), finished=False),  # timed out, budget spent
+    ])
+    assert describe(p) == summary(
+        status="failed",
+        nodes={"lost": "cancelled", "slow": "failed"},
+        closed=[("r1:slow:1", "timed_out"), ("r1:lost:1", "cancelled")],
+        transitions=[
+            ("lost", "running", "running", "attempt 1 unclaimed: re-sent"),
+            ("slow", "running", "failed",
+             "attempt 1 failed (1 attempts used): attempt 1 did not finish within 10s of its "
+             "start (worker lost or step too slow)"),
+            ("lost", "running", "cancelled", "run failed: node 'slow' failed"),
+            (None, "running", "failed",
+             "node 'slow' failed: attempt 1 did not finish within 10s of its start "
+             "(worker lost or step too slow)"),
+        ],
+        error={"type": "StepTimeout", "node": "slow",
+               "message": "attempt 1 did not finish within 10s of its start "
+                          "(worker lost or step too slow)"},
+    )
 
 
 def test_due_check_without_loaded_claim_status_or_already_finished_does_nothing() -> None:
@@ -746,13 +787,14 @@ def test_arguments_over_the_payload_limit_fail_the_node_and_the_run_at_once() ->
         Workflow("w")
         .step("small", "s", args={"v": "$.input.small"})
         .step("big", "s", args={"v": "$.input.big"})
+        .step("next", "s", after=["big"])
         .build()
     )
     config = EngineConfig(max_payload_bytes=100)
     p = tick(spec, RunState(), input={"small": 1, "big": "x" * 200}, config=config)
     d = describe(p)
     assert d["status"] == "failed"
-    assert d["nodes"] == {"small": "cancelled", "big": "failed"}
+    assert d["nodes"] == {"small": "cancelled", "big": "failed", "next": "pending"}
     # small's attempt was created in this tick: it is never inserted nor sent, and there is
     # no row to close.
     assert d["new_attempts"] == [] and d["dispatches"] == [] and d["closed"] == []
@@ -804,8 +846,8 @@ def test_needed_outputs_lists_succeeded_nodes_that_pending_nodes_read() -> None:
         .step("a", "s")
         .step("f", "s")
         .step("k", "s")
-        .step("b", "s", after=["a", "f", "k"], args={"a": "$.nodes.a.output", "f": "$.nodes.f.output"},
-              when="$.nodes.k.output")
+        .step("b", "s", after=["a", "f", "k"], when="$.nodes.k.output",
+              args={"a": "$.nodes.a.output", "f": "$.nodes.f.output"})
         .step("c", "s", after=["b"])
         .output("$.nodes.c.output")
         .build()

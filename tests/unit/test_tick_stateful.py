@@ -198,8 +198,8 @@ class TickMachine(RuleBasedStateMachine):
         after = p.state
         # Every result handed in is folded, in order, whatever else happens.
         assert p.folded == [r.token for r in results]
-        if results:
-            assert p.changed
+        if results or after != before or p.new_attempts or p.dispatches or p.closed:
+            assert p.changed, "a tick that has something to write must say so"
         assert after.transitions == before.transitions + len(p.transitions)
 
         # Terminal is absorbing.
@@ -223,6 +223,8 @@ class TickMachine(RuleBasedStateMachine):
         for node, ns in before.nodes.items():
             if ns.status in FINISHED:
                 assert after.nodes[node] == ns, f"finished node {node} changed"
+            elif ns.status == NodeStatus.PENDING and after.nodes[node].status != ns.status:
+                self.check_reached(node, after)
 
         # New attempts: fresh tokens, one dispatch each, only for nodes whose deps are done.
         new_tokens = [a.token for a in p.new_attempts]
@@ -232,6 +234,8 @@ class TickMachine(RuleBasedStateMachine):
             assert a.token == f"{RUN}:{a.node}:{a.generation}"
             ns = after.nodes[a.node]
             assert ns.status == NodeStatus.RUNNING and ns.token == a.token
+            assert (ns.resends, ns.claimed_at, ns.retry_at) == (0, None, None)
+            assert ns.check_at == self.now + timedelta(seconds=CONFIG.resend_unclaimed_after)
             assert ns.generation == a.generation == before.nodes[a.node].generation + 1
             assert all(self.dep_done(after, d) for d in self.graph.nodes[a.node].after)
             assert [d.token for d in p.dispatches].count(a.token) == 1
@@ -273,6 +277,26 @@ class TickMachine(RuleBasedStateMachine):
                     assert before.nodes[node].token == ns.output_token
                     self.output_token[node] = ns.output_token
         self.check_state(after, p)
+
+    def when_holds(self, node: str) -> bool:
+        when = self.graph.nodes[node].when
+        if when is None:
+            return True
+        value = bool(self.input.get(when.removeprefix("!$.input.").removeprefix("$.input.")))
+        return not value if when.startswith("!") else value
+
+    def check_reached(self, node: str, after: RunState) -> None:
+        """A node left pending: skipped exactly when its deps were all skipped or `when` fails."""
+        deps = self.graph.nodes[node].after
+        assert all(self.dep_done(after, d) for d in deps), f"{node} left pending too early"
+        all_skipped = bool(deps) and all(after.nodes[d].status == NodeStatus.SKIPPED for d in deps)
+        status = after.nodes[node].status
+        if status == NodeStatus.SKIPPED:
+            assert all_skipped or not self.when_holds(node), f"{node} skipped wrongly"
+        elif status == NodeStatus.RUNNING:
+            assert not all_skipped and self.when_holds(node), f"{node} should have been skipped"
+        else:  # a start cancelled by a run that failed in the same tick
+            assert status == NodeStatus.CANCELLED and after.status == RunStatus.FAILED, status
 
     def check_state(self, state: RunState, p: TickPayload) -> None:
         fatal = self.fatal(state)
@@ -326,10 +350,12 @@ class TickMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self.awaited()) and not self.terminal())
     @rule(data=st.data(), outcome=st.sampled_from(["ok", "ok", "retryable", "fatal"]),
-          patch=st.booleans())
-    def deliver(self, data: st.DataObject, outcome: str, patch: bool) -> None:
+          patch=st.booleans(), wait=st.sampled_from([0, 0, 1, 3, 8]))
+    def deliver(self, data: st.DataObject, outcome: str, patch: bool, wait: int) -> None:
         node, token = data.draw(st.sampled_from(self.awaited()), label="awaited")
         ns = self.state.nodes[node]
+        # Results arrive a little later: retry timers may come due in the same tick.
+        self.now += timedelta(seconds=wait)
         if outcome == "ok":
             output = {"node": node, "token": token}
             result = AttemptResult(token, node, "succeeded", output=output,
