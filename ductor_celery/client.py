@@ -123,6 +123,13 @@ class Client:
             raise ValueError(
                 f"invalid signal name {name!r} (names starting 'ductor.' are reserved)"
             )
+        if idempotency_key is not None:
+            # A repeated key is accepted and ignored, even once the run has finished: a client
+            # retrying a send whose answer it lost must not get an error.
+            found = self._row(target)
+            earlier = external.signal_with_key(self.engine, found.workflow_id, idempotency_key)
+            if earlier is not None:
+                return earlier
         row = self._open_row(target, f"signal {name!r}")
         value = check_payload(
             payload, f"payload of signal {name!r}", self.settings.max_payload_bytes
@@ -323,7 +330,7 @@ class Client:
         delay = 0.01
         while True:
             row = self._follow(target, row)
-            if row.status in TERMINAL_RUN_STATUSES:
+            if self._finished(row):
                 return self._view(row)
             self._check_deadline(target, deadline, timeout)
             time.sleep(
@@ -331,6 +338,12 @@ class Client:
             )
             delay = min(delay * 1.5, 0.2)
             row = self._row(row.run_id)
+
+    def _finished(self, row: RunRow) -> bool:
+        """Terminal, and not about to be reopened by a redrive nobody has applied yet."""
+        return row.status in TERMINAL_RUN_STATUSES and not external.has_unhandled_control(
+            self.engine, row.run_id, ("redrive",)
+        )
 
     def _follow(self, target: str, row: RunRow) -> RunRow:
         """On a workflow id, a continued run hands over to its successor."""
@@ -352,7 +365,7 @@ class Client:
             while True:
                 # Re-read after LISTEN so a finish that happened before it is not missed.
                 row = self._follow(target, self._row(row.run_id))
-                if row.status in TERMINAL_RUN_STATUSES:
+                if self._finished(row):
                     return self._view(row)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:

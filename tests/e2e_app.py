@@ -168,3 +168,43 @@ for i in range(1, 10):
     chain10.step(f"s{i}", echo, after=[f"s{i - 1}"], args={"value": f"$.nodes.s{i - 1}.output"})
 chain10.output("$.nodes.s9.output")
 ductor.register(chain10)
+
+# -- external input and controls ------------------------------------------------------------
+
+ledger_signals = Workflow("signals")
+ledger_signals.step("first", echo, args={"value": 1})
+ledger_signals.wait_signal("paid", signal="payment", after=["first"])
+ledger_signals.step("after_paid", echo, after=["paid"], args={"value": "$.nodes.paid.output"})
+ledger_signals.output("$.nodes.after_paid.output")
+ductor.register(ledger_signals)
+
+napper = Workflow("napper")
+napper.sleep("nap", seconds=float(os.environ.get("E2E_NAP_SECONDS", "2")))
+napper.step("woke", echo, after=["nap"], args={"value": "woke"})
+napper.output("$.nodes.woke.output")
+ductor.register(napper)
+
+approvals = Workflow("approvals")
+approvals.approval("review", timeout=60)
+approvals.event_set("kyc", events=["id_ok", "address_ok"], mode="all", after=["review"])
+approvals.output({"review": "$.nodes.review.output", "kyc": "$.nodes.kyc.output"})
+ductor.register(approvals)
+
+
+@ductor.step(name="e2e.collect_signals")
+def collect_signals(ctx: StepContext, count: int) -> int:
+    _ledger(ctx)
+    return count
+
+
+counter = Workflow("counter")
+for i in range(80):
+    counter.wait_signal(f"s{i}", signal="tick", after=[f"s{i - 1}"] if i else [])
+counter.output([f"$.nodes.s{i}.output" for i in range(80)])
+ductor.register(counter)
+
+long_steps = Workflow("long_steps")
+long_steps.step("slow_a", slow, args={"seconds": "$.input.seconds"})
+long_steps.step("slow_b", slow, args={"seconds": "$.input.seconds"})
+long_steps.step("after", echo, after=["slow_a", "slow_b"], args={"value": 1})
+ductor.register(long_steps)

@@ -94,6 +94,8 @@ def request_auto_continue(t: TickContext) -> None:
     """Past ductor_max_transitions a run continues as new, carrying everything finished."""
     state = t.payload.state
     limit = t.inputs.config.max_transitions
+    if state.status == RunStatus.PAUSED:
+        return  # the successor would start running: wait for resume
     if state.continue_pending is None and state.transitions + len(t.payload.transitions) >= limit:
         state.continue_pending = {"input": None, "has_input": False}
         t.record(None, state.status, state.status, f"{limit} transitions: continuing as new")
@@ -122,11 +124,15 @@ def maybe_continue_as_new(t: TickContext) -> bool:
 
 
 def _carried(t: TickContext) -> RunState:
-    """The successor keeps the context and every finished node, so no finished step reruns."""
+    """The successor keeps the context and every finished node, so no finished step reruns.
+
+    Parked nodes stay parked: their deadline keeps counting and the events an event set already
+    consumed stay received (those signals are applied and would never come again).
+    """
     carried = RunState.initial(t.spec.graph.order)
     carried.context = dict(t.payload.state.context)
     for node_id, ns in t.nodes.items():
-        done = ns.status in (NodeStatus.SUCCEEDED, NodeStatus.SKIPPED) or (
+        done = ns.status in (NodeStatus.SUCCEEDED, NodeStatus.SKIPPED, NodeStatus.WAITING) or (
             ns.status == NodeStatus.FAILED and t.spec.graph.nodes[node_id].continue_on_failure
         )
         if done:

@@ -137,6 +137,11 @@ def _event_set(t: TickContext, node_id: str, spec: EventSetNodeSpec) -> bool:
                 break
     ns.output_signals = received or None
     if len(received) >= spec.needed():
+        fresh = {s.id: s.payload for s in t.inputs.signals}
+        t.outputs[node_id] = {
+            event: fresh[i] if i in fresh else t.inputs.received.get(i)
+            for event, i in received.items()
+        }
         _succeed(t, node_id, f"events received: {sorted(received)}")
         return True
     return False

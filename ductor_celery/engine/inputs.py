@@ -71,6 +71,8 @@ class TickInputs:
     config: EngineConfig = field(default_factory=EngineConfig)
     signals: tuple[SignalIn, ...] = ()
     control: ControlIn | None = None
+    #: Payloads of signals already applied to event sets still waiting (by signal id).
+    received: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,9 @@ def fail_run_on_fatal_node(t: TickContext) -> bool:
             error = dict(ns.error or {})
             error["node"] = node_id
             close_in_flight(t, f"run failed: node {node_id!r} failed")
+            # A continue-as-new that was draining dies with the run (as on cancel), or a later
+            # redrive would close the run as continued instead of running it again.
+            t.payload.state.continue_pending = None
             t.payload.error = error
             t.move_run(RunStatus.FAILED, f"node {node_id!r} failed: {error.get('message', '')}")
             return True
@@ -36,8 +39,11 @@ def close_in_flight(t: TickContext, reason: str) -> None:
         if ns.status not in (NodeStatus.RUNNING, NodeStatus.WAITING):
             continue
         if ns.token is not None:
-            # Never send an attempt that is closed (a resend queued earlier in this tick).
-            p.dispatches = [d for d in p.dispatches if d.token != ns.token]
+            # Never send an attempt that is closed (a resend queued earlier in this tick); keep
+            # a revoke queued for it (cancel and terminate revoke before they close).
+            p.dispatches = [
+                d for d in p.dispatches if d.token != ns.token or d.kind != "step"
+            ]
         if ns.token in created:
             # Started in this very tick: there is no row to close yet (the store closes before
             # it inserts), so never insert the attempt instead.

@@ -14,6 +14,9 @@ from sqlalchemy.engine import Engine
 
 from .schema import workflow_control, workflow_signal
 
+#: First key of the advisory locks that order one workflow id's signals ("ductor" in ASCII-ish).
+SIGNAL_LOCK_NAMESPACE = 0x0D0C
+
 
 def insert_signal(
     engine: Engine,
@@ -34,6 +37,13 @@ def insert_signal(
         "idempotency_key": idempotency_key,
     }
     with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            # Signals of one workflow id are consumed in id order, so ids must be handed out in
+            # commit order: serialize this workflow's inserts (SQLite serializes every write).
+            conn.execute(
+                sa.select(sa.func.pg_advisory_xact_lock(SIGNAL_LOCK_NAMESPACE,
+                                                        sa.func.hashtext(workflow_id)))
+            )
         stmt = insert(workflow_signal).values(**values)
         if idempotency_key is not None:
             stmt = stmt.on_conflict_do_nothing(
@@ -50,6 +60,17 @@ def insert_signal(
             )
         ).scalar_one()
         return int(existing), False
+
+
+def signal_with_key(engine: Engine, workflow_id: str, idempotency_key: str) -> int | None:
+    with engine.connect() as conn:
+        found = conn.execute(
+            sa.select(workflow_signal.c.id).where(
+                workflow_signal.c.workflow_id == workflow_id,
+                workflow_signal.c.idempotency_key == idempotency_key,
+            )
+        ).scalar_one_or_none()
+    return int(found) if found is not None else None
 
 
 def pending_signal_named(engine: Engine, run_id: str, name: str) -> bool:
@@ -103,4 +124,18 @@ def signal_payloads(engine: Engine, ids: list[int]) -> dict[int, Any]:
                     workflow_signal.c.id.in_(ids)
                 )
             ).all()
+        )
+
+
+def has_unhandled_control(engine: Engine, run_id: str, kinds: tuple[str, ...]) -> bool:
+    with engine.connect() as conn:
+        return (
+            conn.execute(
+                sa.select(workflow_control.c.id).where(
+                    workflow_control.c.run_id == run_id,
+                    workflow_control.c.handled_at.is_(None),
+                    workflow_control.c.kind.in_(kinds),
+                )
+            ).first()
+            is not None
         )

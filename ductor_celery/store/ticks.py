@@ -236,6 +236,21 @@ def load_tick(
                     _outputs.put(out.token, out.output)
                     cached[out.token] = out.output
             outputs.update({node: cached.get(token) for node, token in wanted.items()})
+        earlier = [
+            i
+            for ns in state.nodes.values()
+            if ns.status == NodeStatus.WAITING and ns.output_signals
+            for i in ns.output_signals.values()
+        ]
+        received: dict[int, Any] = {}
+        if earlier:
+            received = dict(
+                conn.execute(
+                    sa.select(workflow_signal.c.id, workflow_signal.c.payload).where(
+                        workflow_signal.c.id.in_(earlier)
+                    )
+                ).all()
+            )
         inputs = TickInputs(
             run_id=run_id,
             input=row.input,
@@ -245,6 +260,7 @@ def load_tick(
             config=config,
             signals=signals,
             control=control,
+            received=received,
         )
         return loaded, spec, inputs
 
