@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -103,3 +104,45 @@ def test_the_same_group_runs_as_a_celery_subcommand(shared_cluster: Any) -> None
     )
     assert result.returncode == 1
     assert "no run with run id or workflow id 'nope'" in result.stderr
+
+
+def test_signal_approve_and_controls_from_the_command_line(shared_cluster: Any) -> None:
+    started = _ductor(shared_cluster, "start", "approvals", "--workflow-id", "cli-kyc")
+    assert started.returncode == 0, started.stderr
+    run_id = json.loads(started.stdout)["run_id"]
+    early = _ductor(shared_cluster, "approve", "cli-kyc", "kyc")
+    assert early.returncode == 1 and "not an approval node" in early.stderr
+    deadline = time.monotonic() + 20
+    while True:
+        shown = json.loads(_ductor(shared_cluster, "show", run_id, "--json").stdout)
+        if shown["nodes"]["review"]["status"] == "waiting":
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert _ductor(shared_cluster, "pause", "cli-kyc", "--reason", "lunch").returncode == 0
+    resumed = None
+    for _ in range(100):
+        resumed = _ductor(shared_cluster, "resume", "cli-kyc")
+        if resumed.returncode == 0:
+            break
+        time.sleep(0.1)  # the pause is applied by the coordinator, not by the client
+    assert resumed is not None and resumed.returncode == 0, resumed.stderr
+    approved = _ductor(shared_cluster, "approve", "cli-kyc", "review", "--by", "ops",
+                       "--comment", "fine")
+    assert approved.returncode == 0, approved.stderr
+    for event in ("id_ok", "address_ok"):
+        sent = _ductor(shared_cluster, "signal", "cli-kyc", event, "--payload", '{"ok": true}',
+                       "--idempotency-key", event)
+        assert sent.returncode == 0 and "signal_id" in sent.stdout
+    bad = _ductor(shared_cluster, "signal", "cli-kyc", "x", "--payload", "{nope")
+    assert bad.returncode == 1 and "--payload is not valid JSON" in bad.stderr
+    deadline = time.monotonic() + 20
+    while json.loads(_ductor(shared_cluster, "show", run_id, "--json").stdout)["status"] != (
+        "succeeded"
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    again = _ductor(shared_cluster, "cancel", "cli-kyc")
+    assert again.returncode == 1 and "succeeded" in again.stderr
+    redrive = _ductor(shared_cluster, "redrive", "cli-kyc")
+    assert redrive.returncode == 1 and "cannot redrive" in redrive.stderr
