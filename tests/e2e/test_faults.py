@@ -29,7 +29,9 @@ def test_sigkill_of_the_step_worker_mid_step_is_recovered(
     cluster_factory: Any, client_for: Any, tmp_path: Path
 ) -> None:
     marker = tmp_path / "slow-started"
-    cluster = cluster_factory(E2E_SLOW_MARKER=str(marker), E2E_SLOW_TIMEOUT="3")
+    cluster = cluster_factory(
+        E2E_SLOW_MARKER=str(marker), E2E_SLOW_TIMEOUT="3", E2E_RESEND_AFTER="2"
+    )
     cluster.start_coordinator()
     steps = cluster.start_steps(concurrency=1)
     ductor = client_for(cluster)
