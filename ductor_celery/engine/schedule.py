@@ -41,9 +41,7 @@ def close_in_flight(t: TickContext, reason: str) -> None:
         if ns.token is not None:
             # Never send an attempt that is closed (a resend queued earlier in this tick); keep
             # a revoke queued for it (cancel and terminate revoke before they close).
-            p.dispatches = [
-                d for d in p.dispatches if d.token != ns.token or d.kind != "step"
-            ]
+            p.dispatches = [d for d in p.dispatches if d.token != ns.token or d.kind != "step"]
         if ns.token in created:
             # Started in this very tick: there is no row to close yet (the store closes before
             # it inserts), so never insert the attempt instead.

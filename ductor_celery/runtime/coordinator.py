@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 from ..engine import compute_tick
 from ..store.db import with_retry
-from ..store.ticks import VersionConflict, commit_tick, delete_outbox, load_tick
+from ..store.load import load_tick
+from ..store.ticks import VersionConflict, commit_tick, delete_outbox
 
 if TYPE_CHECKING:
     from .runtime import Runtime

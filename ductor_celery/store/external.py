@@ -41,8 +41,11 @@ def insert_signal(
             # Signals of one workflow id are consumed in id order, so ids must be handed out in
             # commit order: serialize this workflow's inserts (SQLite serializes every write).
             conn.execute(
-                sa.select(sa.func.pg_advisory_xact_lock(SIGNAL_LOCK_NAMESPACE,
-                                                        sa.func.hashtext(workflow_id)))
+                sa.select(
+                    sa.func.pg_advisory_xact_lock(
+                        SIGNAL_LOCK_NAMESPACE, sa.func.hashtext(workflow_id)
+                    )
+                )
             )
         stmt = insert(workflow_signal).values(**values)
         if idempotency_key is not None:

@@ -14,12 +14,12 @@ from ductor_celery.engine import AttemptResult, RunStatus, compute_tick
 from ductor_celery.settings import Settings
 from ductor_celery.store import attempts, runs, sweep
 from ductor_celery.store.db import get_engine
+from ductor_celery.store.load import load_tick
 from ductor_celery.store.ticks import (
     OutboxRow,
     VersionConflict,
     commit_tick,
     delete_outbox,
-    load_tick,
 )
 
 CONFIG = Settings().engine_config()
@@ -92,7 +92,9 @@ def test_racing_coordinators_commit_each_version_once(engine: Any) -> None:
     assert sorted(outcomes) == ["lost", "lost", "lost", "won"]
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM eec_workflow_step_attempt")).scalar() == 1
-        seqs = conn.execute(sa.text("SELECT seq FROM eec_workflow_transition ORDER BY seq")).scalars()
+        seqs = conn.execute(
+            sa.text("SELECT seq FROM eec_workflow_transition ORDER BY seq")
+        ).scalars()
         assert list(seqs) == [0, 1]
 
 
@@ -201,6 +203,7 @@ def test_terminal_run_folds_late_results_without_changing(engine: Any) -> None:
     assert found.error is not None and found.error["node"] == "a"
     loaded, _, inputs = load_tick(engine, run_id, lambda _h: spec, CONFIG)  # type: ignore[misc]
     late = AttemptResult(token="r1:a:0", node="a", outcome="succeeded", output=1)
-    payload = compute_tick(spec, loaded.state, inputs.__class__(run_id=run_id, results=(late,)),
-                           loaded.now)
+    payload = compute_tick(
+        spec, loaded.state, inputs.__class__(run_id=run_id, results=(late,)), loaded.now
+    )
     assert payload.state.status == RunStatus.FAILED

@@ -1,0 +1,314 @@
+"""Load one run for a tick: the run row and the inbox (results, control, signals, checks).
+
+A single first query returns the run row, the database clock and whether each inbox holds
+anything, so a redundant wake-up costs one indexed read and no more.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from ..definition.spec import WorkflowSpec
+from ..engine import (
+    AttemptCheck,
+    AttemptResult,
+    ControlIn,
+    EngineConfig,
+    NodeStatus,
+    RunState,
+    SignalIn,
+    TickInputs,
+    needed_outputs,
+)
+from ..engine.status import TERMINAL_RUN_STATUSES
+from .db import aware, is_postgres
+from .schema import step_attempt, workflow_control, workflow_run, workflow_signal
+
+
+@dataclass(slots=True)
+class LoadedRun:
+    run_id: str
+    workflow_id: str
+    workflow: str
+    spec_hash: str
+    record_version: int
+    state: RunState
+    now: datetime
+
+
+class _OutputCache:
+    """Outputs are immutable once written, so each process keeps the recent ones."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._data: OrderedDict[str, Any] = OrderedDict()
+        self._size = size
+
+    def get_many(self, tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
+        found: dict[str, Any] = {}
+        missing: list[str] = []
+        for token in tokens:
+            if token in self._data:
+                self._data.move_to_end(token)
+                found[token] = self._data[token]
+            else:
+                missing.append(token)
+        return found, missing
+
+    def put(self, token: str, value: Any) -> None:
+        self._data[token] = value
+        self._data.move_to_end(token)
+        while len(self._data) > self._size:
+            self._data.popitem(last=False)
+
+
+_outputs = _OutputCache()
+
+
+def _exists(table: sa.Table, *where: Any) -> Any:
+    return sa.exists(sa.select(sa.literal(1)).select_from(table).where(*where))
+
+
+def load_tick(
+    engine: Engine,
+    run_id: str,
+    spec_for: Callable[[str], WorkflowSpec],
+    config: EngineConfig,
+) -> tuple[LoadedRun, WorkflowSpec, TickInputs] | None:
+    """Read everything one tick needs. None when the run does not exist."""
+    with engine.connect() as conn:
+        row = _run_row(conn, run_id)
+        if row is None:
+            return None
+        now = aware(row.now) if row.now is not None else datetime.now(UTC)
+        assert now is not None
+        state = RunState.from_json(row.state)
+        loaded = LoadedRun(
+            run_id=row.run_id,
+            workflow_id=row.workflow_id,
+            workflow=row.workflow,
+            spec_hash=row.spec_hash,
+            record_version=row.record_version,
+            state=state,
+            now=now,
+        )
+        spec = spec_for(row.spec_hash)
+        results = _results(conn, run_id) if row.has_results else ()
+        control = _control(conn, run_id) if row.has_control else None
+        if state.status in TERMINAL_RUN_STATUSES and control is None:
+            return loaded, spec, TickInputs(run_id=run_id, results=results, config=config)
+        inputs = TickInputs(
+            run_id=run_id,
+            input=row.input,
+            results=results,
+            checks=_checks(conn, state, now),
+            outputs=_outputs_for(conn, spec, state),
+            config=config,
+            signals=_signals(conn, run_id) if row.has_signals else (),
+            control=control,
+            received=_received(conn, state),
+        )
+        return loaded, spec, inputs
+
+
+def _run_row(conn: Connection, run_id: str) -> Any:
+    now_col = sa.func.now() if is_postgres(conn.engine) else sa.literal(None)
+    return conn.execute(
+        sa.select(
+            workflow_run.c.run_id,
+            workflow_run.c.workflow_id,
+            workflow_run.c.workflow,
+            workflow_run.c.spec_hash,
+            workflow_run.c.record_version,
+            workflow_run.c.state,
+            workflow_run.c.input,
+            now_col.label("now"),
+            _exists(
+                step_attempt,
+                step_attempt.c.run_id == run_id,
+                step_attempt.c.finished_at.is_not(None),
+                sa.not_(step_attempt.c.folded),
+            ).label("has_results"),
+            _exists(
+                workflow_control,
+                workflow_control.c.run_id == run_id,
+                workflow_control.c.handled_at.is_(None),
+            ).label("has_control"),
+            _exists(
+                workflow_signal,
+                workflow_signal.c.run_id == run_id,
+                workflow_signal.c.applied_at.is_(None),
+            ).label("has_signals"),
+        ).where(workflow_run.c.run_id == run_id)
+    ).one_or_none()
+
+
+def _results(conn: Connection, run_id: str) -> tuple[AttemptResult, ...]:
+    """Finished attempts not folded yet, in the order they finished."""
+    rows = conn.execute(
+        sa.select(
+            step_attempt.c.token,
+            step_attempt.c.node,
+            step_attempt.c.outcome,
+            step_attempt.c.output,
+            step_attempt.c.error,
+            step_attempt.c.retryable,
+            step_attempt.c.patch,
+        )
+        .where(
+            step_attempt.c.run_id == run_id,
+            step_attempt.c.finished_at.is_not(None),
+            sa.not_(step_attempt.c.folded),
+        )
+        .order_by(step_attempt.c.finished_at, step_attempt.c.token)
+    )
+    return tuple(
+        AttemptResult(
+            token=r.token,
+            node=r.node,
+            outcome=r.outcome or "failed",
+            output=r.output,
+            error=r.error,
+            retryable=bool(r.retryable) if r.retryable is not None else True,
+            patch=r.patch,
+        )
+        for r in rows
+    )
+
+
+def _control(conn: Connection, run_id: str) -> ControlIn | None:
+    """The oldest control not handled yet: one per tick."""
+    row = conn.execute(
+        sa.select(
+            workflow_control.c.id,
+            workflow_control.c.kind,
+            workflow_control.c.reason,
+            workflow_control.c.input,
+            workflow_control.c.has_input,
+        )
+        .where(workflow_control.c.run_id == run_id, workflow_control.c.handled_at.is_(None))
+        .order_by(workflow_control.c.id)
+        .limit(1)
+    ).one_or_none()
+    if row is None:
+        return None
+    return ControlIn(
+        id=row.id,
+        kind=row.kind,
+        reason=row.reason,
+        input=row.input,
+        has_input=bool(row.has_input),
+    )
+
+
+def _signals(conn: Connection, run_id: str) -> tuple[SignalIn, ...]:
+    """Signals not applied yet, in the order they were accepted."""
+    rows = conn.execute(
+        sa.select(workflow_signal.c.id, workflow_signal.c.name, workflow_signal.c.payload)
+        .where(workflow_signal.c.run_id == run_id, workflow_signal.c.applied_at.is_(None))
+        .order_by(workflow_signal.c.id)
+    )
+    return tuple(SignalIn(id=r.id, name=r.name, payload=r.payload) for r in rows)
+
+
+def _checks(conn: Connection, state: RunState, now: datetime) -> dict[str, AttemptCheck]:
+    """Claim status of in-flight attempts whose check time has come."""
+    due = [
+        ns.token
+        for ns in state.nodes.values()
+        if ns.status == NodeStatus.RUNNING
+        and ns.token is not None
+        and ns.check_at is not None
+        and ns.check_at <= now
+    ]
+    if not due:
+        return {}
+    rows = conn.execute(
+        sa.select(
+            step_attempt.c.token, step_attempt.c.claimed_at, step_attempt.c.finished_at
+        ).where(step_attempt.c.token.in_(due))
+    )
+    return {
+        r.token: AttemptCheck(
+            token=r.token, claimed_at=aware(r.claimed_at), finished=r.finished_at is not None
+        )
+        for r in rows
+    }
+
+
+def _outputs_for(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[str, Any]:
+    """Outputs of earlier-finished nodes that pending nodes (or the run output) read."""
+    outputs = _parked_outputs(conn, spec, state)
+    wanted = needed_outputs(spec, state)
+    if not wanted:
+        return outputs
+    cached, missing = _outputs.get_many(list(wanted.values()))
+    if missing:
+        for r in conn.execute(
+            sa.select(step_attempt.c.token, step_attempt.c.output).where(
+                step_attempt.c.token.in_(missing)
+            )
+        ):
+            _outputs.put(r.token, r.output)
+            cached[r.token] = r.output
+    outputs.update({node: cached.get(token) for node, token in wanted.items()})
+    return outputs
+
+
+def _payloads(conn: Connection, ids: list[int]) -> dict[int, Any]:
+    if not ids:
+        return {}
+    return dict(
+        conn.execute(
+            sa.select(workflow_signal.c.id, workflow_signal.c.payload).where(
+                workflow_signal.c.id.in_(ids)
+            )
+        ).all()
+    )
+
+
+def _received(conn: Connection, state: RunState) -> dict[int, Any]:
+    """Payloads of signals already applied to event sets that are still waiting."""
+    return _payloads(
+        conn,
+        [
+            i
+            for ns in state.nodes.values()
+            if ns.status == NodeStatus.WAITING and ns.output_signals
+            for i in ns.output_signals.values()
+        ],
+    )
+
+
+def _parked_outputs(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[str, Any]:
+    """Outputs of finished parked nodes that pending nodes read: signal payloads or literals."""
+    graph = spec.graph
+    wanted: set[str] = set(graph.output_reads)
+    for node_id, ns in state.nodes.items():
+        if ns.status == NodeStatus.PENDING:
+            wanted |= graph.reads.get(node_id, frozenset())
+    outputs: dict[str, Any] = {}
+    ids: dict[int, str] = {}
+    sets: dict[str, dict[str, int]] = {}
+    for node_id in wanted:
+        found = state.nodes.get(node_id)
+        if found is None or found.status != NodeStatus.SUCCEEDED or found.output_token:
+            continue
+        if found.output_signal is not None:
+            ids[found.output_signal] = node_id
+        elif found.output_signals:
+            sets[node_id] = found.output_signals
+        else:
+            outputs[node_id] = found.output_value
+    payloads = _payloads(conn, list(ids) + [i for ev in sets.values() for i in ev.values()])
+    for signal_id, node_id in ids.items():
+        outputs[node_id] = payloads.get(signal_id)
+    for node_id, events in sets.items():
+        outputs[node_id] = {event: payloads.get(i) for event, i in events.items()}
+    return outputs
