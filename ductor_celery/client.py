@@ -134,6 +134,9 @@ class Client:
         value = check_payload(
             payload, f"payload of signal {name!r}", self.settings.max_payload_bytes
         )
+        # Without a key of the user's, one of ours: retrying an insert whose commit answer was
+        # lost must not accept the signal twice.
+        key = idempotency_key or f"ductor:{uuid.uuid4().hex}"
         signal_id, created = with_retry(
             lambda: external.insert_signal(
                 self.engine,
@@ -141,11 +144,11 @@ class Client:
                 workflow_id=row.workflow_id,
                 name=name,
                 payload=value,
-                idempotency_key=idempotency_key,
+                idempotency_key=key,
             ),
             what="insert signal",
         )
-        if created:
+        if created or idempotency_key is None:
             self._safe_wake(row.run_id)
         return signal_id
 
@@ -181,7 +184,7 @@ class Client:
                 workflow_id=row.workflow_id,
                 name=approval_signal(node),
                 payload=decision,
-                idempotency_key=None,
+                idempotency_key=f"ductor:{uuid.uuid4().hex}",
             ),
             what="insert decision",
         )

@@ -35,6 +35,9 @@ def close_in_flight(t: TickContext, reason: str) -> None:
     """Cancel every node with an attempt in flight or a retry pending; close open attempts."""
     p = t.payload
     created = {a.token for a in p.new_attempts}
+    # An attempt whose result is loaded has finished already: its row cannot be closed (the
+    # conditional close would conflict on every recompute); it is folded instead.
+    finished = {r.token for r in t.inputs.results}
     for node_id, ns in t.nodes.items():
         if ns.status not in (NodeStatus.RUNNING, NodeStatus.WAITING):
             continue
@@ -46,7 +49,7 @@ def close_in_flight(t: TickContext, reason: str) -> None:
             # Started in this very tick: there is no row to close yet (the store closes before
             # it inserts), so never insert the attempt instead.
             p.new_attempts = [a for a in p.new_attempts if a.token != ns.token]
-        elif ns.token is not None:
+        elif ns.token is not None and ns.token not in finished:
             p.closed.append(
                 ClosedAttempt(ns.token, "cancelled", {"type": "Cancelled", "message": reason})
             )

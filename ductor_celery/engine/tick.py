@@ -76,6 +76,11 @@ def _finish(t: TickContext) -> TickPayload:
     return payload
 
 
+#: Nodes that may resolve paths this tick: pending ones, and failed or cancelled ones that a
+#: redrive in this very tick puts back to pending.
+READER_STATUSES = frozenset({NodeStatus.PENDING, NodeStatus.FAILED, NodeStatus.CANCELLED})
+
+
 def needed_outputs(definition: WorkflowSpec, state: RunState) -> dict[str, str]:
     """Node -> output token for every succeeded node that a pending node or the output reads.
 
@@ -85,7 +90,7 @@ def needed_outputs(definition: WorkflowSpec, state: RunState) -> dict[str, str]:
     graph = definition.graph
     wanted: set[str] = set(graph.output_reads)
     for node_id, ns in state.nodes.items():
-        if ns.status == NodeStatus.PENDING:
+        if ns.status in READER_STATUSES:
             wanted |= graph.reads.get(node_id, frozenset())
     out: dict[str, str] = {}
     for node_id in wanted:

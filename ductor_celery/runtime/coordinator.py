@@ -6,10 +6,12 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
+from sqlalchemy.exc import IntegrityError
+
 from ..engine import compute_tick
 from ..store.db import with_retry
 from ..store.load import load_tick
-from ..store.ticks import VersionConflict, commit_tick, delete_outbox
+from ..store.ticks import VersionConflict, commit_tick, delete_outbox, reject_control
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -41,6 +43,17 @@ def run_tick(rt: Runtime, run_id: str) -> str:
             )
         except VersionConflict as conflict:
             log.debug("run %s: %s; recomputing", run_id, conflict)
+            continue
+        except IntegrityError:
+            # A redrive reopening the run while another run of its workflow id is open (the
+            # client checked, but a start raced it): refuse the redrive, keep the run as it is.
+            if not payload.reopened or payload.handled_control is None:
+                raise
+            reject_control(
+                engine,
+                payload.handled_control.id,
+                "rejected: another run of this workflow id is open",
+            )
             continue
         rt.failpoint("after_commit_before_dispatch")
         if outbox:

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import traceback
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -128,15 +129,23 @@ def _is_non_retryable(step: Step, exc: BaseException) -> bool:
 
 
 def worker_identity(hostname: str | None) -> str:
-    return f"{hostname or socket.gethostname()}:{os.getpid()}"
+    """Who claims: host and pid for people, plus a nonce that makes each claim unique."""
+    return f"{(hostname or socket.gethostname())[:150]}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+def _heartbeat(engine: Any, token: str) -> None:
+    """A heartbeat is a hint: a database blip must not fail the user's step."""
+    try:
+        attempts.heartbeat(engine, token)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("heartbeat for %s not recorded: %s", token, exc)
 
 
 def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = None) -> str:
     """Claim, run, record, wake. Returns what happened (for logs and tests)."""
     engine = rt.engine()
-    claimed = with_retry(
-        lambda: attempts.claim(engine, token, worker_identity(hostname)), what="claim attempt"
-    )
+    me = worker_identity(hostname)
+    claimed = with_retry(lambda: attempts.claim(engine, token, me), what="claim attempt")
     if claimed is None:
         log.info("attempt %s already claimed or closed; message ignored", token)
         return "duplicate"
@@ -148,7 +157,7 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
         attempt=claimed.attempt,
         input=claimed.input,
         context=claimed.context,
-        heartbeat_fn=lambda _details: attempts.heartbeat(engine, token),
+        heartbeat_fn=lambda _details: _heartbeat(engine, token),
     )
     limit = rt.settings.max_payload_bytes
     outcome = "succeeded"

@@ -75,10 +75,11 @@ def _create_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
+    # No pool_pre_ping: it costs a round trip per checkout, and every caller already retries
+    # a whole transaction on a dropped connection (with_retry), which also covers a restart.
     return sa.create_engine(
         url,
         json_serializer=_json_dumps,
-        pool_pre_ping=True,
         pool_size=5,
         max_overflow=10,
         pool_recycle=1800,
@@ -107,9 +108,15 @@ def aware(value: datetime | None) -> datetime | None:
 
 def is_transient(exc: BaseException) -> bool:
     """A dropped connection or a restarting server: worth retrying the whole transaction."""
-    if isinstance(exc, OperationalError):
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
-    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+    if not isinstance(exc, OperationalError):
+        return False
+    if type(exc.orig).__module__.startswith("sqlite3"):
+        # SQLite raises OperationalError for "no such table" too; only lock waits pass.
+        text = str(exc.orig).lower()
+        return "locked" in text or "busy" in text
+    return True  # psycopg: connection failures, restarts, serialization failures, deadlocks
 
 
 def with_retry(

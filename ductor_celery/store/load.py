@@ -28,6 +28,7 @@ from ..engine import (
     needed_outputs,
 )
 from ..engine.status import TERMINAL_RUN_STATUSES
+from ..engine.tick import READER_STATUSES
 from .db import aware, is_postgres
 from .schema import step_attempt, workflow_control, workflow_run, workflow_signal
 
@@ -84,8 +85,12 @@ def load_tick(
     """Read everything one tick needs. None when the run does not exist."""
     with engine.connect() as conn:
         row = _run_row(conn, run_id)
-        if row is None:
-            return None
+    if row is None:
+        return None
+    # Outside any connection: a cache miss reads the definition on a connection of its own,
+    # which on SQLite would otherwise wait for this one's lock.
+    spec = spec_for(row.spec_hash)
+    with engine.connect() as conn:
         now = aware(row.now) if row.now is not None else datetime.now(UTC)
         assert now is not None
         state = RunState.from_json(row.state)
@@ -98,7 +103,6 @@ def load_tick(
             state=state,
             now=now,
         )
-        spec = spec_for(row.spec_hash)
         results = _results(conn, run_id) if row.has_results else ()
         control = _control(conn, run_id) if row.has_control else None
         if state.status in TERMINAL_RUN_STATUSES and control is None:
@@ -291,7 +295,7 @@ def _parked_outputs(conn: Connection, spec: WorkflowSpec, state: RunState) -> di
     graph = spec.graph
     wanted: set[str] = set(graph.output_reads)
     for node_id, ns in state.nodes.items():
-        if ns.status == NodeStatus.PENDING:
+        if ns.status in READER_STATUSES:
             wanted |= graph.reads.get(node_id, frozenset())
     outputs: dict[str, Any] = {}
     ids: dict[int, str] = {}

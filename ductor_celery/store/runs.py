@@ -157,10 +157,22 @@ def insert_run(
             )
         return run_id, True
     except IntegrityError:
+        if _run_exists(engine, run_id):
+            return run_id, True  # our own insert: it committed, but its answer was lost
         existing = open_run_id(engine, workflow_id)
         if existing is None:
             raise
         return existing, False
+
+
+def _run_exists(engine: Engine, run_id: str) -> bool:
+    with engine.connect() as conn:
+        return (
+            conn.execute(
+                sa.select(workflow_run.c.run_id).where(workflow_run.c.run_id == run_id)
+            ).first()
+            is not None
+        )
 
 
 def open_run_id(engine: Engine, workflow_id: str) -> str | None:

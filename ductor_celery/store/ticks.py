@@ -272,6 +272,12 @@ def _insert_successor(
             updated_at=now,
         )
     )
+    # Signals the predecessor never consumed belong to the successor now.
+    conn.execute(
+        sa.update(workflow_signal)
+        .where(workflow_signal.c.run_id == loaded.run_id, workflow_signal.c.applied_at.is_(None))
+        .values(run_id=successor.run_id)
+    )
     row = conn.execute(
         sa.insert(workflow_outbox)
         .values(
@@ -294,3 +300,13 @@ def _insert_successor(
             payload={"run_id": successor.run_id},
         )
     ]
+
+
+def reject_control(engine: Engine, control_id: int, result: str) -> None:
+    """Mark a control handled without applying it (its commit would break a database rule)."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(workflow_control)
+            .where(workflow_control.c.id == control_id, workflow_control.c.handled_at.is_(None))
+            .values(handled_at=sa.func.now(), result=result[:2000])
+        )
