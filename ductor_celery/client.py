@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -33,6 +33,8 @@ from .store.ticks import RUN_FINISHED_CHANNEL
 from .views import NodeView, RunHandle, RunView
 
 log = logging.getLogger("ductor_celery.client")
+
+T = TypeVar("T")
 
 _OPEN = frozenset({RunStatus.PENDING, RunStatus.RUNNING, RunStatus.PAUSED})
 CONTROL_ALLOWED: dict[str, frozenset[RunStatus]] = {
@@ -102,6 +104,12 @@ class Client:
             self._safe_wake(actual)
         return RunHandle(run_id=actual, workflow_id=workflow_id or run_id)
 
+    def _read(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """A read that rides out a dropped connection (a PostgreSQL restart) like writes do."""
+        return with_retry(
+            lambda: fn(*args, **kwargs), what=f"read ({fn.__name__})", deadline_s=60.0
+        )
+
     def _safe_wake(self, run_id: str) -> None:
         # The row is committed; if the broker is down the sweeper picks the run up instead.
         try:
@@ -127,7 +135,9 @@ class Client:
             # A repeated key is accepted and ignored, even once the run has finished: a client
             # retrying a send whose answer it lost must not get an error.
             found = self._row(target)
-            earlier = external.signal_with_key(self.engine, found.workflow_id, idempotency_key)
+            earlier = self._read(
+                external.signal_with_key, self.engine, found.workflow_id, idempotency_key
+            )
             if earlier is not None:
                 return earlier
         row = self._open_row(target, f"signal {name!r}")
@@ -158,7 +168,7 @@ class Client:
         """approve / reject: only a waiting approval node, and only once."""
         verb = "approve" if approved else "reject"
         row = self._open_row(target, f"{verb} {node!r}")
-        spec = runs.load_definition(self.engine, row.spec_hash)
+        spec = self._read(runs.load_definition, self.engine, row.spec_hash)
         node_spec = spec.graph.nodes.get(node) if spec is not None else None
         if not isinstance(node_spec, ApprovalNodeSpec):
             raise InvalidOperation(f"run {row.run_id}: {node!r} is not an approval node")
@@ -168,7 +178,9 @@ class Client:
             raise InvalidOperation(
                 f"cannot {verb} {node!r}: the node is {status}, not waiting for a decision"
             )
-        if external.pending_signal_named(self.engine, row.run_id, approval_signal(node)):
+        if self._read(
+            external.pending_signal_named, self.engine, row.run_id, approval_signal(node)
+        ):
             raise InvalidOperation(f"cannot {verb} {node!r}: a decision is already on its way")
         decision = {
             "approved": approved,
@@ -209,7 +221,7 @@ class Client:
                 f"(allowed when {', '.join(s.value for s in sorted(allowed))})"
             )
         if kind == "redrive":
-            other = runs.open_run_id(self.engine, row.workflow_id)
+            other = self._read(runs.open_run_id, self.engine, row.workflow_id)
             if other is not None:
                 raise InvalidOperation(
                     f"cannot redrive run {row.run_id}: run {other} of workflow id "
@@ -240,7 +252,7 @@ class Client:
     # -- reads ------------------------------------------------------------------------------
 
     def _row(self, target: str) -> RunRow:
-        row = runs.find_run(self.engine, target)
+        row = self._read(runs.find_run, self.engine, target)
         if row is None:
             raise RunNotFound(f"no run with run id or workflow id {target!r}")
         return row
@@ -253,17 +265,19 @@ class Client:
     ) -> list[RunView]:
         if status is not None:
             status = RunStatus(status).value
-        rows = runs.list_runs(self.engine, status=status, workflow=workflow, limit=limit)
+        rows = self._read(
+            runs.list_runs, self.engine, status=status, workflow=workflow, limit=limit
+        )
         return [self._view(r) for r in rows]
 
     def _view(self, row: RunRow) -> RunView:
         tokens = [ns.output_token for ns in row.state.nodes.values() if ns.output_token]
-        outputs = runs.attempt_outputs(self.engine, tokens)
+        outputs = self._read(runs.attempt_outputs, self.engine, tokens)
         signal_ids = [ns.output_signal for ns in row.state.nodes.values() if ns.output_signal]
         signal_ids += [
             i for ns in row.state.nodes.values() for i in (ns.output_signals or {}).values()
         ]
-        payloads = external.signal_payloads(self.engine, signal_ids)
+        payloads = self._read(external.signal_payloads, self.engine, signal_ids)
 
         def output_of(ns: Any) -> Any:
             if ns.output_token:
@@ -306,7 +320,7 @@ class Client:
     def definition_of(self, target: str) -> WorkflowSpec:
         """The spec a run is pinned to."""
         row = self._row(target)
-        spec = runs.load_definition(self.engine, row.spec_hash)
+        spec = self._read(runs.load_definition, self.engine, row.spec_hash)
         if spec is None:  # the run's FK makes this impossible short of manual deletes
             raise RunNotFound(f"run {row.run_id}: its definition {row.spec_hash} is missing")
         return spec
@@ -314,12 +328,12 @@ class Client:
     def history(self, target: str, limit: int = 200) -> tuple[list[Any], list[Any]]:
         """(attempt rows, transition rows) of a run, for ``ductor show``."""
         row = self._row(target)
-        return runs.attempts_of(self.engine, row.run_id), runs.transitions_of(
+        return self._read(runs.attempts_of, self.engine, row.run_id), runs.transitions_of(
             self.engine, row.run_id, limit
         )
 
     def find_definition(self, name: str) -> WorkflowSpec:
-        spec = self._find_spec(name) or runs.latest_definition(self.engine, name)
+        spec = self._find_spec(name) or self._read(runs.latest_definition, self.engine, name)
         if spec is None:
             raise WorkflowNotFound(f"no workflow named {name!r} is registered")
         return spec

@@ -1,0 +1,362 @@
+"""The benchmark's Celery apps: ``app`` (ductor) and ``raw`` (plain Celery, same work).
+
+Both do the same trivial work per task, ``value + 1``, so the figures measure orchestration,
+not the work:
+
+* ``app``: a ductor step ``bench.echo`` and the workflow ``bench_chain10`` (10 sequential
+  ``bench.echo`` steps, each fed the previous output). No result backend: ductor's tasks
+  never use one. Its workers are the production commands
+  ``celery -A bench_app worker -Q ductor-steps -c 2`` and ``... -Q ductor-coord -c 1``.
+* ``raw``: ``raw.echo`` (for ``chain``) and ``raw.count`` (for throughput: it INCRs a Redis
+  counter, so the driver counts completions without a result per task). Its result backend is
+  the benchmark's Redis (another db index). Worker: ``celery -A bench_app:raw worker -Q
+  bench-raw -c 2``.
+
+Configured from the environment, which ``run.py`` sets: ``DUCTOR_DATABASE_URL``,
+``BENCH_BROKER_URL`` (ductor's broker), ``BENCH_RAW_BROKER_URL``, ``BENCH_RAW_BACKEND_URL``,
+``BENCH_COUNTER_URL``. Optional instrumentation, both off unless asked for:
+
+* ``BENCH_TIMERS_DIR``: each worker process appends one JSON line per tick and per step to
+  ``<dir>/<pid>.jsonl`` with wall-clock timestamps of its phases (load, compute, commit,
+  dispatch, clear outbox; claim, function, finish, wake). Cost: a few ``perf_counter`` calls
+  and one ``write()`` per task (~10 us), next to ticks of several ms.
+* ``BENCH_PROFILE_DIR``: every tick and every step runs under ``cProfile``; each worker child
+  dumps ``<dir>/<tick|step>-<pid>.prof`` (pstats) periodically and when it shuts down.
+
+``BENCH_READY_DIR``: the worker_ready signal writes a file there (how run.py knows a worker
+consumes; the production commands log at WARNING). ``BENCH_EXPERIMENTS``: comma-separated
+what-ifs (``no-events``, ``no-sweeper``, ``no-pre-ping``, ``no-prepare``), never on in the
+default figures.
+
+The instrumentation and the experiments patch ductor from outside (module attributes looked
+up at call time); the package itself is not modified.
+"""
+
+from __future__ import annotations
+
+import atexit
+import cProfile
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.signals import worker_process_shutdown, worker_ready
+
+from ductor_celery import Ductor, StepContext, Workflow
+
+STEPS_QUEUE = "ductor-steps"
+COORD_QUEUE = "ductor-coord"
+RAW_QUEUE = "bench-raw"
+COUNTER_KEY = "bench:raw:done"
+
+# --------------------------------------------------------------------------------------------
+# ductor
+# --------------------------------------------------------------------------------------------
+
+app = Celery("bench")
+app.conf.update(
+    broker_url=os.environ.get("BENCH_BROKER_URL", "memory://"),
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+)
+EXPERIMENTS = set(filter(None, os.environ.get("BENCH_EXPERIMENTS", "").split(",")))
+KNOWN_EXPERIMENTS = {"no-events", "no-pre-ping", "no-prepare", "no-sweeper"}
+if EXPERIMENTS - KNOWN_EXPERIMENTS:
+    raise SystemExit(f"unknown experiments {EXPERIMENTS - KNOWN_EXPERIMENTS}")
+if "no-events" in EXPERIMENTS:
+    # ductor turns task events on unless the app decided; this is the app deciding "off".
+    app.conf.update(worker_send_task_events=False, task_send_sent_event=False)
+if "no-sweeper" in EXPERIMENTS:
+    # The sweeper still starts, but sweeps once an hour: no re-sent wake-ups.
+    app.conf.update(ductor_sweep_interval=3600.0)
+ductor = Ductor(app)
+
+
+def _experimental_engines() -> None:
+    """What-if knobs for the report, never on in the default figures: build ductor's
+    PostgreSQL engine without the pool pre-ping and/or without psycopg prepared statements."""
+    import sqlalchemy as sa
+
+    from ductor_celery.store import db
+
+    original = db._create_engine
+
+    def create(url: str) -> Any:
+        if url.startswith("sqlite"):
+            return original(url)
+        connect_args = {"prepare_threshold": None} if "no-prepare" in EXPERIMENTS else {}
+        return sa.create_engine(
+            url,
+            json_serializer=db._json_dumps,
+            pool_pre_ping="no-pre-ping" not in EXPERIMENTS,
+            pool_size=5,
+            max_overflow=10,
+            pool_recycle=1800,
+            connect_args=connect_args,
+        )
+
+    db._create_engine = create
+
+
+if EXPERIMENTS & {"no-pre-ping", "no-prepare"}:
+    _experimental_engines()
+
+
+@ductor.step(name="bench.echo")
+def echo(ctx: StepContext, value: int = 0) -> int:
+    return value + 1
+
+
+chain10 = Workflow("bench_chain10", version=1)
+chain10.step("s0", echo, args={"value": "$.input.value"})
+for _i in range(1, 10):
+    chain10.step(f"s{_i}", echo, after=[f"s{_i - 1}"], args={"value": f"$.nodes.s{_i - 1}.output"})
+chain10.output("$.nodes.s9.output")
+ductor.register(chain10)
+
+# --------------------------------------------------------------------------------------------
+# raw Celery
+# --------------------------------------------------------------------------------------------
+
+raw = Celery("bench_raw")
+raw.conf.update(
+    broker_url=os.environ.get("BENCH_RAW_BROKER_URL", "memory://"),
+    result_backend=os.environ.get("BENCH_RAW_BACKEND_URL") or None,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    task_default_queue=RAW_QUEUE,
+    result_expires=600,
+)
+
+
+@raw.task(name="raw.echo")
+def raw_echo(value: int = 0) -> int:
+    return value + 1
+
+
+_counter: tuple[int, redis.Redis] | None = None
+
+
+def _counter_client() -> redis.Redis:
+    """One Redis client per process (a prefork child must not reuse its parent's socket)."""
+    global _counter
+    if _counter is None or _counter[0] != os.getpid():
+        _counter = (os.getpid(), redis.Redis.from_url(os.environ["BENCH_COUNTER_URL"]))
+    return _counter[1]
+
+
+@raw.task(name="raw.count", ignore_result=True)
+def raw_count(value: int = 0) -> int:
+    _counter_client().incr(COUNTER_KEY)
+    return value + 1
+
+
+@worker_ready.connect(weak=False)
+def _announce_ready(sender: Any = None, **_: Any) -> None:
+    """Tell run.py this worker is consuming (the production commands log at WARNING, so the
+    "ready." log line is not there to watch)."""
+    directory = os.environ.get("BENCH_READY_DIR")
+    if directory:
+        name = getattr(sender, "hostname", None) or str(os.getpid())
+        with open(os.path.join(directory, name.split("@")[0]), "w") as fh:
+            fh.write(str(os.getpid()))
+
+
+# --------------------------------------------------------------------------------------------
+# Instrumentation (worker processes only; enabled by environment variables)
+# --------------------------------------------------------------------------------------------
+
+
+class _Timers:
+    """Phase timers for ticks and steps, appended as JSON lines to a per-process file."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.local = threading.local()
+        self._fd: int | None = None
+        self._pid = 0
+
+    def emit(self, record: dict[str, Any]) -> None:
+        if self._fd is None or self._pid != os.getpid():
+            self._pid = os.getpid()
+            path = os.path.join(self.directory, f"{self._pid}.jsonl")
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+    def current(self) -> dict[str, Any] | None:
+        return getattr(self.local, "rec", None)
+
+    def phase(self, name: str, fn: Any) -> Any:
+        """Wrap ``fn`` so its duration lands in the current record under ``name``."""
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            rec = self.current()
+            if rec is None:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                t1 = time.perf_counter()
+                rec[name] = rec.get(name, 0.0) + (t1 - t0)
+                rec[f"{name}_end"] = time.time()
+
+        wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapped
+
+    def task(self, kind: str, fn: Any, describe: Any) -> Any:
+        """Wrap a whole tick or step: start/end wall times, total, and the phases inside."""
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            rec: dict[str, Any] = {"k": kind, "start": time.time(), **describe(*args)}
+            self.local.rec = rec
+            t0 = time.perf_counter()
+            result = None
+            try:
+                result = fn(*args, **kwargs)
+                return result
+            finally:
+                rec["total"] = time.perf_counter() - t0
+                rec["end"] = time.time()
+                rec["result"] = result if isinstance(result, str) else None
+                self.local.rec = None
+                self.emit(rec)
+
+        wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapped
+
+
+class _Profiles:
+    """One cProfile.Profile per (process, kind), enabled only while a tick or step runs."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._profiles: dict[str, cProfile.Profile] = {}
+        self._calls: dict[str, int] = {}
+        self._wall: dict[str, float] = {}
+        self._seen: dict[str, int] = {}
+        self._pid = os.getpid()
+        self._last_dump = time.monotonic()
+
+    def _reset_after_fork(self) -> None:
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._profiles.clear()
+            self._calls.clear()
+            self._wall.clear()
+            self._seen.clear()
+
+    #: Calls per process and kind left out of the profile: the first ones import modules,
+    #: build engines and connect, which is start-up cost, not per-step cost.
+    SKIP_FIRST = int(os.environ.get("BENCH_PROFILE_SKIP", "3"))
+
+    def wrap(self, kind: str, fn: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            self._reset_after_fork()
+            seen = self._seen.get(kind, 0)
+            self._seen[kind] = seen + 1
+            if seen < self.SKIP_FIRST:
+                return fn(*args, **kwargs)
+            prof = self._profiles.get(kind)
+            if prof is None:
+                prof = self._profiles[kind] = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                prof.disable()
+                self._wall[kind] = self._wall.get(kind, 0.0) + time.perf_counter() - t0
+                self._calls[kind] = self._calls.get(kind, 0) + 1
+                if time.monotonic() - self._last_dump > 2.0:
+                    self.dump()
+
+        wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapped
+
+    def dump(self) -> None:
+        if self._pid != os.getpid():
+            return
+        self._last_dump = time.monotonic()
+        for kind, prof in self._profiles.items():
+            base = os.path.join(self.directory, f"{kind}-{os.getpid()}")
+            prof.dump_stats(base + ".prof")
+            with open(base + ".json", "w") as fh:
+                json.dump({"calls": self._calls.get(kind, 0), "wall": self._wall.get(kind, 0)}, fh)
+
+
+def _instrument() -> None:
+    from ductor_celery.runtime import coordinator, runtime
+    from ductor_celery.runtime.dispatch import Dispatcher
+    from ductor_celery.store import attempts
+
+    # Innermost first: the phase timers, then cProfile around the whole tick/step, then the
+    # task timer (so a record's total includes the profiler's own overhead when both are on).
+    timers_dir = os.environ.get("BENCH_TIMERS_DIR")
+    profile_dir = os.environ.get("BENCH_PROFILE_DIR")
+    timers = _Timers(timers_dir) if timers_dir else None
+
+    if timers is not None:
+        # (module, attribute, phase name). The package moves on; a phase whose function is
+        # gone is skipped (the breakdown then lacks it) rather than breaking the workers.
+        for owner, attr, name in (
+            (coordinator, "load_tick", "load_tick"),
+            (coordinator, "compute_tick", "compute_tick"),
+            (coordinator, "commit_tick", "commit_tick"),
+            (coordinator, "delete_outbox", "delete_outbox"),
+            (Dispatcher, "send", "send"),
+            (attempts, "claim", "claim"),
+            (attempts, "finish", "finish"),
+            (runtime.Runtime, "wake", "wake"),
+        ):
+            if hasattr(owner, attr):
+                setattr(owner, attr, timers.phase(name, getattr(owner, attr)))
+            else:
+                sys.stderr.write(f"bench_app: no {owner.__name__}.{attr}; phase not timed\n")
+        # When the first message of a tick or step (the step message, the wake-up) reached
+        # Redis: later publishes in the same call are Celery's task-sent events.
+        from kombu import Producer
+
+        publish = Producer.publish
+
+        def first_publish(self_: Any, *args: Any, **kwargs: Any) -> Any:
+            result = publish(self_, *args, **kwargs)
+            rec = timers.current() if timers is not None else None
+            if rec is not None:
+                rec["publishes"] = rec.get("publishes", 0) + 1
+                rec.setdefault("first_publish_end", time.time())
+            return result
+
+        Producer.publish = first_publish  # type: ignore[method-assign]
+        # The step function itself (what a user's code costs; here value + 1).
+        step = ductor._steps["bench.echo"]
+        step.fn = timers.phase("fn", step.fn)
+
+    run_tick = runtime.run_tick
+    execute_attempt = runtime.execute_attempt
+    if profile_dir:
+        profiles = _Profiles(profile_dir)
+        run_tick = profiles.wrap("tick", run_tick)
+        execute_attempt = profiles.wrap("step", execute_attempt)
+        atexit.register(profiles.dump)
+
+        @worker_process_shutdown.connect(weak=False)
+        def _dump_profiles(**_: Any) -> None:
+            profiles.dump()
+
+    if timers is not None:
+        run_tick = timers.task("tick", run_tick, lambda _rt, run_id: {"run": run_id})
+        execute_attempt = timers.task(
+            "step", execute_attempt, lambda _rt, _step, token, **_kw: {"token": token}
+        )
+    runtime.run_tick = run_tick
+    runtime.execute_attempt = execute_attempt
+
+
+if os.environ.get("BENCH_TIMERS_DIR") or os.environ.get("BENCH_PROFILE_DIR"):
+    _instrument()
