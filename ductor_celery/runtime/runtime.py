@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from ..definition.spec import WorkflowSpec
 from ..settings import Settings
@@ -60,10 +60,11 @@ class Runtime:
         with self._specs_lock:
             self._specs[spec.spec_hash] = spec
 
-    def spec_for(self, spec_hash: str) -> WorkflowSpec:
+    def spec_for(self, spec_hash: str, conn: Connection | None = None) -> WorkflowSpec:
+        """A pinned definition: from this process's cache, else read (on ``conn`` if given)."""
         spec = self._specs.get(spec_hash)
         if spec is None:
-            spec = runs.load_definition(self.engine(), spec_hash)
+            spec = runs.load_definition(conn if conn is not None else self.engine(), spec_hash)
             if spec is None:
                 raise LookupError(f"workflow definition {spec_hash} is not in the database")
             self.remember_spec(spec)

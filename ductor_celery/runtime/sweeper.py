@@ -24,6 +24,10 @@ log = logging.getLogger("ductor_celery.sweeper")
 #: Don't wake the same run for the same reason more often than this.
 REWAKE_AFTER_S = 5.0
 SIGNAL_REWAKE_AFTER_S = 30.0
+#: A result, run or control this old with no tick having folded it had its wake-up lost.
+LOST_WAKEUP_AFTER_S = 10.0
+#: ... and such a run is woken again at most this often.
+LOST_REWAKE_AFTER_S = 30.0
 
 
 class Sweeper:
@@ -55,11 +59,14 @@ class Sweeper:
         grace = self.rt.settings.outbox_grace
         due = sweep.due_timer_runs(engine, rewake_after=REWAKE_AFTER_S)
         relayed = sweep.relay_stale_outbox(engine, self.rt.dispatcher.send, older_than=grace)
+        # A wake-up counts as lost only well past the grace: under load the coordinator's queue
+        # is simply long, and re-waking every run with a result still queued would flood it.
+        lost_after = max(LOST_WAKEUP_AFTER_S, grace)
         lost = self._throttle(
-            sweep.unfolded_runs(engine, older_than=grace)
-            + sweep.pending_runs(engine, older_than=grace)
-            + sweep.runs_with_unhandled_controls(engine, older_than=grace),
-            REWAKE_AFTER_S,
+            sweep.unfolded_runs(engine, older_than=lost_after)
+            + sweep.pending_runs(engine, older_than=lost_after)
+            + sweep.runs_with_unhandled_controls(engine, older_than=lost_after),
+            LOST_REWAKE_AFTER_S,
         ) + self._throttle(
             # A signal can wait legitimately for a node not reached yet: look again rarely.
             sweep.runs_with_unapplied_signals(engine, older_than=grace),

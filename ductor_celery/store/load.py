@@ -82,43 +82,54 @@ def load_tick(
     spec_for: Callable[[str], WorkflowSpec],
     config: EngineConfig,
 ) -> tuple[LoadedRun, WorkflowSpec, TickInputs] | None:
-    """Read everything one tick needs. None when the run does not exist."""
+    """Read everything one tick needs on a connection of its own. None: no such run."""
     with engine.connect() as conn:
-        row = _run_row(conn, run_id)
+        return load_on(conn, run_id, lambda spec_hash, _conn: spec_for(spec_hash), config)
+
+
+def load_on(
+    conn: Connection,
+    run_id: str,
+    spec_for: Callable[[str, Connection], WorkflowSpec],
+    config: EngineConfig,
+) -> tuple[LoadedRun, WorkflowSpec, TickInputs] | None:
+    """Read everything one tick needs, on ``conn`` (the coordinator's commit transaction).
+
+    ``spec_for`` gets the connection too: a definition missing from the process cache is read
+    on it, never on a second connection (on SQLite that one would wait for this one's lock).
+    """
+    row = _run_row(conn, run_id)
     if row is None:
         return None
-    # Outside any connection: a cache miss reads the definition on a connection of its own,
-    # which on SQLite would otherwise wait for this one's lock.
-    spec = spec_for(row.spec_hash)
-    with engine.connect() as conn:
-        now = aware(row.now) if row.now is not None else datetime.now(UTC)
-        assert now is not None
-        state = RunState.from_json(row.state)
-        loaded = LoadedRun(
-            run_id=row.run_id,
-            workflow_id=row.workflow_id,
-            workflow=row.workflow,
-            spec_hash=row.spec_hash,
-            record_version=row.record_version,
-            state=state,
-            now=now,
-        )
-        results = _results(conn, run_id) if row.has_results else ()
-        control = _control(conn, run_id) if row.has_control else None
-        if state.status in TERMINAL_RUN_STATUSES and control is None:
-            return loaded, spec, TickInputs(run_id=run_id, results=results, config=config)
-        inputs = TickInputs(
-            run_id=run_id,
-            input=row.input,
-            results=results,
-            checks=_checks(conn, state, now),
-            outputs=_outputs_for(conn, spec, state),
-            config=config,
-            signals=_signals(conn, run_id) if row.has_signals else (),
-            control=control,
-            received=_received(conn, state),
-        )
-        return loaded, spec, inputs
+    now = aware(row.now) if row.now is not None else datetime.now(UTC)
+    assert now is not None
+    state = RunState.from_json(row.state)
+    loaded = LoadedRun(
+        run_id=row.run_id,
+        workflow_id=row.workflow_id,
+        workflow=row.workflow,
+        spec_hash=row.spec_hash,
+        record_version=row.record_version,
+        state=state,
+        now=now,
+    )
+    spec = spec_for(row.spec_hash, conn)
+    results = _results(conn, run_id) if row.has_results else ()
+    control = _control(conn, run_id) if row.has_control else None
+    if state.status in TERMINAL_RUN_STATUSES and control is None:
+        return loaded, spec, TickInputs(run_id=run_id, results=results, config=config)
+    inputs = TickInputs(
+        run_id=run_id,
+        input=row.input,
+        results=results,
+        checks=_checks(conn, state, now),
+        outputs=_outputs_for(conn, spec, state),
+        config=config,
+        signals=_signals(conn, run_id) if row.has_signals else (),
+        control=control,
+        received=_received(conn, state),
+    )
+    return loaded, spec, inputs
 
 
 def _run_row(conn: Connection, run_id: str) -> Any:

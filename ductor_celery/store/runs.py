@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from ..definition.spec import WorkflowSpec
@@ -106,13 +106,15 @@ def save_definition(engine: Engine, spec: WorkflowSpec) -> None:
             pass  # saved concurrently by another client: same hash, same spec
 
 
-def load_definition(engine: Engine, spec_hash: str) -> WorkflowSpec | None:
-    with engine.connect() as conn:
-        spec = conn.execute(
-            sa.select(workflow_definition.c.spec).where(
-                workflow_definition.c.spec_hash == spec_hash
-            )
-        ).scalar_one_or_none()
+def load_definition(engine: Engine | Connection, spec_hash: str) -> WorkflowSpec | None:
+    query = sa.select(workflow_definition.c.spec).where(
+        workflow_definition.c.spec_hash == spec_hash
+    )
+    if isinstance(engine, Connection):
+        spec = engine.execute(query).scalar_one_or_none()
+    else:
+        with engine.connect() as conn:
+            spec = conn.execute(query).scalar_one_or_none()
     return WorkflowSpec.model_validate(spec) if spec is not None else None
 
 

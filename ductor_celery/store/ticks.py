@@ -52,10 +52,11 @@ class OutboxRow:
 def commit_tick(engine: Engine, loaded: LoadedRun, payload: TickPayload) -> list[OutboxRow]:
     """Write the payload in one transaction, or raise VersionConflict and write nothing."""
     with engine.begin() as conn:
-        return _commit(conn, loaded, payload)
+        return commit_on(conn, loaded, payload)
 
 
-def _commit(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list[OutboxRow]:
+def commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list[OutboxRow]:
+    """Write the payload in the caller's transaction; VersionConflict means roll it back."""
     now = loaded.now
     state = payload.state
     finished = state.status in TERMINAL_RUN_STATUSES
