@@ -305,9 +305,9 @@ def _instrument() -> None:
         # (module, attribute, phase name). The package moves on; a phase whose function is
         # gone is skipped (the breakdown then lacks it) rather than breaking the workers.
         for owner, attr, name in (
-            (coordinator, "load_tick", "load_tick"),
+            (coordinator, "load_on", "load_tick"),
             (coordinator, "compute_tick", "compute_tick"),
-            (coordinator, "commit_tick", "commit_tick"),
+            (coordinator, "commit_on", "commit_tick"),
             (coordinator, "delete_outbox", "delete_outbox"),
             (Dispatcher, "send", "send"),
             (attempts, "claim", "claim"),
