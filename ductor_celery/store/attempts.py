@@ -46,35 +46,44 @@ def claim(engine: Engine, token: str, worker: str) -> ClaimedAttempt | None:
     If the claiming worker died, the coordinator's start-to-close timeout retries the node
     under a new token.
     """
-    if is_postgres(engine):
-        return _claim_joined(engine, token, worker)
+    postgres = is_postgres(engine)
+    claim_stmt = (
+        sa.update(step_attempt)
+        .where(
+            step_attempt.c.token == token,
+            # Our own claim again: the first try committed but its answer was lost.
+            sa.or_(step_attempt.c.claimed_at.is_(None), step_attempt.c.claimed_by == worker),
+            step_attempt.c.finished_at.is_(None),
+        )
+        .values(claimed_at=_now(engine), claimed_by=worker)
+    )
     with engine.begin() as conn:
-        row = conn.execute(
-            sa.update(step_attempt)
-            .where(
-                step_attempt.c.token == token,
-                # Our own claim again: the first try committed but its answer was lost.
-                sa.or_(step_attempt.c.claimed_at.is_(None), step_attempt.c.claimed_by == worker),
-                step_attempt.c.finished_at.is_(None),
+        if postgres:
+            # One statement: UPDATE ... FROM the run, returning its input and context too.
+            row = conn.execute(
+                claim_stmt.where(workflow_run.c.run_id == step_attempt.c.run_id).returning(
+                    *_CLAIM_COLUMNS,
+                    workflow_run.c.workflow_id,
+                    workflow_run.c.input,
+                    workflow_run.c.state["context"].label("context"),
+                )
+            ).one_or_none()
+            run = row
+        else:
+            row = conn.execute(claim_stmt.returning(*_CLAIM_COLUMNS)).one_or_none()
+            run = (
+                None
+                if row is None
+                else conn.execute(
+                    sa.select(
+                        workflow_run.c.workflow_id,
+                        workflow_run.c.input,
+                        workflow_run.c.state["context"].label("context"),
+                    ).where(workflow_run.c.run_id == row.run_id)
+                ).one()
             )
-            .values(claimed_at=_now(engine), claimed_by=worker)
-            .returning(
-                step_attempt.c.run_id,
-                step_attempt.c.node,
-                step_attempt.c.branch,
-                step_attempt.c.generation,
-                step_attempt.c.attempt,
-                step_attempt.c.step,
-                step_attempt.c.args,
-            )
-        ).one_or_none()
-        if row is None:
-            return None
-        run = conn.execute(
-            sa.select(workflow_run.c.workflow_id, workflow_run.c.input, workflow_run.c.state).where(
-                workflow_run.c.run_id == row.run_id
-            )
-        ).one()
+    if row is None or run is None:
+        return None
     return ClaimedAttempt(
         token=token,
         run_id=row.run_id,
@@ -86,51 +95,19 @@ def claim(engine: Engine, token: str, worker: str) -> ClaimedAttempt | None:
         step=row.step,
         args=dict(row.args or {}),
         input=run.input,
-        context=dict((run.state or {}).get("context") or {}),
+        context=dict(run.context or {}),
     )
 
 
-def _claim_joined(engine: Engine, token: str, worker: str) -> ClaimedAttempt | None:
-    """The claim and the run's input and context in one statement (PostgreSQL UPDATE ... FROM)."""
-    with engine.begin() as conn:
-        row = conn.execute(
-            sa.update(step_attempt)
-            .where(
-                step_attempt.c.token == token,
-                # Our own claim again: the first try committed but its answer was lost.
-                sa.or_(step_attempt.c.claimed_at.is_(None), step_attempt.c.claimed_by == worker),
-                step_attempt.c.finished_at.is_(None),
-                workflow_run.c.run_id == step_attempt.c.run_id,
-            )
-            .values(claimed_at=sa.func.now(), claimed_by=worker)
-            .returning(
-                step_attempt.c.run_id,
-                step_attempt.c.node,
-                step_attempt.c.branch,
-                step_attempt.c.generation,
-                step_attempt.c.attempt,
-                step_attempt.c.step,
-                step_attempt.c.args,
-                workflow_run.c.workflow_id,
-                workflow_run.c.input,
-                workflow_run.c.state["context"].label("context"),
-            )
-        ).one_or_none()
-    if row is None:
-        return None
-    return ClaimedAttempt(
-        token=token,
-        run_id=row.run_id,
-        workflow_id=row.workflow_id,
-        node=row.node,
-        branch=row.branch,
-        generation=row.generation,
-        attempt=row.attempt,
-        step=row.step,
-        args=dict(row.args or {}),
-        input=row.input,
-        context=dict(row.context or {}),
-    )
+_CLAIM_COLUMNS = (
+    step_attempt.c.run_id,
+    step_attempt.c.node,
+    step_attempt.c.branch,
+    step_attempt.c.generation,
+    step_attempt.c.attempt,
+    step_attempt.c.step,
+    step_attempt.c.args,
+)
 
 
 def finish(
