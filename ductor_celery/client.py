@@ -147,7 +147,7 @@ class Client:
         # Without a key of the user's, one of ours: retrying an insert whose commit answer was
         # lost must not accept the signal twice.
         key = idempotency_key or f"ductor:{uuid.uuid4().hex}"
-        signal_id, created = with_retry(
+        signal_id, created, target_run = with_retry(
             lambda: external.insert_signal(
                 self.engine,
                 run_id=row.run_id,
@@ -159,7 +159,7 @@ class Client:
             what="insert signal",
         )
         if created or idempotency_key is None:
-            self._safe_wake(row.run_id)
+            self._safe_wake(target_run)
         return signal_id
 
     def decide(
@@ -189,18 +189,25 @@ class Client:
             "at": datetime.now(UTC).isoformat(),
         }
         check_payload(decision, f"{verb} of {node!r}", self.settings.max_payload_bytes)
-        with_retry(
+        # One decision per waiting episode, as a database fact: a concurrent second decision
+        # hits the same key and is refused, while our own retried insert finds itself.
+        started = ns.started_at.isoformat() if ns is not None and ns.started_at else ""
+        signal_id, created, target_run = with_retry(
             lambda: external.insert_signal(
                 self.engine,
                 run_id=row.run_id,
                 workflow_id=row.workflow_id,
                 name=approval_signal(node),
                 payload=decision,
-                idempotency_key=f"ductor:{uuid.uuid4().hex}",
+                idempotency_key=f"ductor:decision:{row.run_id}:{node}:{started}",
             ),
             what="insert decision",
         )
-        self._safe_wake(row.run_id)
+        if not created:
+            stored = self._read(external.signal_payloads, self.engine, [signal_id])
+            if stored.get(signal_id) != decision:
+                raise InvalidOperation(f"cannot {verb} {node!r}: it was decided already")
+        self._safe_wake(target_run)
 
     def control(
         self,
@@ -245,6 +252,8 @@ class Client:
 
     def _open_row(self, target: str, what: str) -> RunRow:
         row = self._row(target)
+        while row.status == RunStatus.CONTINUED and row.continued_to:
+            row = self._row(row.continued_to)  # external input goes to the newest run
         if row.status in TERMINAL_RUN_STATUSES:
             raise InvalidOperation(f"cannot {what}: run {row.run_id} is {row.status.value}")
         return row

@@ -10,12 +10,30 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
-from .schema import workflow_control, workflow_signal
+from ..engine.status import OPEN_RUN_STATUSES, RunStatus
+from ..errors import InvalidOperation
+from .schema import workflow_control, workflow_run, workflow_signal
+
+OPEN_STATUSES = frozenset(s.value for s in OPEN_RUN_STATUSES)
 
 #: First key of the advisory locks that order one workflow id's signals ("ductor" in ASCII-ish).
 SIGNAL_LOCK_NAMESPACE = 0x0D0C
+
+
+def lock_workflow_signals(conn: Connection, workflow_id: str) -> None:
+    """Serialize, per workflow id, signal inserts and the coordinator's continue-as-new hand-over.
+
+    Signals are consumed in id order, so ids must be handed out in commit order; and a signal
+    must never land on a run that has just been continued. SQLite serializes every write.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.execute(
+            sa.select(
+                sa.func.pg_advisory_xact_lock(SIGNAL_LOCK_NAMESPACE, sa.func.hashtext(workflow_id))
+            )
+        )
 
 
 def insert_signal(
@@ -26,43 +44,50 @@ def insert_signal(
     name: str,
     payload: Any,
     idempotency_key: str | None,
-) -> tuple[int, bool]:
-    """Accept a signal. Returns (id, created); a repeated idempotency key returns the first."""
+) -> tuple[int, bool, str]:
+    """Accept a signal. Returns (id, created, run id it went to).
+
+    A repeated idempotency key returns the first signal's id. A run that was continued as new
+    hands the signal to its successor; a run that finished otherwise refuses it.
+    """
     insert = pg_insert if engine.dialect.name == "postgresql" else sqlite_insert
-    values = {
-        "run_id": run_id,
-        "workflow_id": workflow_id,
-        "name": name,
-        "payload": payload,
-        "idempotency_key": idempotency_key,
-    }
     with engine.begin() as conn:
-        if engine.dialect.name == "postgresql":
-            # Signals of one workflow id are consumed in id order, so ids must be handed out in
-            # commit order: serialize this workflow's inserts (SQLite serializes every write).
-            conn.execute(
-                sa.select(
-                    sa.func.pg_advisory_xact_lock(
-                        SIGNAL_LOCK_NAMESPACE, sa.func.hashtext(workflow_id)
-                    )
-                )
-            )
-        stmt = insert(workflow_signal).values(**values)
+        lock_workflow_signals(conn, workflow_id)
         if idempotency_key is not None:
-            stmt = stmt.on_conflict_do_nothing(
-                index_elements=[workflow_signal.c.workflow_id, workflow_signal.c.idempotency_key],
-                index_where=workflow_signal.c.idempotency_key.is_not(None),
+            existing = conn.execute(
+                sa.select(workflow_signal.c.id, workflow_signal.c.run_id).where(
+                    workflow_signal.c.workflow_id == workflow_id,
+                    workflow_signal.c.idempotency_key == idempotency_key,
+                )
+            ).one_or_none()
+            if existing is not None:
+                return int(existing.id), False, existing.run_id
+        run_id = _open_successor(conn, run_id)
+        stmt = insert(workflow_signal).values(
+            run_id=run_id,
+            workflow_id=workflow_id,
+            name=name,
+            payload=payload,
+            idempotency_key=idempotency_key,
+        )
+        row = conn.execute(stmt.returning(workflow_signal.c.id)).one()
+        return int(row.id), True, run_id
+
+
+def _open_successor(conn: Connection, run_id: str) -> str:
+    """The run itself if open, else the open run it was continued into (read under the lock)."""
+    for _ in range(1000):
+        run = conn.execute(
+            sa.select(workflow_run.c.status, workflow_run.c.continued_to).where(
+                workflow_run.c.run_id == run_id
             )
-        row = conn.execute(stmt.returning(workflow_signal.c.id)).one_or_none()
-        if row is not None:
-            return int(row.id), True
-        existing = conn.execute(
-            sa.select(workflow_signal.c.id).where(
-                workflow_signal.c.workflow_id == workflow_id,
-                workflow_signal.c.idempotency_key == idempotency_key,
-            )
-        ).scalar_one()
-        return int(existing), False
+        ).one()
+        if run.status in OPEN_STATUSES:
+            return run_id
+        if run.status != RunStatus.CONTINUED.value or not run.continued_to:
+            raise InvalidOperation(f"cannot signal run {run_id}: it is {run.status}")
+        run_id = run.continued_to
+    raise InvalidOperation(f"cannot signal run {run_id}: continue-as-new chain too long")
 
 
 def signal_with_key(engine: Engine, workflow_id: str, idempotency_key: str) -> int | None:

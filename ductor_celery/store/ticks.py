@@ -21,6 +21,7 @@ from ..engine import (
 )
 from ..engine.status import TERMINAL_RUN_STATUSES
 from .db import is_postgres
+from .external import lock_workflow_signals
 from .load import LoadedRun
 from .schema import (
     step_attempt,
@@ -273,7 +274,10 @@ def _insert_successor(
             updated_at=now,
         )
     )
-    # Signals the predecessor never consumed belong to the successor now.
+    # Signals the predecessor never consumed belong to the successor now. Under the signal
+    # lock: a client inserting at this moment either lands before the move (and is moved) or
+    # reads the run as continued (and follows it to the successor).
+    lock_workflow_signals(conn, loaded.workflow_id)
     conn.execute(
         sa.update(workflow_signal)
         .where(workflow_signal.c.run_id == loaded.run_id, workflow_signal.c.applied_at.is_(None))
