@@ -51,6 +51,7 @@ def _succeed(t: TickContext, result: AttemptResult) -> None:
     ns.output_token = result.token
     ns.token = None
     ns.check_at = None
+    ns.resend_at = None
     ns.finished_at = t.now
     ns.error = None
     if result.patch:
@@ -65,6 +66,7 @@ def _fail_attempt(t: TickContext, node: str, error: dict[str, Any], retryable: b
     spec = t.step_spec(node)
     ns.token = None
     ns.check_at = None
+    ns.resend_at = None
     ns.claimed_at = None
     message = str(error.get("message", ""))
     if retryable and ns.attempt < spec.retry.max_attempts:
@@ -95,20 +97,29 @@ def check_in_flight(t: TickContext) -> None:
         if check is None or check.finished:
             continue  # not loaded, or finished after the load: the next tick folds it
         spec = t.step_spec(node)
-        if check.claimed_at is None:
-            ns.resends += 1
-            ns.check_at = t.now + timedelta(seconds=cfg.resend_unclaimed_after * 2**ns.resends)
-            t.payload.dispatches.append(
-                Dispatch("step", t.inputs.run_id, node, ns.token, spec.step, spec.queue)
-            )
-            t.record(node, ns.status, ns.status, f"attempt {ns.attempt} unclaimed: re-sent")
-            continue
         timeout = spec.timeout or cfg.default_step_timeout
+        if check.claimed_at is None:
+            # Not claimed yet. Re-send when the re-send time is due, and look again within one
+            # step timeout either way, so a claim made after this look whose worker dies is
+            # timed out about one timeout after the claim, not one re-send period.
+            resend_at = ns.resend_at or ns.check_at
+            if resend_at <= t.now:
+                ns.resends += 1
+                resend_at = t.now + timedelta(seconds=cfg.resend_unclaimed_after * 2**ns.resends)
+                t.payload.dispatches.append(
+                    Dispatch("step", t.inputs.run_id, node, ns.token, spec.step, spec.queue)
+                )
+                t.record(node, ns.status, ns.status, f"attempt {ns.attempt} unclaimed: re-sent")
+            ns.resend_at = resend_at
+            ns.check_at = min(resend_at, t.now + timedelta(seconds=timeout))
+            t.payload.changed = True
+            continue
         deadline = check.claimed_at + timedelta(seconds=timeout)
         if deadline > t.now:
             if ns.claimed_at != check.claimed_at or ns.check_at != deadline:
                 ns.claimed_at = check.claimed_at
                 ns.check_at = deadline
+                ns.resend_at = None
                 t.payload.changed = True
             continue
         error = {
@@ -140,7 +151,12 @@ def start_attempt(
     ns.generation += 1
     ns.attempt += 1
     ns.token = t.token_for(node, ns.generation)
-    ns.check_at = t.now + timedelta(seconds=t.inputs.config.resend_unclaimed_after)
+    cfg = t.inputs.config
+    # First look at the re-send time or after one step timeout, whichever comes first.
+    ns.resend_at = t.now + timedelta(seconds=cfg.resend_unclaimed_after)
+    ns.check_at = min(
+        ns.resend_at, t.now + timedelta(seconds=spec.timeout or cfg.default_step_timeout)
+    )
     ns.resends = 0
     ns.claimed_at = None
     if ns.started_at is None:

@@ -139,6 +139,7 @@ def _carried(t: TickContext) -> RunState:
             kept = NodeState(**{f: getattr(ns, f) for f in NodeState.__slots__})
             kept.token = None
             kept.check_at = None
+            kept.resend_at = None
             kept.retry_at = None
             carried.nodes[node_id] = kept
     return carried

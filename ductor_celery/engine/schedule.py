@@ -55,6 +55,7 @@ def close_in_flight(t: TickContext, reason: str) -> None:
             )
         ns.token = None
         ns.check_at = None
+        ns.resend_at = None
         ns.retry_at = None
         ns.finished_at = t.now
         t.move_node(node_id, NodeStatus.CANCELLED, reason)

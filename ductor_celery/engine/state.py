@@ -21,6 +21,7 @@ _DATETIME_FIELDS = (
     "finished_at",
     "claimed_at",
     "deadline",
+    "resend_at",
 )
 
 
@@ -38,6 +39,8 @@ class NodeState:
     check_at: datetime | None = None
     #: How many times the current attempt's message was re-sent while unclaimed.
     resends: int = 0
+    #: When the unclaimed attempt's message is re-sent next.
+    resend_at: datetime | None = None
     #: When the in-flight attempt was claimed, as learned at a check.
     claimed_at: datetime | None = None
     #: When the pending retry is due (status running, no token).

@@ -29,9 +29,8 @@ def test_sigkill_of_the_step_worker_mid_step_is_recovered(
     cluster_factory: Any, client_for: Any, tmp_path: Path
 ) -> None:
     marker = tmp_path / "slow-started"
-    cluster = cluster_factory(
-        E2E_SLOW_MARKER=str(marker), E2E_SLOW_TIMEOUT="3", E2E_RESEND_AFTER="2"
-    )
+    # The default 30 s re-send window: the lost claim must be caught by the 3 s step timeout.
+    cluster = cluster_factory(E2E_SLOW_MARKER=str(marker), E2E_SLOW_TIMEOUT="3")
     cluster.start_coordinator()
     steps = cluster.start_steps(concurrency=1)
     ductor = client_for(cluster)
@@ -39,7 +38,7 @@ def test_sigkill_of_the_step_worker_mid_step_is_recovered(
     _wait_for_file(marker)
     steps.kill()  # SIGKILL the worker and its pool child mid-step
     cluster.start_steps(concurrency=1, name="steps-again")
-    view = ductor.wait(handle.run_id, timeout=60)
+    view = ductor.wait(handle.run_id, timeout=25)  # well before the 30 s re-send window
     assert view.status == RunStatus.SUCCEEDED, cluster.logs()
     assert view.output == "slept on attempt 2"
     attempts = cluster.attempts(handle.run_id)

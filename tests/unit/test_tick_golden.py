@@ -133,7 +133,7 @@ def test_first_tick_starts_roots_and_the_run() -> None:
         new_attempts=["r1:a:1", "r1:b:1"],
         dispatches=["r1:a:1", "r1:b:1"],
         transitions=[RUN_STARTED, started("a"), started("b")],
-        next_wake_at=iso(30),
+        next_wake_at=iso(20),
     )
     assert p.changed is True
     assert p.new_attempts == [
@@ -148,7 +148,7 @@ def test_first_tick_starts_roots_and_the_run() -> None:
     ]
     assert nodes_of(p)["a"] == {
         "status": "running", "generation": 1, "attempt": 1, "token": "r1:a:1",
-        "check_at": iso(30), "started_at": iso(0),
+        "check_at": iso(30), "resend_at": iso(30), "started_at": iso(0),
     }
     assert p.state.transitions == 3
 
@@ -167,7 +167,7 @@ def test_wakeup_with_nothing_new_changes_nothing() -> None:
     again = tick(spec, first.state, input={"x": 1}, now=at(29))
     assert again.changed is False
     assert describe(again) == summary(
-        nodes={"a": "running", "b": "running", "c": "pending"}, next_wake_at=iso(30)
+        nodes={"a": "running", "b": "running", "c": "pending"}, next_wake_at=iso(20)
     )
     assert again.state == first.state
 
@@ -553,7 +553,7 @@ def test_duplicate_of_an_applied_result_changes_nothing_but_is_folded() -> None:
         nodes={"a": "succeeded", "b": "running", "c": "pending"},
         folded=["r1:a:1"],
         transitions=[("a", "succeeded", "succeeded", "stale result ignored (token r1:a:1)")],
-        next_wake_at=iso(30),
+        next_wake_at=iso(20),  # b's first look: its 20 s timeout comes before the re-send
     )
     assert dup.state.nodes == applied.state.nodes
     assert dup.state.context == {"p": 1}

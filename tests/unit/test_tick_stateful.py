@@ -235,7 +235,10 @@ class TickMachine(RuleBasedStateMachine):
             ns = after.nodes[a.node]
             assert ns.status == NodeStatus.RUNNING and ns.token == a.token
             assert (ns.resends, ns.claimed_at, ns.retry_at) == (0, None, None)
-            assert ns.check_at == self.now + timedelta(seconds=CONFIG.resend_unclaimed_after)
+            timeout = self.graph.nodes[a.node].timeout or CONFIG.default_step_timeout
+            assert ns.resend_at == self.now + timedelta(seconds=CONFIG.resend_unclaimed_after)
+            # First look: at the re-send time or one step timeout, whichever comes first.
+            assert ns.check_at == min(ns.resend_at, self.now + timedelta(seconds=timeout))
             assert ns.generation == a.generation == before.nodes[a.node].generation + 1
             assert all(self.dep_done(after, d) for d in self.graph.nodes[a.node].after)
             assert [d.token for d in p.dispatches].count(a.token) == 1
@@ -450,10 +453,20 @@ class TickMachine(RuleBasedStateMachine):
             old, new = before.nodes[node], p.state.nodes[node]
             token = old.token
             if kind == "unclaimed":
-                assert [d.token for d in p.dispatches if d.node == node] == [token]
+                resend_due = (old.resend_at or old.check_at) <= self.now
+                sent = [d.token for d in p.dispatches if d.node == node]
+                assert sent == ([token] if resend_due else [])
                 assert new.token == token and new.generation == old.generation
-                assert new.check_at == self.now + timedelta(
-                    seconds=CONFIG.resend_unclaimed_after * 2 ** new.resends
+                if resend_due:
+                    assert new.resends == old.resends + 1
+                    assert new.resend_at == self.now + timedelta(
+                        seconds=CONFIG.resend_unclaimed_after * 2 ** new.resends
+                    )
+                else:
+                    assert new.resends == old.resends and new.resend_at == old.resend_at
+                timeout = self.graph.nodes[node].timeout or CONFIG.default_step_timeout
+                assert new.check_at == min(
+                    new.resend_at, self.now + timedelta(seconds=timeout)
                 )
             elif kind == "finished":
                 assert new == old
