@@ -4,7 +4,7 @@ The public surface (see the README and docs/): everything a user imports lives h
 """
 
 from .definition.builder import Workflow
-from .definition.retry import RetryPolicy
+from .definition.retry import ConcurrencyLimit, RetryPolicy
 from .ductor import Ductor
 from .engine.status import NodeStatus, RunStatus
 from .errors import (
@@ -20,6 +20,7 @@ from .runtime.steps import Step, StepContext
 from .views import NodeView, RunHandle, RunView
 
 __all__ = [
+    "ConcurrencyLimit",
     "DefinitionError",
     "Ductor",
     "DuctorError",

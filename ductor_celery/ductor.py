@@ -105,7 +105,8 @@ class Ductor:
         def decorate(func: Callable[..., Any]) -> Step:
             if concurrency is not None:
                 raise DefinitionError(
-                    f"step {func.__name__!r}: concurrency limits are not supported yet"
+                    f"step {func.__name__!r}: concurrency limits (ConcurrencyLimit) are not "
+                    "enforced yet; remove concurrency= until they are"
                 )
             if timeout is not None and timeout <= 0:
                 raise DefinitionError(f"step {func.__name__!r}: timeout must be positive")

@@ -56,3 +56,23 @@ def backoff_delay(retry: RetrySpec, failed_attempt: int) -> float:
     except OverflowError:  # a huge backoff overflows even under the cap
         delay = float("inf") if retry.initial_interval > 0 else 0.0
     return float(min(delay, retry.max_interval))
+
+
+@dataclass(frozen=True)
+class ConcurrencyLimit:
+    """At most ``limit`` attempts of a step with the same resolved ``key`` run at once.
+
+    Declared now so the name is importable; enforcing it (leases) is not built yet, and a step
+    that asks for it is refused at decoration time rather than silently unlimited.
+    """
+
+    key: str
+    limit: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not self.key:
+            raise DefinitionError(
+                f"ConcurrencyLimit.key must be a path or string, got {self.key!r}"
+            )
+        if not isinstance(self.limit, int) or self.limit < 1:
+            raise DefinitionError(f"ConcurrencyLimit.limit must be >= 1, got {self.limit!r}")
