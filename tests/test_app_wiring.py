@@ -137,3 +137,20 @@ def test_local_workers_run_a_workflow_end_to_end_on_sqlite(tmp_path: Path) -> No
     assert view.context == {"a": 1, "b": 2, "d": 3}
     assert view.nodes["c"].status == "failed" and view.nodes["c"].attempts == 2
     assert view.nodes["c"].output is None
+
+
+def test_options_not_built_yet_are_refused_not_ignored(tmp_path: Path) -> None:
+    from ductor_celery import ConcurrencyLimit
+
+    d = Ductor(_app(tmp_path))
+    with pytest.raises(DefinitionError, match="heartbeat_timeout"):
+
+        @d.step(name="t.hb", heartbeat_timeout=5.0)
+        def hb(ctx: StepContext) -> None:
+            return None
+
+    with pytest.raises(DefinitionError, match="concurrency"):
+
+        @d.step(name="t.cc", concurrency=ConcurrencyLimit(key="$.input.c", limit=2))
+        def cc(ctx: StepContext) -> None:
+            return None
