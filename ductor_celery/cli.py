@@ -250,14 +250,20 @@ def show(ctx: click.Context, target: str, as_json: bool) -> None:
         )
     console.print(nodes)
     tries = Table(title="attempts")
-    for column in ("token", "outcome", "claimed by", "took", "error"):
+    for column in ("token", "outcome", "claimed by", "took", "heartbeat", "error"):
         tries.add_column(column)
     for a in attempts:
+        beat = ""
+        if a.heartbeat_at is not None:
+            beat = _when(a.heartbeat_at) + (
+                f" {_short(a.heartbeat_details, 30)}" if a.heartbeat_details is not None else ""
+            )
         tries.add_row(
             a.token.split(":", 1)[-1],
             a.outcome or ("running" if a.claimed_at else "queued"),
-            a.claimed_by or "",
+            (a.claimed_by or "").rsplit(":", 1)[0],
             _duration(a.claimed_at, a.finished_at),
+            beat,
             _short((a.error or {}).get("message")),
         )
     console.print(tries)

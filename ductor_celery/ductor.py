@@ -108,11 +108,8 @@ class Ductor:
                     f"step {func.__name__!r}: concurrency limits (ConcurrencyLimit) are not "
                     "enforced yet; remove concurrency= until they are"
                 )
-            if heartbeat_timeout is not None:
-                raise DefinitionError(
-                    f"step {func.__name__!r}: heartbeat_timeout is not enforced yet; remove it "
-                    "(timeout= bounds the attempt meanwhile)"
-                )
+            if heartbeat_timeout is not None and heartbeat_timeout <= 0:
+                raise DefinitionError(f"step {func.__name__!r}: heartbeat_timeout must be positive")
             if timeout is not None and timeout <= 0:
                 raise DefinitionError(f"step {func.__name__!r}: timeout must be positive")
             step_name = name or f"{func.__module__}.{func.__qualname__}"

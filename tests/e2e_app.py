@@ -208,3 +208,19 @@ long_steps.step("slow_a", slow, args={"seconds": "$.input.seconds"})
 long_steps.step("slow_b", slow, args={"seconds": "$.input.seconds"})
 long_steps.step("after", echo, after=["slow_a", "slow_b"], args={"value": 1})
 ductor.register(long_steps)
+
+
+@ductor.step(name="e2e.beating", heartbeat_timeout=1.5, timeout=60.0,
+             retry=RetryPolicy(max_attempts=3, initial_interval=0.1))
+def beating(ctx: StepContext, hang: float) -> str:
+    _ledger(ctx)
+    ctx.heartbeat({"progress": 0.1, "attempt": ctx.attempt})
+    if ctx.attempt == 1:
+        time.sleep(hang)  # hangs without heartbeats: declared lost long before its timeout
+    return f"done on attempt {ctx.attempt}"
+
+
+heartbeats = Workflow("heartbeats")
+heartbeats.step("beat", beating, args={"hang": "$.input.hang"})
+heartbeats.output("$.nodes.beat.output")
+ductor.register(heartbeats)

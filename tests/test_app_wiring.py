@@ -139,13 +139,13 @@ def test_local_workers_run_a_workflow_end_to_end_on_sqlite(tmp_path: Path) -> No
     assert view.nodes["c"].output is None
 
 
-def test_options_not_built_yet_are_refused_not_ignored(tmp_path: Path) -> None:
+def test_bad_or_unbuilt_step_options_are_refused_not_ignored(tmp_path: Path) -> None:
     from ductor_celery import ConcurrencyLimit
 
     d = Ductor(_app(tmp_path))
-    with pytest.raises(DefinitionError, match="heartbeat_timeout"):
+    with pytest.raises(DefinitionError, match="heartbeat_timeout must be positive"):
 
-        @d.step(name="t.hb", heartbeat_timeout=5.0)
+        @d.step(name="t.hb", heartbeat_timeout=0)
         def hb(ctx: StepContext) -> None:
             return None
 

@@ -252,6 +252,7 @@ class Workflow:
                 retry=retry,
                 timeout=timeout,
                 queue=step.queue if isinstance(step, StepLike) else None,
+                heartbeat_timeout=getattr(step, "heartbeat_timeout", None),
             )
         except ValueError as exc:
             raise DefinitionError(f"{where}: {exc}") from None

@@ -41,6 +41,8 @@ class StepNodeSpec(_NodeBase):
     args: dict[str, Any] = Field(default_factory=dict)
     retry: RetrySpec = Field(default_factory=RetrySpec)
     timeout: float | None = None
+    #: An attempt that has not heartbeaten (ctx.heartbeat) for this long is declared lost.
+    heartbeat_timeout: float | None = Field(default=None, gt=0)
     queue: str | None = None
 
 

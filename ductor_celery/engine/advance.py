@@ -7,8 +7,9 @@ from datetime import timedelta
 from typing import Any
 
 from ..definition.retry import backoff_delay
+from ..definition.spec import StepNodeSpec
 from .context import TickContext
-from .inputs import AttemptResult, ClosedAttempt, Dispatch, NewAttempt
+from .inputs import AttemptResult, ClosedAttempt, Dispatch, EngineConfig, NewAttempt
 from .status import NodeStatus
 
 
@@ -111,10 +112,17 @@ def check_in_flight(t: TickContext) -> None:
                 )
                 t.record(node, ns.status, ns.status, f"attempt {ns.attempt} unclaimed: re-sent")
             ns.resend_at = resend_at
-            ns.check_at = min(resend_at, t.now + timedelta(seconds=timeout))
+            ns.check_at = min(resend_at, t.now + timedelta(seconds=_first_limit(spec, cfg)))
             t.payload.changed = True
             continue
         deadline = check.claimed_at + timedelta(seconds=timeout)
+        why = f"did not finish within {timeout:g}s of its start (worker lost or step too slow)"
+        if spec.heartbeat_timeout is not None:
+            last_sign = max(check.claimed_at, check.heartbeat_at or check.claimed_at)
+            silent_until = last_sign + timedelta(seconds=spec.heartbeat_timeout)
+            if silent_until < deadline:
+                deadline = silent_until
+                why = f"sent no heartbeat for {spec.heartbeat_timeout:g}s (worker lost)"
         if deadline > t.now:
             if ns.claimed_at != check.claimed_at or ns.check_at != deadline:
                 ns.claimed_at = check.claimed_at
@@ -122,13 +130,15 @@ def check_in_flight(t: TickContext) -> None:
                 ns.resend_at = None
                 t.payload.changed = True
             continue
-        error = {
-            "type": "StepTimeout",
-            "message": f"attempt {ns.attempt} did not finish within {timeout:g}s of its start "
-            "(worker lost or step too slow)",
-        }
+        error = {"type": "StepTimeout", "message": f"attempt {ns.attempt} {why}"}
         t.payload.closed.append(ClosedAttempt(ns.token, "timed_out", error))
         _fail_attempt(t, node, error, True)
+
+
+def _first_limit(spec: StepNodeSpec, cfg: EngineConfig) -> float:
+    """The shortest time after a claim at which the attempt may have to be declared lost."""
+    timeout = spec.timeout or cfg.default_step_timeout
+    return min(timeout, spec.heartbeat_timeout or timeout)
 
 
 def fire_retries(t: TickContext) -> None:
@@ -154,9 +164,7 @@ def start_attempt(
     cfg = t.inputs.config
     # First look at the re-send time or after one step timeout, whichever comes first.
     ns.resend_at = t.now + timedelta(seconds=cfg.resend_unclaimed_after)
-    ns.check_at = min(
-        ns.resend_at, t.now + timedelta(seconds=spec.timeout or cfg.default_step_timeout)
-    )
+    ns.check_at = min(ns.resend_at, t.now + timedelta(seconds=_first_limit(spec, cfg)))
     ns.resends = 0
     ns.claimed_at = None
     if ns.started_at is None:

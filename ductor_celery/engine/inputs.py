@@ -38,6 +38,7 @@ class AttemptCheck:
     token: str
     claimed_at: datetime | None
     finished: bool
+    heartbeat_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,10 +133,13 @@ def worker_identity(hostname: str | None) -> str:
     return f"{(hostname or socket.gethostname())[:150]}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
 
 
-def _heartbeat(engine: Any, token: str) -> None:
-    """A heartbeat is a hint: a database blip must not fail the user's step."""
+def _heartbeat(engine: Any, token: str, details: Any, limit: int) -> None:
+    """A heartbeat is a hint: a database blip or odd details must not fail the user's step."""
+    value, problem = _json_problem(details, "heartbeat details", min(limit, 65536))
+    if problem is not None:
+        log.warning("attempt %s: %s; recording the heartbeat without them", token, problem)
     try:
-        attempts.heartbeat(engine, token)
+        attempts.heartbeat(engine, token, value)
     except Exception as exc:  # noqa: BLE001
         log.warning("heartbeat for %s not recorded: %s", token, exc)
 
@@ -145,6 +148,7 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
     """Claim, run, record, wake. Returns what happened (for logs and tests)."""
     engine = rt.engine()
     me = worker_identity(hostname)
+    limit = rt.settings.max_payload_bytes
     claimed = with_retry(lambda: attempts.claim(engine, token, me), what="claim attempt")
     if claimed is None:
         log.info("attempt %s already claimed or closed; message ignored", token)
@@ -157,9 +161,8 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
         attempt=claimed.attempt,
         input=claimed.input,
         context=claimed.context,
-        heartbeat_fn=lambda _details: _heartbeat(engine, token),
+        heartbeat_fn=lambda details: _heartbeat(engine, token, details, limit),
     )
-    limit = rt.settings.max_payload_bytes
     outcome = "succeeded"
     output: Any = None
     patch: Any = None

@@ -137,10 +137,11 @@ def finish(
         return res.rowcount == 1
 
 
-def heartbeat(engine: Engine, token: str) -> None:
+def heartbeat(engine: Engine, token: str, details: Any = None) -> None:
+    """Record that the attempt is alive (and how far it got); a closed attempt is left alone."""
     with engine.begin() as conn:
         conn.execute(
             sa.update(step_attempt)
             .where(step_attempt.c.token == token, step_attempt.c.finished_at.is_(None))
-            .values(heartbeat_at=_now(engine))
+            .values(heartbeat_at=_now(engine), heartbeat_details=details)
         )

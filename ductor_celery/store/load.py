@@ -246,12 +246,18 @@ def _checks(conn: Connection, state: RunState, now: datetime) -> dict[str, Attem
         return {}
     rows = conn.execute(
         sa.select(
-            step_attempt.c.token, step_attempt.c.claimed_at, step_attempt.c.finished_at
+            step_attempt.c.token,
+            step_attempt.c.claimed_at,
+            step_attempt.c.finished_at,
+            step_attempt.c.heartbeat_at,
         ).where(step_attempt.c.token.in_(due))
     )
     return {
         r.token: AttemptCheck(
-            token=r.token, claimed_at=aware(r.claimed_at), finished=r.finished_at is not None
+            token=r.token,
+            claimed_at=aware(r.claimed_at),
+            finished=r.finished_at is not None,
+            heartbeat_at=aware(r.heartbeat_at),
         )
         for r in rows
     }

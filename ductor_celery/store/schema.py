@@ -85,6 +85,8 @@ step_attempt = sa.Table(
     sa.Column("claimed_at", Ts, nullable=True),
     sa.Column("claimed_by", sa.String(200), nullable=True),
     sa.Column("heartbeat_at", Ts, nullable=True),
+    # The details of the latest ctx.heartbeat(details), shown by `ductor show`.
+    sa.Column("heartbeat_details", Json, nullable=True),
     sa.Column("finished_at", Ts, nullable=True),
     # succeeded | failed (by the worker), timed_out | cancelled (closed by the coordinator)
     sa.Column("outcome", sa.String(20), nullable=True),

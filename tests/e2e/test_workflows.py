@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -147,3 +148,30 @@ def test_an_oversized_result_fails_the_attempt_without_retry(
     assert shared_cluster.executions(handle.run_id) == 1
     small = ductor.wait(ductor.start("big", input={"size": 10}).run_id, timeout=30)
     assert small.status == RunStatus.SUCCEEDED and small.output == "x" * 10
+
+
+def test_an_attempt_that_stops_heartbeating_is_retried_and_its_late_result_ignored(
+    ductor: Any, shared_cluster: Any
+) -> None:
+    handle = ductor.start("heartbeats", input={"hang": 6})
+    view = ductor.wait(handle.run_id, timeout=30)
+    assert view.status == RunStatus.SUCCEEDED
+    assert view.output == "done on attempt 2"
+    assert view.nodes["beat"].attempts == 2
+    first, second = shared_cluster.attempts(handle.run_id)
+    assert first.outcome == "timed_out" and second.outcome == "succeeded"
+    with shared_cluster.engine.connect() as conn:
+        row = conn.execute(
+            sa.text(
+                "SELECT error->>'message' AS message, heartbeat_details FROM "
+                "eec_workflow_step_attempt WHERE token = :t"
+            ),
+            {"t": first.token},
+        ).one()
+    assert "sent no heartbeat for 1.5s" in row.message
+    assert row.heartbeat_details == {"progress": 0.1, "attempt": 1}
+    time.sleep(6)  # the hung attempt wakes up and tries to record its result: refused
+    assert ductor.get(handle.run_id).output == "done on attempt 2"
+    assert [a.outcome for a in shared_cluster.attempts(handle.run_id)] == [
+        "timed_out", "succeeded"
+    ]
