@@ -5,7 +5,6 @@ It never imports ``runtime/``: the facade hands it a ``wake`` function.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -17,6 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
+from .engine.payloads import json_problem
 from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
 from .errors import (
     InvalidOperation,
@@ -49,13 +49,12 @@ CONTROL_ALLOWED: dict[str, frozenset[RunStatus]] = {
 
 def check_payload(value: Any, what: str, limit: int) -> Any:
     """Refuse a payload that is not JSON or is over the limit, naming it; return it as JSON."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError) as exc:
-        raise PayloadNotSerializable(f"{what} is not JSON-serializable: {exc}") from None
-    if len(text) > limit:
-        raise PayloadTooLarge(f"{what} is {len(text)} bytes, over ductor_max_payload_bytes={limit}")
-    return json.loads(text)
+    normalized, problem = json_problem(value, what, limit)
+    if problem is None:
+        return normalized
+    if "not JSON-serializable" in problem:
+        raise PayloadNotSerializable(problem)
+    raise PayloadTooLarge(problem)
 
 
 class Client:
@@ -131,19 +130,13 @@ class Client:
             raise ValueError(
                 f"invalid signal name {name!r} (names starting 'ductor.' are reserved)"
             )
-        if idempotency_key is not None:
-            # A repeated key is accepted and ignored, even once the run has finished: a client
-            # retrying a send whose answer it lost must not get an error.
-            found = self._row(target)
-            earlier = self._read(
-                external.signal_with_key, self.engine, found.workflow_id, idempotency_key
-            )
-            if earlier is not None:
-                return earlier
-        row = self._open_row(target, f"signal {name!r}")
+        row = self._row(target)
         value = check_payload(
             payload, f"payload of signal {name!r}", self.settings.max_payload_bytes
         )
+        # insert_signal decides under the workflow's lock: a repeated key is accepted and
+        # ignored (even once the run has finished), a continued run hands the signal to its
+        # successor, any other finished run refuses it with InvalidOperation.
         # Without a key of the user's, one of ours: retrying an insert whose commit answer was
         # lost must not accept the signal twice.
         key = idempotency_key or f"ductor:{uuid.uuid4().hex}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 from typing import Any
 
@@ -10,6 +9,7 @@ from ..definition.retry import backoff_delay
 from ..definition.spec import StepNodeSpec
 from .context import TickContext
 from .inputs import AttemptResult, ClosedAttempt, Dispatch, EngineConfig, NewAttempt
+from .payloads import json_problem
 from .status import NodeStatus
 
 
@@ -38,13 +38,7 @@ def _bad_success(result: AttemptResult, limit: int) -> str | None:
     """The worker validates results; this is the coordinator's own guard against bad rows."""
     if result.patch is not None and not isinstance(result.patch, dict):
         return f"context patch must be a mapping, got {type(result.patch).__name__}"
-    try:
-        size = len(json.dumps([result.output, result.patch]))
-    except (TypeError, ValueError) as exc:
-        return f"result is not JSON-serializable: {exc}"
-    if size > limit:
-        return f"result is {size} bytes, over ductor_max_payload_bytes={limit}"
-    return None
+    return json_problem([result.output, result.patch], "result", limit)[1]
 
 
 def _succeed(t: TickContext, result: AttemptResult) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 
 from ..definition.paths import Scope, resolve
@@ -11,6 +10,7 @@ from .advance import start_attempt
 from .context import TickContext
 from .external import park_node
 from .inputs import ClosedAttempt
+from .payloads import json_problem
 from .status import FINISHED_NODE_STATUSES, NodeStatus, RunStatus
 
 
@@ -101,7 +101,7 @@ def start_ready_nodes(t: TickContext) -> bool:
             park_node(t, node_id)
             continue
         args = resolve(spec.args, scope)
-        problem = _args_problem(args, t.inputs.config.max_payload_bytes)
+        problem = json_problem(args, "resolved arguments", t.inputs.config.max_payload_bytes)[1]
         if problem is not None:
             ns.error = {"type": "PayloadTooLarge", "message": problem}
             ns.finished_at = t.now
@@ -110,13 +110,6 @@ def start_ready_nodes(t: TickContext) -> bool:
         start_attempt(t, node_id, args)
         t.move_node(node_id, NodeStatus.RUNNING, f"attempt {ns.attempt} dispatched")
     return moved
-
-
-def _args_problem(args: object, limit: int) -> str | None:
-    size = len(json.dumps(args))
-    if size > limit:
-        return f"resolved arguments are {size} bytes, over ductor_max_payload_bytes={limit}"
-    return None
 
 
 def finish_if_done(t: TickContext) -> None:

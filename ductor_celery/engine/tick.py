@@ -81,19 +81,24 @@ def _finish(t: TickContext) -> TickPayload:
 READER_STATUSES = frozenset({NodeStatus.PENDING, NodeStatus.FAILED, NodeStatus.CANCELLED})
 
 
+def read_nodes(definition: WorkflowSpec, state: RunState) -> set[str]:
+    """Nodes whose outputs this tick may resolve: read by a would-be reader or the run output."""
+    graph = definition.graph
+    wanted: set[str] = set(graph.output_reads)
+    for node_id, ns in state.nodes.items():
+        if ns.status in READER_STATUSES:
+            wanted |= graph.reads.get(node_id, frozenset())
+    return wanted
+
+
 def needed_outputs(definition: WorkflowSpec, state: RunState) -> dict[str, str]:
     """Node -> output token for every succeeded node that a pending node or the output reads.
 
     The loader fetches these outputs from attempt rows before computing the tick; outputs folded
     in the tick itself are available without a read.
     """
-    graph = definition.graph
-    wanted: set[str] = set(graph.output_reads)
-    for node_id, ns in state.nodes.items():
-        if ns.status in READER_STATUSES:
-            wanted |= graph.reads.get(node_id, frozenset())
     out: dict[str, str] = {}
-    for node_id in wanted:
+    for node_id in read_nodes(definition, state):
         found = state.nodes.get(node_id)
         if found is not None and found.status == NodeStatus.SUCCEEDED and found.output_token:
             out[node_id] = found.output_token

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
@@ -112,6 +111,3 @@ class Runtime:
         )(run)
         step.task = task
         return task
-
-
-StepFactory = Callable[[Callable[..., Any]], Step]

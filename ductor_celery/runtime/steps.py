@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -13,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..definition.retry import RetryPolicy
+from ..engine.payloads import json_problem
 from ..errors import NonRetryableError
 from ..store import attempts
 from ..store.db import with_retry
@@ -111,17 +111,6 @@ class _ReadOnly(Mapping[str, Any]):
         return repr(self._data)
 
 
-def _json_problem(value: Any, what: str, limit: int) -> tuple[Any, str | None]:
-    """Normalize ``value`` through JSON; return it with a readable problem, if any."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError) as exc:
-        return None, f"{what} is not JSON-serializable: {exc}"
-    if len(text) > limit:
-        return None, f"{what} is {len(text)} bytes, over ductor_max_payload_bytes={limit}"
-    return json.loads(text), None
-
-
 def _is_non_retryable(step: Step, exc: BaseException) -> bool:
     return isinstance(exc, NonRetryableError) or (
         bool(step.retry.non_retryable) and isinstance(exc, step.retry.non_retryable)
@@ -135,7 +124,7 @@ def worker_identity(hostname: str | None) -> str:
 
 def _heartbeat(engine: Any, token: str, details: Any, limit: int) -> None:
     """A heartbeat is a hint: a database blip or odd details must not fail the user's step."""
-    value, problem = _json_problem(details, "heartbeat details", min(limit, 65536))
+    value, problem = json_problem(details, "heartbeat details", min(limit, 65536))
     if problem is not None:
         log.warning("attempt %s: %s; recording the heartbeat without them", token, problem)
     try:
@@ -179,9 +168,9 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
             "traceback": traceback.format_exc()[-8000:],
         }
     else:
-        output, problem = _json_problem(result, f"step {step.name!r} result", limit)
+        output, problem = json_problem(result, f"step {step.name!r} result", limit)
         if problem is None:
-            patch, problem = _json_problem(
+            patch, problem = json_problem(
                 ctx.patch_value, f"step {step.name!r} context patch", limit
             )
         if problem is not None:

@@ -90,17 +90,6 @@ def _open_successor(conn: Connection, run_id: str) -> str:
     raise InvalidOperation(f"cannot signal run {run_id}: continue-as-new chain too long")
 
 
-def signal_with_key(engine: Engine, workflow_id: str, idempotency_key: str) -> int | None:
-    with engine.connect() as conn:
-        found = conn.execute(
-            sa.select(workflow_signal.c.id).where(
-                workflow_signal.c.workflow_id == workflow_id,
-                workflow_signal.c.idempotency_key == idempotency_key,
-            )
-        ).scalar_one_or_none()
-    return int(found) if found is not None else None
-
-
 def pending_signal_named(engine: Engine, run_id: str, name: str) -> bool:
     with engine.connect() as conn:
         return (

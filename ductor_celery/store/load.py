@@ -28,7 +28,7 @@ from ..engine import (
     needed_outputs,
 )
 from ..engine.status import TERMINAL_RUN_STATUSES
-from ..engine.tick import READER_STATUSES
+from ..engine.tick import read_nodes
 from .db import aware, is_postgres
 from .schema import step_attempt, workflow_control, workflow_run, workflow_signal
 
@@ -309,15 +309,10 @@ def _received(conn: Connection, state: RunState) -> dict[int, Any]:
 
 def _parked_outputs(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[str, Any]:
     """Outputs of finished parked nodes that pending nodes read: signal payloads or literals."""
-    graph = spec.graph
-    wanted: set[str] = set(graph.output_reads)
-    for node_id, ns in state.nodes.items():
-        if ns.status in READER_STATUSES:
-            wanted |= graph.reads.get(node_id, frozenset())
     outputs: dict[str, Any] = {}
     ids: dict[int, str] = {}
     sets: dict[str, dict[str, int]] = {}
-    for node_id in wanted:
+    for node_id in read_nodes(spec, state):
         found = state.nodes.get(node_id)
         if found is None or found.status != NodeStatus.SUCCEEDED or found.output_token:
             continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -59,77 +60,69 @@ def due_timer_runs(engine: Engine, *, rewake_after: float, limit: int = 1000) ->
     return list(rows)
 
 
+def _run_ids(engine: Engine, query: sa.Select[Any], limit: int) -> list[str]:
+    with engine.connect() as conn:
+        return list(conn.execute(query.distinct().limit(limit)).scalars())
+
+
+def _cutoff(engine: Engine, older_than: float) -> datetime:
+    return _now(engine) - timedelta(seconds=older_than)
+
+
 def unfolded_runs(engine: Engine, *, older_than: float, limit: int = 1000) -> list[str]:
     """Runs with finished attempts nobody folded: their wake-up was lost."""
-    cutoff = _now(engine) - timedelta(seconds=older_than)
-    with engine.connect() as conn:
-        return list(
-            conn.execute(
-                sa.select(step_attempt.c.run_id)
-                .where(
-                    step_attempt.c.finished_at.is_not(None),
-                    sa.not_(step_attempt.c.folded),
-                    step_attempt.c.finished_at <= cutoff,
-                )
-                .distinct()
-                .limit(limit)
-            ).scalars()
-        )
+    return _run_ids(
+        engine,
+        sa.select(step_attempt.c.run_id).where(
+            step_attempt.c.finished_at.is_not(None),
+            sa.not_(step_attempt.c.folded),
+            step_attempt.c.finished_at <= _cutoff(engine, older_than),
+        ),
+        limit,
+    )
 
 
 def runs_with_unhandled_controls(
     engine: Engine, *, older_than: float, limit: int = 1000
 ) -> list[str]:
     """Controls a tick never drained: their wake-up was lost."""
-    cutoff = _now(engine) - timedelta(seconds=older_than)
-    with engine.connect() as conn:
-        return list(
-            conn.execute(
-                sa.select(workflow_control.c.run_id)
-                .where(
-                    workflow_control.c.handled_at.is_(None), workflow_control.c.created_at <= cutoff
-                )
-                .distinct()
-                .limit(limit)
-            ).scalars()
-        )
+    return _run_ids(
+        engine,
+        sa.select(workflow_control.c.run_id).where(
+            workflow_control.c.handled_at.is_(None),
+            workflow_control.c.created_at <= _cutoff(engine, older_than),
+        ),
+        limit,
+    )
 
 
 def runs_with_unapplied_signals(
     engine: Engine, *, older_than: float, limit: int = 1000
 ) -> list[str]:
     """Open runs holding signals not consumed yet (a lost wake-up, or a node not reached)."""
-    cutoff = _now(engine) - timedelta(seconds=older_than)
-    with engine.connect() as conn:
-        return list(
-            conn.execute(
-                sa.select(workflow_signal.c.run_id)
-                .join(workflow_run, workflow_run.c.run_id == workflow_signal.c.run_id)
-                .where(
-                    workflow_signal.c.applied_at.is_(None),
-                    workflow_signal.c.created_at <= cutoff,
-                    workflow_run.c.status.in_(["running", "pending"]),
-                )
-                .distinct()
-                .limit(limit)
-            ).scalars()
-        )
+    return _run_ids(
+        engine,
+        sa.select(workflow_signal.c.run_id)
+        .join(workflow_run, workflow_run.c.run_id == workflow_signal.c.run_id)
+        .where(
+            workflow_signal.c.applied_at.is_(None),
+            workflow_signal.c.created_at <= _cutoff(engine, older_than),
+            workflow_run.c.status.in_([RunStatus.RUNNING.value, RunStatus.PENDING.value]),
+        ),
+        limit,
+    )
 
 
 def pending_runs(engine: Engine, *, older_than: float, limit: int = 1000) -> list[str]:
     """Runs a client inserted that no tick has picked up: the first wake-up was lost."""
-    cutoff = _now(engine) - timedelta(seconds=older_than)
-    with engine.connect() as conn:
-        return list(
-            conn.execute(
-                sa.select(workflow_run.c.run_id)
-                .where(
-                    workflow_run.c.status == RunStatus.PENDING.value,
-                    workflow_run.c.created_at <= cutoff,
-                )
-                .limit(limit)
-            ).scalars()
-        )
+    return _run_ids(
+        engine,
+        sa.select(workflow_run.c.run_id).where(
+            workflow_run.c.status == RunStatus.PENDING.value,
+            workflow_run.c.created_at <= _cutoff(engine, older_than),
+        ),
+        limit,
+    )
 
 
 def relay_stale_outbox(

@@ -237,14 +237,6 @@ def delete_outbox(engine: Engine, ids: list[int]) -> None:
             conn.execute(sa.delete(workflow_outbox).where(workflow_outbox.c.id.in_(ids)))
 
 
-def run_status(engine: Engine, run_id: str) -> RunStatus | None:
-    with engine.connect() as conn:
-        value = conn.execute(
-            sa.select(workflow_run.c.status).where(workflow_run.c.run_id == run_id)
-        ).scalar_one_or_none()
-    return RunStatus(value) if value is not None else None
-
-
 def _insert_successor(
     conn: Connection, loaded: LoadedRun, payload: TickPayload, now: datetime
 ) -> list[OutboxRow]:
