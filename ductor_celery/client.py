@@ -348,21 +348,27 @@ class Client:
             return self._wait_notified(target, row, deadline)
         delay = 0.01
         while True:
-            row = self._follow(target, row)
-            if self._finished(row):
+            row, done = self._poll(target, row.run_id)
+            if done:
                 return self._view(row)
             self._check_deadline(target, deadline, timeout)
             time.sleep(
                 delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
             )
             delay = min(delay * 1.5, 0.2)
-            row = self._row(row.run_id)
 
-    def _finished(self, row: RunRow) -> bool:
-        """Terminal, and not about to be reopened by a redrive nobody has applied yet."""
-        return row.status in TERMINAL_RUN_STATUSES and not external.has_unhandled_control(
-            self.engine, row.run_id, ("redrive",)
+    def _poll(self, target: str, run_id: str) -> tuple[RunRow, bool]:
+        """The run as it is now, and whether it is finished: terminal, and not about to be
+        reopened by a redrive nobody has applied yet.
+
+        The pending redrive is looked up before the row: a redrive applied in between then
+        shows in the row (it is marked handled in the commit that reopens the run).
+        """
+        redrive_pending = self._read(
+            external.has_unhandled_control, self.engine, run_id, ("redrive",)
         )
+        row = self._follow(target, self._row(run_id))
+        return row, row.status in TERMINAL_RUN_STATUSES and not redrive_pending
 
     def _follow(self, target: str, row: RunRow) -> RunRow:
         """On a workflow id, a continued run hands over to its successor."""
@@ -383,8 +389,8 @@ class Client:
             conn.execute(f"LISTEN {RUN_FINISHED_CHANNEL}")
             while True:
                 # Re-read after LISTEN so a finish that happened before it is not missed.
-                row = self._follow(target, self._row(row.run_id))
-                if self._finished(row):
+                row, done = self._poll(target, row.run_id)
+                if done:
                     return self._view(row)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
