@@ -8,7 +8,7 @@ from typing import Any, overload
 
 from .client import Client
 from .definition.builder import Workflow
-from .definition.retry import RetryPolicy
+from .definition.retry import ConcurrencyLimit, RetryPolicy
 from .definition.spec import WorkflowSpec
 from .errors import DefinitionError
 from .runtime.runtime import Runtime
@@ -85,7 +85,7 @@ class Ductor:
         timeout: float | None = None,
         heartbeat_timeout: float | None = None,
         queue: str | None = None,
-        concurrency: Any = None,
+        concurrency: ConcurrencyLimit | None = None,
     ) -> Callable[[Callable[..., Any]], Step]: ...
 
     def step(
@@ -98,15 +98,15 @@ class Ductor:
         timeout: float | None = None,
         heartbeat_timeout: float | None = None,
         queue: str | None = None,
-        concurrency: Any = None,
+        concurrency: ConcurrencyLimit | None = None,
     ) -> Any:
         """Turn a function ``fn(ctx, **args)`` into a durable step (a Celery task)."""
 
         def decorate(func: Callable[..., Any]) -> Step:
-            if concurrency is not None:
+            if concurrency is not None and not isinstance(concurrency, ConcurrencyLimit):
                 raise DefinitionError(
-                    f"step {func.__name__!r}: concurrency limits (ConcurrencyLimit) are not "
-                    "enforced yet; remove concurrency= until they are"
+                    f"step {func.__name__!r}: concurrency= takes a ConcurrencyLimit(key, limit), "
+                    f"got {concurrency!r}"
                 )
             if heartbeat_timeout is not None and heartbeat_timeout <= 0:
                 raise DefinitionError(f"step {func.__name__!r}: heartbeat_timeout must be positive")
@@ -124,6 +124,7 @@ class Ductor:
                 timeout=timeout,
                 heartbeat_timeout=heartbeat_timeout,
                 queue=queue,
+                concurrency=concurrency,
             )
             self._runtime.register_step(step)
             self._steps[step_name] = step

@@ -139,7 +139,7 @@ def test_local_workers_run_a_workflow_end_to_end_on_sqlite(tmp_path: Path) -> No
     assert view.nodes["c"].output is None
 
 
-def test_bad_or_unbuilt_step_options_are_refused_not_ignored(tmp_path: Path) -> None:
+def test_bad_step_options_are_refused_not_ignored(tmp_path: Path) -> None:
     from ductor_celery import ConcurrencyLimit
 
     d = Ductor(_app(tmp_path))
@@ -149,8 +149,20 @@ def test_bad_or_unbuilt_step_options_are_refused_not_ignored(tmp_path: Path) -> 
         def hb(ctx: StepContext) -> None:
             return None
 
-    with pytest.raises(DefinitionError, match="concurrency"):
+    with pytest.raises(DefinitionError, match="concurrency= takes a ConcurrencyLimit"):
 
-        @d.step(name="t.cc", concurrency=ConcurrencyLimit(key="$.input.c", limit=2))
+        @d.step(name="t.cc", concurrency={"key": "$.input.c", "limit": 2})
         def cc(ctx: StepContext) -> None:
             return None
+
+    with pytest.raises(DefinitionError, match="limit must be >= 1"):
+        ConcurrencyLimit(key="$.input.c", limit=0)
+
+    @d.step(name="t.bad_key", concurrency=ConcurrencyLimit(key="$.nodes.nope.output", limit=1))
+    def bad_key(ctx: StepContext) -> None:
+        return None
+
+    wf = Workflow("bad_key")
+    wf.step("a", bad_key)
+    with pytest.raises(DefinitionError, match="unknown node 'nope'"):
+        d.register(wf)

@@ -15,6 +15,7 @@ from ..errors import DefinitionError
 from .retry import RetryPolicy
 from .spec import (
     ApprovalNodeSpec,
+    ConcurrencySpec,
     EventSetNodeSpec,
     NodeSpec,
     RetrySpec,
@@ -253,6 +254,7 @@ class Workflow:
                 timeout=timeout,
                 queue=step.queue if isinstance(step, StepLike) else None,
                 heartbeat_timeout=getattr(step, "heartbeat_timeout", None),
+                concurrency=_concurrency_of(step),
             )
         except ValueError as exc:
             raise DefinitionError(f"{where}: {exc}") from None
@@ -286,6 +288,11 @@ class Workflow:
             detail = "; ".join(line.strip() for line in first[1:3]) if len(first) > 1 else str(exc)
             raise DefinitionError(f"{where}: {detail}") from None
         return node
+
+
+def _concurrency_of(step: object) -> ConcurrencySpec | None:
+    limit = getattr(step, "concurrency", None)
+    return limit.to_spec() if limit is not None else None
 
 
 _PARKED_MODELS: dict[str, type[BaseModel]] = {

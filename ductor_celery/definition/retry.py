@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import DefinitionError
-from .spec import RetrySpec
+from .spec import ConcurrencySpec, RetrySpec
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,9 @@ def backoff_delay(retry: RetrySpec, failed_attempt: int) -> float:
 class ConcurrencyLimit:
     """At most ``limit`` attempts of a step with the same resolved ``key`` run at once.
 
-    Declared now so the name is importable; enforcing it (leases) is not built yet, and a step
-    that asks for it is refused at decoration time rather than silently unlimited.
+    ``key`` is a path (``$.input.customer``, ``$.item.sku`` in a scatter) or a literal string
+    (one limit shared by every attempt of the step). Enforced with lease rows: an attempt runs
+    only while it holds one of the key's ``limit`` slots (see docs/fan-out-and-leases.md).
     """
 
     key: str
@@ -76,3 +77,6 @@ class ConcurrencyLimit:
             )
         if not isinstance(self.limit, int) or self.limit < 1:
             raise DefinitionError(f"ConcurrencyLimit.limit must be >= 1, got {self.limit!r}")
+
+    def to_spec(self) -> ConcurrencySpec:
+        return ConcurrencySpec(key=self.key, limit=self.limit)

@@ -24,6 +24,15 @@ class RetrySpec(BaseModel):
     non_retryable: tuple[str, ...] = ()
 
 
+class ConcurrencySpec(BaseModel):
+    """A concurrency limit as stored: ``key`` is a path (or a literal) resolved per attempt."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key: str
+    limit: int = Field(ge=1)
+
+
 class _NodeBase(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -44,6 +53,8 @@ class StepNodeSpec(_NodeBase):
     #: An attempt that has not heartbeaten (ctx.heartbeat) for this long is declared lost.
     heartbeat_timeout: float | None = Field(default=None, gt=0)
     queue: str | None = None
+    #: At most ``limit`` attempts of this step with the same resolved key run at once.
+    concurrency: ConcurrencySpec | None = None
 
 
 class SleepNodeSpec(_NodeBase):
@@ -101,6 +112,19 @@ def approval_signal(node: str) -> str:
     return f"{APPROVAL_SIGNAL_PREFIX}{node}"
 
 
+def node_templates(node: BaseModel) -> list[Any]:
+    """Everything in a node that may hold paths: arguments, condition, lease key, scatter list,
+    child input."""
+    concurrency = getattr(node, "concurrency", None)
+    return [
+        getattr(node, "args", None),
+        getattr(node, "when", None),
+        concurrency.key if concurrency is not None else None,
+        getattr(node, "over", None),
+        getattr(node, "input", None),
+    ]
+
+
 class Graph:
     """Derived, read-only facts about a spec's graph, computed once per spec."""
 
@@ -114,9 +138,7 @@ class Graph:
         self.order: list[str] = _topological_order(spec)
         # Which node outputs each node reads (args and when), and which the run output reads.
         self.reads: dict[str, frozenset[str]] = {
-            n.id: frozenset(
-                p.node for p in iter_paths([getattr(n, "args", None), n.when]) if p.node is not None
-            )
+            n.id: frozenset(p.node for p in iter_paths(node_templates(n)) if p.node is not None)
             for n in spec.nodes
         }
         self.output_reads: frozenset[str] = frozenset(

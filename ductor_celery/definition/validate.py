@@ -6,7 +6,7 @@ import re
 
 from ..errors import DefinitionError
 from .paths import Path, iter_paths, parse_path
-from .spec import WorkflowSpec
+from .spec import WorkflowSpec, node_templates
 
 _ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
@@ -41,7 +41,7 @@ def validate_spec(spec: WorkflowSpec) -> None:
                     "(write '$.input.flag' or '!$.input.flag')"
                 )
             parse_path_at(node.when, f"{wf}: node {node.id!r}")
-        for path in _paths_at([getattr(node, "args", None), node.when], f"{wf}: node {node.id!r}"):
+        for path in _paths_at(node_templates(node), f"{wf}: node {node.id!r}"):
             _check_path(spec, path, f"{wf}: node {node.id!r}", ancestors[node.id])
     for path in _paths_at(spec.output, f"{wf}: output"):
         _check_path(spec, path, f"{wf}: output", None)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from datetime import timedelta
 from typing import Any
 
+from ..definition.paths import Scope, resolve
 from ..definition.retry import backoff_delay
 from ..definition.spec import StepNodeSpec
 from .context import TickContext
@@ -146,10 +149,34 @@ def fire_retries(t: TickContext) -> None:
                 t.record(node, ns.status, ns.status, f"attempt {ns.attempt} dispatched (retry)")
 
 
+def lease_key_for(spec: StepNodeSpec, scope: Scope) -> str | None:
+    """The lease key of an attempt: the step's name and its resolved concurrency key.
+
+    A key that resolves to something other than a string is keyed by its canonical JSON; a
+    very long one by its hash (the column holds 500 characters).
+    """
+    if spec.concurrency is None:
+        return None
+    value = resolve(spec.concurrency.key, scope)
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+    key = f"{spec.step}|{text}"
+    if len(key) > 500:
+        key = f"{spec.step[:300]}|sha256:{hashlib.sha256(text.encode()).hexdigest()}"
+    return key
+
+
 def start_attempt(
-    t: TickContext, node: str, args: dict[str, Any] | None, args_from: str | None = None
+    t: TickContext,
+    node: str,
+    args: dict[str, Any] | None,
+    args_from: str | None = None,
+    lease_key: str | None = None,
 ) -> None:
-    """Insert a new attempt under a new generation and queue its message."""
+    """Insert a new attempt under a new generation and queue its message.
+
+    A retry (``args_from``) keeps its first attempt's arguments and lease key: the store copies
+    both from that attempt's row.
+    """
     ns = t.nodes[node]
     spec = t.step_spec(node)
     ns.generation += 1
@@ -174,6 +201,8 @@ def start_attempt(
             args=args or {},
             args_from=args_from,
             timeout=spec.timeout or t.inputs.config.default_step_timeout,
+            lease_key=lease_key,
+            lease_limit=spec.concurrency.limit if spec.concurrency is not None else None,
         )
     )
     t.payload.dispatches.append(

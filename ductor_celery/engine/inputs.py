@@ -88,6 +88,12 @@ class NewAttempt:
     #: When set, the store copies the args of this earlier attempt (a retry) instead.
     args_from: str | None
     timeout: float
+    #: A concurrency lease the attempt must hold before it may run: the resolved key (step
+    #: name included) and the limit. A retry (``args_from``) keeps its first attempt's key.
+    lease_key: str | None = None
+    lease_limit: int | None = None
+    #: The scatter branch this attempt runs (None for a plain step node).
+    branch: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

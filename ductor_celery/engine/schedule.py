@@ -6,7 +6,7 @@ from datetime import datetime
 
 from ..definition.paths import Scope, resolve
 from ..definition.spec import StepNodeSpec
-from .advance import start_attempt
+from .advance import lease_key_for, start_attempt
 from .context import TickContext
 from .external import park_node
 from .inputs import ClosedAttempt
@@ -107,7 +107,7 @@ def start_ready_nodes(t: TickContext) -> bool:
             ns.finished_at = t.now
             t.move_node(node_id, NodeStatus.FAILED, problem)
             continue
-        start_attempt(t, node_id, args)
+        start_attempt(t, node_id, args, lease_key=lease_key_for(spec, scope))
         t.move_node(node_id, NodeStatus.RUNNING, f"attempt {ns.attempt} dispatched")
     return moved
 

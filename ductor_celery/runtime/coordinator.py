@@ -15,7 +15,8 @@ from sqlalchemy.exc import IntegrityError
 from ..engine import compute_tick
 from ..store.db import with_retry
 from ..store.load import load_on
-from ..store.ticks import OutboxRow, VersionConflict, commit_on, delete_outbox, reject_control
+from ..store.outbox import OutboxRow, delete_outbox
+from ..store.ticks import VersionConflict, commit_on, reject_control
 
 if TYPE_CHECKING:
     from ..engine import TickPayload

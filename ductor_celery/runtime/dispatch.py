@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..store.ticks import OutboxRow
+from ..store.outbox import OutboxRow
 
 log = logging.getLogger("ductor_celery.dispatch")
 

@@ -11,11 +11,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..definition.retry import RetryPolicy
+from ..definition.retry import ConcurrencyLimit, RetryPolicy
 from ..engine.payloads import json_problem
 from ..errors import NonRetryableError
 from ..store import attempts
 from ..store.db import with_retry
+from ..store.outbox import delete_outbox
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -39,6 +40,7 @@ class Step:
     timeout: float | None = None
     heartbeat_timeout: float | None = None
     queue: str | None = None
+    concurrency: ConcurrencyLimit | None = None
     task: Any = None  # the Celery task, set when registered
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -177,7 +179,7 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
             outcome, retryable, output, patch = "failed", False, None, None
             error = {"type": "InvalidResult", "message": problem}
             log.error("attempt %s: %s", token, problem)
-    written = with_retry(
+    written, granted = with_retry(
         lambda: attempts.finish(
             engine,
             token,
@@ -190,5 +192,10 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
         what="record attempt outcome",
         deadline_s=FINISH_DEADLINE_S,
     )
+    if granted:
+        # This attempt's lease went to a waiting attempt: send its step message now (the
+        # sweeper relays it if we die first), then clear the outbox rows.
+        rt.dispatcher.send(granted)
+        with_retry(lambda: delete_outbox(engine, [r.id for r in granted]), what="clear outbox")
     rt.wake(claimed.run_id)
     return outcome if written else "closed"

@@ -13,7 +13,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from .db import is_postgres
+from . import leases
+from .db import aware, is_postgres
+from .leases import holds_lease
+from .outbox import OutboxRow
 from .schema import step_attempt, workflow_run
 
 
@@ -54,6 +57,9 @@ def claim(engine: Engine, token: str, worker: str) -> ClaimedAttempt | None:
             # Our own claim again: the first try committed but its answer was lost.
             sa.or_(step_attempt.c.claimed_at.is_(None), step_attempt.c.claimed_by == worker),
             step_attempt.c.finished_at.is_(None),
+            # An attempt under a concurrency limit runs only while it holds a lease slot; a
+            # message for one still waiting is dropped (the release that grants it re-sends).
+            sa.or_(step_attempt.c.lease_key.is_(None), holds_lease()),
         )
         .values(claimed_at=_now(engine), claimed_by=worker)
     )
@@ -119,8 +125,13 @@ def finish(
     error: dict[str, Any] | None = None,
     retryable: bool = True,
     patch: dict[str, Any] | None = None,
-) -> bool:
-    """Write the outcome once. False if the attempt was already finished or closed."""
+) -> tuple[bool, list[OutboxRow]]:
+    """Write the outcome once. False if the attempt was already finished or closed.
+
+    In the same transaction, the attempt's lease (if any) is released and handed to the
+    oldest attempt waiting for its key: the returned outbox rows are that attempt's step
+    message, for the caller to send after the commit.
+    """
     with engine.begin() as conn:
         res = conn.execute(
             sa.update(step_attempt)
@@ -134,7 +145,16 @@ def finish(
                 patch=patch,
             )
         )
-        return res.rowcount == 1
+        if res.rowcount != 1:
+            return False, []
+        if not leases.keys_held_by(conn, [token]):
+            return True, []
+        db_now = (
+            aware(conn.execute(sa.select(sa.func.now())).scalar_one())
+            if is_postgres(engine)
+            else None
+        )
+        return True, leases.release(conn, [token], db_now or datetime.now(UTC))
 
 
 def heartbeat(engine: Engine, token: str, details: Any = None) -> None:

@@ -50,6 +50,8 @@ workflow_run = sa.Table(
     sa.Column("record_version", sa.Integer, nullable=False, server_default="0"),
     sa.Column("transition_count", sa.Integer, nullable=False, server_default="0"),
     sa.Column("parent_run_id", sa.String(64), nullable=True),
+    # The parent's node (sub-workflow or child-run scatter) this child run belongs to.
+    sa.Column("parent_node", sa.String(200), nullable=True),
     sa.Column("continued_from", sa.String(64), nullable=True),
     sa.Column("continued_to", sa.String(64), nullable=True),
     sa.Column("created_at", Ts, nullable=False, server_default=sa.func.now()),
@@ -64,6 +66,12 @@ workflow_run = sa.Table(
         sqlite_where=sa.text(OPEN_STATUSES_SQL),
     ),
     sa.Index("eec_workflow_run_workflow_id_created", "workflow_id", "created_at"),
+    sa.Index(
+        "eec_workflow_run_parent",
+        "parent_run_id",
+        postgresql_where=sa.text("parent_run_id IS NOT NULL"),
+        sqlite_where=sa.text("parent_run_id IS NOT NULL"),
+    ),
     sa.Index("eec_workflow_run_workflow_created", "workflow", "created_at"),
     sa.Index("eec_workflow_run_status_created", "status", "created_at"),
 )
@@ -96,7 +104,19 @@ step_attempt = sa.Table(
     sa.Column("patch", Json, nullable=True),
     # Set by the coordinator in the commit that applied (or ignored) the outcome.
     sa.Column("folded", sa.Boolean, nullable=False, server_default=sa.false()),
+    # The concurrency lease the attempt must hold to run (step name + resolved key), and the
+    # key's limit as the definition declared it when the attempt was created.
+    sa.Column("lease_key", sa.String(500), nullable=True),
+    sa.Column("lease_limit", sa.Integer, nullable=True),
     sa.Index("eec_workflow_step_attempt_run_node", "run_id", "node"),
+    # Attempts waiting for a lease of their key, oldest first.
+    sa.Index(
+        "eec_workflow_step_attempt_lease_wait",
+        "lease_key",
+        "created_at",
+        postgresql_where=sa.text("lease_key IS NOT NULL AND finished_at IS NULL"),
+        sqlite_where=sa.text("lease_key IS NOT NULL AND finished_at IS NULL"),
+    ),
     # The loader's and sweeper's view of outcomes waiting to be folded.
     sa.Index(
         "eec_workflow_step_attempt_unfolded",
@@ -211,4 +231,20 @@ workflow_control = sa.Table(
         postgresql_where=sa.text("handled_at IS NULL"),
         sqlite_where=sa.text("handled_at IS NULL"),
     ),
+)
+
+concurrency_lease = sa.Table(
+    "eec_concurrency_lease",
+    metadata,
+    # One row per occupied slot: a key has at most ``limit`` rows, slots 0 .. limit-1.
+    sa.Column("key", sa.String(500), primary_key=True),
+    sa.Column("slot", sa.Integer, primary_key=True),
+    # The holder: the attempt that may run while this row exists.
+    sa.Column("token", sa.String(300), nullable=False, unique=True),
+    sa.Column("run_id", sa.String(64), nullable=False),
+    sa.Column("node", sa.String(200), nullable=False),
+    sa.Column("granted_at", Ts, nullable=False),
+    # When the holder will have been declared lost at the latest (its claim plus its step
+    # timeout); the sweeper looks at leases past it and releases those whose holder ended.
+    sa.Column("expires_at", Ts, nullable=True),
 )

@@ -11,6 +11,7 @@ from sqlalchemy.engine import Engine
 
 from ..engine.status import RunStatus
 from .db import is_postgres
+from .outbox import OutboxRow
 from .schema import (
     step_attempt,
     workflow_control,
@@ -19,7 +20,6 @@ from .schema import (
     workflow_signal,
     workflow_timer,
 )
-from .ticks import OutboxRow
 
 
 def _now(engine: Engine) -> datetime:

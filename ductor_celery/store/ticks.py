@@ -6,7 +6,6 @@ always does so ``WHERE record_version = :expected``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -20,13 +19,14 @@ from ..engine import (
     TickPayload,
 )
 from ..engine.status import TERMINAL_RUN_STATUSES
+from . import leases
 from .db import is_postgres
 from .external import lock_workflow_signals
 from .load import LoadedRun
+from .outbox import OutboxRow, insert_outbox, step_intent, wakeup_intent
 from .schema import (
     step_attempt,
     workflow_control,
-    workflow_outbox,
     workflow_run,
     workflow_signal,
     workflow_timer,
@@ -38,16 +38,6 @@ RUN_FINISHED_CHANNEL = "ductor_run_finished"
 
 class VersionConflict(Exception):
     """Someone else committed this run (or an attempt changed) since we loaded it."""
-
-
-@dataclass(frozen=True, slots=True)
-class OutboxRow:
-    id: int
-    run_id: str
-    kind: str
-    task: str
-    queue: str | None
-    payload: dict[str, Any]
 
 
 def commit_tick(engine: Engine, loaded: LoadedRun, payload: TickPayload) -> list[OutboxRow]:
@@ -85,6 +75,12 @@ def commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list
     if updated.rowcount != 1:
         raise VersionConflict(loaded.run_id)
 
+    # Every lease key this commit touches is locked up front, in sorted order.
+    closed_tokens = [c.token for c in payload.closed]
+    released_keys = leases.keys_held_by(conn, closed_tokens)
+    prior = _prior_attempts(conn, payload)
+    leases.lock_keys(conn, released_keys + [k for _, k in _lease_keys(payload, prior) if k])
+
     for closed in payload.closed:
         # Conditional on the attempt still being open: if its worker finished it after our
         # load, roll back and recompute, so the worker's result is folded, not overwritten.
@@ -109,37 +105,9 @@ def commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list
             .values(folded=True)
         )
 
+    waiting: set[str] = set()
     if payload.new_attempts:
-        copied = [a.args_from for a in payload.new_attempts if a.args_from]
-        prior: dict[str, Any] = {}
-        if copied:
-            prior = dict(
-                conn.execute(
-                    sa.select(step_attempt.c.token, step_attempt.c.args).where(
-                        step_attempt.c.token.in_(copied)
-                    )
-                ).all()
-            )
-        conn.execute(
-            sa.insert(step_attempt),
-            [
-                {
-                    "token": a.token,
-                    "run_id": loaded.run_id,
-                    "node": a.node,
-                    "branch": None,
-                    "generation": a.generation,
-                    "attempt": a.attempt,
-                    "step": a.step,
-                    "queue": a.queue,
-                    "args": prior.get(a.args_from, {}) if a.args_from else a.args,
-                    "timeout": a.timeout,
-                    "created_at": now,
-                    "folded": False,
-                }
-                for a in payload.new_attempts
-            ],
-        )
+        waiting = _insert_attempts(conn, loaded, payload, prior, now)
 
     if payload.transitions:
         first = state.transitions - len(payload.transitions)
@@ -159,37 +127,19 @@ def commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list
             ],
         )
 
-    outbox: list[OutboxRow] = []
-    if payload.dispatches:
-        rows: list[dict[str, Any]] = [
-            {
-                "run_id": d.run_id,
-                "kind": d.kind,
-                "task": d.step,
-                "queue": d.queue,
-                "payload": {"token": d.token, "run_id": d.run_id, "node": d.node},
-                "created_at": now,
-            }
+    # A step message for an attempt still waiting for its lease is not sent: the release that
+    # hands it a slot sends it.
+    outbox = insert_outbox(
+        conn,
+        [
+            step_intent(d.run_id, d.token, d.node, d.step, d.queue) | {"kind": d.kind}
             for d in payload.dispatches
-        ]
-        result = conn.execute(
-            sa.insert(workflow_outbox).returning(
-                workflow_outbox.c.id, sort_by_parameter_order=True
-            ),
-            rows,
-        )
-        ids = [r.id for r in result]
-        outbox = [
-            OutboxRow(
-                id=i,
-                run_id=r["run_id"],
-                kind=r["kind"],
-                task=r["task"],
-                queue=r["queue"],
-                payload=r["payload"],
-            )
-            for i, r in zip(ids, rows, strict=True)
-        ]
+            if not (d.kind == "step" and d.token in waiting)
+        ],
+        now,
+    )
+    if released_keys:
+        outbox.extend(leases.release(conn, closed_tokens, now))
 
     for applied in payload.applied_signals:
         res = conn.execute(
@@ -231,12 +181,6 @@ def _set_timer(conn: Connection, run_id: str, fire_at: datetime | None) -> None:
     )
 
 
-def delete_outbox(engine: Engine, ids: list[int]) -> None:
-    if ids:
-        with engine.begin() as conn:
-            conn.execute(sa.delete(workflow_outbox).where(workflow_outbox.c.id.in_(ids)))
-
-
 def _insert_successor(
     conn: Connection, loaded: LoadedRun, payload: TickPayload, now: datetime
 ) -> list[OutboxRow]:
@@ -275,28 +219,7 @@ def _insert_successor(
         .where(workflow_signal.c.run_id == loaded.run_id, workflow_signal.c.applied_at.is_(None))
         .values(run_id=successor.run_id)
     )
-    row = conn.execute(
-        sa.insert(workflow_outbox)
-        .values(
-            run_id=successor.run_id,
-            kind="wakeup",
-            task="ductor.tick",
-            queue=None,
-            payload={"run_id": successor.run_id},
-            created_at=now,
-        )
-        .returning(workflow_outbox.c.id)
-    ).one()
-    return [
-        OutboxRow(
-            id=row.id,
-            run_id=successor.run_id,
-            kind="wakeup",
-            task="ductor.tick",
-            queue=None,
-            payload={"run_id": successor.run_id},
-        )
-    ]
+    return insert_outbox(conn, [wakeup_intent(successor.run_id)], now)
 
 
 def reject_control(engine: Engine, control_id: int, result: str) -> None:
@@ -307,3 +230,67 @@ def reject_control(engine: Engine, control_id: int, result: str) -> None:
             .where(workflow_control.c.id == control_id, workflow_control.c.handled_at.is_(None))
             .values(handled_at=sa.func.now(), result=result[:2000])
         )
+
+
+def _prior_attempts(conn: Connection, payload: TickPayload) -> dict[str, Any]:
+    """The earlier attempts that retries copy their arguments and lease key from."""
+    copied = [a.args_from for a in payload.new_attempts if a.args_from]
+    if not copied:
+        return {}
+    rows = conn.execute(
+        sa.select(step_attempt.c.token, step_attempt.c.args, step_attempt.c.lease_key).where(
+            step_attempt.c.token.in_(copied)
+        )
+    )
+    return {r.token: r for r in rows}
+
+
+def _lease_keys(payload: TickPayload, prior: dict[str, Any]) -> list[tuple[Any, str | None]]:
+    out = []
+    for a in payload.new_attempts:
+        source = prior.get(a.args_from) if a.args_from else None
+        out.append((a, source.lease_key if source is not None else a.lease_key))
+    return out
+
+
+def _insert_attempts(
+    conn: Connection, loaded: LoadedRun, payload: TickPayload, prior: dict[str, Any], now: datetime
+) -> set[str]:
+    """Insert the tick's new attempts and ask for their leases (the caller holds the keys'
+    locks). Returns the tokens that wait for a lease. A retry copies its first attempt's
+    arguments and lease key."""
+    rows: list[dict[str, Any]] = []
+    requests: list[leases.LeaseRequest] = []
+    for a, lease_key in _lease_keys(payload, prior):
+        source = prior.get(a.args_from) if a.args_from else None
+        args = (source.args if source is not None else {}) if a.args_from else a.args
+        limit = (a.lease_limit or 1) if lease_key else None
+        rows.append(
+            {
+                "token": a.token,
+                "run_id": loaded.run_id,
+                "node": a.node,
+                "branch": a.branch,
+                "generation": a.generation,
+                "attempt": a.attempt,
+                "step": a.step,
+                "queue": a.queue,
+                "args": args,
+                "timeout": a.timeout,
+                "created_at": now,
+                "folded": False,
+                "lease_key": lease_key,
+                "lease_limit": limit,
+            }
+        )
+        if lease_key:
+            requests.append(
+                leases.LeaseRequest(
+                    a.token, loaded.run_id, a.node, lease_key, limit or 1, a.timeout
+                )
+            )
+    conn.execute(sa.insert(step_attempt), rows)
+    if not requests:
+        return set()
+    granted = leases.acquire(conn, requests, now)
+    return {r.token for r in requests} - granted

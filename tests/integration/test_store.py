@@ -15,12 +15,8 @@ from ductor_celery.settings import Settings
 from ductor_celery.store import attempts, runs, sweep
 from ductor_celery.store.db import get_engine
 from ductor_celery.store.load import load_tick
-from ductor_celery.store.ticks import (
-    OutboxRow,
-    VersionConflict,
-    commit_tick,
-    delete_outbox,
-)
+from ductor_celery.store.outbox import OutboxRow, delete_outbox
+from ductor_celery.store.ticks import VersionConflict, commit_tick
 
 CONFIG = Settings().engine_config()
 
@@ -106,8 +102,8 @@ def test_claim_is_exclusive_and_the_outcome_is_written_once(engine: Any) -> None
     claimed = attempts.claim(engine, token, "w1")
     assert claimed is not None and claimed.args == {"x": 2} and claimed.input == {"x": 2}
     assert attempts.claim(engine, token, "w2") is None  # a duplicate message does nothing
-    assert attempts.finish(engine, token, outcome="succeeded", output=3)
-    assert not attempts.finish(engine, token, outcome="succeeded", output=99)
+    assert attempts.finish(engine, token, outcome="succeeded", output=3)[0]
+    assert not attempts.finish(engine, token, outcome="succeeded", output=99)[0]
     assert runs.attempt_outputs(engine, [token]) == {token: 3}
     assert attempts.claim(engine, token, "w3") is None  # finished: never claimable again
 
