@@ -281,9 +281,11 @@ class Client:
         ]
         payloads = self._read(external.signal_payloads, self.engine, signal_ids)
 
-        def output_of(ns: Any) -> Any:
+        def output_of(node_id: str, ns: Any) -> Any:
             if ns.output_token:
                 return outputs.get(ns.output_token)
+            if ns.scatter is not None and ns.status == NodeStatus.SUCCEEDED:
+                return self._read(runs.gathered_output, self.engine, node_id, ns.scatter)
             if ns.output_signal is not None:
                 return payloads.get(ns.output_signal)
             if ns.output_signals and ns.status == NodeStatus.SUCCEEDED:
@@ -294,7 +296,7 @@ class Client:
             node_id: NodeView(
                 status=ns.status,
                 attempts=ns.generation,
-                output=output_of(ns),
+                output=output_of(node_id, ns),
                 error=ns.error if ns.status != NodeStatus.SUCCEEDED else None,
                 started_at=ns.started_at,
                 finished_at=ns.finished_at,

@@ -224,3 +224,41 @@ heartbeats = Workflow("heartbeats")
 heartbeats.step("beat", beating, args={"hang": "$.input.hang"})
 heartbeats.output("$.nodes.beat.output")
 ductor.register(heartbeats)
+
+
+# --- scatter/gather --------------------------------------------------------------------------
+
+
+@ductor.step(name="e2e.square")
+def square(ctx: StepContext, item: int, refuse: list[int] | None = None) -> int:
+    _ledger(ctx)
+    if refuse and item in refuse:
+        raise NonRetryableError(f"item {item} refused")
+    time.sleep(0.01)
+    return item * item
+
+
+@ductor.step(name="e2e.total")
+def total(ctx: StepContext, parts: list[Any]) -> int:
+    _ledger(ctx)
+    return sum(p for p in parts if isinstance(p, int))
+
+
+def _scatter_wf(name: str, **policy: Any) -> Workflow:
+    wf = Workflow(name)
+    wf.scatter(
+        "squares",
+        square,
+        over="$.input.items",
+        args={"refuse": "$.input.refuse"},
+        max_parallel=10,
+        **policy,
+    )
+    wf.step("total", total, args={"parts": "$.nodes.squares.output"}, after=["squares"])
+    wf.output({"squares": "$.nodes.squares.output", "total": "$.nodes.total.output"})
+    return wf
+
+
+ductor.register(_scatter_wf("scatter"))
+ductor.register(_scatter_wf("scatter_tolerant", tolerated_failures=2))
+ductor.register(_scatter_wf("scatter_ratio", tolerated_failure_ratio=0.1))

@@ -19,6 +19,7 @@ from .spec import (
     EventSetNodeSpec,
     NodeSpec,
     RetrySpec,
+    ScatterNodeSpec,
     SleepNodeSpec,
     StepNodeSpec,
     WaitSignalNodeSpec,
@@ -87,6 +88,53 @@ class Workflow:
                 "continue_on_failure": continue_on_failure,
                 "retry": retry,
                 "timeout": timeout,
+            }
+        )
+        return self
+
+    def scatter(
+        self,
+        id: str,
+        step: StepLike | str | None = None,
+        *,
+        over: str,
+        item_arg: str | None = "item",
+        args: Mapping[str, Any] | None = None,
+        max_parallel: int = 64,
+        tolerated_failures: int | None = None,
+        tolerated_failure_ratio: float | None = None,
+        workflow: str | None = None,
+        as_child_runs: bool = False,
+        after: Iterable[str] | None = None,
+        when: str | bool | None = None,
+        continue_on_failure: bool = False,
+        retry: RetryPolicy | None = None,
+        timeout: float | None = None,
+    ) -> Workflow:
+        """Run ``step`` once per item of the list at ``over`` (at most ``max_parallel`` at
+        once); the output is the list of branch outputs, in item order.
+
+        Fail fast by default; with ``tolerated_failures=N`` or ``tolerated_failure_ratio=r``
+        the gather finishes with ``{"error": ...}`` in the failed branches' places.
+        """
+        self._nodes.append(
+            {
+                "kind": "scatter",
+                "id": id,
+                "step": step,
+                "after": after,
+                "args": args,
+                "when": when,
+                "continue_on_failure": continue_on_failure,
+                "retry": retry,
+                "timeout": timeout,
+                "over": over,
+                "item_arg": item_arg,
+                "max_parallel": max_parallel,
+                "tolerated_failures": tolerated_failures,
+                "tolerated_failure_ratio": tolerated_failure_ratio,
+                "workflow": workflow,
+                "as_child_runs": as_child_runs,
             }
         )
         return self
@@ -204,8 +252,10 @@ class Workflow:
     def _build_node(self, raw: dict[str, Any], resolve_step: StepResolver | None) -> NodeSpec:
         node_id = raw["id"]
         where = f"workflow {self.name!r}, node {node_id!r}"
-        if raw["kind"] != "step":
+        if raw["kind"] not in ("step", "scatter"):
             return self._build_parked(raw, where)
+        if raw["kind"] == "scatter":
+            _check_scatter_options(raw, where)
         step = raw["step"]
         if isinstance(step, str):
             step_name = step
@@ -242,22 +292,34 @@ class Workflow:
             timeout = step.timeout
         if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
             raise DefinitionError(f"{where}: timeout must be a positive number of seconds")
+        common: dict[str, Any] = {
+            "id": node_id,
+            "step": step_name,
+            "after": tuple(after),
+            "args": dict(args),
+            "when": raw["when"],
+            "continue_on_failure": bool(raw["continue_on_failure"]),
+            "retry": retry,
+            "timeout": timeout,
+            "queue": step.queue if isinstance(step, StepLike) else None,
+            "heartbeat_timeout": getattr(step, "heartbeat_timeout", None),
+            "concurrency": _concurrency_of(step),
+        }
         try:
-            return StepNodeSpec(
-                id=node_id,
-                step=step_name,
-                after=tuple(after),
-                args=dict(args),
-                when=raw["when"],
-                continue_on_failure=bool(raw["continue_on_failure"]),
-                retry=retry,
-                timeout=timeout,
-                queue=step.queue if isinstance(step, StepLike) else None,
-                heartbeat_timeout=getattr(step, "heartbeat_timeout", None),
-                concurrency=_concurrency_of(step),
+            if raw["kind"] == "step":
+                return StepNodeSpec(**common)
+            return ScatterNodeSpec(
+                **common,
+                over=raw["over"],
+                item_arg=raw["item_arg"],
+                max_parallel=raw["max_parallel"],
+                tolerated_failures=raw["tolerated_failures"],
+                tolerated_failure_ratio=raw["tolerated_failure_ratio"],
             )
         except ValueError as exc:
-            raise DefinitionError(f"{where}: {exc}") from None
+            first = str(exc).splitlines()
+            detail = "; ".join(line.strip() for line in first[1:3]) if len(first) > 1 else str(exc)
+            raise DefinitionError(f"{where}: {detail}") from None
 
     def _build_parked(self, raw: dict[str, Any], where: str) -> NodeSpec:
         fields = dict(raw)
@@ -288,6 +350,38 @@ class Workflow:
             detail = "; ".join(line.strip() for line in first[1:3]) if len(first) > 1 else str(exc)
             raise DefinitionError(f"{where}: {detail}") from None
         return node
+
+
+def _check_scatter_options(raw: dict[str, Any], where: str) -> None:
+    if raw["as_child_runs"] or raw["workflow"] is not None:
+        raise DefinitionError(
+            f"{where}: a scatter over child runs (workflow=..., as_child_runs=True) is not "
+            "built yet; scatter a step instead"
+        )
+    if raw["step"] is None:
+        raise DefinitionError(f"{where}: scatter needs a step to run for each item")
+    over = raw["over"]
+    if not isinstance(over, str) or not over.startswith(("$.input", "$.nodes.")):
+        raise DefinitionError(
+            f"{where}: over={over!r} must be a path to a list under $.input or "
+            "$.nodes.<id>.output (they never change while the scatter runs)"
+        )
+    if raw["tolerated_failures"] is not None and raw["tolerated_failure_ratio"] is not None:
+        raise DefinitionError(
+            f"{where}: give tolerated_failures or tolerated_failure_ratio, not both"
+        )
+    for name in ("max_parallel", "tolerated_failures"):
+        value = raw[name]
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise DefinitionError(f"{where}: {name} must be an integer, got {value!r}")
+    item_arg = raw["item_arg"]
+    if item_arg is not None:
+        if not isinstance(item_arg, str) or not item_arg.isidentifier():
+            raise DefinitionError(f"{where}: item_arg must be an argument name, got {item_arg!r}")
+        if item_arg in (raw["args"] or {}):
+            raise DefinitionError(
+                f"{where}: item_arg {item_arg!r} is also given in args; rename one of them"
+            )
 
 
 def _concurrency_of(step: object) -> ConcurrencySpec | None:

@@ -42,10 +42,9 @@ class _NodeBase(BaseModel):
     continue_on_failure: bool = False
 
 
-class StepNodeSpec(_NodeBase):
-    """A node that runs one attempt of a step at a time until it succeeds or runs out of tries."""
+class AttemptNodeSpec(_NodeBase):
+    """What every node that runs step attempts shares: the step, its arguments and policies."""
 
-    kind: Literal["step"] = "step"
     step: str
     args: dict[str, Any] = Field(default_factory=dict)
     retry: RetrySpec = Field(default_factory=RetrySpec)
@@ -55,6 +54,39 @@ class StepNodeSpec(_NodeBase):
     queue: str | None = None
     #: At most ``limit`` attempts of this step with the same resolved key run at once.
     concurrency: ConcurrencySpec | None = None
+
+
+class StepNodeSpec(AttemptNodeSpec):
+    """A node that runs one attempt of a step at a time until it succeeds or runs out of tries."""
+
+    kind: Literal["step"] = "step"
+
+
+class ScatterNodeSpec(AttemptNodeSpec):
+    """Runs the step once per item of the list at ``over``, at most ``max_parallel`` at once;
+    the output is the list of branch outputs in item order."""
+
+    kind: Literal["scatter"] = "scatter"
+    over: str
+    #: The argument that receives the item (``None``: only ``args``, which may read ``$.item``).
+    item_arg: str | None = "item"
+    max_parallel: int = Field(default=64, ge=1)
+    tolerated_failures: int | None = Field(default=None, ge=0)
+    tolerated_failure_ratio: float | None = Field(default=None, ge=0, le=1)
+
+    def branch_args(self) -> dict[str, Any]:
+        """The argument template of one branch: ``args`` plus the item under ``item_arg``."""
+        if self.item_arg is None:
+            return dict(self.args)
+        return {**self.args, self.item_arg: "$.item"}
+
+    def allowed_failures(self, total: int) -> int:
+        """How many branches may fail with the gather still succeeding (0: fail fast)."""
+        if self.tolerated_failures is not None:
+            return self.tolerated_failures
+        if self.tolerated_failure_ratio is not None:
+            return int(self.tolerated_failure_ratio * total)
+        return 0
 
 
 class SleepNodeSpec(_NodeBase):
@@ -99,7 +131,12 @@ class EventSetNodeSpec(_ParkedBase):
 
 
 NodeSpec = Annotated[
-    StepNodeSpec | SleepNodeSpec | WaitSignalNodeSpec | ApprovalNodeSpec | EventSetNodeSpec,
+    StepNodeSpec
+    | ScatterNodeSpec
+    | SleepNodeSpec
+    | WaitSignalNodeSpec
+    | ApprovalNodeSpec
+    | EventSetNodeSpec,
     Field(discriminator="kind"),
 ]
 PARKED_KINDS = frozenset({"sleep", "wait_signal", "approval", "event_set"})

@@ -6,7 +6,7 @@ import re
 
 from ..errors import DefinitionError
 from .paths import Path, iter_paths, parse_path
-from .spec import WorkflowSpec, node_templates
+from .spec import ScatterNodeSpec, WorkflowSpec, node_templates
 
 _ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
@@ -42,7 +42,13 @@ def validate_spec(spec: WorkflowSpec) -> None:
                 )
             parse_path_at(node.when, f"{wf}: node {node.id!r}")
         for path in _paths_at(node_templates(node), f"{wf}: node {node.id!r}"):
-            _check_path(spec, path, f"{wf}: node {node.id!r}", ancestors[node.id])
+            _check_path(
+                spec,
+                path,
+                f"{wf}: node {node.id!r}",
+                ancestors[node.id],
+                item_ok=isinstance(node, ScatterNodeSpec) and path.text != node.over,
+            )
     for path in _paths_at(spec.output, f"{wf}: output"):
         _check_path(spec, path, f"{wf}: output", None)
 
@@ -61,8 +67,10 @@ def _paths_at(template: object, where: str) -> list[Path]:
         raise DefinitionError(f"{where}: {exc}") from None
 
 
-def _check_path(spec: WorkflowSpec, path: Path, where: str, upstream: set[str] | None) -> None:
-    if path.root == "item":
+def _check_path(
+    spec: WorkflowSpec, path: Path, where: str, upstream: set[str] | None, item_ok: bool = False
+) -> None:
+    if path.root == "item" and not item_ok:
         raise DefinitionError(f"{where}: path {path.text!r} is only valid inside a scatter")
     if path.node is None:
         return

@@ -1,19 +1,39 @@
-"""Phase 1: advance nodes. Fold finished attempts, check in-flight ones, fire due retries."""
+"""Phase 1: advance nodes. Fold finished attempts, check in-flight ones, fire due retries.
+
+An attempt lives in a *slot*: the node itself for a step node, or one in-flight branch of a
+scatter. Both keep the same bookkeeping (token, attempt number, check and retry times), so
+every rule here (re-send, time out, retry with backoff, ignore stale results) is written once.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 from ..definition.paths import Scope, resolve
 from ..definition.retry import backoff_delay
-from ..definition.spec import StepNodeSpec
+from ..definition.spec import AttemptNodeSpec
+from . import scatter
 from .context import TickContext
 from .inputs import AttemptResult, ClosedAttempt, Dispatch, EngineConfig, NewAttempt
 from .payloads import json_problem
+from .state import BranchState, NodeState
 from .status import NodeStatus
+
+Slot = NodeState | BranchState
+
+
+def slots(ns: NodeState) -> Iterator[tuple[int | None, Slot]]:
+    """The attempt slots of a running node: (branch, slot); branch is None for a step node."""
+    if ns.status != NodeStatus.RUNNING:
+        return
+    if ns.scatter is not None:
+        yield from list(ns.scatter.branches.items())
+    elif ns.token is not None or ns.retry_at is not None:
+        yield None, ns
 
 
 def fold_results(t: TickContext) -> None:
@@ -22,19 +42,32 @@ def fold_results(t: TickContext) -> None:
         t.payload.folded.append(result.token)
         t.payload.changed = True
         ns = t.nodes.get(result.node)
-        if ns is None or ns.token != result.token or ns.status != NodeStatus.RUNNING:
+        slot = _waiting_on(ns, result)
+        if ns is None or slot is None:
             status = ns.status.value if ns is not None else "unknown"
             t.record(result.node, status, status, f"stale result ignored (token {result.token})")
             continue
+        branch = result.branch if ns.scatter is not None else None
         if result.outcome == "succeeded":
             problem = _bad_success(result, t.inputs.config.max_payload_bytes)
             if problem is None:
-                _succeed(t, result)
+                _succeed(t, result, slot, branch)
                 continue
-            _fail_attempt(t, result.node, {"type": "InvalidResult", "message": problem}, False)
+            attempt_failed(
+                t, result.node, slot, branch, {"type": "InvalidResult", "message": problem}, False
+            )
         else:
             error = result.error or {"type": "Error", "message": f"attempt {result.outcome}"}
-            _fail_attempt(t, result.node, error, result.retryable)
+            attempt_failed(t, result.node, slot, branch, error, result.retryable)
+
+
+def _waiting_on(ns: NodeState | None, result: AttemptResult) -> Slot | None:
+    if ns is None:
+        return None
+    for _, slot in slots(ns):
+        if slot.token == result.token:
+            return slot
+    return None
 
 
 def _bad_success(result: AttemptResult, limit: int) -> str | None:
@@ -44,95 +77,115 @@ def _bad_success(result: AttemptResult, limit: int) -> str | None:
     return json_problem([result.output, result.patch], "result", limit)[1]
 
 
-def _succeed(t: TickContext, result: AttemptResult) -> None:
-    ns = t.nodes[result.node]
-    ns.output_token = result.token
-    ns.token = None
-    ns.check_at = None
-    ns.resend_at = None
-    ns.finished_at = t.now
-    ns.error = None
+def _succeed(t: TickContext, result: AttemptResult, slot: Slot, branch: int | None) -> None:
+    _clear(slot)
     if result.patch:
         t.payload.state.context.update(result.patch)
+    if branch is not None:
+        scatter.branch_succeeded(t, result.node, branch)
+        return
+    ns = t.nodes[result.node]
+    ns.output_token = result.token
+    ns.finished_at = t.now
+    ns.error = None
     t.outputs[result.node] = result.output
     t.move_node(result.node, NodeStatus.SUCCEEDED, f"attempt {ns.attempt} succeeded")
 
 
-def _fail_attempt(t: TickContext, node: str, error: dict[str, Any], retryable: bool) -> None:
-    """One attempt failed: schedule a durable retry timer, or fail the node."""
-    ns = t.nodes[node]
-    spec = t.step_spec(node)
-    ns.token = None
-    ns.check_at = None
-    ns.resend_at = None
-    ns.claimed_at = None
+def _clear(slot: Slot) -> None:
+    slot.token = None
+    slot.check_at = None
+    slot.resend_at = None
+    slot.claimed_at = None
+
+
+def attempt_failed(
+    t: TickContext,
+    node: str,
+    slot: Slot,
+    branch: int | None,
+    error: dict[str, Any],
+    retryable: bool,
+) -> None:
+    """One attempt failed: schedule a durable retry timer, or give the node (or branch) up."""
+    spec = t.attempt_spec(node)
+    _clear(slot)
+    slot.error = error
     message = str(error.get("message", ""))
-    if retryable and ns.attempt < spec.retry.max_attempts:
-        delay = backoff_delay(spec.retry, ns.attempt)
-        ns.retry_at = t.now + timedelta(seconds=delay)
-        ns.error = error
+    where = "attempt" if branch is None else f"branch {branch} attempt"
+    if retryable and slot.attempt < spec.retry.max_attempts:
+        delay = backoff_delay(spec.retry, slot.attempt)
+        slot.retry_at = t.now + timedelta(seconds=delay)
         t.move_node(
             node,
             NodeStatus.RUNNING,
-            f"attempt {ns.attempt} failed: {message}; retry in {delay:g}s",
+            f"{where} {slot.attempt} failed: {message}; retry in {delay:g}s",
         )
         return
-    ns.error = error
+    why = "not retryable" if not retryable else f"{slot.attempt} attempts used"
+    if branch is not None:
+        scatter.branch_failed(t, node, branch, error, f"{where} {slot.attempt} failed ({why})")
+        return
+    ns = t.nodes[node]
     ns.finished_at = t.now
-    why = "not retryable" if not retryable else f"{ns.attempt} attempts used"
     t.move_node(node, NodeStatus.FAILED, f"attempt {ns.attempt} failed ({why}): {message}")
 
 
 def check_in_flight(t: TickContext) -> None:
     """Resend unclaimed attempts; time out claimed ones past their start-to-close deadline."""
-    cfg = t.inputs.config
     for node, ns in t.nodes.items():
-        if ns.status != NodeStatus.RUNNING or ns.token is None or ns.check_at is None:
-            continue
-        if ns.check_at > t.now:
-            continue
-        check = t.inputs.checks.get(ns.token)
-        if check is None or check.finished:
-            continue  # not loaded, or finished after the load: the next tick folds it
-        spec = t.step_spec(node)
-        timeout = spec.timeout or cfg.default_step_timeout
-        if check.claimed_at is None:
-            # Not claimed yet. Re-send when the re-send time is due, and look again within one
-            # step timeout either way, so a claim made after this look whose worker dies is
-            # timed out about one timeout after the claim, not one re-send period.
-            resend_at = ns.resend_at or ns.check_at
-            if resend_at <= t.now:
-                ns.resends += 1
-                resend_at = t.now + timedelta(seconds=cfg.resend_unclaimed_after * 2**ns.resends)
-                t.payload.dispatches.append(
-                    Dispatch("step", t.inputs.run_id, node, ns.token, spec.step, spec.queue)
-                )
-                t.record(node, ns.status, ns.status, f"attempt {ns.attempt} unclaimed: re-sent")
-            ns.resend_at = resend_at
-            ns.check_at = min(resend_at, t.now + timedelta(seconds=_first_limit(spec, cfg)))
+        for branch, slot in slots(ns):
+            if slot.token is not None and slot.check_at is not None and slot.check_at <= t.now:
+                _check_slot(t, node, slot, branch)
+
+
+def _check_slot(t: TickContext, node: str, slot: Slot, branch: int | None) -> None:
+    assert slot.token is not None and slot.check_at is not None
+    check = t.inputs.checks.get(slot.token)
+    if check is None or check.finished:
+        return  # not loaded, or finished after the load: the next tick folds it
+    cfg = t.inputs.config
+    spec = t.attempt_spec(node)
+    timeout = spec.timeout or cfg.default_step_timeout
+    where = "attempt" if branch is None else f"branch {branch} attempt"
+    if check.claimed_at is None:
+        # Not claimed yet. Re-send when the re-send time is due, and look again within one
+        # step timeout either way, so a claim made after this look whose worker dies is
+        # timed out about one timeout after the claim, not one re-send period.
+        resend_at = slot.resend_at or slot.check_at
+        if resend_at <= t.now:
+            slot.resends += 1
+            resend_at = t.now + timedelta(seconds=cfg.resend_unclaimed_after * 2**slot.resends)
+            t.payload.dispatches.append(
+                Dispatch("step", t.inputs.run_id, node, slot.token, spec.step, spec.queue)
+            )
+            status = t.nodes[node].status
+            t.record(node, status, status, f"{where} {slot.attempt} unclaimed: re-sent")
+        slot.resend_at = resend_at
+        slot.check_at = min(resend_at, t.now + timedelta(seconds=_first_limit(spec, cfg)))
+        t.payload.changed = True
+        return
+    deadline = check.claimed_at + timedelta(seconds=timeout)
+    why = f"did not finish within {timeout:g}s of its start (worker lost or step too slow)"
+    if spec.heartbeat_timeout is not None:
+        last_sign = max(check.claimed_at, check.heartbeat_at or check.claimed_at)
+        silent_until = last_sign + timedelta(seconds=spec.heartbeat_timeout)
+        if silent_until < deadline:
+            deadline = silent_until
+            why = f"sent no heartbeat for {spec.heartbeat_timeout:g}s (worker lost)"
+    if deadline > t.now:
+        if slot.claimed_at != check.claimed_at or slot.check_at != deadline:
+            slot.claimed_at = check.claimed_at
+            slot.check_at = deadline
+            slot.resend_at = None
             t.payload.changed = True
-            continue
-        deadline = check.claimed_at + timedelta(seconds=timeout)
-        why = f"did not finish within {timeout:g}s of its start (worker lost or step too slow)"
-        if spec.heartbeat_timeout is not None:
-            last_sign = max(check.claimed_at, check.heartbeat_at or check.claimed_at)
-            silent_until = last_sign + timedelta(seconds=spec.heartbeat_timeout)
-            if silent_until < deadline:
-                deadline = silent_until
-                why = f"sent no heartbeat for {spec.heartbeat_timeout:g}s (worker lost)"
-        if deadline > t.now:
-            if ns.claimed_at != check.claimed_at or ns.check_at != deadline:
-                ns.claimed_at = check.claimed_at
-                ns.check_at = deadline
-                ns.resend_at = None
-                t.payload.changed = True
-            continue
-        error = {"type": "StepTimeout", "message": f"attempt {ns.attempt} {why}"}
-        t.payload.closed.append(ClosedAttempt(ns.token, "timed_out", error))
-        _fail_attempt(t, node, error, True)
+        return
+    error = {"type": "StepTimeout", "message": f"{where} {slot.attempt} {why}"}
+    t.payload.closed.append(ClosedAttempt(slot.token, "timed_out", error))
+    attempt_failed(t, node, slot, branch, error, True)
 
 
-def _first_limit(spec: StepNodeSpec, cfg: EngineConfig) -> float:
+def _first_limit(spec: AttemptNodeSpec, cfg: EngineConfig) -> float:
     """The shortest time after a claim at which the attempt may have to be declared lost."""
     timeout = spec.timeout or cfg.default_step_timeout
     return min(timeout, spec.heartbeat_timeout or timeout)
@@ -140,16 +193,24 @@ def _first_limit(spec: StepNodeSpec, cfg: EngineConfig) -> float:
 
 def fire_retries(t: TickContext) -> None:
     for node, ns in t.nodes.items():
-        if ns.status == NodeStatus.RUNNING and ns.token is None and ns.retry_at is not None:
-            if ns.retry_at <= t.now:
-                ns.retry_at = None
+        for branch, slot in slots(ns):
+            if slot.token is None and slot.retry_at is not None and slot.retry_at <= t.now:
+                slot.retry_at = None
                 # A retry runs with the same arguments as the first attempt: the store copies
                 # them from the previous attempt row instead of the tick re-resolving paths.
-                start_attempt(t, node, None, args_from=t.token_for(node, ns.generation))
-                t.record(node, ns.status, ns.status, f"attempt {ns.attempt} dispatched (retry)")
+                start_attempt(
+                    t,
+                    node,
+                    None,
+                    args_from=t.token_for(node, slot.generation),
+                    branch=branch,
+                    slot=slot,
+                )
+                where = "attempt" if branch is None else f"branch {branch} attempt"
+                t.record(node, ns.status, ns.status, f"{where} {slot.attempt} dispatched (retry)")
 
 
-def lease_key_for(spec: StepNodeSpec, scope: Scope) -> str | None:
+def lease_key_for(spec: AttemptNodeSpec, scope: Scope) -> str | None:
     """The lease key of an attempt: the step's name and its resolved concurrency key.
 
     A key that resolves to something other than a string is keyed by its canonical JSON; a
@@ -171,41 +232,47 @@ def start_attempt(
     args: dict[str, Any] | None,
     args_from: str | None = None,
     lease_key: str | None = None,
+    branch: int | None = None,
+    slot: Slot | None = None,
 ) -> None:
     """Insert a new attempt under a new generation and queue its message.
 
-    A retry (``args_from``) keeps its first attempt's arguments and lease key: the store copies
-    both from that attempt's row.
+    Generations count per node across all its branches, so every token is unique. A retry
+    (``args_from``) keeps its first attempt's arguments and lease key: the store copies both
+    from that attempt's row.
     """
     ns = t.nodes[node]
-    spec = t.step_spec(node)
+    slot = ns if slot is None else slot
+    spec = t.attempt_spec(node)
     ns.generation += 1
-    ns.attempt += 1
-    ns.token = t.token_for(node, ns.generation)
+    slot.generation = ns.generation
+    slot.attempt += 1
+    slot.token = t.token_for(node, ns.generation)
     cfg = t.inputs.config
     # First look at the re-send time or after one step timeout, whichever comes first.
-    ns.resend_at = t.now + timedelta(seconds=cfg.resend_unclaimed_after)
-    ns.check_at = min(ns.resend_at, t.now + timedelta(seconds=_first_limit(spec, cfg)))
-    ns.resends = 0
-    ns.claimed_at = None
+    slot.resend_at = t.now + timedelta(seconds=cfg.resend_unclaimed_after)
+    slot.check_at = min(slot.resend_at, t.now + timedelta(seconds=_first_limit(spec, cfg)))
+    slot.resends = 0
+    slot.claimed_at = None
     if ns.started_at is None:
         ns.started_at = t.now
     t.payload.new_attempts.append(
         NewAttempt(
-            token=ns.token,
+            token=slot.token,
             node=node,
             step=spec.step,
             queue=spec.queue,
             generation=ns.generation,
-            attempt=ns.attempt,
+            attempt=slot.attempt,
             args=args or {},
             args_from=args_from,
             timeout=spec.timeout or t.inputs.config.default_step_timeout,
             lease_key=lease_key,
             lease_limit=spec.concurrency.limit if spec.concurrency is not None else None,
+            branch=branch,
         )
     )
     t.payload.dispatches.append(
-        Dispatch("step", t.inputs.run_id, node, ns.token, spec.step, spec.queue)
+        Dispatch("step", t.inputs.run_id, node, slot.token, spec.step, spec.queue)
     )
     t.payload.changed = True

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ..definition.spec import StepNodeSpec, WorkflowSpec
+from ..definition.spec import AttemptNodeSpec, WorkflowSpec
 from .inputs import TickInputs, TickPayload, Transition
 from .state import NodeState
 from .status import NODE_TRANSITIONS, NodeStatus, RunStatus
@@ -25,10 +25,10 @@ class TickContext:
     def nodes(self) -> dict[str, NodeState]:
         return self.payload.state.nodes
 
-    def step_spec(self, node: str) -> StepNodeSpec:
-        """The spec of a node that runs attempts (only step nodes ever have tokens)."""
+    def attempt_spec(self, node: str) -> AttemptNodeSpec:
+        """The spec of a node that runs attempts (only step and scatter nodes have tokens)."""
         spec = self.spec.graph.nodes[node]
-        assert isinstance(spec, StepNodeSpec), f"{node} is a {spec.kind} node, not a step"
+        assert isinstance(spec, AttemptNodeSpec), f"{node} is a {spec.kind} node, not a step"
         return spec
 
     def token_for(self, node: str, generation: int) -> str:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 
+from .advance import slots
 from .context import TickContext
-from .inputs import ControlIn, Dispatch, HandledControl, SuccessorRun
+from .inputs import ControlIn, HandledControl, SuccessorRun
 from .schedule import close_in_flight
 from .state import NodeState, RunState
 from .status import NodeStatus, RunStatus
@@ -68,15 +69,7 @@ def _problem(status: RunStatus, control: ControlIn) -> str | None:
 
 def revoke_and_close(t: TickContext, reason: str) -> None:
     """Close every open attempt and parked node; ask workers to drop attempts in flight."""
-    for node_id, ns in t.nodes.items():
-        if ns.status == NodeStatus.RUNNING and ns.token is not None:
-            spec = t.spec.graph.nodes[node_id]
-            t.payload.dispatches.append(
-                Dispatch(
-                    "revoke", t.inputs.run_id, node_id, ns.token, getattr(spec, "step", ""), None
-                )
-            )
-    close_in_flight(t, reason)
+    close_in_flight(t, reason, revoke=True)
 
 
 def _redrive(t: TickContext, reason: str) -> None:
@@ -107,7 +100,7 @@ def maybe_continue_as_new(t: TickContext) -> bool:
     pending = state.continue_pending
     if pending is None:
         return False
-    if any(ns.status == NodeStatus.RUNNING and ns.token is not None for ns in t.nodes.values()):
+    if any(slot.token is not None for ns in t.nodes.values() for _, slot in slots(ns)):
         return False  # drain: let attempts in flight finish and be folded first
     successor_id = hashlib.sha256(f"{t.inputs.run_id}:continued".encode()).hexdigest()[:32]
     if pending.get("has_input"):

@@ -29,6 +29,7 @@ class AttemptResult:
     error: dict[str, Any] | None = None
     retryable: bool = True
     patch: dict[str, Any] | None = None
+    branch: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,8 @@ class TickInputs:
     control: ControlIn | None = None
     #: Payloads of signals already applied to event sets still waiting (by signal id).
     received: dict[int, Any] = field(default_factory=dict)
+    #: Gathered outputs of scatters whose branches all finished (node -> list in item order).
+    gathered: dict[str, list[Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

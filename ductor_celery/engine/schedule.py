@@ -5,12 +5,12 @@ from __future__ import annotations
 from datetime import datetime
 
 from ..definition.paths import Scope, resolve
-from ..definition.spec import StepNodeSpec
-from .advance import lease_key_for, start_attempt
+from ..definition.spec import ScatterNodeSpec, StepNodeSpec
+from .advance import lease_key_for, slots, start_attempt
 from .context import TickContext
 from .external import park_node
-from .inputs import ClosedAttempt
 from .payloads import json_problem
+from .scatter import close_slot, start_scatter
 from .status import FINISHED_NODE_STATUSES, NodeStatus, RunStatus
 
 
@@ -31,32 +31,17 @@ def fail_run_on_fatal_node(t: TickContext) -> bool:
     return False
 
 
-def close_in_flight(t: TickContext, reason: str) -> None:
-    """Cancel every node with an attempt in flight or a retry pending; close open attempts."""
-    p = t.payload
-    created = {a.token for a in p.new_attempts}
-    # An attempt whose result is loaded has finished already: its row cannot be closed (the
-    # conditional close would conflict on every recompute); it is folded instead.
-    finished = {r.token for r in t.inputs.results}
+def close_in_flight(t: TickContext, reason: str, *, revoke: bool = False) -> None:
+    """Cancel every running or waiting node: close its open attempts (every branch of a
+    scatter), drop pending retries, and with ``revoke`` ask workers to drop them too."""
     for node_id, ns in t.nodes.items():
         if ns.status not in (NodeStatus.RUNNING, NodeStatus.WAITING):
             continue
-        if ns.token is not None:
-            # Never send an attempt that is closed (a resend queued earlier in this tick); keep
-            # a revoke queued for it (cancel and terminate revoke before they close).
-            p.dispatches = [d for d in p.dispatches if d.token != ns.token or d.kind != "step"]
-        if ns.token in created:
-            # Started in this very tick: there is no row to close yet (the store closes before
-            # it inserts), so never insert the attempt instead.
-            p.new_attempts = [a for a in p.new_attempts if a.token != ns.token]
-        elif ns.token is not None and ns.token not in finished:
-            p.closed.append(
-                ClosedAttempt(ns.token, "cancelled", {"type": "Cancelled", "message": reason})
-            )
-        ns.token = None
-        ns.check_at = None
-        ns.resend_at = None
-        ns.retry_at = None
+        for _, slot in list(slots(ns)):
+            close_slot(t, node_id, slot, reason, revoke=revoke)
+        if ns.scatter is not None:
+            ns.scatter.branches.clear()
+            ns.scatter.gathering = False
         ns.finished_at = t.now
         t.move_node(node_id, NodeStatus.CANCELLED, reason)
 
@@ -97,6 +82,9 @@ def start_ready_nodes(t: TickContext) -> bool:
                 ns.finished_at = t.now
                 t.move_node(node_id, NodeStatus.SKIPPED, f"when {spec.when!r} is falsy")
                 continue
+        if isinstance(spec, ScatterNodeSpec):
+            start_scatter(t, node_id, spec, scope)
+            continue
         if not isinstance(spec, StepNodeSpec):
             park_node(t, node_id)
             continue
@@ -126,8 +114,10 @@ def next_wake_at(t: TickContext) -> datetime | None:
     paused = t.payload.state.status == RunStatus.PAUSED
     due: list[datetime] = []
     for ns in t.nodes.values():
-        if ns.status == NodeStatus.RUNNING:
-            due.extend(w for w in (ns.check_at, None if paused else ns.retry_at) if w)
-        elif ns.status == NodeStatus.WAITING and ns.deadline is not None and not paused:
+        for _, slot in slots(ns):
+            due.extend(w for w in (slot.check_at, None if paused else slot.retry_at) if w)
+        if ns.status == NodeStatus.RUNNING and ns.scatter is not None and ns.scatter.gathering:
+            due.append(t.now)  # backstop: the gather's own wake-up message could be lost
+        if ns.status == NodeStatus.WAITING and ns.deadline is not None and not paused:
             due.append(ns.deadline)
     return min(due) if due else None

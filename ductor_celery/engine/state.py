@@ -25,6 +25,102 @@ _DATETIME_FIELDS = (
 )
 
 
+def _dump(obj: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A dataclass as JSON: datetimes as ISO strings, unset (None or 0) fields left out."""
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        if f.name in skip:
+            continue
+        value = getattr(obj, f.name)
+        if value is None or (value == 0 and not isinstance(value, dict)):
+            continue
+        out[f.name] = value.isoformat() if isinstance(value, datetime) else value
+    return out
+
+
+def _dates(kwargs: dict[str, Any]) -> dict[str, Any]:
+    for name in _DATETIME_FIELDS:
+        if kwargs.get(name) is not None:
+            kwargs[name] = datetime.fromisoformat(kwargs[name])
+    return kwargs
+
+
+@dataclass(slots=True)
+class BranchState:
+    """One scatter branch in flight: the same attempt bookkeeping as a step node's."""
+
+    token: str | None = None
+    generation: int = 0
+    attempt: int = 0
+    check_at: datetime | None = None
+    resends: int = 0
+    resend_at: datetime | None = None
+    claimed_at: datetime | None = None
+    retry_at: datetime | None = None
+    error: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return _dump(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> BranchState:
+        return cls(**_dates(dict(data)))
+
+
+@dataclass(slots=True)
+class ScatterState:
+    """A scatter's counters and its in-flight set; never one entry per finished branch.
+
+    Branch outputs stay in attempt rows (run ``run``, node generations above ``base``) and are
+    read once, when the gather completes.
+    """
+
+    #: The run whose attempt rows hold the branches (kept across continue-as-new).
+    run: str
+    #: The node's generation when this scatter started: its branch attempts have higher ones.
+    base: int
+    total: int
+    #: The next item index to start.
+    next: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    #: Every branch finished within the failure policy: the next tick reads the gathered list.
+    gathering: bool = False
+    branches: dict[int, BranchState] = field(default_factory=dict)
+    #: Branches refused before they had an attempt row (arguments too large): their errors.
+    errors: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out = _dump(self, skip=("branches", "errors"))
+        out["run"], out["base"], out["total"] = self.run, self.base, self.total
+        out["branches"] = {str(i): b.to_json() for i, b in self.branches.items()}
+        if self.errors:
+            out["errors"] = {str(i): e for i, e in self.errors.items()}
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ScatterState:
+        kwargs = dict(data)
+        kwargs["branches"] = {
+            int(i): BranchState.from_json(b) for i, b in (data.get("branches") or {}).items()
+        }
+        kwargs["errors"] = {int(i): e for i, e in (data.get("errors") or {}).items()}
+        return cls(**kwargs)
+
+    def copy(self) -> ScatterState:
+        return ScatterState(
+            run=self.run,
+            base=self.base,
+            total=self.total,
+            next=self.next,
+            succeeded=self.succeeded,
+            failed=self.failed,
+            gathering=self.gathering,
+            branches={i: copy.copy(b) for i, b in self.branches.items()},
+            errors=dict(self.errors),
+        )
+
+
 @dataclass(slots=True)
 class NodeState:
     status: NodeStatus = NodeStatus.PENDING
@@ -58,26 +154,29 @@ class NodeState:
     error: dict[str, Any] | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    #: A scatter node: its counters and the branches in flight.
+    scatter: ScatterState | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": self.status.value}
-        for f in fields(self):
-            if f.name == "status":
-                continue
-            value = getattr(self, f.name)
-            if value is None or (value == 0 and not isinstance(value, dict)):
-                continue
-            out[f.name] = value.isoformat() if isinstance(value, datetime) else value
+        out.update(_dump(self, skip=("status", "scatter")))
+        if self.scatter is not None:
+            out["scatter"] = self.scatter.to_json()
         return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NodeState:
-        kwargs: dict[str, Any] = dict(data)
+        kwargs: dict[str, Any] = _dates(dict(data))
         kwargs["status"] = NodeStatus(kwargs.get("status", "pending"))
-        for name in _DATETIME_FIELDS:
-            if kwargs.get(name) is not None:
-                kwargs[name] = datetime.fromisoformat(kwargs[name])
+        if kwargs.get("scatter") is not None:
+            kwargs["scatter"] = ScatterState.from_json(kwargs["scatter"])
         return cls(**kwargs)
+
+    def copy(self) -> NodeState:
+        twin = copy.copy(self)
+        if self.scatter is not None:
+            twin.scatter = self.scatter.copy()
+        return twin
 
 
 @dataclass(slots=True)
@@ -97,7 +196,7 @@ class RunState:
     def copy(self) -> RunState:
         return RunState(
             status=self.status,
-            nodes={k: copy.copy(v) for k, v in self.nodes.items()},
+            nodes={k: v.copy() for k, v in self.nodes.items()},
             context=copy.deepcopy(self.context),
             transitions=self.transitions,
             continue_pending=copy.deepcopy(self.continue_pending),

@@ -16,6 +16,7 @@ from .context import TickContext
 from .controls import apply_control, maybe_continue_as_new, request_auto_continue
 from .external import absorb_external
 from .inputs import TickInputs, TickPayload
+from .scatter import drive_scatters
 from .schedule import fail_run_on_fatal_node, finish_if_done, next_wake_at, start_ready_nodes
 from .state import NodeState, RunState
 from .status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
@@ -52,7 +53,8 @@ def compute_tick(
     # Starting nodes can fail one (arguments too large), and parked nodes can finish at once
     # on signals that were already waiting: settle until nothing moves.
     for _ in range(len(t.nodes) + 1):
-        moved = start_ready_nodes(t)
+        moved = drive_scatters(t)
+        moved = start_ready_nodes(t) or moved
         moved = absorb_external(t) or moved
         if not moved:
             break
@@ -86,7 +88,8 @@ def read_nodes(definition: WorkflowSpec, state: RunState) -> set[str]:
     graph = definition.graph
     wanted: set[str] = set(graph.output_reads)
     for node_id, ns in state.nodes.items():
-        if ns.status in READER_STATUSES:
+        # A running scatter reads its item list (and branch arguments) as it starts branches.
+        if ns.status in READER_STATUSES or (ns.status == NodeStatus.RUNNING and ns.scatter):
             wanted |= graph.reads.get(node_id, frozenset())
     return wanted
 

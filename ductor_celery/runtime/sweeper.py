@@ -3,6 +3,10 @@
 Every ``ductor_sweep_interval`` seconds it wakes runs with due timers, re-sends outbox rows a
 dead dispatcher left behind, and wakes runs whose wake-up was lost (finished attempts not
 folded, runs still pending). It never changes run state itself: it only sends hints.
+
+It is also the backstop of concurrency leases (``store.sweep.reclaim_leases``): a lease past its
+expiry whose holder ended is freed and handed to the oldest waiter, a live holder's lease is
+kept and its run woken, and free slots go to waiters. See docs/leases.md.
 """
 
 from __future__ import annotations
@@ -59,18 +63,27 @@ class Sweeper:
         grace = self.rt.settings.outbox_grace
         due = sweep.due_timer_runs(engine, rewake_after=REWAKE_AFTER_S)
         relayed = sweep.relay_stale_outbox(engine, self.rt.dispatcher.send, older_than=grace)
+        leased = sweep.reclaim_leases(engine, self.rt.dispatcher.send)
         # A wake-up counts as lost only well past the grace: under load the coordinator's queue
         # is simply long, and re-waking every run with a result still queued would flood it.
         lost_after = max(LOST_WAKEUP_AFTER_S, grace)
-        lost = self._throttle(
-            sweep.unfolded_runs(engine, older_than=lost_after)
-            + sweep.pending_runs(engine, older_than=lost_after)
-            + sweep.runs_with_unhandled_controls(engine, older_than=lost_after),
-            LOST_REWAKE_AFTER_S,
-        ) + self._throttle(
-            # A signal can wait legitimately for a node not reached yet: look again rarely.
-            sweep.runs_with_unapplied_signals(engine, older_than=grace),
-            SIGNAL_REWAKE_AFTER_S,
+        lost = (
+            self._throttle(
+                sweep.unfolded_runs(engine, older_than=lost_after)
+                + sweep.pending_runs(engine, older_than=lost_after)
+                + sweep.runs_with_unhandled_controls(engine, older_than=lost_after),
+                LOST_REWAKE_AFTER_S,
+            )
+            + self._throttle(
+                # A signal can wait legitimately for a node not reached yet: look again rarely.
+                sweep.runs_with_unapplied_signals(engine, older_than=grace),
+                SIGNAL_REWAKE_AFTER_S,
+            )
+            + self._throttle(
+                # An open attempt outlived its lease: its tick decides whether it is lost.
+                leased.wake,
+                LOST_REWAKE_AFTER_S,
+            )
         )
         self.rt.dispatcher.wake_many(due + lost)
         if due or relayed or lost:
@@ -80,7 +93,21 @@ class Sweeper:
                 relayed,
                 len(lost),
             )
-        return {"timers": len(due), "outbox": relayed, "lost_wakeups": len(lost)}
+        if leased.released or leased.granted or leased.extended:
+            log.info(
+                "sweep: leases: %d released, %d granted to waiters, %d kept for open holders",
+                leased.released,
+                leased.granted,
+                leased.extended,
+            )
+        return {
+            "timers": len(due),
+            "outbox": relayed,
+            "lost_wakeups": len(lost),
+            "leases_released": leased.released,
+            "leases_granted": leased.granted,
+            "leases_extended": leased.extended,
+        }
 
     def _throttle(self, run_ids: list[str], window: float) -> list[str]:
         """Drop runs woken for the same reason within ``window`` seconds."""

@@ -8,9 +8,14 @@ which hands the slot to the oldest waiting attempt of the key and writes its ste
 the outbox. A worker may only claim an attempt that holds its slot (``store.attempts.claim``),
 so a re-sent or duplicated message for a waiting attempt is dropped, never run.
 
+A key never has more than ``limit`` lease rows: a slot is granted only while fewer rows than
+the requester's limit exist (slot numbers only keep the primary key unique). A limit lowered in
+a new workflow version therefore holds back new grants until enough old holders end.
+
 Every change to one key's slots happens under a per-key advisory lock on PostgreSQL (SQLite
 serializes all writes); a transaction that touches several keys locks them in sorted order.
-See docs/fan-out-and-leases.md.
+The sweeper (``reclaim_key``) only *tries* the lock and skips a busy key, so it never waits
+behind a tick or a worker. See docs/leases.md.
 """
 
 from __future__ import annotations
@@ -51,6 +56,19 @@ def lock_keys(conn: Connection, keys: Iterable[str]) -> None:
         )
 
 
+def try_lock_key(conn: Connection, key: str) -> bool:
+    """Take one key's lock if nobody holds it (the sweeper's way: never wait, come back)."""
+    if conn.dialect.name != "postgresql":
+        return True
+    return bool(
+        conn.execute(
+            sa.select(
+                sa.func.pg_try_advisory_xact_lock(LEASE_LOCK_NAMESPACE, sa.func.hashtext(key))
+            )
+        ).scalar_one()
+    )
+
+
 def keys_held_by(conn: Connection, tokens: list[str]) -> list[str]:
     if not tokens:
         return []
@@ -67,6 +85,14 @@ def _held_slots(conn: Connection, key: str) -> set[int]:
             sa.select(concurrency_lease.c.slot).where(concurrency_lease.c.key == key)
         ).scalars()
     )
+
+
+def _free_slot(held: set[int], limit: int) -> int | None:
+    """The lowest free slot, or None when the key already has ``limit`` holders (counting
+    holders granted under another limit, e.g. by an older workflow version)."""
+    if len(held) >= limit:
+        return None
+    return next(s for s in range(len(held) + 1) if s not in held)
 
 
 def _grant(conn: Connection, key: str, slot: int, req: LeaseRequest, now: datetime) -> None:
@@ -96,7 +122,7 @@ def acquire(conn: Connection, requests: list[LeaseRequest], now: datetime) -> se
         if _has_waiters(conn, key, exclude={r.token for r in by_key[key]}):
             continue  # older attempts wait for this key: they are served first
         for req in by_key[key]:
-            slot = next((s for s in range(req.limit) if s not in held), None)
+            slot = _free_slot(held, req.limit)
             if slot is None:
                 break
             _grant(conn, key, slot, req, now)
@@ -165,7 +191,7 @@ def grant_waiting(conn: Connection, keys: Iterable[str], now: datetime) -> list[
             .limit(_WAITERS_PER_RELEASE)
         ).all()
         for w in waiters:
-            slot = next((s for s in range(w.lease_limit or 1) if s not in held), None)
+            slot = _free_slot(held, w.lease_limit or 1)
             if slot is None:
                 break  # first come first served: nobody overtakes the oldest waiter
             req = LeaseRequest(w.token, w.run_id, w.node, key, w.lease_limit or 1, w.timeout)
@@ -173,3 +199,70 @@ def grant_waiting(conn: Connection, keys: Iterable[str], now: datetime) -> list[
             held.add(slot)
             intents.append(step_intent(w.run_id, w.token, w.node, w.step, w.queue))
     return insert_outbox(conn, intents, now)
+
+
+@dataclass(slots=True)
+class Reclaimed:
+    """What the sweeper did to one key's leases."""
+
+    released: list[str]  # tokens whose lease was freed: their holder ended or is gone
+    extended: list[str]  # tokens whose holder is still open: expiry pushed forward
+    wake: list[str]  # runs of open holders past their expiry: their tick should look at them
+    outbox: list[OutboxRow]  # grants to waiters and re-sent messages of unclaimed holders
+    granted: int
+
+
+def reclaim_key(conn: Connection, key: str, now: datetime) -> Reclaimed:
+    """The sweeper's backstop for one key; the caller holds the key's lock (``try_lock_key``).
+
+    A lease past ``expires_at`` whose holder attempt is finished or missing was left behind
+    (its release never ran): free it. A holder still open keeps its lease (only the holder's
+    end may free it, or the zero-overlap rule breaks), its expiry moves one step timeout on,
+    its run is returned for a wake-up (the coordinator times out a lost claim), and an
+    unclaimed holder has its step message sent again (a grant message that got lost). Then
+    free slots go to the key's waiters, oldest first, as a release would.
+    """
+    holder = step_attempt
+    expired = conn.execute(
+        sa.select(
+            concurrency_lease.c.token,
+            concurrency_lease.c.run_id,
+            holder.c.token.label("attempt_token"),
+            holder.c.finished_at,
+            holder.c.claimed_at,
+            holder.c.timeout,
+            holder.c.node,
+            holder.c.step,
+            holder.c.queue,
+        )
+        .select_from(
+            concurrency_lease.outerjoin(holder, holder.c.token == concurrency_lease.c.token)
+        )
+        .where(
+            concurrency_lease.c.key == key,
+            sa.or_(concurrency_lease.c.expires_at.is_(None), concurrency_lease.c.expires_at <= now),
+        )
+        .order_by(concurrency_lease.c.slot)
+    ).all()
+    dead = [r.token for r in expired if r.attempt_token is None or r.finished_at is not None]
+    alive = [r for r in expired if r.attempt_token is not None and r.finished_at is None]
+    if dead:
+        conn.execute(sa.delete(concurrency_lease).where(concurrency_lease.c.token.in_(dead)))
+    resend = []
+    for r in alive:
+        conn.execute(
+            sa.update(concurrency_lease)
+            .where(concurrency_lease.c.token == r.token)
+            .values(expires_at=now + timedelta(seconds=max(float(r.timeout or 0), 1.0)))
+        )
+        if r.claimed_at is None:
+            resend.append(step_intent(r.run_id, r.token, r.node, r.step, r.queue))
+    outbox = insert_outbox(conn, resend, now)
+    grants = grant_waiting(conn, [key], now)
+    return Reclaimed(
+        released=dead,
+        extended=[r.token for r in alive],
+        wake=sorted({r.run_id for r in alive}),
+        outbox=outbox + grants,
+        granted=len(grants),
+    )

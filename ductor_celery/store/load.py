@@ -27,6 +27,9 @@ from ..engine import (
     TickInputs,
     needed_outputs,
 )
+from ..engine.advance import slots
+from ..engine.scatter import assemble
+from ..engine.state import ScatterState
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..engine.tick import read_nodes
 from .db import aware, is_postgres
@@ -128,6 +131,11 @@ def load_on(
         signals=_signals(conn, run_id) if row.has_signals else (),
         control=control,
         received=_received(conn, state),
+        gathered={
+            node: gather(conn, node, ns.scatter)
+            for node, ns in state.nodes.items()
+            if ns.status == NodeStatus.RUNNING and ns.scatter is not None and ns.scatter.gathering
+        },
     )
     return loaded, spec, inputs
 
@@ -175,6 +183,7 @@ def _results(conn: Connection, run_id: str) -> tuple[AttemptResult, ...]:
             step_attempt.c.error,
             step_attempt.c.retryable,
             step_attempt.c.patch,
+            step_attempt.c.branch,
         )
         .where(
             step_attempt.c.run_id == run_id,
@@ -192,6 +201,7 @@ def _results(conn: Connection, run_id: str) -> tuple[AttemptResult, ...]:
             error=r.error,
             retryable=bool(r.retryable) if r.retryable is not None else True,
             patch=r.patch,
+            branch=r.branch,
         )
         for r in rows
     )
@@ -235,12 +245,10 @@ def _signals(conn: Connection, run_id: str) -> tuple[SignalIn, ...]:
 def _checks(conn: Connection, state: RunState, now: datetime) -> dict[str, AttemptCheck]:
     """Claim status of in-flight attempts whose check time has come."""
     due = [
-        ns.token
+        slot.token
         for ns in state.nodes.values()
-        if ns.status == NodeStatus.RUNNING
-        and ns.token is not None
-        and ns.check_at is not None
-        and ns.check_at <= now
+        for _, slot in slots(ns)
+        if slot.token is not None and slot.check_at is not None and slot.check_at <= now
     ]
     if not due:
         return {}
@@ -266,6 +274,10 @@ def _checks(conn: Connection, state: RunState, now: datetime) -> dict[str, Attem
 def _outputs_for(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[str, Any]:
     """Outputs of earlier-finished nodes that pending nodes (or the run output) read."""
     outputs = _parked_outputs(conn, spec, state)
+    for node_id in read_nodes(spec, state):
+        found = state.nodes.get(node_id)
+        if found is not None and found.status == NodeStatus.SUCCEEDED and found.scatter:
+            outputs[node_id] = gather(conn, node_id, found.scatter)
     wanted = needed_outputs(spec, state)
     if not wanted:
         return outputs
@@ -280,6 +292,49 @@ def _outputs_for(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[
             cached[r.token] = r.output
     outputs.update({node: cached.get(token) for node, token in wanted.items()})
     return outputs
+
+
+def gather(conn: Connection, node: str, sc: ScatterState) -> list[Any]:
+    """A scatter's outputs in item order: each branch's last attempt (the one that counted).
+
+    One query over the node's attempt rows of this scatter (generations above ``base``);
+    cached per process, since a finished scatter's branches never change.
+    """
+    key = f"gather:{sc.run}:{node}:{sc.base}:{sc.total}"
+    found, _ = _outputs.get_many([key])
+    if key in found:
+        return list(found[key])
+    ranked = (
+        sa.select(
+            step_attempt.c.branch,
+            step_attempt.c.outcome,
+            step_attempt.c.output,
+            step_attempt.c.error,
+            sa.func.row_number()
+            .over(partition_by=step_attempt.c.branch, order_by=step_attempt.c.generation.desc())
+            .label("rank"),
+        )
+        .where(
+            step_attempt.c.run_id == sc.run,
+            step_attempt.c.node == node,
+            step_attempt.c.generation > sc.base,
+            step_attempt.c.branch.is_not(None),
+            step_attempt.c.finished_at.is_not(None),
+        )
+        .subquery()
+    )
+    finals = {
+        r.branch: (r.outcome == "succeeded", r.output if r.outcome == "succeeded" else r.error)
+        for r in conn.execute(
+            sa.select(ranked.c.branch, ranked.c.outcome, ranked.c.output, ranked.c.error).where(
+                ranked.c.rank == 1
+            )
+        )
+    }
+    out = assemble(sc, finals)
+    if not sc.gathering:
+        _outputs.put(key, out)
+    return out
 
 
 def _payloads(conn: Connection, ids: list[int]) -> dict[int, Any]:
@@ -314,7 +369,12 @@ def _parked_outputs(conn: Connection, spec: WorkflowSpec, state: RunState) -> di
     sets: dict[str, dict[str, int]] = {}
     for node_id in read_nodes(spec, state):
         found = state.nodes.get(node_id)
-        if found is None or found.status != NodeStatus.SUCCEEDED or found.output_token:
+        if (
+            found is None
+            or found.status != NodeStatus.SUCCEEDED
+            or found.output_token
+            or found.scatter
+        ):
             continue
         if found.output_signal is not None:
             ids[found.output_signal] = node_id

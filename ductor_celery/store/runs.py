@@ -14,9 +14,10 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from ..definition.spec import WorkflowSpec
-from ..engine.state import RunState
+from ..engine.state import RunState, ScatterState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from .db import aware
+from .load import gather
 from .schema import step_attempt, workflow_definition, workflow_run, workflow_transition
 
 RUN_COLUMNS = (
@@ -228,6 +229,12 @@ def attempt_outputs(engine: Engine, tokens: list[str]) -> dict[str, Any]:
                 )
             ).all()
         )
+
+
+def gathered_output(engine: Engine, node: str, sc: ScatterState) -> list[Any]:
+    """A finished scatter's output: its branches' outputs in item order."""
+    with engine.connect() as conn:
+        return gather(conn, node, sc)
 
 
 def attempts_of(engine: Engine, run_id: str) -> list[Any]:

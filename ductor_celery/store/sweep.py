@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -10,9 +11,11 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from ..engine.status import RunStatus
+from . import leases
 from .db import is_postgres
-from .outbox import OutboxRow
+from .outbox import OutboxRow, delete_outbox
 from .schema import (
+    concurrency_lease,
     step_attempt,
     workflow_control,
     workflow_outbox,
@@ -161,3 +164,74 @@ def relay_stale_outbox(
             sa.delete(workflow_outbox).where(workflow_outbox.c.id.in_([r.id for r in rows]))
         )
     return len(rows)
+
+
+def lease_keys_to_sweep(engine: Engine, *, now: datetime, limit: int = 100) -> list[str]:
+    """Keys with a lease past its expiry, or with waiting attempts and a free slot.
+
+    One statement. With no leases and no leased attempts open it reads an empty table and an
+    empty partial index (``eec_workflow_step_attempt_lease_wait``); with waiters it looks at
+    each waiter once. In steady state the second half finds nothing: every release and every
+    acquire hands free slots to waiters in the same transaction; it catches limits raised by a
+    new workflow version and slots freed by hand.
+    """
+    expired = sa.select(concurrency_lease.c.key.label("key")).where(
+        sa.or_(concurrency_lease.c.expires_at.is_(None), concurrency_lease.c.expires_at <= now)
+    )
+    held = (
+        sa.select(sa.func.count())
+        .select_from(concurrency_lease)
+        .where(concurrency_lease.c.key == step_attempt.c.lease_key)
+        .scalar_subquery()
+    )
+    starved = sa.select(step_attempt.c.lease_key.label("key")).where(
+        step_attempt.c.lease_key.is_not(None),
+        step_attempt.c.finished_at.is_(None),
+        ~leases.holds_lease(),
+        held < sa.func.coalesce(step_attempt.c.lease_limit, 1),
+    )
+    keys = sa.union(expired, starved).subquery()
+    with engine.connect() as conn:
+        return sorted(
+            conn.execute(sa.select(keys.c.key).order_by(keys.c.key).limit(limit)).scalars()
+        )
+
+
+@dataclass(slots=True)
+class LeaseSweep:
+    keys: int = 0
+    skipped: int = 0  # keys busy under another transaction's lock: looked at next sweep
+    released: int = 0
+    extended: int = 0
+    granted: int = 0
+    sent: int = 0
+    wake: list[str] = field(default_factory=list)
+
+
+def reclaim_leases(
+    engine: Engine, send: Callable[[list[OutboxRow]], None], *, limit: int = 100
+) -> LeaseSweep:
+    """The lease backstop: free leases left behind by holders that ended, keep live holders'
+    leases alive, grant free slots to waiters (``leases.reclaim_key``), one short transaction
+    per key. Step messages are sent after each commit and their outbox rows deleted; a failed
+    send leaves them to ``relay_stale_outbox``. The returned ``wake`` lists runs whose open
+    holder outlived its lease: the caller wakes them so their tick can time the attempt out.
+    """
+    now = _now(engine)
+    result = LeaseSweep()
+    for key in lease_keys_to_sweep(engine, now=now, limit=limit):
+        with engine.begin() as conn:
+            if not leases.try_lock_key(conn, key):
+                result.skipped += 1
+                continue
+            done = leases.reclaim_key(conn, key, now)
+        result.keys += 1
+        result.released += len(done.released)
+        result.extended += len(done.extended)
+        result.granted += done.granted
+        result.wake.extend(done.wake)
+        if done.outbox:
+            send(done.outbox)
+            delete_outbox(engine, [r.id for r in done.outbox])
+            result.sent += len(done.outbox)
+    return result

@@ -132,7 +132,9 @@ def commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list
     outbox = insert_outbox(
         conn,
         [
-            step_intent(d.run_id, d.token, d.node, d.step, d.queue) | {"kind": d.kind}
+            wakeup_intent(d.run_id)
+            if d.kind == "wakeup"
+            else step_intent(d.run_id, d.token, d.node, d.step, d.queue) | {"kind": d.kind}
             for d in payload.dispatches
             if not (d.kind == "step" and d.token in waiting)
         ],

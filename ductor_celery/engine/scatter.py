@@ -1,0 +1,247 @@
+"""Phase 2: drive fan-out. Start scatter branches up to ``max_parallel``, count finished ones,
+apply the failure policy, and gather.
+
+A scatter's state is counters plus the branches in flight (``ScatterState``), so the run row
+stays small however many items there are. Branch outputs stay in attempt rows; when every
+branch has finished the scatter is marked ``gathering`` and wakes its run, and the next load
+reads the gathered list (``TickInputs.gathered``) in item order.
+
+See docs/fan-out.md for the states and transitions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..definition.paths import Scope, resolve
+from ..definition.spec import ScatterNodeSpec
+from . import advance
+from .context import TickContext
+from .inputs import ClosedAttempt, Dispatch
+from .payloads import json_problem
+from .state import BranchState, ScatterState
+from .status import NodeStatus
+
+
+def start_scatter(t: TickContext, node_id: str, spec: ScatterNodeSpec, scope: Scope) -> None:
+    """A ready scatter node reads its item list and starts its first branches."""
+    ns = t.nodes[node_id]
+    items = resolve(spec.over, scope)
+    ns.started_at = t.now
+    if not isinstance(items, list):
+        ns.error = {
+            "type": "InvalidScatter",
+            "message": f"over={spec.over!r} resolved to {type(items).__name__}, not a list",
+        }
+        ns.finished_at = t.now
+        t.move_node(node_id, NodeStatus.FAILED, ns.error["message"])
+        return
+    ns.scatter = ScatterState(run=t.inputs.run_id, base=ns.generation, total=len(items))
+    t.move_node(
+        node_id,
+        NodeStatus.RUNNING,
+        f"scatter over {len(items)} items, at most {spec.max_parallel} at once",
+    )
+    if not items:
+        ns.finished_at = t.now
+        t.outputs[node_id] = []
+        t.move_node(node_id, NodeStatus.SUCCEEDED, "scatter over an empty list: output []")
+        return
+    _fill(t, node_id, spec, items, scope)
+
+
+def drive_scatters(t: TickContext) -> bool:
+    """Start branches where there is room, finish gathers that were read. True if a node
+    finished (its dependants may be ready)."""
+    finished = False
+    scope: Scope | None = None
+    for node_id in t.spec.graph.order:
+        ns = t.nodes[node_id]
+        sc = ns.scatter
+        if ns.status != NodeStatus.RUNNING or sc is None:
+            continue
+        spec = t.spec.graph.nodes[node_id]
+        assert isinstance(spec, ScatterNodeSpec)
+        if sc.gathering:
+            if node_id in t.inputs.gathered:
+                _gathered(t, node_id, sc, t.inputs.gathered[node_id])
+                finished = True
+            continue
+        if sc.next < sc.total and len(sc.branches) < spec.max_parallel:
+            if scope is None:
+                scope = _scope(t)
+            items = resolve(spec.over, scope)
+            if not isinstance(items, list) or len(items) != sc.total:
+                # ``over`` reads the input or a finished node's output, which never change;
+                # seeing anything else means the stored state is damaged: fail, never guess.
+                _fail_node(t, node_id, "the scatter's item list changed while it ran")
+                finished = True
+                continue
+            _fill(t, node_id, spec, items, scope)
+        if ns.status == NodeStatus.RUNNING and sc.next >= sc.total and not sc.branches:
+            sc.gathering = True
+            # The gather is read by the next load: wake the run now rather than at a timer.
+            t.payload.dispatches.append(Dispatch("wakeup", t.inputs.run_id, node_id, "", "", None))
+            t.record(
+                node_id,
+                ns.status,
+                ns.status,
+                f"all {sc.total} branches finished ({sc.failed} failed): gathering",
+            )
+        finished = finished or ns.status != NodeStatus.RUNNING
+    return finished
+
+
+def _scope(t: TickContext) -> Scope:
+    return Scope(input=t.inputs.input, context=t.payload.state.context, outputs=t.outputs)
+
+
+def _fill(
+    t: TickContext, node_id: str, spec: ScatterNodeSpec, items: list[Any], scope: Scope
+) -> None:
+    ns = t.nodes[node_id]
+    sc = ns.scatter
+    assert sc is not None
+    template = spec.branch_args()
+    limit = t.inputs.config.max_payload_bytes
+    while sc.next < sc.total and len(sc.branches) < spec.max_parallel:
+        if ns.status != NodeStatus.RUNNING:
+            return  # the failure policy stopped the scatter (a refused branch)
+        index = sc.next
+        sc.next += 1
+        item_scope = Scope(
+            input=scope.input, context=scope.context, outputs=scope.outputs, item=items[index]
+        )
+        args = resolve(template, item_scope)
+        problem = json_problem(args, f"branch {index} arguments", limit)[1]
+        if problem is not None:
+            error = {"type": "PayloadTooLarge", "message": problem}
+            # No attempt row holds this failure, so the state keeps it for the gather.
+            sc.errors[index] = error
+            branch_failed(t, node_id, index, error, "arguments refused")
+            continue
+        branch = BranchState()
+        sc.branches[index] = branch
+        advance.start_attempt(
+            t,
+            node_id,
+            args,
+            lease_key=advance.lease_key_for(spec, item_scope),
+            branch=index,
+            slot=branch,
+        )
+    t.payload.changed = True
+
+
+def branch_succeeded(t: TickContext, node_id: str, branch: int) -> None:
+    sc = t.nodes[node_id].scatter
+    assert sc is not None
+    sc.branches.pop(branch, None)
+    sc.succeeded += 1
+    t.payload.changed = True
+
+
+def branch_failed(
+    t: TickContext, node_id: str, branch: int, error: dict[str, Any], why: str
+) -> None:
+    """A branch gave up. Within the tolerance the scatter goes on; past it, it fails fast:
+    nothing more is started and the branches in flight are revoked and closed."""
+    ns = t.nodes[node_id]
+    sc = ns.scatter
+    assert sc is not None
+    spec = t.spec.graph.nodes[node_id]
+    assert isinstance(spec, ScatterNodeSpec)
+    sc.branches.pop(branch, None)
+    sc.failed += 1
+    message = str(error.get("message", ""))
+    allowed = spec.allowed_failures(sc.total)
+    if sc.failed <= allowed:
+        t.record(
+            node_id,
+            ns.status,
+            ns.status,
+            f"branch {branch} {why}: {message} ({sc.failed} of {allowed} tolerated failures)",
+        )
+        return
+    ns.error = {
+        "type": "BranchFailed",
+        "message": f"branch {branch} failed: {message}",
+        "branch": branch,
+        "cause": error,
+    }
+    _fail_node(t, node_id, f"branch {branch} {why}: {message}")
+
+
+def _fail_node(t: TickContext, node_id: str, reason: str) -> None:
+    ns = t.nodes[node_id]
+    close_branches(t, node_id, "scatter failed", revoke=True)
+    if ns.error is None:
+        ns.error = {"type": "ScatterFailed", "message": reason}
+    ns.finished_at = t.now
+    t.move_node(node_id, NodeStatus.FAILED, reason)
+
+
+def close_branches(t: TickContext, node_id: str, reason: str, *, revoke: bool) -> None:
+    """Close every branch in flight (and drop pending retries) of a scatter node."""
+    sc = t.nodes[node_id].scatter
+    if sc is None:
+        return
+    for branch in list(sc.branches.values()):
+        close_slot(t, node_id, branch, reason, revoke=revoke)
+    sc.branches.clear()
+
+
+def close_slot(
+    t: TickContext, node_id: str, slot: advance.Slot, reason: str, *, revoke: bool
+) -> None:
+    """Close the attempt a slot waits on, whatever state it is in, and clear the slot."""
+    p = t.payload
+    token = slot.token
+    if token is not None:
+        # Never send an attempt that is closed (a send queued earlier in this tick).
+        p.dispatches = [d for d in p.dispatches if d.token != token or d.kind != "step"]
+        created = any(a.token == token for a in p.new_attempts)
+        if created:
+            # Started in this very tick: there is no row to close yet, so never insert it.
+            p.new_attempts = [a for a in p.new_attempts if a.token != token]
+        elif not any(r.token == token for r in t.inputs.results):
+            # An attempt whose result is loaded has finished already: it is folded instead
+            # (closing it would conflict on every recompute).
+            p.closed.append(
+                ClosedAttempt(token, "cancelled", {"type": "Cancelled", "message": reason})
+            )
+            if revoke:
+                spec = t.attempt_spec(node_id)
+                p.dispatches.append(
+                    Dispatch("revoke", t.inputs.run_id, node_id, token, spec.step, None)
+                )
+    slot.token = None
+    slot.check_at = None
+    slot.resend_at = None
+    slot.retry_at = None
+    p.changed = True
+
+
+def assemble(sc: ScatterState, finals: dict[int, tuple[bool, Any]]) -> list[Any]:
+    """The gathered list from each branch's final attempt, by branch index:
+    ``(succeeded, output or error)``. A failed branch's place holds ``{"error": ...}``."""
+    out: list[Any] = []
+    for index in range(sc.total):
+        if index in sc.errors:
+            out.append({"error": sc.errors[index]})
+            continue
+        ok, value = finals.get(index, (False, {"type": "Missing", "message": "no attempt row"}))
+        out.append(value if ok else {"error": value})
+    return out
+
+
+def _gathered(t: TickContext, node_id: str, sc: ScatterState, gathered: list[Any]) -> None:
+    ns = t.nodes[node_id]
+    sc.gathering = False
+    ns.finished_at = t.now
+    t.outputs[node_id] = gathered
+    t.move_node(
+        node_id,
+        NodeStatus.SUCCEEDED,
+        f"gathered {sc.total} branches ({sc.succeeded} succeeded, {sc.failed} failed)",
+    )

@@ -1,0 +1,348 @@
+"""Scatter/gather in the pure tick: in-flight bound, item order, failure policies, cost.
+
+``_Sim`` plays the store and the workers: it keeps every attempt the ticks create, finishes
+them as told, and answers the gather the way the loader does (each branch's last attempt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ductor_celery.definition import RetryPolicy, Workflow
+from ductor_celery.engine import AttemptResult, RunState, RunStatus, TickInputs, compute_tick
+from ductor_celery.engine.inputs import ControlIn, NewAttempt
+from ductor_celery.engine.scatter import assemble
+from ductor_celery.errors import DefinitionError
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+class _Step:
+    def __init__(self, name: str, attempts: int = 1) -> None:
+        self.name = name
+        self.retry = RetryPolicy(max_attempts=attempts, initial_interval=1.0)
+        self.timeout = 300.0
+        self.queue = None
+
+
+def _spec(
+    max_parallel: int = 3, attempts: int = 1, then: bool = True, **policy: Any
+) -> Any:
+    wf = Workflow("fan")
+    wf.step("prep", _Step("s.prep"), args={"n": "$.input.n"})
+    wf.scatter(
+        "each",
+        _Step("s.each", attempts),
+        over="$.nodes.prep.output",
+        args={"scale": "$.input.scale"},
+        max_parallel=max_parallel,
+        after=["prep"],
+        **policy,
+    )
+    if then:
+        wf.step("total", _Step("s.total"), args={"parts": "$.nodes.each.output"}, after=["each"])
+    wf.output({"parts": "$.nodes.each.output"})
+    return wf.build()
+
+
+Outcome = Callable[[int, int], bool]  # (item index, attempt) -> succeeds?
+
+
+class _Sim:
+    def __init__(self, spec: Any, items: list[Any], outcome: Outcome) -> None:
+        self.spec = spec
+        self.items = items
+        self.outcome = outcome
+        self.state = RunState()
+        self.now = T0
+        self.attempts: dict[str, NewAttempt] = {}
+        self.finished: dict[str, tuple[str, Any]] = {}
+        self.open: list[str] = []
+        self.max_in_flight = 0
+        self.ticks = 0
+        self.executions: list[tuple[int | None, int]] = []
+
+    def _gathered(self, finished: bool = False) -> dict[str, list[Any]]:
+        """Gathers being read (or, with ``finished``, outputs of finished scatters)."""
+        out: dict[str, list[Any]] = {}
+        for node, ns in self.state.nodes.items():
+            sc = ns.scatter
+            if sc is None or not (ns.status == "succeeded" if finished else sc.gathering):
+                continue
+            last: dict[int, NewAttempt] = {}
+            for a in self.attempts.values():
+                if a.node == node and a.branch is not None and a.generation > sc.base:
+                    if a.branch not in last or a.generation > last[a.branch].generation:
+                        last[a.branch] = a
+            finals = {}
+            for b, a in last.items():
+                outcome, value = self.finished[a.token]
+                finals[b] = (outcome == "succeeded", value)
+            out[node] = assemble(sc, finals)
+        return out
+
+    def tick(self, results: tuple[AttemptResult, ...] = (), control: ControlIn | None = None) -> Any:
+        outputs = {}
+        prep = self.state.nodes.get("prep")
+        if prep is not None and prep.output_token:
+            outputs["prep"] = self.items
+        outputs.update(self._gathered(finished=True))
+        inputs = TickInputs(
+            run_id="r",
+            input={"n": len(self.items), "scale": 10},
+            results=results,
+            outputs=outputs,
+            gathered=self._gathered(),
+            control=control,
+        )
+        p = compute_tick(self.spec, self.state, inputs, self.now)
+        self.ticks += 1
+        for c in p.closed:
+            assert c.token in self.open, f"closed {c.token}, which is not open"
+            self.open.remove(c.token)
+            self.finished[c.token] = (c.outcome, c.error)
+        for a in p.new_attempts:
+            assert a.token not in self.attempts, "a token was reused"
+            if a.args_from:
+                a = dataclasses.replace(a, args=self.attempts[a.args_from].args)  # noqa: PLW2901
+            self.attempts[a.token] = a
+            self.open.append(a.token)
+        self.state = p.state
+        in_flight = sum(
+            1 for t in self.open if self.attempts[t].node == "each"
+        )
+        self.max_in_flight = max(self.max_in_flight, in_flight)
+        return p
+
+    def run_workers(self) -> tuple[AttemptResult, ...]:
+        """Finish every open attempt, as told by ``outcome``."""
+        results = []
+        for token in list(self.open):
+            a = self.attempts[token]
+            self.open.remove(token)
+            self.executions.append((a.branch, a.attempt))
+            if a.node == "prep":
+                value: Any = self.items
+                ok = True
+            elif a.node == "total":
+                value, ok = len(a.args["parts"]), True
+            else:
+                ok = self.outcome(a.args["item"], a.attempt)
+                value = {"item": a.args["item"], "x": a.args["scale"]} if ok else None
+            error = None if ok else {"type": "Boom", "message": f"item {a.args.get('item')}"}
+            self.finished[token] = ("succeeded" if ok else "failed", value if ok else error)
+            results.append(
+                AttemptResult(
+                    token=token,
+                    node=a.node,
+                    outcome="succeeded" if ok else "failed",
+                    output=value,
+                    error=error,
+                    branch=a.branch,
+                )
+            )
+        return tuple(results)
+
+    def until_done(self, limit: int = 10_000) -> Any:
+        p = self.tick()
+        for _ in range(limit):
+            if p.state.status in (RunStatus.SUCCEEDED, RunStatus.FAILED):
+                return p
+            results = self.run_workers()
+            self.now += timedelta(seconds=5)  # past any retry backoff
+            p = self.tick(results)
+        raise AssertionError("the run never finished")
+
+
+def _ok(_item: int, _attempt: int) -> bool:
+    return True
+
+
+def test_gathers_in_item_order_with_at_most_max_parallel_in_flight() -> None:
+    items = list(range(20))
+    sim = _Sim(_spec(max_parallel=3), items, _ok)
+    p = sim.until_done()
+    assert p.state.status == RunStatus.SUCCEEDED
+    assert p.output == {"parts": [{"item": i, "x": 10} for i in items]}
+    assert sim.max_in_flight == 3
+    assert sorted(b for b, _ in sim.executions if b is not None) == items
+
+
+def test_the_run_row_holds_counters_not_one_entry_per_branch() -> None:
+    sim = _Sim(_spec(max_parallel=4, then=False), list(range(2000)), _ok)
+    sizes = []
+    p = sim.tick()
+    while p.state.status == RunStatus.RUNNING:
+        sizes.append(len(json.dumps(p.state.to_json())))
+        p = sim.tick(sim.run_workers())
+    assert p.state.status == RunStatus.SUCCEEDED
+    assert max(sizes) < 3000, max(sizes)
+
+
+def test_an_empty_list_gives_an_empty_output_at_once() -> None:
+    sim = _Sim(_spec(), [], _ok)
+    p = sim.until_done()
+    assert p.state.status == RunStatus.SUCCEEDED
+    assert p.output == {"parts": []}
+    assert sim.attempts and all(a.node != "each" for a in sim.attempts.values())
+
+
+def test_over_that_is_not_a_list_fails_the_node_with_a_clear_error() -> None:
+    sim = _Sim(_spec(), [], _ok)
+    sim.items = {"not": "a list"}  # type: ignore[assignment]
+    p = sim.until_done()
+    assert p.state.status == RunStatus.FAILED
+    assert "resolved to dict, not a list" in p.state.nodes["each"].error["message"]
+
+
+def test_fail_fast_stops_dispatching_and_closes_branches_in_flight() -> None:
+    sim = _Sim(_spec(max_parallel=4), list(range(40)), lambda item, _a: item != 5)
+    p = sim.until_done()
+    assert p.state.status == RunStatus.FAILED
+    each = p.state.nodes["each"]
+    assert each.status == "failed"
+    assert each.error["type"] == "BranchFailed" and each.error["branch"] == 5
+    started = {a.branch for a in sim.attempts.values() if a.node == "each"}
+    assert max(started) < 10, "nothing is started once the scatter failed"
+    assert sim.open == [], "every branch in flight was closed"
+    assert p.state.nodes["total"].status == "pending"
+
+
+def test_a_failing_branch_in_flight_with_others_revokes_and_closes_them() -> None:
+    sim = _Sim(_spec(max_parallel=4), list(range(8)), _ok)
+    sim.tick()
+    sim.tick(sim.run_workers())  # prep done: branches 0-3 in flight
+    tokens = {a.branch: t for t, a in sim.attempts.items() if a.node == "each"}
+    first = tokens[0]
+    sim.open.remove(first)
+    sim.finished[first] = ("failed", {"type": "Boom", "message": "no"})
+    failed = AttemptResult(token=first, node="each", outcome="failed", error={"message": "no"}, branch=0)
+    p = sim.tick((failed,))
+    assert sorted(c.token for c in p.closed) == sorted(tokens[b] for b in (1, 2, 3))
+    assert {d.token for d in p.dispatches if d.kind == "revoke"} == {tokens[b] for b in (1, 2, 3)}
+    assert p.state.status == RunStatus.FAILED
+
+
+@pytest.mark.parametrize(
+    ("policy", "bad", "ok"),
+    [
+        ({"tolerated_failures": 2}, {3, 7}, True),
+        ({"tolerated_failures": 2}, {1, 3, 7}, False),
+        ({"tolerated_failure_ratio": 0.25}, {0, 1, 2, 3, 4}, True),  # 5 of 20 allowed
+        ({"tolerated_failure_ratio": 0.25}, set(range(6)), False),
+    ],
+)
+def test_tolerated_failures_put_errors_in_their_places(
+    policy: dict[str, Any], bad: set[int], ok: bool
+) -> None:
+    sim = _Sim(_spec(max_parallel=5, **policy), list(range(20)), lambda i, _a: i not in bad)
+    p = sim.until_done()
+    assert (p.state.status == RunStatus.SUCCEEDED) is ok
+    if ok:
+        parts = p.output["parts"]
+        for i, part in enumerate(parts):
+            if i in bad:
+                assert part == {"error": {"type": "Boom", "message": f"item {i}"}}
+            else:
+                assert part == {"item": i, "x": 10}
+
+
+def test_a_branch_retries_under_a_new_token_and_keeps_its_place() -> None:
+    sim = _Sim(_spec(max_parallel=2, attempts=3), list(range(6)), lambda i, a: i != 2 or a == 3)
+    p = sim.until_done()
+    assert p.state.status == RunStatus.SUCCEEDED
+    assert p.output["parts"][2] == {"item": 2, "x": 10}
+    assert (2, 3) in sim.executions and (2, 4) not in sim.executions
+
+
+def test_a_late_result_for_a_closed_branch_is_stale() -> None:
+    sim = _Sim(_spec(max_parallel=2), list(range(4)), _ok)
+    sim.tick()
+    sim.tick(sim.run_workers())
+    tokens = [t for t, a in sim.attempts.items() if a.node == "each"]
+    p = sim.tick(control=ControlIn(id=1, kind="cancel"))
+    assert p.state.status == RunStatus.CANCELLED
+    assert sorted(c.token for c in p.closed) == sorted(tokens)
+    late = AttemptResult(token=tokens[0], node="each", outcome="succeeded", output=1, branch=0)
+    p2 = compute_tick(sim.spec, p.state, TickInputs(run_id="r", results=(late,)), sim.now)
+    assert p2.folded == [tokens[0]] and p2.state.status == RunStatus.CANCELLED
+
+
+def test_a_burst_of_results_is_folded_in_one_tick() -> None:
+    sim = _Sim(_spec(max_parallel=50, then=False), list(range(50)), _ok)
+    sim.tick()
+    sim.tick(sim.run_workers())
+    p = sim.tick(sim.run_workers())  # all 50 branch results at once
+    assert len(p.folded) == 50
+    assert p.state.nodes["each"].scatter.gathering
+    assert any(d.kind == "wakeup" for d in p.dispatches)
+
+
+def test_scatter_definitions_are_checked() -> None:
+    wf = Workflow("bad")
+    wf.scatter("x", _Step("s.x"), over="$.context.items")
+    with pytest.raises(DefinitionError, match="must be a path to a list under"):
+        wf.build()
+    wf = Workflow("bad")
+    wf.scatter("x", _Step("s.x"), over="$.input.items", tolerated_failures=1, tolerated_failure_ratio=0.5)
+    with pytest.raises(DefinitionError, match="not both"):
+        wf.build()
+    wf = Workflow("bad")
+    wf.scatter("x", _Step("s.x"), over="$.input.items", max_parallel=0)
+    with pytest.raises(DefinitionError, match="max_parallel"):
+        wf.build()
+    wf = Workflow("bad")
+    wf.step("y", _Step("s.y"), args={"i": "$.item"})
+    with pytest.raises(DefinitionError, match="only valid inside a scatter"):
+        wf.build()
+    wf = Workflow("bad")
+    wf.scatter("x", _Step("s.x"), over="$.input.items", args={"item": 1})
+    with pytest.raises(DefinitionError, match="also given in args"):
+        wf.build()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(min_value=0, max_value=30),
+    max_parallel=st.integers(min_value=1, max_value=8),
+    attempts=st.integers(min_value=1, max_value=3),
+    tolerated=st.one_of(st.none(), st.integers(min_value=0, max_value=5)),
+    bad=st.sets(st.integers(min_value=0, max_value=29), max_size=8),
+    flaky=st.sets(st.integers(min_value=0, max_value=29), max_size=8),
+)
+def test_scatter_invariants_hold_for_any_mix_of_outcomes(
+    n: int, max_parallel: int, attempts: int, tolerated: int | None, bad: set[int], flaky: set[int]
+) -> None:
+    policy = {} if tolerated is None else {"tolerated_failures": tolerated}
+    items = list(range(n))
+
+    def outcome(item: int, attempt: int) -> bool:
+        return item not in bad and (item not in flaky or attempt > 1)
+
+    sim = _Sim(_spec(max_parallel=max_parallel, attempts=attempts, **policy), items, outcome)
+    p = sim.until_done()
+    assert sim.max_in_flight <= max_parallel
+    assert sim.open == []
+    failing = {i for i in items if i in bad or (i in flaky and attempts == 1)}
+    allowed = tolerated or 0
+    if len(failing) <= allowed:
+        assert p.state.status == RunStatus.SUCCEEDED
+        parts = p.output["parts"]
+        assert len(parts) == n
+        for i in items:
+            assert ("error" in parts[i]) is (i in failing)
+        # every branch ran to its final attempt exactly once per attempt number
+        for i in items:
+            runs = [a for b, a in sim.executions if b == i]
+            assert runs == sorted(set(runs))
+    else:
+        assert p.state.status == RunStatus.FAILED
+        assert p.state.nodes["each"].error["type"] == "BranchFailed"
