@@ -119,6 +119,12 @@ for _i in range(1, 10):
 chain10.output("$.nodes.s9.output")
 ductor.register(chain10)
 
+#: One no-op step per item: the scatter benchmark (benchmarks/scatter.py).
+scatter_wf = Workflow("bench_scatter", version=1)
+scatter_wf.scatter("each", echo, over="$.input.items", item_arg="value")
+scatter_wf.output({"count": "$.input.count"})
+ductor.register(scatter_wf)
+
 # --------------------------------------------------------------------------------------------
 # raw Celery
 # --------------------------------------------------------------------------------------------
@@ -137,6 +143,16 @@ raw.conf.update(
 @raw.task(name="raw.echo")
 def raw_echo(value: int = 0) -> int:
     return value + 1
+
+
+@raw.task(name="raw.noop")
+def raw_noop(value: int = 0) -> int:
+    return value
+
+
+@raw.task(name="raw.count_results")
+def raw_count_results(results: list[int]) -> int:
+    return len(results)
 
 
 _counter: tuple[int, redis.Redis] | None = None

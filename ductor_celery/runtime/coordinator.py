@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy.exc import IntegrityError
 
 from ..engine import compute_tick
+from ..store import wakes
 from ..store.db import with_retry
 from ..store.load import load_on
 from ..store.outbox import OutboxRow, delete_outbox
@@ -30,6 +31,8 @@ MAX_CONFLICT_RETRIES = 50
 def run_tick(rt: Runtime, run_id: str) -> str:
     """One tick of one run. Returns "missing", "noop", "committed" or "conflict"."""
     engine = rt.engine()
+    # Before the load: a result committed after this point wakes the run again (store/wakes).
+    with_retry(functools.partial(wakes.clear_wake, engine, run_id), what="clear wake-up")
     for _ in range(MAX_CONFLICT_RETRIES):
         try:
             outcome, payload, outbox = with_retry(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..definition.retry import ConcurrencyLimit, RetryPolicy
 from ..engine.payloads import json_problem
 from ..errors import NonRetryableError
-from ..store import attempts
+from ..store import attempts, wakes
 from ..store.db import with_retry
 from ..store.outbox import delete_outbox
 
@@ -135,6 +135,14 @@ def _heartbeat(engine: Any, token: str, details: Any, limit: int) -> None:
         log.warning("heartbeat for %s not recorded: %s", token, exc)
 
 
+def _wake_needed(engine: Any, run_id: str) -> bool:
+    try:
+        return with_retry(lambda: wakes.request_wake(engine, run_id), what="request wake-up")
+    except Exception as exc:  # noqa: BLE001 - a wake-up is a hint: send it when unsure
+        log.warning("wake-up bookkeeping for run %s failed (%s); waking anyway", run_id, exc)
+        return True
+
+
 def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = None) -> str:
     """Claim, run, record, wake. Returns what happened (for logs and tests)."""
     engine = rt.engine()
@@ -197,5 +205,7 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
         # sweeper relays it if we die first), then clear the outbox rows.
         rt.dispatcher.send(granted)
         with_retry(lambda: delete_outbox(engine, [r.id for r in granted]), what="clear outbox")
-    rt.wake(claimed.run_id)
+    # Coalesced: when a wake-up of the run is already queued, its tick will see this result.
+    if _wake_needed(engine, claimed.run_id):
+        rt.wake(claimed.run_id)
     return outcome if written else "closed"

@@ -248,3 +248,12 @@ concurrency_lease = sa.Table(
     # timeout); the sweeper looks at leases past it and releases those whose holder ended.
     sa.Column("expires_at", Ts, nullable=True),
 )
+
+workflow_wake = sa.Table(
+    "eec_workflow_wake",
+    metadata,
+    # A wake-up of the run is queued and its tick has not started yet: workers that finish an
+    # attempt meanwhile need not send another (that tick will see their result).
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("requested_at", Ts, nullable=False),
+)

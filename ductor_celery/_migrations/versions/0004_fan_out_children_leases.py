@@ -1,4 +1,4 @@
-"""scatter branches, child runs, concurrency leases
+"""scatter branches, child runs, concurrency leases, coalesced wake-ups
 
 Revision ID: 0004
 Revises: 0003
@@ -32,6 +32,12 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("key", "slot"),
         sa.UniqueConstraint("token"),
     )
+    op.create_table(
+        "eec_workflow_wake",
+        sa.Column("run_id", sa.String(length=64), nullable=False),
+        sa.Column("requested_at", sa.DateTime(timezone=True), nullable=False),
+        sa.PrimaryKeyConstraint("run_id"),
+    )
     with op.batch_alter_table("eec_workflow_step_attempt", schema=None) as batch_op:
         batch_op.add_column(sa.Column("lease_key", sa.String(length=500), nullable=True))
         batch_op.add_column(sa.Column("lease_limit", sa.Integer(), nullable=True))
@@ -61,4 +67,5 @@ def downgrade() -> None:
         batch_op.drop_index("eec_workflow_step_attempt_lease_wait")
         batch_op.drop_column("lease_limit")
         batch_op.drop_column("lease_key")
+    op.drop_table("eec_workflow_wake")
     op.drop_table("eec_concurrency_lease")
