@@ -585,3 +585,52 @@ def test_leases_on_the_embedded_sqlite_store(tmp_path: Path) -> None:
     assert _run(engine, _token("r3")) == []
     assert _run(engine, _token("r4")) == []
     assert _holders(engine) == []
+
+
+# -- scatter branches share keys like runs do -------------------------------------------------
+
+
+def test_scatter_branches_keyed_by_item_queue_per_key(engine: Any) -> None:
+    step = Step(
+        name="lease.work",
+        fn=_noop,
+        retry=RetryPolicy(max_attempts=1),
+        concurrency=ConcurrencyLimit(key="$.item.sku", limit=1),
+    )
+    wf = Workflow("fan")
+    wf.scatter("each", step, over="$.input.items")
+    wf.output("$.nodes.each.output")
+    spec = wf.build()
+    items = [{"sku": s} for s in ("a", "b", "a", "a", "b", "b")]
+    runs.save_definition(engine, spec)
+    run_id, _ = runs.insert_run(
+        engine, run_id="f1", workflow_id="f1", spec=spec, input={"items": items}
+    )
+
+    def branch_token(branch: int) -> str:
+        with engine.connect() as conn:
+            return str(
+                conn.execute(
+                    sa.text(
+                        "SELECT token FROM eec_workflow_step_attempt WHERE run_id = :r "
+                        "AND branch = :b"
+                    ),
+                    {"r": run_id, "b": branch},
+                ).scalar_one()
+            )
+
+    first = _steps(_tick(engine, spec, run_id))
+    assert sorted(first) == sorted([branch_token(0), branch_token(1)])  # one per sku
+    assert _holders(engine, "lease.work|a") == [branch_token(0)]
+    order = _run(engine, branch_token(0), output=0)
+    order += _run(engine, branch_token(1), output=1)
+    order += _run(engine, branch_token(2), output=2)
+    order += _run(engine, branch_token(4), output=4)
+    assert order == [branch_token(i) for i in (2, 4, 3, 5)]
+    _run(engine, branch_token(3), output=3)
+    _run(engine, branch_token(5), output=5)
+    for _ in range(5):
+        _tick(engine, spec, run_id)
+    found = runs.find_run(engine, run_id)
+    assert found is not None and found.status == RunStatus.SUCCEEDED
+    assert _lease_count(engine) == 0
