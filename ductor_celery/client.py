@@ -5,6 +5,7 @@ It never imports ``runtime/``: the facade hands it a ``wake`` function.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -66,8 +67,10 @@ class Client:
         find_spec: Callable[[str], WorkflowSpec | None],
         remember_spec: Callable[[WorkflowSpec], None] | None = None,
         get_engine: Callable[[], Engine] | None = None,
+        spec_by_hash: Callable[[str], WorkflowSpec] | None = None,
     ) -> None:
         self.settings = settings
+        self._spec_by_hash = spec_by_hash
         self._wake = wake
         self._find_spec = find_spec
         self._remember_spec = remember_spec
@@ -92,7 +95,10 @@ class Client:
             raise ValueError(f"workflow_id must be a non-empty string, got {workflow_id!r}")
         run_id = uuid.uuid4().hex
         engine = self.engine
-        with_retry(lambda: runs.save_definition(engine, spec), what="save definition")
+        for needed in self._with_children(spec):
+            with_retry(
+                functools.partial(runs.save_definition, engine, needed), what="save definition"
+            )
         actual, created = with_retry(
             lambda: runs.insert_run(
                 engine, run_id=run_id, workflow_id=workflow_id or run_id, spec=spec, input=value
@@ -102,6 +108,32 @@ class Client:
         if created:
             self._safe_wake(actual)
         return RunHandle(run_id=actual, workflow_id=workflow_id or run_id)
+
+    def _definition(self, spec_hash: str) -> WorkflowSpec:
+        if self._spec_by_hash is not None:
+            return self._spec_by_hash(spec_hash)
+        spec = self._read(runs.load_definition, self.engine, spec_hash)
+        if spec is None:
+            raise WorkflowNotFound(f"no workflow definition {spec_hash} is stored")
+        return spec
+
+    def _with_children(self, spec: WorkflowSpec) -> list[WorkflowSpec]:
+        """The spec and every definition its child runs pin, transitively: the coordinator
+        starts children from stored definitions."""
+        found: dict[str, WorkflowSpec] = {spec.spec_hash: spec}
+        todo = [spec]
+        while todo:
+            current = todo.pop()
+            for node in current.nodes:
+                pinned = getattr(node, "workflow_hash", None)
+                if pinned is None or pinned in found:
+                    continue
+                if self._spec_by_hash is None:
+                    raise WorkflowNotFound(f"no definition {pinned} for node {node.id!r}")
+                child = self._spec_by_hash(pinned)
+                found[pinned] = child
+                todo.append(child)
+        return list(found.values())
 
     def _read(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """A read that rides out a dropped connection (a PostgreSQL restart) like writes do."""
@@ -284,8 +316,9 @@ class Client:
         def output_of(node_id: str, ns: Any) -> Any:
             if ns.output_token:
                 return outputs.get(ns.output_token)
-            if ns.scatter is not None and ns.status == NodeStatus.SUCCEEDED:
-                return self._read(runs.gathered_output, self.engine, node_id, ns.scatter)
+            if (ns.scatter or ns.child_run) and ns.status == NodeStatus.SUCCEEDED:
+                spec = self._definition(row.spec_hash)
+                return self._read(runs.composed_output, self.engine, spec, node_id, ns)
             if ns.output_signal is not None:
                 return payloads.get(ns.output_signal)
             if ns.output_signals and ns.status == NodeStatus.SUCCEEDED:

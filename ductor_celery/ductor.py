@@ -35,6 +35,7 @@ class Ductor:
             find_spec=self._workflows.get,
             remember_spec=self._runtime.remember_spec,
             get_engine=self._runtime.engine,
+            spec_by_hash=self._runtime.spec_for,
         )
         app._ductor = self
         self._configure_app()
@@ -138,7 +139,7 @@ class Ductor:
         """Validate and register a workflow; raises DefinitionError naming the problem."""
         if not isinstance(workflow, Workflow):
             raise DefinitionError(f"register() takes a Workflow, got {type(workflow).__name__}")
-        spec = workflow.build(self._steps.get)
+        spec = workflow.build(self._steps.get, self._workflows.get)
         self._workflows[spec.name] = spec
         self._runtime.remember_spec(spec)
         return spec

@@ -262,3 +262,48 @@ def _scatter_wf(name: str, **policy: Any) -> Workflow:
 ductor.register(_scatter_wf("scatter"))
 ductor.register(_scatter_wf("scatter_tolerant", tolerated_failures=2))
 ductor.register(_scatter_wf("scatter_ratio", tolerated_failure_ratio=0.1))
+
+
+# --- child runs: sub-workflows, checkpoints, child-run scatter ------------------------------
+
+child_wf = Workflow("e2e_child")
+child_wf.step("label", echo, args={"value": "$.input.id"})
+child_wf.step("mark", collect, args={"label": "$.nodes.label.output"}, after=["label"])
+child_wf.checkpoint("printed", after=["mark"])
+child_wf.wait_signal("go", signal="go", after=["printed"])
+child_wf.output({"label": "$.nodes.label.output", "go": "$.nodes.go.output"})
+ductor.register(child_wf)
+
+until_checkpoint = Workflow("e2e_until_checkpoint")
+until_checkpoint.subworkflow(
+    "child", workflow="e2e_child", input={"id": "$.input.id"}, until="printed"
+)
+until_checkpoint.step("after", echo, args={"value": "$.nodes.child.output"}, after=["child"])
+until_checkpoint.output("$.nodes.after.output")
+ductor.register(until_checkpoint)
+
+for _policy in ("terminate", "cancel", "abandon"):
+    _parent = Workflow(f"e2e_parent_{_policy}")
+    _parent.subworkflow(
+        "child", workflow="e2e_child", input={"id": "$.input.id"}, parent_close=_policy
+    )
+    _parent.output("$.nodes.child.output")
+    ductor.register(_parent)
+
+leaf = Workflow("e2e_leaf")
+leaf.scatter("squares", square, over="$.input.items", args={"refuse": "$.input.refuse"})
+leaf.output("$.nodes.squares.output")
+ductor.register(leaf)
+
+child_scatter = Workflow("e2e_child_scatter")
+child_scatter.scatter(
+    "kids",
+    workflow="e2e_leaf",
+    as_child_runs=True,
+    over="$.input.groups",
+    input={"items": "$.item", "refuse": "$.input.refuse"},
+    max_parallel=2,
+    tolerated_failures=1,
+)
+child_scatter.output("$.nodes.kids.output")
+ductor.register(child_scatter)

@@ -14,7 +14,10 @@ from pydantic import BaseModel
 from ..errors import DefinitionError
 from .retry import RetryPolicy
 from .spec import (
+    CHILD_KINDS,
     ApprovalNodeSpec,
+    CheckpointNodeSpec,
+    ChildScatterNodeSpec,
     ConcurrencySpec,
     EventSetNodeSpec,
     NodeSpec,
@@ -22,6 +25,7 @@ from .spec import (
     ScatterNodeSpec,
     SleepNodeSpec,
     StepNodeSpec,
+    SubworkflowNodeSpec,
     WaitSignalNodeSpec,
     WorkflowSpec,
 )
@@ -40,6 +44,8 @@ class StepLike(Protocol):
 
 #: Looks a step up by name at build time; returns None for an unknown step.
 StepResolver = Callable[[str], StepLike | None]
+#: Looks a registered workflow up by name at build time; None for an unknown one.
+WorkflowResolver = Callable[[str], WorkflowSpec | None]
 
 
 class Workflow:
@@ -105,6 +111,8 @@ class Workflow:
         tolerated_failure_ratio: float | None = None,
         workflow: str | None = None,
         as_child_runs: bool = False,
+        input: Any = "$.item",
+        parent_close: str = "terminate",
         after: Iterable[str] | None = None,
         when: str | bool | None = None,
         continue_on_failure: bool = False,
@@ -114,9 +122,30 @@ class Workflow:
         """Run ``step`` once per item of the list at ``over`` (at most ``max_parallel`` at
         once); the output is the list of branch outputs, in item order.
 
+        With ``workflow=...`` and ``as_child_runs=True`` each item is a child run of that
+        workflow instead (its input: ``input``, where ``$.item`` is the item).
+
         Fail fast by default; with ``tolerated_failures=N`` or ``tolerated_failure_ratio=r``
         the gather finishes with ``{"error": ...}`` in the failed branches' places.
         """
+        if as_child_runs or workflow is not None:
+            return self._add(
+                "child_scatter",
+                id,
+                after,
+                when,
+                workflow=workflow,
+                as_child_runs=as_child_runs,
+                step=step,
+                over=over,
+                input=input,
+                args=args,
+                max_parallel=max_parallel,
+                tolerated_failures=tolerated_failures,
+                tolerated_failure_ratio=tolerated_failure_ratio,
+                parent_close=parent_close,
+                continue_on_failure=continue_on_failure,
+            )
         self._nodes.append(
             {
                 "kind": "scatter",
@@ -138,6 +167,44 @@ class Workflow:
             }
         )
         return self
+
+    def subworkflow(
+        self,
+        id: str,
+        *,
+        workflow: str,
+        input: Any = None,
+        until: str | None = None,
+        parent_close: str = "terminate",
+        after: Iterable[str] | None = None,
+        when: str | bool | None = None,
+        continue_on_failure: bool = False,
+    ) -> Workflow:
+        """Start a child run of ``workflow`` and wait for it to finish (its output becomes this
+        node's), or with ``until`` only until it reaches that checkpoint (the child's context
+        there becomes this node's output; the child keeps running)."""
+        return self._add(
+            "subworkflow",
+            id,
+            after,
+            when,
+            workflow=workflow,
+            input=input,
+            until=until,
+            parent_close=parent_close,
+            continue_on_failure=continue_on_failure,
+        )
+
+    def checkpoint(
+        self,
+        id: str,
+        *,
+        after: Iterable[str] | None = None,
+        when: str | bool | None = None,
+    ) -> Workflow:
+        """A named point a parent can wait for (``subworkflow(..., until=id)``); its output is
+        the run's context when it is reached."""
+        return self._add("checkpoint", id, after, when)
 
     def sleep(
         self,
@@ -221,6 +288,17 @@ class Workflow:
             continue_on_failure=continue_on_failure,
         )
 
+    def _add(
+        self,
+        kind: str,
+        id: str,
+        after: Iterable[str] | None,
+        when: str | bool | None,
+        **fields: Any,
+    ) -> Workflow:
+        self._nodes.append({"kind": kind, "id": id, "after": after, "when": when, **fields})
+        return self
+
     def _parked(
         self,
         kind: str,
@@ -237,9 +315,17 @@ class Workflow:
         self._output = template
         return self
 
-    def build(self, resolve_step: StepResolver | None = None) -> WorkflowSpec:
-        """Validate and freeze. Raises DefinitionError naming the offending node or path."""
-        nodes = [self._build_node(raw, resolve_step) for raw in self._nodes]
+    def build(
+        self,
+        resolve_step: StepResolver | None = None,
+        resolve_workflow: WorkflowResolver | None = None,
+    ) -> WorkflowSpec:
+        """Validate and freeze. Raises DefinitionError naming the offending node or path.
+
+        ``resolve_workflow`` finds the workflows that sub-workflow and child-run scatter nodes
+        start; their definitions are pinned (by hash) into this one.
+        """
+        nodes = [self._build_node(raw, resolve_step, resolve_workflow) for raw in self._nodes]
         try:
             spec = WorkflowSpec(
                 name=self.name, version=self.version, nodes=tuple(nodes), output=self._output
@@ -249,9 +335,16 @@ class Workflow:
         validate_spec(spec)
         return spec
 
-    def _build_node(self, raw: dict[str, Any], resolve_step: StepResolver | None) -> NodeSpec:
+    def _build_node(
+        self,
+        raw: dict[str, Any],
+        resolve_step: StepResolver | None,
+        resolve_workflow: WorkflowResolver | None,
+    ) -> NodeSpec:
         node_id = raw["id"]
         where = f"workflow {self.name!r}, node {node_id!r}"
+        if raw["kind"] in CHILD_KINDS:
+            return _build_child(raw, where, resolve_workflow)
         if raw["kind"] not in ("step", "scatter"):
             return self._build_parked(raw, where)
         if raw["kind"] == "scatter":
@@ -352,20 +445,72 @@ class Workflow:
         return node
 
 
-def _check_scatter_options(raw: dict[str, Any], where: str) -> None:
-    if raw["as_child_runs"] or raw["workflow"] is not None:
+def _build_child(
+    raw: dict[str, Any], where: str, resolve_workflow: WorkflowResolver | None
+) -> NodeSpec:
+    fields = {k: v for k, v in raw.items() if v is not None or k == "input"}
+    fields["after"] = _after(raw["after"])
+    if raw["kind"] == "child_scatter":
+        if not raw["as_child_runs"] or raw["workflow"] is None or raw["step"] is not None:
+            raise DefinitionError(
+                f"{where}: a scatter over child runs takes workflow=<name> and "
+                "as_child_runs=True, and no step"
+            )
+        if raw["args"]:
+            raise DefinitionError(f"{where}: child runs take input=..., not args=")
+        _check_over(raw["over"], where)
+        _check_tolerance(raw, where)
+        for name in ("as_child_runs", "step", "args"):
+            fields.pop(name, None)
+    if raw["parent_close"] not in ("terminate", "cancel", "abandon"):
         raise DefinitionError(
-            f"{where}: a scatter over child runs (workflow=..., as_child_runs=True) is not "
-            "built yet; scatter a step instead"
+            f"{where}: parent_close must be 'terminate', 'cancel' or 'abandon', "
+            f"got {raw['parent_close']!r}"
         )
-    if raw["step"] is None:
-        raise DefinitionError(f"{where}: scatter needs a step to run for each item")
-    over = raw["over"]
+    child_name = raw["workflow"]
+    if not isinstance(child_name, str) or not child_name:
+        raise DefinitionError(f"{where}: workflow must be the name of a registered workflow")
+    if resolve_workflow is not None:
+        child = resolve_workflow(child_name)
+        if child is None:
+            raise DefinitionError(
+                f"{where}: unknown workflow {child_name!r} (register it before the workflows "
+                "that start it)"
+            )
+        fields["workflow_hash"] = child.spec_hash
+        until = raw.get("until")
+        if until is not None and not isinstance(child.graph.nodes.get(until), CheckpointNodeSpec):
+            raise DefinitionError(
+                f"{where}: workflow {child_name!r} has no checkpoint {until!r} "
+                "(add wf.checkpoint(...) to it)"
+            )
+    model = SubworkflowNodeSpec if raw["kind"] == "subworkflow" else ChildScatterNodeSpec
+    try:
+        node: NodeSpec = model.model_validate(fields)
+    except ValueError as exc:
+        first = str(exc).splitlines()
+        detail = "; ".join(line.strip() for line in first[1:3]) if len(first) > 1 else str(exc)
+        raise DefinitionError(f"{where}: {detail}") from None
+    return node
+
+
+def _after(after: Any) -> tuple[str, ...]:
+    if after is None:
+        return ()
+    if isinstance(after, str):
+        return (after,)
+    return tuple(after)
+
+
+def _check_over(over: Any, where: str) -> None:
     if not isinstance(over, str) or not over.startswith(("$.input", "$.nodes.")):
         raise DefinitionError(
             f"{where}: over={over!r} must be a path to a list under $.input or "
             "$.nodes.<id>.output (they never change while the scatter runs)"
         )
+
+
+def _check_tolerance(raw: dict[str, Any], where: str) -> None:
     if raw["tolerated_failures"] is not None and raw["tolerated_failure_ratio"] is not None:
         raise DefinitionError(
             f"{where}: give tolerated_failures or tolerated_failure_ratio, not both"
@@ -374,6 +519,13 @@ def _check_scatter_options(raw: dict[str, Any], where: str) -> None:
         value = raw[name]
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise DefinitionError(f"{where}: {name} must be an integer, got {value!r}")
+
+
+def _check_scatter_options(raw: dict[str, Any], where: str) -> None:
+    if raw["step"] is None:
+        raise DefinitionError(f"{where}: scatter needs a step to run for each item")
+    _check_over(raw["over"], where)
+    _check_tolerance(raw, where)
     item_arg = raw["item_arg"]
     if item_arg is not None:
         if not isinstance(item_arg, str) or not item_arg.isidentifier():
@@ -390,6 +542,7 @@ def _concurrency_of(step: object) -> ConcurrencySpec | None:
 
 
 _PARKED_MODELS: dict[str, type[BaseModel]] = {
+    "checkpoint": CheckpointNodeSpec,
     "sleep": SleepNodeSpec,
     "wait_signal": WaitSignalNodeSpec,
     "approval": ApprovalNodeSpec,

@@ -33,6 +33,15 @@ class ConcurrencySpec(BaseModel):
     limit: int = Field(ge=1)
 
 
+def allowed_failures(count: int | None, ratio: float | None, total: int) -> int:
+    """How many of ``total`` branches may fail with the gather still succeeding (0: fail fast)."""
+    if count is not None:
+        return count
+    if ratio is not None:
+        return int(ratio * total)
+    return 0
+
+
 class _NodeBase(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -82,11 +91,7 @@ class ScatterNodeSpec(AttemptNodeSpec):
 
     def allowed_failures(self, total: int) -> int:
         """How many branches may fail with the gather still succeeding (0: fail fast)."""
-        if self.tolerated_failures is not None:
-            return self.tolerated_failures
-        if self.tolerated_failure_ratio is not None:
-            return int(self.tolerated_failure_ratio * total)
-        return 0
+        return allowed_failures(self.tolerated_failures, self.tolerated_failure_ratio, total)
 
 
 class SleepNodeSpec(_NodeBase):
@@ -130,9 +135,59 @@ class EventSetNodeSpec(_ParkedBase):
         return int(self.mode)
 
 
+ParentClose = Literal["terminate", "cancel", "abandon"]
+
+
+class _ChildBase(_NodeBase):
+    """A node that starts child runs of another registered workflow."""
+
+    workflow: str
+    #: The child definition pinned when the parent was registered (None: the latest by name).
+    workflow_hash: str | None = None
+    #: What happens to open children when this run is cancelled, terminated or fails.
+    parent_close: ParentClose = "terminate"
+
+
+class SubworkflowNodeSpec(_ChildBase):
+    """Starts one child run and waits for it to finish, or only to reach checkpoint ``until``.
+
+    The output is the child's output, or with ``until`` the child's context at the checkpoint.
+    """
+
+    kind: Literal["subworkflow"] = "subworkflow"
+    input: Any = None
+    until: str | None = None
+
+
+class ChildScatterNodeSpec(_ChildBase):
+    """One child run per item of ``over`` (at most ``max_parallel`` open at once); the output
+    is the list of the children's outputs in item order."""
+
+    kind: Literal["child_scatter"] = "child_scatter"
+    over: str
+    #: Each child's input; ``$.item`` is its item.
+    input: Any = "$.item"
+    max_parallel: int = Field(default=64, ge=1)
+    tolerated_failures: int | None = Field(default=None, ge=0)
+    tolerated_failure_ratio: float | None = Field(default=None, ge=0, le=1)
+
+    def allowed_failures(self, total: int) -> int:
+        return allowed_failures(self.tolerated_failures, self.tolerated_failure_ratio, total)
+
+
+class CheckpointNodeSpec(_NodeBase):
+    """A named point: succeeds as soon as it is reached, its output the context at that moment.
+    A parent's ``subworkflow(..., until=<this id>)`` proceeds when the child gets here."""
+
+    kind: Literal["checkpoint"] = "checkpoint"
+
+
 NodeSpec = Annotated[
     StepNodeSpec
     | ScatterNodeSpec
+    | SubworkflowNodeSpec
+    | ChildScatterNodeSpec
+    | CheckpointNodeSpec
     | SleepNodeSpec
     | WaitSignalNodeSpec
     | ApprovalNodeSpec
@@ -140,6 +195,7 @@ NodeSpec = Annotated[
     Field(discriminator="kind"),
 ]
 PARKED_KINDS = frozenset({"sleep", "wait_signal", "approval", "event_set"})
+CHILD_KINDS = frozenset({"subworkflow", "child_scatter"})
 
 #: The signal name an approval decision for ``node`` travels under.
 APPROVAL_SIGNAL_PREFIX = "ductor.approval:"

@@ -6,7 +6,7 @@ import re
 
 from ..errors import DefinitionError
 from .paths import Path, iter_paths, parse_path
-from .spec import ScatterNodeSpec, WorkflowSpec, node_templates
+from .spec import ChildScatterNodeSpec, ScatterNodeSpec, WorkflowSpec, node_templates
 
 _ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
@@ -47,7 +47,8 @@ def validate_spec(spec: WorkflowSpec) -> None:
                 path,
                 f"{wf}: node {node.id!r}",
                 ancestors[node.id],
-                item_ok=isinstance(node, ScatterNodeSpec) and path.text != node.over,
+                item_ok=isinstance(node, ScatterNodeSpec | ChildScatterNodeSpec)
+                and path.text != node.over,
             )
     for path in _paths_at(spec.output, f"{wf}: output"):
         _check_path(spec, path, f"{wf}: output", None)

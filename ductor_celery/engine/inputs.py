@@ -63,6 +63,19 @@ class ControlIn:
 
 
 @dataclass(frozen=True, slots=True)
+class ChildSnapshot:
+    """What a parent reads of a child run it waits on (the newest run of its
+    continue-as-new chain). ``status`` is ``missing`` when the child row does not exist."""
+
+    run_id: str
+    status: str
+    output: Any = None
+    error: dict[str, Any] | None = None
+    #: Checkpoints the child has reached that the parent waits for: name -> context there.
+    checkpoints: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class TickInputs:
     run_id: str
     input: Any = None
@@ -77,6 +90,8 @@ class TickInputs:
     received: dict[int, Any] = field(default_factory=dict)
     #: Gathered outputs of scatters whose branches all finished (node -> list in item order).
     gathered: dict[str, list[Any]] = field(default_factory=dict)
+    #: Snapshots of the child runs the run waits on, by the child run id it started.
+    children: dict[str, ChildSnapshot] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +164,29 @@ class SuccessorRun:
     input: Any
 
 
+@dataclass(frozen=True, slots=True)
+class ChildStart:
+    """A child run to insert in the same commit (a duplicate id is ignored: ids are
+    deterministic, so a recomputed tick never starts two)."""
+
+    run_id: str
+    workflow: str
+    spec_hash: str | None
+    input: Any
+    node: str
+    #: Appended to the parent's workflow id to make the child's.
+    workflow_id_suffix: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChildControl:
+    """A control for a child run (its parent closed): cancel or terminate."""
+
+    run_id: str
+    kind: str
+    reason: str
+
+
 @dataclass(slots=True)
 class TickPayload:
     state: RunState
@@ -166,6 +204,10 @@ class TickPayload:
     successor: SuccessorRun | None = None
     #: A redrive reopened a finished run: the store clears its output, error and finish time.
     reopened: bool = False
+    child_starts: list[ChildStart] = field(default_factory=list)
+    child_controls: list[ChildControl] = field(default_factory=list)
+    #: A checkpoint was reached: a parent waiting for it is woken.
+    checkpoint_reached: bool = False
 
     @property
     def status(self) -> RunStatus:

@@ -14,16 +14,23 @@ from __future__ import annotations
 from typing import Any
 
 from ..definition.paths import Scope, resolve
-from ..definition.spec import ScatterNodeSpec
-from . import advance
+from ..definition.spec import ChildScatterNodeSpec, ScatterNodeSpec
+from . import advance, children
 from .context import TickContext
 from .inputs import ClosedAttempt, Dispatch
 from .payloads import json_problem
 from .state import BranchState, ScatterState
 from .status import NodeStatus
 
+AnyScatter = ScatterNodeSpec | ChildScatterNodeSpec
 
-def start_scatter(t: TickContext, node_id: str, spec: ScatterNodeSpec, scope: Scope) -> None:
+
+def _active_status(spec: AnyScatter) -> NodeStatus:
+    """Inline branches run (``running``); a node waiting on child runs is parked (``waiting``)."""
+    return NodeStatus.RUNNING if isinstance(spec, ScatterNodeSpec) else NodeStatus.WAITING
+
+
+def start_scatter(t: TickContext, node_id: str, spec: AnyScatter, scope: Scope) -> None:
     """A ready scatter node reads its item list and starts its first branches."""
     ns = t.nodes[node_id]
     items = resolve(spec.over, scope)
@@ -36,11 +43,14 @@ def start_scatter(t: TickContext, node_id: str, spec: ScatterNodeSpec, scope: Sc
         ns.finished_at = t.now
         t.move_node(node_id, NodeStatus.FAILED, ns.error["message"])
         return
+    if isinstance(spec, ChildScatterNodeSpec):
+        ns.generation += 1  # child run ids are made from it: a redrive starts new children
     ns.scatter = ScatterState(run=t.inputs.run_id, base=ns.generation, total=len(items))
+    what = "items" if isinstance(spec, ScatterNodeSpec) else f"child runs of {spec.workflow!r}"
     t.move_node(
         node_id,
-        NodeStatus.RUNNING,
-        f"scatter over {len(items)} items, at most {spec.max_parallel} at once",
+        _active_status(spec),
+        f"scatter over {len(items)} {what}, at most {spec.max_parallel} at once",
     )
     if not items:
         ns.finished_at = t.now
@@ -58,16 +68,18 @@ def drive_scatters(t: TickContext) -> bool:
     for node_id in t.spec.graph.order:
         ns = t.nodes[node_id]
         sc = ns.scatter
-        if ns.status != NodeStatus.RUNNING or sc is None:
-            continue
         spec = t.spec.graph.nodes[node_id]
-        assert isinstance(spec, ScatterNodeSpec)
+        if sc is None or not isinstance(spec, AnyScatter) or ns.status != _active_status(spec):
+            continue
         if sc.gathering:
             if node_id in t.inputs.gathered:
                 _gathered(t, node_id, sc, t.inputs.gathered[node_id])
                 finished = True
             continue
-        if sc.next < sc.total and len(sc.branches) < spec.max_parallel:
+        if isinstance(spec, ChildScatterNodeSpec):
+            _fold_children(t, node_id, sc)
+        active = ns.status == _active_status(spec)
+        if active and sc.next < sc.total and len(sc.branches) < spec.max_parallel:
             if scope is None:
                 scope = _scope(t)
             items = resolve(spec.over, scope)
@@ -78,7 +90,7 @@ def drive_scatters(t: TickContext) -> bool:
                 finished = True
                 continue
             _fill(t, node_id, spec, items, scope)
-        if ns.status == NodeStatus.RUNNING and sc.next >= sc.total and not sc.branches:
+        if ns.status == _active_status(spec) and sc.next >= sc.total and not sc.branches:
             sc.gathering = True
             # The gather is read by the next load: wake the run now rather than at a timer.
             t.payload.dispatches.append(Dispatch("wakeup", t.inputs.run_id, node_id, "", "", None))
@@ -88,31 +100,53 @@ def drive_scatters(t: TickContext) -> bool:
                 ns.status,
                 f"all {sc.total} branches finished ({sc.failed} failed): gathering",
             )
-        finished = finished or ns.status != NodeStatus.RUNNING
+        finished = finished or ns.status != _active_status(spec)
     return finished
+
+
+def _fold_children(t: TickContext, node_id: str, sc: ScatterState) -> None:
+    """Count the child runs in flight that have finished, by their snapshots."""
+    for index, branch in sorted(sc.branches.items()):
+        snap = t.inputs.children.get(branch.token or "")
+        if snap is None or snap.status in ("pending", "running", "paused"):
+            continue
+        if snap.status == "succeeded":
+            branch_succeeded(t, node_id, index)
+        else:
+            branch_failed(t, node_id, index, children.child_error(snap), "child run ended")
+        if t.nodes[node_id].status != NodeStatus.WAITING:
+            return  # the failure policy stopped the scatter
 
 
 def _scope(t: TickContext) -> Scope:
     return Scope(input=t.inputs.input, context=t.payload.state.context, outputs=t.outputs)
 
 
-def _fill(
-    t: TickContext, node_id: str, spec: ScatterNodeSpec, items: list[Any], scope: Scope
-) -> None:
+def _fill(t: TickContext, node_id: str, spec: AnyScatter, items: list[Any], scope: Scope) -> None:
     ns = t.nodes[node_id]
     sc = ns.scatter
     assert sc is not None
-    template = spec.branch_args()
     limit = t.inputs.config.max_payload_bytes
     while sc.next < sc.total and len(sc.branches) < spec.max_parallel:
-        if ns.status != NodeStatus.RUNNING:
+        if ns.status != _active_status(spec):
             return  # the failure policy stopped the scatter (a refused branch)
         index = sc.next
         sc.next += 1
         item_scope = Scope(
             input=scope.input, context=scope.context, outputs=scope.outputs, item=items[index]
         )
-        args = resolve(template, item_scope)
+        if isinstance(spec, ChildScatterNodeSpec):
+            child, refused = children.start_child(
+                t, node_id, spec, resolve(spec.input, item_scope), index, sc.base
+            )
+            if child is None:
+                assert refused is not None
+                sc.errors[index] = refused
+                branch_failed(t, node_id, index, refused, "child input refused")
+            else:
+                sc.branches[index] = BranchState(token=child)
+            continue
+        args = resolve(spec.branch_args(), item_scope)
         problem = json_problem(args, f"branch {index} arguments", limit)[1]
         if problem is not None:
             error = {"type": "PayloadTooLarge", "message": problem}
@@ -150,7 +184,7 @@ def branch_failed(
     sc = ns.scatter
     assert sc is not None
     spec = t.spec.graph.nodes[node_id]
-    assert isinstance(spec, ScatterNodeSpec)
+    assert isinstance(spec, AnyScatter)
     sc.branches.pop(branch, None)
     sc.failed += 1
     message = str(error.get("message", ""))
@@ -182,13 +216,19 @@ def _fail_node(t: TickContext, node_id: str, reason: str) -> None:
 
 
 def close_branches(t: TickContext, node_id: str, reason: str, *, revoke: bool) -> None:
-    """Close every branch in flight (and drop pending retries) of a scatter node."""
+    """Close every branch in flight (and drop pending retries) of a scatter node; child runs
+    get the node's parent-close policy."""
     sc = t.nodes[node_id].scatter
     if sc is None:
         return
+    child_runs = isinstance(t.spec.graph.nodes[node_id], ChildScatterNodeSpec)
     for branch in list(sc.branches.values()):
-        close_slot(t, node_id, branch, reason, revoke=revoke)
+        if child_runs:
+            children.close_child(t, node_id, branch.token or "", reason)
+        else:
+            close_slot(t, node_id, branch, reason, revoke=revoke)
     sc.branches.clear()
+    sc.gathering = False
 
 
 def close_slot(

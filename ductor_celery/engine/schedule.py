@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import copy
 from datetime import datetime
 
 from ..definition.paths import Scope, resolve
-from ..definition.spec import ScatterNodeSpec, StepNodeSpec
+from ..definition.spec import (
+    CheckpointNodeSpec,
+    ChildScatterNodeSpec,
+    ScatterNodeSpec,
+    StepNodeSpec,
+    SubworkflowNodeSpec,
+)
 from .advance import lease_key_for, slots, start_attempt
+from .children import close_child, start_subworkflow
 from .context import TickContext
 from .external import park_node
 from .payloads import json_problem
-from .scatter import close_slot, start_scatter
+from .scatter import close_branches, close_slot, start_scatter
 from .status import FINISHED_NODE_STATUSES, NodeStatus, RunStatus
 
 
@@ -40,8 +48,9 @@ def close_in_flight(t: TickContext, reason: str, *, revoke: bool = False) -> Non
         for _, slot in list(slots(ns)):
             close_slot(t, node_id, slot, reason, revoke=revoke)
         if ns.scatter is not None:
-            ns.scatter.branches.clear()
-            ns.scatter.gathering = False
+            close_branches(t, node_id, reason, revoke=revoke)
+        if ns.status == NodeStatus.WAITING and ns.child_run is not None:
+            close_child(t, node_id, ns.child_run, reason)
         ns.finished_at = t.now
         t.move_node(node_id, NodeStatus.CANCELLED, reason)
 
@@ -82,8 +91,14 @@ def start_ready_nodes(t: TickContext) -> bool:
                 ns.finished_at = t.now
                 t.move_node(node_id, NodeStatus.SKIPPED, f"when {spec.when!r} is falsy")
                 continue
-        if isinstance(spec, ScatterNodeSpec):
+        if isinstance(spec, ScatterNodeSpec | ChildScatterNodeSpec):
             start_scatter(t, node_id, spec, scope)
+            continue
+        if isinstance(spec, SubworkflowNodeSpec):
+            start_subworkflow(t, node_id, spec, scope)
+            continue
+        if isinstance(spec, CheckpointNodeSpec):
+            _reach_checkpoint(t, node_id)
             continue
         if not isinstance(spec, StepNodeSpec):
             park_node(t, node_id)
@@ -98,6 +113,18 @@ def start_ready_nodes(t: TickContext) -> bool:
         start_attempt(t, node_id, args, lease_key=lease_key_for(spec, scope))
         t.move_node(node_id, NodeStatus.RUNNING, f"attempt {ns.attempt} dispatched")
     return moved
+
+
+def _reach_checkpoint(t: TickContext, node_id: str) -> None:
+    """A checkpoint succeeds when reached; its output is the context at this moment, and a
+    parent waiting for it is woken by the commit."""
+    ns = t.nodes[node_id]
+    ns.started_at = ns.finished_at = t.now
+    ns.output_value = copy.deepcopy(t.payload.state.context)
+    t.outputs[node_id] = ns.output_value
+    t.payload.checkpoint_reached = True
+    t.move_node(node_id, NodeStatus.RUNNING, "checkpoint reached")
+    t.move_node(node_id, NodeStatus.SUCCEEDED, "checkpoint passed")
 
 
 def finish_if_done(t: TickContext) -> None:

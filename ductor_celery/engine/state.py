@@ -154,8 +154,11 @@ class NodeState:
     error: dict[str, Any] | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
-    #: A scatter node: its counters and the branches in flight.
+    #: A scatter node: its counters and the branches in flight (for a child-run scatter,
+    #: each branch's token is its child run id).
     scatter: ScatterState | None = None
+    #: A sub-workflow node: the child run it started (its output is read from there).
+    child_run: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": self.status.value}

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..definition.spec import WorkflowSpec
 from .advance import check_in_flight, fire_retries, fold_results
+from .children import absorb_subworkflows
 from .context import TickContext
 from .controls import apply_control, maybe_continue_as_new, request_auto_continue
 from .external import absorb_external
@@ -56,6 +57,7 @@ def compute_tick(
         moved = drive_scatters(t)
         moved = start_ready_nodes(t) or moved
         moved = absorb_external(t) or moved
+        moved = absorb_subworkflows(t) or moved
         if not moved:
             break
     if not fail_run_on_fatal_node(t):
@@ -78,6 +80,8 @@ def _finish(t: TickContext) -> TickPayload:
     return payload
 
 
+ACTIVE = frozenset({NodeStatus.RUNNING, NodeStatus.WAITING})
+
 #: Nodes that may resolve paths this tick: pending ones, and failed or cancelled ones that a
 #: redrive in this very tick puts back to pending.
 READER_STATUSES = frozenset({NodeStatus.PENDING, NodeStatus.FAILED, NodeStatus.CANCELLED})
@@ -89,7 +93,7 @@ def read_nodes(definition: WorkflowSpec, state: RunState) -> set[str]:
     wanted: set[str] = set(graph.output_reads)
     for node_id, ns in state.nodes.items():
         # A running scatter reads its item list (and branch arguments) as it starts branches.
-        if ns.status in READER_STATUSES or (ns.status == NodeStatus.RUNNING and ns.scatter):
+        if ns.status in READER_STATUSES or (ns.status in ACTIVE and ns.scatter):
             wanted |= graph.reads.get(node_id, frozenset())
     return wanted
 

@@ -15,7 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from ..definition.spec import WorkflowSpec
+from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec, WorkflowSpec
 from ..engine import (
     AttemptCheck,
     AttemptResult,
@@ -28,10 +28,12 @@ from ..engine import (
     needed_outputs,
 )
 from ..engine.advance import slots
+from ..engine.children import child_run_id
+from ..engine.inputs import ChildSnapshot
 from ..engine.scatter import assemble
 from ..engine.state import ScatterState
 from ..engine.status import TERMINAL_RUN_STATUSES
-from ..engine.tick import read_nodes
+from ..engine.tick import ACTIVE, read_nodes
 from .db import aware, is_postgres
 from .schema import step_attempt, workflow_control, workflow_run, workflow_signal
 
@@ -45,6 +47,7 @@ class LoadedRun:
     record_version: int
     state: RunState
     now: datetime
+    parent_run_id: str | None = None
 
 
 class _OutputCache:
@@ -115,6 +118,7 @@ def load_on(
         record_version=row.record_version,
         state=state,
         now=now,
+        parent_run_id=row.parent_run_id,
     )
     spec = spec_for(row.spec_hash, conn)
     results = _results(conn, run_id) if row.has_results else ()
@@ -132,10 +136,11 @@ def load_on(
         control=control,
         received=_received(conn, state),
         gathered={
-            node: gather(conn, node, ns.scatter)
+            node: _gather_any(conn, spec, node, ns.scatter)
             for node, ns in state.nodes.items()
-            if ns.status == NodeStatus.RUNNING and ns.scatter is not None and ns.scatter.gathering
+            if ns.status in ACTIVE and ns.scatter is not None and ns.scatter.gathering
         },
+        children=_children(conn, spec, state),
     )
     return loaded, spec, inputs
 
@@ -151,6 +156,7 @@ def _run_row(conn: Connection, run_id: str) -> Any:
             workflow_run.c.record_version,
             workflow_run.c.state,
             workflow_run.c.input,
+            workflow_run.c.parent_run_id,
             now_col.label("now"),
             _exists(
                 step_attempt,
@@ -276,8 +282,12 @@ def _outputs_for(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[
     outputs = _parked_outputs(conn, spec, state)
     for node_id in read_nodes(spec, state):
         found = state.nodes.get(node_id)
-        if found is not None and found.status == NodeStatus.SUCCEEDED and found.scatter:
-            outputs[node_id] = gather(conn, node_id, found.scatter)
+        if found is None or found.status != NodeStatus.SUCCEEDED:
+            continue
+        if found.scatter:
+            outputs[node_id] = _gather_any(conn, spec, node_id, found.scatter)
+        elif found.child_run:
+            outputs[node_id] = child_output(conn, spec, node_id, found.child_run)
     wanted = needed_outputs(spec, state)
     if not wanted:
         return outputs
@@ -292,6 +302,111 @@ def _outputs_for(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[
             cached[r.token] = r.output
     outputs.update({node: cached.get(token) for node, token in wanted.items()})
     return outputs
+
+
+def _gather_any(conn: Connection, spec: WorkflowSpec, node: str, sc: ScatterState) -> list[Any]:
+    if isinstance(spec.graph.nodes.get(node), ChildScatterNodeSpec):
+        return gather_children(conn, node, sc)
+    return gather(conn, node, sc)
+
+
+def _children(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[str, ChildSnapshot]:
+    """Snapshots of the child runs this run waits on (sub-workflows and child-run scatters)."""
+    wanted: dict[str, str | None] = {}  # child run id -> checkpoint awaited
+    for node_id, ns in state.nodes.items():
+        if ns.status != NodeStatus.WAITING:
+            continue
+        node = spec.graph.nodes.get(node_id)
+        if isinstance(node, SubworkflowNodeSpec) and ns.child_run:
+            wanted[ns.child_run] = node.until
+        elif isinstance(node, ChildScatterNodeSpec) and ns.scatter is not None:
+            wanted.update({b.token: None for b in ns.scatter.branches.values() if b.token})
+    if not wanted:
+        return {}
+    newest = child_runs(conn, list(wanted), with_state=any(wanted.values()))
+    out: dict[str, ChildSnapshot] = {}
+    for child, until in wanted.items():
+        row = newest.get(child)
+        if row is None:
+            out[child] = ChildSnapshot(run_id=child, status="missing")
+            continue
+        reached: dict[str, Any] = {}
+        if until is not None and row.state is not None:
+            mark = (row.state.get("nodes") or {}).get(until) or {}
+            if mark.get("status") == NodeStatus.SUCCEEDED.value:
+                reached[until] = mark.get("output_value")
+        out[child] = ChildSnapshot(
+            run_id=row.run_id,
+            status=row.status,
+            output=row.output if row.status == "succeeded" else None,
+            error=row.error,
+            checkpoints=reached,
+        )
+    return out
+
+
+def child_runs(conn: Connection, ids: list[str], with_state: bool = False) -> dict[str, Any]:
+    """For each run id, the newest run of its continue-as-new chain (a child that continued
+    as new is followed to its successor). Missing ids are left out."""
+    cols = [
+        workflow_run.c.run_id,
+        workflow_run.c.status,
+        workflow_run.c.output,
+        workflow_run.c.error,
+        workflow_run.c.continued_to,
+        (workflow_run.c.state if with_state else sa.literal(None)).label("state"),
+    ]
+    out: dict[str, Any] = {}
+    pending = {i: i for i in ids}  # id to read -> the id the caller asked for
+    for _ in range(100):  # a chain longer than that is not followed further
+        if not pending:
+            break
+        rows = conn.execute(sa.select(*cols).where(workflow_run.c.run_id.in_(list(pending))))
+        follow: dict[str, str] = {}
+        for r in rows:
+            origin = pending[r.run_id]
+            if r.status == "continued" and r.continued_to:
+                follow[r.continued_to] = origin
+            else:
+                out[origin] = r
+        pending = follow
+    return out
+
+
+def gather_children(conn: Connection, node: str, sc: ScatterState) -> list[Any]:
+    """A child-run scatter's outputs in item order, read from the child runs."""
+    ids = {child_run_id(sc.run, node, i, sc.base): i for i in range(sc.total)}
+    rows = child_runs(conn, list(ids))
+    finals: dict[int, tuple[bool, Any]] = {}
+    for child, index in ids.items():
+        row = rows.get(child)
+        if row is None:
+            continue
+        if row.status == "succeeded":
+            finals[index] = (True, row.output)
+        else:
+            finals[index] = (
+                False,
+                {
+                    "type": "ChildRunFailed",
+                    "message": f"child run {row.run_id} {row.status}",
+                    "child_error": row.error,
+                },
+            )
+    return assemble(sc, finals)
+
+
+def child_output(conn: Connection, spec: WorkflowSpec, node: str, child: str) -> Any:
+    """A finished sub-workflow node's output: the child's output, or with ``until`` the
+    child's context at that checkpoint."""
+    node_spec = spec.graph.nodes.get(node)
+    until = node_spec.until if isinstance(node_spec, SubworkflowNodeSpec) else None
+    row = child_runs(conn, [child], with_state=until is not None).get(child)
+    if row is None:
+        return None
+    if until is None:
+        return row.output
+    return ((row.state or {}).get("nodes", {}).get(until) or {}).get("output_value")
 
 
 def gather(conn: Connection, node: str, sc: ScatterState) -> list[Any]:
@@ -374,6 +489,7 @@ def _parked_outputs(conn: Connection, spec: WorkflowSpec, state: RunState) -> di
             or found.status != NodeStatus.SUCCEEDED
             or found.output_token
             or found.scatter
+            or found.child_run
         ):
             continue
         if found.output_signal is not None:

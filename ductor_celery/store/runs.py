@@ -13,11 +13,11 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
-from ..definition.spec import WorkflowSpec
-from ..engine.state import RunState, ScatterState
+from ..definition.spec import ChildScatterNodeSpec, WorkflowSpec
+from ..engine.state import NodeState, RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from .db import aware
-from .load import gather
+from .load import child_output, gather, gather_children
 from .schema import step_attempt, workflow_definition, workflow_run, workflow_transition
 
 RUN_COLUMNS = (
@@ -231,10 +231,15 @@ def attempt_outputs(engine: Engine, tokens: list[str]) -> dict[str, Any]:
         )
 
 
-def gathered_output(engine: Engine, node: str, sc: ScatterState) -> list[Any]:
-    """A finished scatter's output: its branches' outputs in item order."""
+def composed_output(engine: Engine, spec: WorkflowSpec, node: str, ns: NodeState) -> Any:
+    """A finished scatter's gathered list, or a finished sub-workflow's child output."""
     with engine.connect() as conn:
-        return gather(conn, node, sc)
+        if ns.scatter is not None:
+            if isinstance(spec.graph.nodes.get(node), ChildScatterNodeSpec):
+                return gather_children(conn, node, ns.scatter)
+            return gather(conn, node, ns.scatter)
+        assert ns.child_run is not None
+        return child_output(conn, spec, node, ns.child_run)
 
 
 def attempts_of(engine: Engine, run_id: str) -> list[Any]:

@@ -15,6 +15,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 
 from ..engine import (
+    RunState,
     RunStatus,
     TickPayload,
 )
@@ -27,6 +28,7 @@ from .outbox import OutboxRow, insert_outbox, step_intent, wakeup_intent
 from .schema import (
     step_attempt,
     workflow_control,
+    workflow_definition,
     workflow_run,
     workflow_signal,
     workflow_timer,
@@ -161,6 +163,14 @@ def commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list
         )
     if payload.successor is not None:
         outbox.extend(_insert_successor(conn, loaded, payload, now))
+    if payload.child_starts or payload.child_controls:
+        outbox.extend(_children(conn, loaded, payload, now))
+    wakes_parent = payload.checkpoint_reached or (
+        finished and loaded.state.status not in TERMINAL_RUN_STATUSES
+    )
+    if loaded.parent_run_id is not None and wakes_parent:
+        parent = newest_of_chain(conn, loaded.parent_run_id)
+        outbox.extend(insert_outbox(conn, [wakeup_intent(parent)], now))
 
     _set_timer(conn, loaded.run_id, payload.next_wake_at)
 
@@ -222,6 +232,82 @@ def _insert_successor(
         .values(run_id=successor.run_id)
     )
     return insert_outbox(conn, [wakeup_intent(successor.run_id)], now)
+
+
+def newest_of_chain(conn: Connection, run_id: str) -> str:
+    """The newest run of ``run_id``'s continue-as-new chain (a parent that continued as new
+    waits for its children in its successor)."""
+    for _ in range(100):
+        nxt = conn.execute(
+            sa.select(workflow_run.c.continued_to).where(workflow_run.c.run_id == run_id)
+        ).scalar_one_or_none()
+        if not nxt:
+            return run_id
+        run_id = nxt
+    return run_id
+
+
+def _children(
+    conn: Connection, loaded: LoadedRun, payload: TickPayload, now: datetime
+) -> list[OutboxRow]:
+    """Insert the child runs this tick starts, and the controls for children it closes.
+
+    A child id is deterministic, so an insert that finds its id taken is the same child
+    (a recomputed tick): it is skipped. One whose workflow id is taken by an open run is not
+    inserted either; the parent then reads it as missing and fails the node, saying why.
+    """
+    intents: list[dict[str, Any]] = []
+    insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    for child in payload.child_starts:
+        found = conn.execute(
+            sa.select(
+                workflow_definition.c.name,
+                workflow_definition.c.version,
+                workflow_definition.c.spec,
+            ).where(
+                workflow_definition.c.spec_hash == child.spec_hash
+            )
+        ).one_or_none()
+        if found is None:
+            raise LookupError(
+                f"child workflow {child.workflow!r} ({child.spec_hash}) is not stored: "
+                "start the parent with a client that registered it"
+            )
+        inserted = conn.execute(
+            insert(workflow_run)
+            .values(
+                run_id=child.run_id,
+                workflow_id=f"{loaded.workflow_id}{child.workflow_id_suffix}"[:200],
+                workflow=found.name,
+                version=found.version,
+                spec_hash=child.spec_hash,
+                status=RunStatus.PENDING.value,
+                state=RunState.initial([n["id"] for n in found.spec["nodes"]]).to_json(),
+                input=child.input,
+                record_version=0,
+                transition_count=0,
+                parent_run_id=loaded.run_id,
+                parent_node=child.node,
+                created_at=now,
+                updated_at=now,
+            )
+            .on_conflict_do_nothing()
+        )
+        if inserted.rowcount == 1:
+            intents.append(wakeup_intent(child.run_id))
+    for control in payload.child_controls:
+        target = newest_of_chain(conn, control.run_id)
+        conn.execute(
+            sa.insert(workflow_control).values(
+                run_id=target,
+                kind=control.kind,
+                reason=control.reason[:2000],
+                requested_by=f"parent:{loaded.run_id}",
+                created_at=now,
+            )
+        )
+        intents.append(wakeup_intent(target))
+    return insert_outbox(conn, intents, now)
 
 
 def reject_control(engine: Engine, control_id: int, result: str) -> None:

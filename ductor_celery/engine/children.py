@@ -1,0 +1,148 @@
+"""Child runs: sub-workflow nodes, child-run scatters, and the parent-close policy.
+
+A child run is an ordinary run with ``parent_run_id``. The parent's tick decides to start it
+(``ChildStart``, inserted in the parent's commit under a deterministic id, so a recomputed or
+retried tick never starts two), reads its snapshot at load (``TickInputs.children``), and never
+writes its row. The child's commit wakes the parent when the child finishes or reaches a
+checkpoint. See docs/fan-out.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from ..definition.paths import Scope, resolve
+from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec
+from .context import TickContext
+from .inputs import ChildControl, ChildSnapshot, ChildStart
+from .payloads import json_problem
+from .status import NodeStatus
+
+#: Child statuses that end the parent's wait with a failure.
+FAILED_CHILD = frozenset({"failed", "cancelled", "terminated", "missing"})
+
+
+def child_run_id(run_id: str, node: str, branch: int | None, generation: int) -> str:
+    """Deterministic: the same (parent, node, branch, generation) always names the same child."""
+    key = f"{run_id}:{node}:{'' if branch is None else branch}:{generation}"
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _suffix(node: str, branch: int | None, generation: int) -> str:
+    text = f"/{node}" + ("" if branch is None else f"[{branch}]")
+    return text + (f"~{generation}" if generation > 1 else "")
+
+
+def start_child(
+    t: TickContext,
+    node_id: str,
+    spec: SubworkflowNodeSpec | ChildScatterNodeSpec,
+    input_value: Any,
+    branch: int | None,
+    generation: int,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """Queue a child run for the commit: (its id, None), or (None, error) if its input is
+    refused."""
+    value, problem = json_problem(input_value, "child run input", t.inputs.config.max_payload_bytes)
+    if problem is not None:
+        return None, {"type": "PayloadTooLarge", "message": problem}
+    run_id = child_run_id(t.inputs.run_id, node_id, branch, generation)
+    t.payload.child_starts.append(
+        ChildStart(
+            run_id=run_id,
+            workflow=spec.workflow,
+            spec_hash=spec.workflow_hash,
+            input=value,
+            node=node_id,
+            workflow_id_suffix=_suffix(node_id, branch, generation),
+        )
+    )
+    t.payload.changed = True
+    return run_id, None
+
+
+def start_subworkflow(
+    t: TickContext, node_id: str, spec: SubworkflowNodeSpec, scope: Scope
+) -> None:
+    ns = t.nodes[node_id]
+    ns.started_at = t.now
+    ns.generation += 1
+    child, refused = start_child(t, node_id, spec, resolve(spec.input, scope), None, ns.generation)
+    if child is None:
+        ns.error = refused
+        ns.finished_at = t.now
+        t.move_node(node_id, NodeStatus.FAILED, f"child run not started: {ns.error}")
+        return
+    ns.child_run = child
+    what = f"until checkpoint {spec.until!r}" if spec.until else "to finish"
+    t.move_node(
+        node_id,
+        NodeStatus.WAITING,
+        f"started child run {child} of {spec.workflow!r}; waiting {what}",
+    )
+
+
+def absorb_subworkflows(t: TickContext) -> bool:
+    """Finish sub-workflow nodes whose child finished (or reached the awaited checkpoint)."""
+    finished = False
+    for node_id in t.spec.graph.order:
+        ns = t.nodes[node_id]
+        spec = t.spec.graph.nodes[node_id]
+        if ns.status != NodeStatus.WAITING or not isinstance(spec, SubworkflowNodeSpec):
+            continue
+        snap = t.inputs.children.get(ns.child_run or "")
+        if snap is None:
+            continue
+        if spec.until is not None and spec.until in snap.checkpoints:
+            ns.finished_at = t.now
+            t.outputs[node_id] = snap.checkpoints[spec.until]
+            t.move_node(
+                node_id, NodeStatus.SUCCEEDED, f"child run reached checkpoint {spec.until!r}"
+            )
+        elif snap.status == "succeeded" and spec.until is None:
+            ns.finished_at = t.now
+            t.outputs[node_id] = snap.output
+            t.move_node(node_id, NodeStatus.SUCCEEDED, f"child run {snap.run_id} succeeded")
+        elif snap.status in FAILED_CHILD or snap.status == "succeeded":
+            ns.error = child_error(snap, spec.until)
+            ns.finished_at = t.now
+            t.move_node(node_id, NodeStatus.FAILED, ns.error["message"])
+        else:
+            continue
+        finished = True
+    return finished
+
+
+def child_error(snap: ChildSnapshot, until: str | None = None) -> dict[str, Any]:
+    if snap.status == "succeeded":
+        message = f"child run {snap.run_id} finished without reaching checkpoint {until!r}"
+    elif snap.status == "missing":
+        message = (
+            f"child run {snap.run_id} could not be started (its workflow id is taken by an "
+            "open run)"
+        )
+    else:
+        cause = (snap.error or {}).get("message", "")
+        message = f"child run {snap.run_id} {snap.status}" + (f": {cause}" if cause else "")
+    return {
+        "type": "ChildRunFailed",
+        "message": message,
+        "child_run_id": snap.run_id,
+        "child_error": snap.error,
+    }
+
+
+def close_child(t: TickContext, node_id: str, child: str, reason: str) -> None:
+    """Apply the node's parent-close policy to one open child run."""
+    spec = t.spec.graph.nodes[node_id]
+    assert isinstance(spec, SubworkflowNodeSpec | ChildScatterNodeSpec)
+    snap = t.inputs.children.get(child)
+    if snap is not None and snap.status not in ("pending", "running", "paused"):
+        return  # finished already
+    if spec.parent_close == "abandon":
+        return
+    t.payload.child_controls.append(
+        ChildControl(child, spec.parent_close, f"parent run {t.inputs.run_id}: {reason}")
+    )
+    t.payload.changed = True
