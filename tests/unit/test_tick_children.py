@@ -1,0 +1,160 @@
+"""Child runs in the pure tick: deterministic ids, waiting, checkpoints, parent-close."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from ductor_celery.definition import RetryPolicy, Workflow
+from ductor_celery.engine import RunState, RunStatus, TickInputs, compute_tick
+from ductor_celery.engine.children import child_run_id
+from ductor_celery.engine.inputs import ChildSnapshot, ControlIn
+from ductor_celery.errors import DefinitionError
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+class _Step:
+    name = "s.x"
+    retry = RetryPolicy()
+    timeout = None
+    queue = None
+
+
+def _child() -> Any:
+    wf = Workflow("child")
+    wf.step("a", _Step())
+    wf.checkpoint("printed", after=["a"])
+    return wf.build()
+
+
+def _parent(policy: str = "terminate", until: str | None = None) -> Any:
+    child = _child()
+    wf = Workflow("parent")
+    wf.subworkflow("sub", workflow="child", input={"id": "$.input.id"}, until=until,
+                   parent_close=policy)
+    wf.output("$.nodes.sub.output")
+    return wf.build(None, {"child": child}.get)
+
+
+def _tick(spec: Any, state: RunState, **inputs: Any) -> Any:
+    return compute_tick(spec, state, TickInputs(run_id="p", input={"id": 7}, **inputs), T0)
+
+
+def test_starting_a_child_is_deterministic_and_pins_its_definition() -> None:
+    spec = _parent()
+    first, again = _tick(spec, RunState()), _tick(spec, RunState())
+    (start,) = first.child_starts
+    assert start == again.child_starts[0], "a recomputed tick names the same child"
+    assert start.run_id == child_run_id("p", "sub", None, 1)
+    assert start.spec_hash == _child().spec_hash
+    assert start.input == {"id": 7}
+    assert start.workflow_id_suffix == "/sub"
+    assert first.state.nodes["sub"].status == "waiting"
+    assert first.state.nodes["sub"].child_run == start.run_id
+
+
+def test_the_child_output_becomes_the_node_output() -> None:
+    spec = _parent()
+    s0 = _tick(spec, RunState()).state
+    child = s0.nodes["sub"].child_run
+    running = _tick(spec, s0, children={child: ChildSnapshot(child, "running")})
+    assert not running.changed
+    done = _tick(spec, s0, children={child: ChildSnapshot(child, "succeeded", output={"x": 1})})
+    assert done.state.status == RunStatus.SUCCEEDED
+    assert done.output == {"x": 1}
+
+
+@pytest.mark.parametrize("status", ["failed", "cancelled", "terminated", "missing"])
+def test_a_child_that_does_not_succeed_fails_the_node(status: str) -> None:
+    spec = _parent()
+    s0 = _tick(spec, RunState()).state
+    child = s0.nodes["sub"].child_run
+    snap = ChildSnapshot(child, status, error={"message": "boom"} if status == "failed" else None)
+    p = _tick(spec, s0, children={child: snap})
+    assert p.state.status == RunStatus.FAILED
+    error = p.state.nodes["sub"].error
+    assert error["type"] == "ChildRunFailed" and error["child_run_id"] == child
+    if status == "missing":
+        assert "could not be started" in error["message"]
+    elif status == "failed":
+        assert error["message"].endswith("failed: boom")
+
+
+def test_until_a_checkpoint_takes_the_context_there() -> None:
+    spec = _parent(until="printed")
+    s0 = _tick(spec, RunState()).state
+    child = s0.nodes["sub"].child_run
+    snap = ChildSnapshot(child, "running", checkpoints={"printed": {"label": "L7"}})
+    p = _tick(spec, s0, children={child: snap})
+    assert p.state.status == RunStatus.SUCCEEDED
+    assert p.output == {"label": "L7"}
+    # a child that finished without passing the checkpoint fails the wait
+    p2 = _tick(spec, s0, children={child: ChildSnapshot(child, "succeeded")})
+    assert "without reaching checkpoint 'printed'" in p2.state.nodes["sub"].error["message"]
+
+
+def test_a_checkpoint_node_snapshots_the_context_and_flags_the_commit() -> None:
+    spec = _child()
+    s0 = _tick(spec, RunState()).state
+    from ductor_celery.engine import AttemptResult
+
+    done = AttemptResult(token="p:a:1", node="a", outcome="succeeded", output=1,
+                         patch={"label": "L7"})
+    p = _tick(spec, s0, results=(done,))
+    assert p.checkpoint_reached
+    assert p.state.nodes["printed"].output_value == {"label": "L7"}
+    assert p.state.nodes["printed"].status == "succeeded"
+
+
+@pytest.mark.parametrize(("policy", "kind"), [("terminate", "terminate"), ("cancel", "cancel"),
+                                               ("abandon", None)])
+def test_closing_the_parent_applies_the_policy(policy: str, kind: str | None) -> None:
+    spec = _parent(policy)
+    s0 = _tick(spec, RunState()).state
+    child = s0.nodes["sub"].child_run
+    p = _tick(spec, s0, control=ControlIn(id=1, kind="cancel", reason="bye"))
+    assert p.state.status == RunStatus.CANCELLED
+    assert p.state.nodes["sub"].status == "cancelled"
+    assert [(c.run_id, c.kind) for c in p.child_controls] == ([(child, kind)] if kind else [])
+
+
+def test_a_child_that_finished_already_gets_no_control() -> None:
+    spec = _parent()
+    s0 = _tick(spec, RunState()).state
+    child = s0.nodes["sub"].child_run
+    p = _tick(spec, s0, control=ControlIn(id=1, kind="terminate"),
+              children={child: ChildSnapshot(child, "failed")})
+    assert p.child_controls == []
+
+
+def test_redrive_starts_a_new_child_under_a_new_id() -> None:
+    spec = _parent()
+    s0 = _tick(spec, RunState()).state
+    first = s0.nodes["sub"].child_run
+    failed = _tick(spec, s0, children={first: ChildSnapshot(first, "failed")}).state
+    p = _tick(spec, failed, control=ControlIn(id=2, kind="redrive"))
+    (start,) = p.child_starts
+    assert start.run_id != first and start.workflow_id_suffix == "/sub~2"
+
+
+def test_child_definitions_are_checked_at_register() -> None:
+    child = _child()
+    wf = Workflow("p")
+    wf.subworkflow("s", workflow="nope")
+    with pytest.raises(DefinitionError, match="unknown workflow 'nope'"):
+        wf.build(None, {"child": child}.get)
+    wf = Workflow("p")
+    wf.subworkflow("s", workflow="child", until="a")
+    with pytest.raises(DefinitionError, match="has no checkpoint 'a'"):
+        wf.build(None, {"child": child}.get)
+    wf = Workflow("p")
+    wf.subworkflow("s", workflow="child", parent_close="ignore")
+    with pytest.raises(DefinitionError, match="parent_close must be"):
+        wf.build(None, {"child": child}.get)
+    wf = Workflow("p")
+    wf.scatter("s", workflow="child", over="$.input.items")
+    with pytest.raises(DefinitionError, match="as_child_runs=True"):
+        wf.build(None, {"child": child}.get)
