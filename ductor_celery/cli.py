@@ -206,6 +206,10 @@ def _status(status: str) -> str:
     return f"[{_COLORS.get(status, 'white')}]{status}[/]"
 
 
+#: Attempt rows ``ductor show`` prints at most.
+SHOW_ATTEMPTS = 100
+
+
 @ductor.command()
 @click.argument("target")
 @click.option("--json", "as_json", is_flag=True, help="The run view as JSON.")
@@ -249,10 +253,17 @@ def show(ctx: click.Context, target: str, as_json: bool) -> None:
             _short(detail),
         )
     console.print(nodes)
-    tries = Table(title="attempts")
-    for column in ("token", "outcome", "claimed by", "took", "heartbeat", "error"):
+    # A big scatter has thousands of attempts: show the open ones and the latest others.
+    shown = [a for a in attempts if a.finished_at is None][:SHOW_ATTEMPTS]
+    room = SHOW_ATTEMPTS - len(shown)
+    shown += [a for a in attempts if a.finished_at is not None][-room:] if room > 0 else []
+    hidden = len(attempts) - len(shown)
+    tries = Table(
+        title="attempts" + (f" ({hidden} older finished ones not shown)" if hidden else "")
+    )
+    for column in ("token", "branch", "outcome", "claimed by", "took", "heartbeat", "error"):
         tries.add_column(column)
-    for a in attempts:
+    for a in sorted(shown, key=lambda a: (a.created_at, a.token)):
         beat = ""
         if a.heartbeat_at is not None:
             beat = _when(a.heartbeat_at) + (
@@ -260,6 +271,7 @@ def show(ctx: click.Context, target: str, as_json: bool) -> None:
             )
         tries.add_row(
             a.token.split(":", 1)[-1],
+            "" if a.branch is None else str(a.branch),
             a.outcome or ("running" if a.claimed_at else "queued"),
             (a.claimed_by or "").rsplit(":", 1)[0],
             _duration(a.claimed_at, a.finished_at),

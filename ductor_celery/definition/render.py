@@ -9,7 +9,12 @@ from .spec import WorkflowSpec
 
 def _label(spec: WorkflowSpec, node_id: str, status: str | None) -> list[str]:
     node = spec.graph.nodes[node_id]
-    parts = [node_id, getattr(node, "step", node.kind)]
+    what = getattr(node, "step", None) or node.kind
+    if hasattr(node, "workflow"):
+        what = f"{node.kind} {node.workflow}"
+    elif node.kind == "scatter":
+        what = f"scatter {what} over {getattr(node, 'over', '')}"
+    parts = [node_id, what]
     if node.when is not None:
         parts.append(f"when {node.when}")
     if status:
