@@ -64,7 +64,7 @@ class ConcurrencyLimit:
 
     ``key`` is a path (``$.input.customer``, ``$.item.sku`` in a scatter) or a literal string
     (one limit shared by every attempt of the step). Enforced with lease rows: an attempt runs
-    only while it holds one of the key's ``limit`` slots (see docs/fan-out-and-leases.md).
+    only while it holds one of the key's ``limit`` slots (see docs/leases.md).
     """
 
     key: str

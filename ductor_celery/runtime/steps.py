@@ -61,19 +61,29 @@ class StepContext:
         node: str,
         branch: int | None,
         attempt: int,
-        input: Any,
+        input: Any = None,
         context: Mapping[str, Any],
         heartbeat_fn: Callable[[Any], None] | None = None,
+        input_fn: Callable[[], Any] | None = None,
     ) -> None:
         self.run_id = run_id
         self.workflow_id = workflow_id
         self.node = node
         self.branch = branch
         self.attempt = attempt
-        self.input = input
+        self._input = input
+        self._input_fn = input_fn
         self.context: Mapping[str, Any] = _ReadOnly(context)
         self._patch: dict[str, Any] = {}
         self._heartbeat_fn = heartbeat_fn
+
+    @property
+    def input(self) -> Any:
+        """The run's input, read from the database on first use (it can be a large list
+        that a scatter hands out item by item; most steps never need it whole)."""
+        if self._input_fn is not None:
+            self._input, self._input_fn = self._input_fn(), None
+        return self._input
 
     @property
     def idempotency_key(self) -> str:
@@ -158,7 +168,9 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
         node=claimed.node,
         branch=claimed.branch,
         attempt=claimed.attempt,
-        input=claimed.input,
+        input_fn=lambda: with_retry(
+            lambda: attempts.run_input(engine, claimed.run_id), what="read run input"
+        ),
         context=claimed.context,
         heartbeat_fn=lambda details: _heartbeat(engine, token, details, limit),
     )
@@ -196,6 +208,7 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
             error=error,
             retryable=retryable,
             patch=patch,
+            leased=step.concurrency is not None,
         ),
         what="record attempt outcome",
         deadline_s=FINISH_DEADLINE_S,

@@ -31,7 +31,6 @@ class ClaimedAttempt:
     attempt: int
     step: str
     args: dict[str, Any]
-    input: Any
     context: dict[str, Any]
 
 
@@ -70,7 +69,6 @@ def claim(engine: Engine, token: str, worker: str) -> ClaimedAttempt | None:
                 claim_stmt.where(workflow_run.c.run_id == step_attempt.c.run_id).returning(
                     *_CLAIM_COLUMNS,
                     workflow_run.c.workflow_id,
-                    workflow_run.c.input,
                     workflow_run.c.state["context"].label("context"),
                 )
             ).one_or_none()
@@ -83,7 +81,6 @@ def claim(engine: Engine, token: str, worker: str) -> ClaimedAttempt | None:
                 else conn.execute(
                     sa.select(
                         workflow_run.c.workflow_id,
-                        workflow_run.c.input,
                         workflow_run.c.state["context"].label("context"),
                     ).where(workflow_run.c.run_id == row.run_id)
                 ).one()
@@ -100,7 +97,6 @@ def claim(engine: Engine, token: str, worker: str) -> ClaimedAttempt | None:
         attempt=row.attempt,
         step=row.step,
         args=dict(row.args or {}),
-        input=run.input,
         context=dict(run.context or {}),
     )
 
@@ -116,6 +112,15 @@ _CLAIM_COLUMNS = (
 )
 
 
+def run_input(engine: Engine, run_id: str) -> Any:
+    """The run's input, read only when a step asks for ``ctx.input`` (it can be large: a
+    scatter's whole item list)."""
+    with engine.connect() as conn:
+        return conn.execute(
+            sa.select(workflow_run.c.input).where(workflow_run.c.run_id == run_id)
+        ).scalar_one_or_none()
+
+
 def finish(
     engine: Engine,
     token: str,
@@ -125,14 +130,19 @@ def finish(
     error: dict[str, Any] | None = None,
     retryable: bool = True,
     patch: dict[str, Any] | None = None,
+    leased: bool = False,
 ) -> tuple[bool, list[OutboxRow]]:
     """Write the outcome once. False if the attempt was already finished or closed.
 
     In the same transaction, the attempt's lease (if any) is released and handed to the
     oldest attempt waiting for its key: the returned outbox rows are that attempt's step
-    message, for the caller to send after the commit.
+    message, for the caller to send after the commit. ``leased`` (the step declares a
+    concurrency limit) takes the key's lock before the attempt row, the order the
+    coordinator's commit uses, so a finish racing a timeout close cannot deadlock.
     """
     with engine.begin() as conn:
+        if leased:
+            leases.lock_keys(conn, leases.keys_held_by(conn, [token]))
         res = conn.execute(
             sa.update(step_attempt)
             .where(step_attempt.c.token == token, step_attempt.c.finished_at.is_(None))

@@ -264,9 +264,7 @@ def _children(
                 workflow_definition.c.name,
                 workflow_definition.c.version,
                 workflow_definition.c.spec,
-            ).where(
-                workflow_definition.c.spec_hash == child.spec_hash
-            )
+            ).where(workflow_definition.c.spec_hash == child.spec_hash)
         ).one_or_none()
         if found is None:
             raise LookupError(
