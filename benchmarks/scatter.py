@@ -102,10 +102,17 @@ def ductor_scatter(bench: Bench, n: int, timeout: float) -> dict[str, Any]:
 def raw_chord(bench: Bench, n: int, timeout: float) -> dict[str, Any]:
     from celery import chord
 
+    from celery.exceptions import TimeoutError as CeleryTimeout
+
     app = bench.app
     t0 = time.perf_counter()
     result = chord(app.raw_noop.s(i) for i in range(n))(app.raw_count_results.s())
-    count = result.get(timeout=timeout)
+    try:
+        count = result.get(timeout=timeout)
+    except CeleryTimeout:
+        log(f"raw chord {n}: no callback within {timeout:g}s; purging its queue")
+        app.raw.control.purge()
+        return {"items": n, "wall_s": None, "timed_out_after_s": timeout}
     wall = time.perf_counter() - t0
     if count != n:
         raise RuntimeError(f"chord of {n}: callback saw {count} results")
