@@ -290,8 +290,9 @@ def _children(
                 updated_at=now,
             )
             .on_conflict_do_nothing()
-        )
-        if inserted.rowcount == 1:
+            .returning(workflow_run.c.run_id)
+        ).first()
+        if inserted is not None:  # (rowcount is not reliable for ON CONFLICT on psycopg)
             intents.append(wakeup_intent(child.run_id))
     for control in payload.child_controls:
         target = newest_of_chain(conn, control.run_id)

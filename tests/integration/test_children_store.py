@@ -1,0 +1,135 @@
+"""Child runs in the store: the parent's commit inserts the child and wakes it; a recomputed
+tick never starts two; a child's commit wakes its parent; parent-close writes child controls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from ductor_celery.definition import RetryPolicy, Workflow
+from ductor_celery.engine import compute_tick
+from ductor_celery.settings import Settings
+from ductor_celery.store import runs
+from ductor_celery.store.db import get_engine
+from ductor_celery.store.load import load_tick
+from ductor_celery.store.outbox import OutboxRow
+from ductor_celery.store.ticks import commit_tick
+
+CONFIG = Settings().engine_config()
+
+
+class _Step:
+    name = "s.x"
+    retry = RetryPolicy()
+    timeout = None
+    queue = None
+
+
+def _specs() -> tuple[Any, Any]:
+    child = Workflow("kid")
+    child.step("a", _Step())
+    child.checkpoint("cp", after=["a"])
+    child_spec = child.build()
+    parent = Workflow("mom")
+    parent.subworkflow("sub", workflow="kid", input={"v": "$.input.x"}, until="cp")
+    return parent.build(None, {"kid": child_spec}.get), child_spec
+
+
+@pytest.fixture
+def engine(database_url: str) -> Any:
+    return get_engine(database_url)
+
+
+def _tick(engine: Any, specs: dict[str, Any], run_id: str) -> list[OutboxRow]:
+    loaded, spec, inputs = load_tick(engine, run_id, specs.__getitem__, CONFIG)  # type: ignore[misc]
+    payload = compute_tick(spec, loaded.state, inputs, loaded.now)
+    return commit_tick(engine, loaded, payload) if payload.changed else []
+
+
+def test_the_parent_commit_inserts_and_wakes_the_child_once(engine: Any) -> None:
+    parent, child = _specs()
+    specs = {parent.spec_hash: parent, child.spec_hash: child}
+    for spec in (child, parent):
+        runs.save_definition(engine, spec)
+    runs.insert_run(engine, run_id="p1", workflow_id="order-1", spec=parent, input={"x": 5})
+    sent = _tick(engine, specs, "p1")
+    kids = [r.run_id for r in sent if r.kind == "wakeup"]
+    assert len(kids) == 1, sent
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.text("SELECT workflow_id, parent_run_id, parent_node, input, state "
+                    "FROM eec_workflow_run WHERE run_id = :r"),
+            {"r": kids[0]},
+        ).one()
+    assert (row.workflow_id, row.parent_run_id, row.parent_node) == ("order-1/sub", "p1", "sub")
+    assert row.input == {"v": 5}
+    assert set(row.state["nodes"]) == {"a", "cp"}
+    # the child ticks: its step starts; finishing it passes the checkpoint, which wakes p1
+    from ductor_celery.store import attempts
+
+    [step] = [r for r in _tick(engine, specs, kids[0]) if r.kind == "step"]
+    attempts.claim(engine, step.payload["token"], "w")
+    attempts.finish(engine, step.payload["token"], outcome="succeeded", output=1)
+    woke = _tick(engine, specs, kids[0])
+    assert [r.run_id for r in woke if r.kind == "wakeup"] == ["p1"]
+    _tick(engine, specs, "p1")
+    with engine.connect() as conn:
+        state = conn.execute(
+            sa.text("SELECT state FROM eec_workflow_run WHERE run_id = 'p1'")
+        ).scalar_one()
+    assert state["nodes"]["sub"]["status"] == "succeeded"
+    assert state["status"] == "succeeded"
+
+
+def test_a_recomputed_parent_tick_never_starts_a_second_child(engine: Any) -> None:
+    parent, child = _specs()
+    specs = {parent.spec_hash: parent, child.spec_hash: child}
+    for spec in (child, parent):
+        runs.save_definition(engine, spec)
+    runs.insert_run(engine, run_id="p2", workflow_id="order-2", spec=parent, input={"x": 1})
+    loaded, spec, inputs = load_tick(engine, "p2", specs.__getitem__, CONFIG)  # type: ignore[misc]
+    payload = compute_tick(spec, loaded.state, inputs, loaded.now)
+    commit_tick(engine, loaded, payload)
+    # the same decision committed again (as if the first answer was lost): the version check
+    # refuses it, and a fresh tick from the new state starts nothing either
+    from ductor_celery.store.ticks import VersionConflict
+
+    with pytest.raises(VersionConflict):
+        commit_tick(engine, loaded, payload)
+    assert _tick(engine, specs, "p2") == []
+    with engine.connect() as conn:
+        count = conn.execute(
+            sa.text("SELECT count(*) FROM eec_workflow_run WHERE parent_run_id = 'p2'")
+        ).scalar_one()
+    assert count == 1
+
+
+def test_cancelling_the_parent_writes_a_control_for_the_open_child(engine: Any) -> None:
+    parent, child = _specs()
+    specs = {parent.spec_hash: parent, child.spec_hash: child}
+    for spec in (child, parent):
+        runs.save_definition(engine, spec)
+    runs.insert_run(engine, run_id="p3", workflow_id="order-3", spec=parent, input={"x": 1})
+    [kid] = [r.run_id for r in _tick(engine, specs, "p3") if r.kind == "wakeup"]
+    _tick(engine, specs, kid)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("INSERT INTO eec_workflow_control (run_id, kind, has_input, created_at) "
+                    "VALUES ('p3', 'terminate', false, now())")
+        )
+    sent = _tick(engine, specs, "p3")
+    assert kid in [r.run_id for r in sent if r.kind == "wakeup"]
+    with engine.connect() as conn:
+        control = conn.execute(
+            sa.text("SELECT kind, requested_by FROM eec_workflow_control WHERE run_id = :r"),
+            {"r": kid},
+        ).one()
+    assert tuple(control) == ("terminate", "parent:p3")
+    _tick(engine, specs, kid)
+    with engine.connect() as conn:
+        status = conn.execute(
+            sa.text("SELECT status FROM eec_workflow_run WHERE run_id = :r"), {"r": kid}
+        ).scalar_one()
+    assert status == "terminated"
