@@ -158,3 +158,62 @@ def test_child_definitions_are_checked_at_register() -> None:
     wf.scatter("s", workflow="child", over="$.input.items")
     with pytest.raises(DefinitionError, match="as_child_runs=True"):
         wf.build(None, {"child": child}.get)
+
+
+def _fan(tolerated: int | None = None) -> Any:
+    wf = Workflow("fan")
+    wf.scatter("kids", workflow="child", over="$.input.items", as_child_runs=True,
+               input={"id": "$.item"}, max_parallel=2, tolerated_failures=tolerated)
+    wf.output("$.nodes.kids.output")
+    return wf.build(None, {"child": _child()}.get)
+
+
+def _fan_tick(spec: Any, state: RunState, **inputs: Any) -> Any:
+    return compute_tick(
+        spec, state, TickInputs(run_id="p", input={"items": [10, 11, 12, 13]}, **inputs), T0
+    )
+
+
+def test_child_run_scatter_keeps_at_most_max_parallel_children_open() -> None:
+    spec = _fan()
+    p = _fan_tick(spec, RunState())
+    assert p.state.nodes["kids"].status == "waiting"
+    assert [(c.input, c.workflow_id_suffix) for c in p.child_starts] == [
+        ({"id": 10}, "/kids[0]"), ({"id": 11}, "/kids[1]"),
+    ]
+    first = p.child_starts[0].run_id
+    p2 = _fan_tick(spec, p.state, children={first: ChildSnapshot(first, "succeeded", output=1)})
+    assert [c.input for c in p2.child_starts] == [{"id": 12}]
+    assert len(p2.state.nodes["kids"].scatter.branches) == 2
+
+
+def test_child_run_scatter_fails_fast_and_closes_open_children() -> None:
+    spec = _fan()
+    p = _fan_tick(spec, RunState())
+    a, b = (c.run_id for c in p.child_starts)
+    p2 = _fan_tick(spec, p.state, children={a: ChildSnapshot(a, "failed", error={"message": "x"})})
+    assert p2.state.status == RunStatus.FAILED
+    assert p2.state.nodes["kids"].error["type"] == "BranchFailed"
+    assert [(c.run_id, c.kind) for c in p2.child_controls] == [(b, "terminate")]
+    assert p2.child_starts == []
+
+
+def test_child_run_scatter_tolerates_and_gathers() -> None:
+    spec = _fan(tolerated=1)
+    state = _fan_tick(spec, RunState()).state
+    started: list[str] = []
+    for _ in range(10):
+        sc = state.nodes["kids"].scatter
+        if sc.gathering:
+            break
+        snaps = {
+            b.token: ChildSnapshot(b.token, "failed" if i == 1 else "succeeded", output=i)
+            for i, b in sc.branches.items()
+        }
+        p = _fan_tick(spec, state, children=snaps)
+        started += [c.run_id for c in p.child_starts]
+        state = p.state
+    assert state.nodes["kids"].scatter.gathering
+    done = _fan_tick(spec, state, gathered={"kids": [0, {"error": {}}, 2, 3]})
+    assert done.state.status == RunStatus.SUCCEEDED and done.output == [0, {"error": {}}, 2, 3]
+    assert len(set(started)) == 2
