@@ -148,6 +148,14 @@ def _check_slot(t: TickContext, node: str, slot: Slot, branch: int | None) -> No
     spec = t.attempt_spec(node)
     timeout = spec.timeout or cfg.default_step_timeout
     where = "attempt" if branch is None else f"branch {branch} attempt"
+    if check.claimed_at is None and check.lease_waiting:
+        # Waiting for a lease: whoever frees one sends the message. Look again after one
+        # step timeout (the sweeper re-sends a granted message that got lost).
+        slot.resends = 0
+        slot.resend_at = None
+        slot.check_at = t.now + timedelta(seconds=_first_limit(spec, cfg))
+        t.payload.changed = True
+        return
     if check.claimed_at is None:
         # Not claimed yet. Re-send when the re-send time is due, and look again within one
         # step timeout either way, so a claim made after this look whose worker dies is

@@ -40,6 +40,9 @@ class AttemptCheck:
     claimed_at: datetime | None
     finished: bool
     heartbeat_at: datetime | None = None
+    #: Unclaimed because it waits for a concurrency lease (not because a message was lost):
+    #: the release that grants it sends its message, so the coordinator does not re-send.
+    lease_waiting: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from ..engine.state import ScatterState
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..engine.tick import ACTIVE, read_nodes
 from .db import aware, is_postgres
+from .leases import holds_lease
 from .schema import step_attempt, workflow_control, workflow_run, workflow_signal
 
 
@@ -264,6 +265,7 @@ def _checks(conn: Connection, state: RunState, now: datetime) -> dict[str, Attem
             step_attempt.c.claimed_at,
             step_attempt.c.finished_at,
             step_attempt.c.heartbeat_at,
+            sa.and_(step_attempt.c.lease_key.is_not(None), ~holds_lease()).label("waiting"),
         ).where(step_attempt.c.token.in_(due))
     )
     return {
@@ -272,6 +274,7 @@ def _checks(conn: Connection, state: RunState, now: datetime) -> dict[str, Attem
             claimed_at=aware(r.claimed_at),
             finished=r.finished_at is not None,
             heartbeat_at=aware(r.heartbeat_at),
+            lease_waiting=bool(r.waiting),
         )
         for r in rows
     }
