@@ -12,7 +12,14 @@ from typing import Any
 
 from celery import Celery
 
-from ductor_celery import Ductor, NonRetryableError, RetryPolicy, StepContext, Workflow
+from ductor_celery import (
+    ConcurrencyLimit,
+    Ductor,
+    NonRetryableError,
+    RetryPolicy,
+    StepContext,
+    Workflow,
+)
 
 app = Celery("shop")
 app.config_from_object("examples.shop.celeryconfig")
@@ -45,6 +52,12 @@ def pack(ctx: StepContext, items: list[str]) -> dict[str, Any]:
     return {"boxes": (len(items) + 1) // 2}
 
 
+# At most two picks run at once across every order: the warehouse has two pickers.
+@ductor.step(name="shop.pick", concurrency=ConcurrencyLimit(key="warehouse", limit=2))
+def pick(ctx: StepContext, item: str) -> str:
+    return f"picked {item} (#{ctx.branch})"
+
+
 @ductor.step(name="shop.gift_wrap")
 def gift_wrap(ctx: StepContext, boxes: int) -> str:
     return f"{boxes} boxes wrapped"
@@ -59,13 +72,20 @@ order = Workflow("order", version=1)
 order.step("reserve", reserve, args={"order": "$.input.order"})
 order.step("charge", charge, after=["reserve"], args={"amount": "$.input.order.total"})
 order.step("pack", pack, after=["reserve"], args={"items": "$.input.order.items"})
+order.scatter("pick", pick, over="$.input.order.items", after=["reserve"], max_parallel=8)
 order.step("gift_wrap", gift_wrap, after=["pack"], args={"boxes": "$.nodes.pack.output.boxes"},
            when="$.input.order.gift")
 order.step(
     "ship",
     ship,
-    after=["charge", "gift_wrap"],
+    after=["charge", "gift_wrap", "pick"],
     args={"charge": "$.nodes.charge.output", "boxes": "$.nodes.pack.output.boxes"},
 )
-order.output({"tracking": "$.nodes.ship.output.tracking", "charge": "$.nodes.charge.output"})
+order.output(
+    {
+        "tracking": "$.nodes.ship.output.tracking",
+        "charge": "$.nodes.charge.output",
+        "picked": "$.nodes.pick.output",
+    }
+)
 ductor.register(order)

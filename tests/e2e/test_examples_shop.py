@@ -40,6 +40,7 @@ def test_the_shop_example_runs_as_its_readme_says(cluster_factory: Any, pg_serve
     assert view["status"] == "succeeded"
     assert view["output"]["tracking"].startswith("TRK-")
     assert view["nodes"]["gift_wrap"]["output"] == "1 boxes wrapped"
+    assert view["output"]["picked"] == ["picked mug (#0)", "picked lamp (#1)"]
     no_items = _ductor(cluster, "start", "order", "--wait", "--timeout", "60",
                        "--input", json.dumps({"order": {"id": 8, "total": 5, "items": []}}))
     assert no_items.returncode == 2  # the run failed: reserve raised NonRetryableError
