@@ -215,7 +215,7 @@ class Workflow:
         when: str | bool | None = None,
     ) -> Workflow:
         """A durable timer: a row and the sweeper, never a broker countdown."""
-        return self._parked("sleep", id, after, when, seconds=seconds)
+        return self._add("sleep", id, after, when, seconds=seconds)
 
     def wait_signal(
         self,
@@ -229,7 +229,7 @@ class Workflow:
         continue_on_failure: bool = False,
     ) -> Workflow:
         """Wait for a signal named ``signal``; its payload becomes the node's output."""
-        return self._parked(
+        return self._add(
             "wait_signal",
             id,
             after,
@@ -252,7 +252,7 @@ class Workflow:
         continue_on_failure: bool = False,
     ) -> Workflow:
         """Wait for ``ductor.approve``/``ductor.reject``; the decision is the output."""
-        return self._parked(
+        return self._add(
             "approval",
             id,
             after,
@@ -276,7 +276,7 @@ class Workflow:
         continue_on_failure: bool = False,
     ) -> Workflow:
         """Wait for a set of named signals: ``all``, ``any``, or N distinct ones."""
-        return self._parked(
+        return self._add(
             "event_set",
             id,
             after,
@@ -289,17 +289,6 @@ class Workflow:
         )
 
     def _add(
-        self,
-        kind: str,
-        id: str,
-        after: Iterable[str] | None,
-        when: str | bool | None,
-        **fields: Any,
-    ) -> Workflow:
-        self._nodes.append({"kind": kind, "id": id, "after": after, "when": when, **fields})
-        return self
-
-    def _parked(
         self,
         kind: str,
         id: str,
@@ -410,9 +399,7 @@ class Workflow:
                 tolerated_failure_ratio=raw["tolerated_failure_ratio"],
             )
         except ValueError as exc:
-            first = str(exc).splitlines()
-            detail = "; ".join(line.strip() for line in first[1:3]) if len(first) > 1 else str(exc)
-            raise DefinitionError(f"{where}: {detail}") from None
+            raise DefinitionError(f"{where}: {_detail(exc)}") from None
 
     def _build_parked(self, raw: dict[str, Any], where: str) -> NodeSpec:
         fields = dict(raw)
@@ -439,9 +426,7 @@ class Workflow:
         try:
             node: NodeSpec = model.model_validate(fields)  # type: ignore[assignment]
         except ValueError as exc:
-            first = str(exc).splitlines()
-            detail = "; ".join(line.strip() for line in first[1:3]) if len(first) > 1 else str(exc)
-            raise DefinitionError(f"{where}: {detail}") from None
+            raise DefinitionError(f"{where}: {_detail(exc)}") from None
         return node
 
 
@@ -488,10 +473,14 @@ def _build_child(
     try:
         node: NodeSpec = model.model_validate(fields)
     except ValueError as exc:
-        first = str(exc).splitlines()
-        detail = "; ".join(line.strip() for line in first[1:3]) if len(first) > 1 else str(exc)
-        raise DefinitionError(f"{where}: {detail}") from None
+        raise DefinitionError(f"{where}: {_detail(exc)}") from None
     return node
+
+
+def _detail(exc: ValueError) -> str:
+    """A pydantic validation error in one line: the field and what is wrong with it."""
+    lines = str(exc).splitlines()
+    return "; ".join(line.strip() for line in lines[1:3]) if len(lines) > 1 else str(exc)
 
 
 def _after(after: Any) -> tuple[str, ...]:

@@ -130,6 +130,34 @@ def latest_definition(engine: Engine, name: str) -> WorkflowSpec | None:
     return WorkflowSpec.model_validate(spec) if spec is not None else None
 
 
+def pending_run(
+    *,
+    run_id: str,
+    workflow_id: str,
+    workflow: str,
+    version: int,
+    spec_hash: str,
+    state: RunState,
+    input: Any,
+    **links: Any,
+) -> dict[str, Any]:
+    """The values of a new run row (a client's start, a successor, a child): pending, version 0.
+    ``links``: parent_run_id, parent_node, continued_from, created_at, updated_at."""
+    return {
+        "run_id": run_id,
+        "workflow_id": workflow_id,
+        "workflow": workflow,
+        "version": version,
+        "spec_hash": spec_hash,
+        "status": RunStatus.PENDING.value,
+        "state": state.to_json(),
+        "input": input,
+        "record_version": 0,
+        "transition_count": 0,
+        **links,
+    }
+
+
 def insert_run(
     engine: Engine,
     *,
@@ -145,17 +173,16 @@ def insert_run(
         with engine.begin() as conn:
             conn.execute(
                 sa.insert(workflow_run).values(
-                    run_id=run_id,
-                    workflow_id=workflow_id,
-                    workflow=spec.name,
-                    version=spec.version,
-                    spec_hash=spec.spec_hash,
-                    status=RunStatus.PENDING.value,
-                    state=state.to_json(),
-                    input=input,
-                    record_version=0,
-                    transition_count=0,
-                    parent_run_id=parent_run_id,
+                    pending_run(
+                        run_id=run_id,
+                        workflow_id=workflow_id,
+                        workflow=spec.name,
+                        version=spec.version,
+                        spec_hash=spec.spec_hash,
+                        state=state,
+                        input=input,
+                        parent_run_id=parent_run_id,
+                    )
                 )
             )
         return run_id, True

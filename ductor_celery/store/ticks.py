@@ -16,7 +16,6 @@ from sqlalchemy.engine import Connection, Engine
 
 from ..engine import (
     RunState,
-    RunStatus,
     TickPayload,
 )
 from ..engine.status import TERMINAL_RUN_STATUSES
@@ -25,6 +24,7 @@ from .db import is_postgres
 from .external import lock_workflow_signals
 from .load import LoadedRun
 from .outbox import OutboxRow, insert_outbox, step_intent, wakeup_intent
+from .runs import pending_run
 from .schema import (
     step_attempt,
     workflow_control,
@@ -206,20 +206,19 @@ def _insert_successor(
     ).one()
     conn.execute(
         sa.insert(workflow_run).values(
-            run_id=successor.run_id,
-            workflow_id=loaded.workflow_id,
-            workflow=run.workflow,
-            version=run.version,
-            spec_hash=loaded.spec_hash,
-            status=RunStatus.PENDING.value,
-            state=successor.state.to_json(),
-            input=successor.input,
-            record_version=0,
-            transition_count=0,
-            parent_run_id=run.parent_run_id,
-            continued_from=loaded.run_id,
-            created_at=now,
-            updated_at=now,
+            pending_run(
+                run_id=successor.run_id,
+                workflow_id=loaded.workflow_id,
+                workflow=run.workflow,
+                version=run.version,
+                spec_hash=loaded.spec_hash,
+                state=successor.state,
+                input=successor.input,
+                parent_run_id=run.parent_run_id,
+                continued_from=loaded.run_id,
+                created_at=now,
+                updated_at=now,
+            )
         )
     )
     # Signals the predecessor never consumed belong to the successor now. Under the signal
@@ -261,6 +260,7 @@ def _children(
     for child in payload.child_starts:
         found = conn.execute(
             sa.select(
+                workflow_definition.c.spec_hash,
                 workflow_definition.c.name,
                 workflow_definition.c.version,
                 workflow_definition.c.spec,
@@ -274,20 +274,19 @@ def _children(
         inserted = conn.execute(
             insert(workflow_run)
             .values(
-                run_id=child.run_id,
-                workflow_id=f"{loaded.workflow_id}{child.workflow_id_suffix}"[:200],
-                workflow=found.name,
-                version=found.version,
-                spec_hash=child.spec_hash,
-                status=RunStatus.PENDING.value,
-                state=RunState.initial([n["id"] for n in found.spec["nodes"]]).to_json(),
-                input=child.input,
-                record_version=0,
-                transition_count=0,
-                parent_run_id=loaded.run_id,
-                parent_node=child.node,
-                created_at=now,
-                updated_at=now,
+                pending_run(
+                    run_id=child.run_id,
+                    workflow_id=f"{loaded.workflow_id}{child.workflow_id_suffix}"[:200],
+                    workflow=found.name,
+                    version=found.version,
+                    spec_hash=found.spec_hash,
+                    state=RunState.initial([n["id"] for n in found.spec["nodes"]]),
+                    input=child.input,
+                    parent_run_id=loaded.run_id,
+                    parent_node=child.node,
+                    created_at=now,
+                    updated_at=now,
+                )
             )
             .on_conflict_do_nothing()
             .returning(workflow_run.c.run_id)
