@@ -41,13 +41,15 @@ def start_child(
     input_value: Any,
     branch: int | None,
     generation: int,
+    owner: str | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Queue a child run for the commit: (its id, None), or (None, error) if its input is
-    refused."""
+    refused. ``owner`` is the run the ids derive from (a scatter carried over a
+    continue-as-new keeps naming its children after the run it started in)."""
     value, problem = json_problem(input_value, "child run input", t.inputs.config.max_payload_bytes)
     if problem is not None:
         return None, {"type": "PayloadTooLarge", "message": problem}
-    run_id = child_run_id(t.inputs.run_id, node_id, branch, generation)
+    run_id = child_run_id(owner or t.inputs.run_id, node_id, branch, generation)
     t.payload.child_starts.append(
         ChildStart(
             run_id=run_id,

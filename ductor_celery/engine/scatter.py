@@ -137,7 +137,7 @@ def _fill(t: TickContext, node_id: str, spec: AnyScatter, items: list[Any], scop
         )
         if isinstance(spec, ChildScatterNodeSpec):
             child, refused = children.start_child(
-                t, node_id, spec, resolve(spec.input, item_scope), index, sc.base
+                t, node_id, spec, resolve(spec.input, item_scope), index, sc.base, owner=sc.run
             )
             if child is None:
                 assert refused is not None

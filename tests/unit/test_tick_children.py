@@ -217,3 +217,26 @@ def test_child_run_scatter_tolerates_and_gathers() -> None:
     done = _fan_tick(spec, state, gathered={"kids": [0, {"error": {}}, 2, 3]})
     assert done.state.status == RunStatus.SUCCEEDED and done.output == [0, {"error": {}}, 2, 3]
     assert len(set(started)) == 2
+
+
+def test_a_child_scatter_carried_over_continue_as_new_names_children_after_its_first_run() -> None:
+    spec = _fan()
+    p = _fan_tick(spec, RunState())
+    first = p.child_starts[0].run_id
+    moved = _fan_tick(spec, p.state, control=ControlIn(id=1, kind="continue_as_new"))
+    assert moved.successor is not None
+    carried = moved.successor.state
+    sc = carried.nodes["kids"].scatter
+    assert carried.nodes["kids"].status == "waiting" and sc.run == "p"
+    nxt = compute_tick(
+        spec,
+        carried,
+        TickInputs(
+            run_id=moved.successor.run_id,
+            input={"items": [10, 11, 12, 13]},
+            children={first: ChildSnapshot(first, "succeeded", output=0)},
+        ),
+        T0,
+    )
+    [start] = nxt.child_starts
+    assert start.run_id == child_run_id("p", "kids", 2, sc.base)
