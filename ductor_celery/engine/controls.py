@@ -110,7 +110,8 @@ def maybe_continue_as_new(t: TickContext) -> bool:
         new_state = _carried(t)
         new_input = t.inputs.input
     t.payload.successor = SuccessorRun(run_id=successor_id, state=new_state, input=new_input)
-    close_in_flight(t, "continued as new")
+    # Child runs carried to the successor keep running: no parent-close for them.
+    close_in_flight(t, "continued as new", children=False)
     state.continue_pending = None
     t.move_run(RunStatus.CONTINUED, f"continued as {successor_id}")
     return True
@@ -129,7 +130,7 @@ def _carried(t: TickContext) -> RunState:
             ns.status == NodeStatus.FAILED and t.spec.graph.nodes[node_id].continue_on_failure
         )
         if done:
-            kept = NodeState(**{f: getattr(ns, f) for f in NodeState.__slots__})
+            kept = ns.copy()  # a copy: the predecessor's own node is closed below
             kept.token = None
             kept.check_at = None
             kept.resend_at = None

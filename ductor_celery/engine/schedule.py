@@ -39,17 +39,20 @@ def fail_run_on_fatal_node(t: TickContext) -> bool:
     return False
 
 
-def close_in_flight(t: TickContext, reason: str, *, revoke: bool = False) -> None:
+def close_in_flight(
+    t: TickContext, reason: str, *, revoke: bool = False, children: bool = True
+) -> None:
     """Cancel every running or waiting node: close its open attempts (every branch of a
-    scatter), drop pending retries, and with ``revoke`` ask workers to drop them too."""
+    scatter), drop pending retries, and with ``revoke`` ask workers to drop them too. Open
+    child runs get their node's parent-close policy unless ``children`` is False."""
     for node_id, ns in t.nodes.items():
         if ns.status not in (NodeStatus.RUNNING, NodeStatus.WAITING):
             continue
         for _, slot in list(slots(ns)):
             close_slot(t, node_id, slot, reason, revoke=revoke)
-        if ns.scatter is not None:
+        if ns.scatter is not None and (children or ns.status == NodeStatus.RUNNING):
             close_branches(t, node_id, reason, revoke=revoke)
-        if ns.status == NodeStatus.WAITING and ns.child_run is not None:
+        if children and ns.status == NodeStatus.WAITING and ns.child_run is not None:
             close_child(t, node_id, ns.child_run, reason)
         ns.finished_at = t.now
         t.move_node(node_id, NodeStatus.CANCELLED, reason)
