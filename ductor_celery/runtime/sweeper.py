@@ -71,7 +71,8 @@ class Sweeper:
             self._throttle(
                 sweep.unfolded_runs(engine, older_than=lost_after)
                 + sweep.pending_runs(engine, older_than=lost_after)
-                + sweep.runs_with_unhandled_controls(engine, older_than=lost_after),
+                + sweep.runs_with_unhandled_controls(engine, older_than=lost_after)
+                + sweep.parents_behind_children(engine, older_than=lost_after),
                 LOST_REWAKE_AFTER_S,
             )
             + self._throttle(

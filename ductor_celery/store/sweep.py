@@ -116,6 +116,26 @@ def runs_with_unapplied_signals(
     )
 
 
+def parents_behind_children(
+    engine: Engine, *, older_than: float, limit: int = 1000
+) -> list[str]:
+    """Open parents with a child that committed after the parent's own last commit, a while
+    ago: the child's wake-up of its parent (it finished, or passed a checkpoint) may be lost.
+    A parent that merely waits on a busy child gets a no-op tick; the caller throttles."""
+    child = workflow_run.alias("child")
+    return _run_ids(
+        engine,
+        sa.select(workflow_run.c.run_id)
+        .join(child, child.c.parent_run_id == workflow_run.c.run_id)
+        .where(
+            workflow_run.c.status == RunStatus.RUNNING.value,
+            child.c.updated_at > workflow_run.c.updated_at,
+            child.c.updated_at <= _cutoff(engine, older_than),
+        ),
+        limit,
+    )
+
+
 def pending_runs(engine: Engine, *, older_than: float, limit: int = 1000) -> list[str]:
     """Runs a client inserted that no tick has picked up: the first wake-up was lost."""
     return _run_ids(

@@ -133,3 +133,24 @@ def test_cancelling_the_parent_writes_a_control_for_the_open_child(engine: Any) 
             sa.text("SELECT status FROM eec_workflow_run WHERE run_id = :r"), {"r": kid}
         ).scalar_one()
     assert status == "terminated"
+
+
+def test_the_sweeper_finds_a_parent_whose_child_wake_up_was_lost(engine: Any) -> None:
+    from ductor_celery.store import attempts, sweep
+
+    parent, child = _specs()
+    specs = {parent.spec_hash: parent, child.spec_hash: child}
+    for spec in (child, parent):
+        runs.save_definition(engine, spec)
+    runs.insert_run(engine, run_id="p4", workflow_id="order-4", spec=parent, input={"x": 1})
+    [kid] = [r.run_id for r in _tick(engine, specs, "p4") if r.kind == "wakeup"]
+    assert sweep.parents_behind_children(engine, older_than=0) == []
+    [step] = [r for r in _tick(engine, specs, kid) if r.kind == "step"]
+    attempts.claim(engine, step.payload["token"], "w")
+    attempts.finish(engine, step.payload["token"], outcome="succeeded", output=1)
+    woke = _tick(engine, specs, kid)  # passes the checkpoint: this wake-up is "lost"
+    assert [r.run_id for r in woke if r.kind == "wakeup"] == ["p4"]
+    assert sweep.parents_behind_children(engine, older_than=0) == ["p4"]
+    assert sweep.parents_behind_children(engine, older_than=60) == [], "only once it is late"
+    _tick(engine, specs, "p4")  # the parent catches up
+    assert sweep.parents_behind_children(engine, older_than=0) == []
