@@ -10,6 +10,7 @@ checkpoint. See docs/fan-out.md.
 from __future__ import annotations
 
 import hashlib
+from datetime import timedelta
 from typing import Any
 
 from ..definition.paths import Scope, resolve
@@ -64,6 +65,19 @@ def start_child(
     return run_id, None
 
 
+def poll_later(t: TickContext, node_id: str) -> None:
+    """Look at the node's child runs again after ``child_poll_after`` at the latest."""
+    t.nodes[node_id].deadline = t.now + timedelta(seconds=t.inputs.config.child_poll_after)
+    t.payload.changed = True
+
+
+def poll_due(t: TickContext, node_id: str) -> None:
+    """Still waiting when the poll came due: schedule the next one."""
+    deadline = t.nodes[node_id].deadline
+    if deadline is None or deadline <= t.now:
+        poll_later(t, node_id)
+
+
 def start_subworkflow(
     t: TickContext, node_id: str, spec: SubworkflowNodeSpec, scope: Scope
 ) -> None:
@@ -77,6 +91,7 @@ def start_subworkflow(
         t.move_node(node_id, NodeStatus.FAILED, f"child run not started: {ns.error}")
         return
     ns.child_run = child
+    poll_later(t, node_id)
     what = f"until checkpoint {spec.until!r}" if spec.until else "to finish"
     t.move_node(
         node_id,
@@ -95,6 +110,7 @@ def absorb_subworkflows(t: TickContext) -> bool:
             continue
         snap = t.inputs.children.get(ns.child_run or "")
         if snap is None:
+            poll_due(t, node_id)
             continue
         if spec.until is not None and spec.until in snap.checkpoints:
             ns.finished_at = t.now
@@ -111,7 +127,9 @@ def absorb_subworkflows(t: TickContext) -> bool:
             ns.finished_at = t.now
             t.move_node(node_id, NodeStatus.FAILED, ns.error["message"])
         else:
+            poll_due(t, node_id)
             continue
+        ns.deadline = None
         finished = True
     return finished
 

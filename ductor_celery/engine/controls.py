@@ -89,6 +89,10 @@ def request_auto_continue(t: TickContext) -> None:
     limit = t.inputs.config.max_transitions
     if state.status == RunStatus.PAUSED:
         return  # the successor would start running: wait for resume
+    if any(ns.status == NodeStatus.RUNNING and ns.scatter for ns in t.nodes.values()):
+        # A running scatter is not carried (it would start over in the successor, and a big
+        # one could exhaust the budget again): continue once it has gathered.
+        return
     if state.continue_pending is None and state.transitions + len(t.payload.transitions) >= limit:
         state.continue_pending = {"input": None, "has_input": False}
         t.record(None, state.status, state.status, f"{limit} transitions: continuing as new")
@@ -110,8 +114,9 @@ def maybe_continue_as_new(t: TickContext) -> bool:
         new_state = _carried(t)
         new_input = t.inputs.input
     t.payload.successor = SuccessorRun(run_id=successor_id, state=new_state, input=new_input)
-    # Child runs carried to the successor keep running: no parent-close for them.
-    close_in_flight(t, "continued as new", children=False)
+    # Child runs carried to the successor keep running: no parent-close for them. Starting
+    # over with new input carries nothing, so its children are closed like any parent's.
+    close_in_flight(t, "continued as new", children=bool(pending.get("has_input")))
     state.continue_pending = None
     t.move_run(RunStatus.CONTINUED, f"continued as {successor_id}")
     return True

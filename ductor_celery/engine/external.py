@@ -54,7 +54,7 @@ def absorb_external(t: TickContext) -> bool:
         elif isinstance(spec, EventSetNodeSpec):
             done = _event_set(t, node_id, spec)
         else:
-            done = False
+            continue  # waiting on child runs: engine/children.py and engine/scatter.py
         if not done and ns.status == NodeStatus.WAITING:
             done = _timeout(t, node_id)
         finished = finished or done

@@ -16,6 +16,9 @@ class EngineConfig:
     default_step_timeout: float = 300.0
     max_payload_bytes: int = 1_048_576
     max_transitions: int = 10_000
+    #: A node waiting on child runs looks at them at least this often, whatever wake-ups were
+    #: lost on the way (a cheap backstop: one small commit per period).
+    child_poll_after: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)

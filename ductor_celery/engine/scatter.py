@@ -45,6 +45,7 @@ def start_scatter(t: TickContext, node_id: str, spec: AnyScatter, scope: Scope) 
         return
     if isinstance(spec, ChildScatterNodeSpec):
         ns.generation += 1  # child run ids are made from it: a redrive starts new children
+        children.poll_later(t, node_id)
     ns.scatter = ScatterState(run=t.inputs.run_id, base=ns.generation, total=len(items))
     what = "items" if isinstance(spec, ScatterNodeSpec) else f"child runs of {spec.workflow!r}"
     t.move_node(
@@ -78,6 +79,8 @@ def drive_scatters(t: TickContext) -> bool:
             continue
         if isinstance(spec, ChildScatterNodeSpec):
             _fold_children(t, node_id, sc)
+            if ns.status == NodeStatus.WAITING:
+                children.poll_due(t, node_id)
         active = ns.status == _active_status(spec)
         if active and sc.next < sc.total and len(sc.branches) < spec.max_parallel:
             if scope is None:
@@ -278,6 +281,7 @@ def assemble(sc: ScatterState, finals: dict[int, tuple[bool, Any]]) -> list[Any]
 def _gathered(t: TickContext, node_id: str, sc: ScatterState, gathered: list[Any]) -> None:
     ns = t.nodes[node_id]
     sc.gathering = False
+    ns.deadline = None
     ns.finished_at = t.now
     t.outputs[node_id] = gathered
     t.move_node(

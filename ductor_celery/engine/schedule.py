@@ -146,7 +146,8 @@ def next_wake_at(t: TickContext) -> datetime | None:
     for ns in t.nodes.values():
         for _, slot in slots(ns):
             due.extend(w for w in (slot.check_at, None if paused else slot.retry_at) if w)
-        if ns.status == NodeStatus.RUNNING and ns.scatter is not None and ns.scatter.gathering:
+        gathering = ns.scatter is not None and ns.scatter.gathering
+        if gathering and ns.status in (NodeStatus.RUNNING, NodeStatus.WAITING) and not paused:
             due.append(t.now)  # backstop: the gather's own wake-up message could be lost
         if ns.status == NodeStatus.WAITING and ns.deadline is not None and not paused:
             due.append(ns.deadline)

@@ -116,9 +116,7 @@ def runs_with_unapplied_signals(
     )
 
 
-def parents_behind_children(
-    engine: Engine, *, older_than: float, limit: int = 1000
-) -> list[str]:
+def parents_behind_children(engine: Engine, *, older_than: float, limit: int = 1000) -> list[str]:
     """Open parents with a child that committed after the parent's own last commit, a while
     ago: the child's wake-up of its parent (it finished, or passed a checkpoint) may be lost.
     A parent that merely waits on a busy child gets a no-op tick; the caller throttles."""

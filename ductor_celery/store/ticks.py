@@ -78,8 +78,11 @@ def commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list
         raise VersionConflict(loaded.run_id)
 
     # Every lease key this commit touches is locked up front, in sorted order.
+    # The keys of closed attempts come from their own rows (a lease_key never changes), not
+    # from the lease table: a waiter being closed may be granted a slot by a worker's finish
+    # until its key is locked, and that grant must be released too.
     closed_tokens = [c.token for c in payload.closed]
-    released_keys = leases.keys_held_by(conn, closed_tokens)
+    released_keys = _lease_keys_of(conn, closed_tokens)
     prior = _prior_attempts(conn, payload)
     leases.lock_keys(conn, released_keys + [k for _, k in _lease_keys(payload, prior) if k])
 
@@ -230,6 +233,13 @@ def _insert_successor(
         .where(workflow_signal.c.run_id == loaded.run_id, workflow_signal.c.applied_at.is_(None))
         .values(run_id=successor.run_id)
     )
+    # So are controls not handled yet (a parent closing this child as it continued), under the
+    # same lock that a parent's commit takes before it picks the newest run of the chain.
+    conn.execute(
+        sa.update(workflow_control)
+        .where(workflow_control.c.run_id == loaded.run_id, workflow_control.c.handled_at.is_(None))
+        .values(run_id=successor.run_id)
+    )
     return insert_outbox(conn, [wakeup_intent(successor.run_id)], now)
 
 
@@ -293,7 +303,17 @@ def _children(
         ).first()
         if inserted is not None:  # (rowcount is not reliable for ON CONFLICT on psycopg)
             intents.append(wakeup_intent(child.run_id))
+        elif not _run_exists(conn, child.run_id):
+            # Its workflow id is taken by an open run: tick this parent again at once, so it
+            # reads the child as missing and fails the node saying so.
+            intents.append(wakeup_intent(loaded.run_id))
     for control in payload.child_controls:
+        child_wf = conn.execute(
+            sa.select(workflow_run.c.workflow_id).where(workflow_run.c.run_id == control.run_id)
+        ).scalar_one_or_none()
+        if child_wf is None:
+            continue  # never inserted (its workflow id was taken): nothing to close
+        lock_workflow_signals(conn, child_wf)
         target = newest_of_chain(conn, control.run_id)
         conn.execute(
             sa.insert(workflow_control).values(
@@ -308,6 +328,15 @@ def _children(
     return insert_outbox(conn, intents, now)
 
 
+def _run_exists(conn: Connection, run_id: str) -> bool:
+    return (
+        conn.execute(
+            sa.select(workflow_run.c.run_id).where(workflow_run.c.run_id == run_id)
+        ).first()
+        is not None
+    )
+
+
 def reject_control(engine: Engine, control_id: int, result: str) -> None:
     """Mark a control handled without applying it (its commit would break a database rule)."""
     with engine.begin() as conn:
@@ -316,6 +345,20 @@ def reject_control(engine: Engine, control_id: int, result: str) -> None:
             .where(workflow_control.c.id == control_id, workflow_control.c.handled_at.is_(None))
             .values(handled_at=sa.func.now(), result=result[:2000])
         )
+
+
+def _lease_keys_of(conn: Connection, tokens: list[str]) -> list[str]:
+    if not tokens:
+        return []
+    return [
+        k
+        for k in conn.execute(
+            sa.select(step_attempt.c.lease_key).where(
+                step_attempt.c.token.in_(tokens), step_attempt.c.lease_key.is_not(None)
+            )
+        ).scalars()
+        if k
+    ]
 
 
 def _prior_attempts(conn: Connection, payload: TickPayload) -> dict[str, Any]:

@@ -154,3 +154,53 @@ def test_the_sweeper_finds_a_parent_whose_child_wake_up_was_lost(engine: Any) ->
     assert sweep.parents_behind_children(engine, older_than=60) == [], "only once it is late"
     _tick(engine, specs, "p4")  # the parent catches up
     assert sweep.parents_behind_children(engine, older_than=0) == []
+
+
+def test_a_child_whose_workflow_id_is_taken_fails_the_node_instead_of_hanging(
+    engine: Any,
+) -> None:
+    parent, child = _specs()
+    specs = {parent.spec_hash: parent, child.spec_hash: child}
+    for spec in (child, parent):
+        runs.save_definition(engine, spec)
+    # an open run (say, a child an earlier parent abandoned) holds the child's workflow id
+    runs.insert_run(engine, run_id="old", workflow_id="order-9/sub", spec=child, input={})
+    runs.insert_run(engine, run_id="p9", workflow_id="order-9", spec=parent, input={"x": 1})
+    sent = _tick(engine, specs, "p9")
+    assert [r.run_id for r in sent if r.kind == "wakeup"] == ["p9"], "the parent looks again"
+    _tick(engine, specs, "p9")
+    with engine.connect() as conn:
+        state = conn.execute(
+            sa.text("SELECT state FROM eec_workflow_run WHERE run_id = 'p9'")
+        ).scalar_one()
+    assert state["status"] == "failed"
+    assert "could not be started" in state["nodes"]["sub"]["error"]["message"]
+
+
+def test_a_control_for_a_child_that_continues_as_new_moves_to_its_successor(
+    engine: Any,
+) -> None:
+    _, child = _specs()
+    runs.save_definition(engine, child)
+    runs.insert_run(engine, run_id="k1", workflow_id="kid-1", spec=child, input={})
+    with engine.begin() as conn:
+        for kind in ("continue_as_new", "terminate"):
+            conn.execute(
+                sa.text("INSERT INTO eec_workflow_control (run_id, kind, has_input, created_at) "
+                        "VALUES ('k1', :k, false, now())"),
+                {"k": kind},
+            )
+    specs = {child.spec_hash: child}
+    _tick(engine, specs, "k1")  # drains continue_as_new (nothing in flight yet: continues)
+    for _ in range(3):
+        _tick(engine, specs, "k1")
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT run_id, kind, handled_at IS NOT NULL AS handled "
+                    "FROM eec_workflow_control ORDER BY id")
+        ).all()
+        succ = conn.execute(
+            sa.text("SELECT continued_to FROM eec_workflow_run WHERE run_id = 'k1'")
+        ).scalar_one()
+    assert succ is not None
+    assert [(r.run_id, r.kind) for r in rows] == [("k1", "continue_as_new"), (succ, "terminate")]

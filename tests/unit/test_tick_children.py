@@ -240,3 +240,44 @@ def test_a_child_scatter_carried_over_continue_as_new_names_children_after_its_f
     )
     [start] = nxt.child_starts
     assert start.run_id == child_run_id("p", "kids", 2, sc.base)
+
+
+def test_a_waiting_parent_polls_its_children_as_a_backstop() -> None:
+    spec = _parent()
+    s0 = _tick(spec, RunState()).state
+    child = s0.nodes["sub"].child_run
+    assert s0.nodes["sub"].deadline is not None
+    poll = s0.nodes["sub"].deadline
+    running = ChildSnapshot(child, "running")
+    early = compute_tick(spec, s0, TickInputs(run_id="p", input={"id": 7},
+                                              children={child: running}), T0)
+    assert not early.changed
+    late = compute_tick(spec, s0, TickInputs(run_id="p", input={"id": 7},
+                                             children={child: running}), poll)
+    assert late.changed and late.state.nodes["sub"].status == "waiting", "never a wait timeout"
+    assert late.next_wake_at is not None and late.next_wake_at > poll
+
+
+def test_a_gathering_child_scatter_keeps_a_timer() -> None:
+    spec = _fan()
+    state = _fan_tick(spec, RunState()).state
+    for _ in range(5):
+        sc = state.nodes["kids"].scatter
+        if sc.gathering:
+            break
+        snaps = {b.token: ChildSnapshot(b.token, "succeeded", output=i)
+                 for i, b in sc.branches.items()}
+        p = _fan_tick(spec, state, children=snaps)
+        state = p.state
+    assert state.nodes["kids"].scatter.gathering
+    assert p.next_wake_at == T0
+
+
+def test_continue_as_new_with_new_input_closes_the_children() -> None:
+    spec = _parent()
+    s0 = _tick(spec, RunState()).state
+    child = s0.nodes["sub"].child_run
+    p = _tick(spec, s0, control=ControlIn(id=1, kind="continue_as_new", input={"id": 8},
+                                          has_input=True))
+    assert p.successor is not None
+    assert [(c.run_id, c.kind) for c in p.child_controls] == [(child, "terminate")]

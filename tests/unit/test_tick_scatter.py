@@ -346,3 +346,43 @@ def test_scatter_invariants_hold_for_any_mix_of_outcomes(
     else:
         assert p.state.status == RunStatus.FAILED
         assert p.state.nodes["each"].error["type"] == "BranchFailed"
+
+
+def test_automatic_continue_as_new_waits_for_a_running_scatter() -> None:
+    from ductor_celery.engine import EngineConfig
+
+    spec = _spec(max_parallel=2, attempts=3, then=False)
+    sim = _Sim(spec, list(range(10)), lambda _i, a: a > 1)  # every branch fails once
+    low = EngineConfig(max_transitions=8)
+    original = sim.tick
+
+    def tick(results: tuple[AttemptResult, ...] = (), control: ControlIn | None = None) -> Any:
+        outputs = {"prep": sim.items} if sim.state.nodes.get("prep") and sim.state.nodes[
+            "prep"].output_token else {}
+        outputs.update(sim._gathered(finished=True))
+        inputs = TickInputs(run_id="r", input={"n": 10, "scale": 10}, results=results,
+                            outputs=outputs, gathered=sim._gathered(), config=low)
+        p = compute_tick(sim.spec, sim.state, inputs, sim.now)
+        for c in p.closed:
+            sim.open.remove(c.token)
+            sim.finished[c.token] = (c.outcome, c.error)
+        for a in p.new_attempts:
+            if a.args_from:
+                a = dataclasses.replace(a, args=sim.attempts[a.args_from].args)  # noqa: PLW2901
+            sim.attempts[a.token] = a
+            sim.open.append(a.token)
+        sim.state = p.state
+        return p
+
+    sim.tick = tick  # type: ignore[method-assign]
+    del original
+    p = sim.tick()
+    for _ in range(200):
+        assert p.successor is None or p.state.nodes["each"].status == "succeeded"
+        if p.state.status in (RunStatus.SUCCEEDED, RunStatus.CONTINUED):
+            break
+        results = sim.run_workers()
+        sim.now += timedelta(seconds=5)
+        p = sim.tick(results)
+    assert p.state.status in (RunStatus.SUCCEEDED, RunStatus.CONTINUED)
+    assert p.state.nodes["each"].status == "succeeded", "the scatter finished before continuing"
