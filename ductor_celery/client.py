@@ -125,13 +125,27 @@ class Client:
         while todo:
             current = todo.pop()
             for node in current.nodes:
-                pinned = getattr(node, "workflow_hash", None)
-                if pinned is None or pinned in found:
+                if not hasattr(node, "workflow"):
                     continue
-                if self._spec_by_hash is None:
+                pinned = getattr(node, "workflow_hash", None)
+                if pinned is None:
+                    # Not registered when the parent was: the newest definition of the name.
+                    try:
+                        child = self.find_definition(node.workflow)
+                    except WorkflowNotFound:
+                        raise WorkflowNotFound(
+                            f"workflow {current.name!r}, node {node.id!r} starts workflow "
+                            f"{node.workflow!r}, which is not registered"
+                        ) from None
+                elif pinned in found:
+                    continue
+                elif self._spec_by_hash is None:
                     raise WorkflowNotFound(f"no definition {pinned} for node {node.id!r}")
-                child = self._spec_by_hash(pinned)
-                found[pinned] = child
+                else:
+                    child = self._spec_by_hash(pinned)
+                if child.spec_hash in found:
+                    continue
+                found[child.spec_hash] = child
                 todo.append(child)
         return list(found.values())
 

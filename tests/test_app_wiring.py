@@ -166,3 +166,29 @@ def test_bad_step_options_are_refused_not_ignored(tmp_path: Path) -> None:
     wf.step("a", bad_key)
     with pytest.raises(DefinitionError, match="unknown node 'nope'"):
         d.register(wf)
+
+
+def test_a_parent_registered_before_its_child_starts_the_newest_child(tmp_path: Path) -> None:
+    from ductor_celery import WorkflowNotFound
+
+    d = Ductor(_app(tmp_path))
+
+    @d.step(name="t.double")
+    def double(ctx: StepContext, x: int) -> int:
+        return 2 * x
+
+    parent = Workflow("parent_first")
+    parent.subworkflow("sub", workflow="child_later", input={"x": "$.input.x"})
+    parent.output("$.nodes.sub.output")
+    d.register(parent)  # the child is not registered yet: resolved by name when a run starts
+    with pytest.raises(WorkflowNotFound, match="starts workflow 'child_later'"):
+        d.start("parent_first", input={"x": 2})
+
+    child = Workflow("child_later")
+    child.step("d", double, args={"x": "$.input.x"})
+    child.output("$.nodes.d.output")
+    d.register(child)
+    with d.local_workers():
+        view = d.wait(d.start("parent_first", input={"x": 21}).run_id, timeout=30)
+    assert view.status == RunStatus.SUCCEEDED, view.error
+    assert view.output == 42

@@ -455,13 +455,10 @@ def _build_child(
     child_name = raw["workflow"]
     if not isinstance(child_name, str) or not child_name:
         raise DefinitionError(f"{where}: workflow must be the name of a registered workflow")
-    if resolve_workflow is not None:
-        child = resolve_workflow(child_name)
-        if child is None:
-            raise DefinitionError(
-                f"{where}: unknown workflow {child_name!r} (register it before the workflows "
-                "that start it)"
-            )
+    child = resolve_workflow(child_name) if resolve_workflow is not None else None
+    if child is not None:
+        # Registered already: pin its definition. One registered later (or this workflow
+        # itself) is resolved by name when a run starts: the newest definition then.
         fields["workflow_hash"] = child.spec_hash
         until = raw.get("until")
         if until is not None and not isinstance(child.graph.nodes.get(until), CheckpointNodeSpec):

@@ -274,7 +274,15 @@ def _children(
                 workflow_definition.c.name,
                 workflow_definition.c.version,
                 workflow_definition.c.spec,
-            ).where(workflow_definition.c.spec_hash == child.spec_hash)
+            )
+            .where(
+                workflow_definition.c.spec_hash == child.spec_hash
+                if child.spec_hash is not None
+                # not pinned (registered after its parent): the newest definition of the name
+                else workflow_definition.c.name == child.workflow
+            )
+            .order_by(workflow_definition.c.version.desc(), workflow_definition.c.created_at.desc())
+            .limit(1)
         ).one_or_none()
         if found is None:
             raise LookupError(
