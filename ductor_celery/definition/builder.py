@@ -83,20 +83,17 @@ class Workflow:
         timeout: float | None = None,
     ) -> Workflow:
         """Add a node that runs ``step`` with ``args`` once every node in ``after`` finished."""
-        self._nodes.append(
-            {
-                "kind": "step",
-                "id": id,
-                "step": step,
-                "after": after,
-                "args": args,
-                "when": when,
-                "continue_on_failure": continue_on_failure,
-                "retry": retry,
-                "timeout": timeout,
-            }
+        return self._add(
+            "step",
+            id,
+            after,
+            when,
+            step=step,
+            args=args,
+            continue_on_failure=continue_on_failure,
+            retry=retry,
+            timeout=timeout,
         )
-        return self
 
     def scatter(
         self,
@@ -146,27 +143,22 @@ class Workflow:
                 parent_close=parent_close,
                 continue_on_failure=continue_on_failure,
             )
-        self._nodes.append(
-            {
-                "kind": "scatter",
-                "id": id,
-                "step": step,
-                "after": after,
-                "args": args,
-                "when": when,
-                "continue_on_failure": continue_on_failure,
-                "retry": retry,
-                "timeout": timeout,
-                "over": over,
-                "item_arg": item_arg,
-                "max_parallel": max_parallel,
-                "tolerated_failures": tolerated_failures,
-                "tolerated_failure_ratio": tolerated_failure_ratio,
-                "workflow": workflow,
-                "as_child_runs": as_child_runs,
-            }
+        return self._add(
+            "scatter",
+            id,
+            after,
+            when,
+            step=step,
+            args=args,
+            continue_on_failure=continue_on_failure,
+            retry=retry,
+            timeout=timeout,
+            over=over,
+            item_arg=item_arg,
+            max_parallel=max_parallel,
+            tolerated_failures=tolerated_failures,
+            tolerated_failure_ratio=tolerated_failure_ratio,
         )
-        return self
 
     def subworkflow(
         self,

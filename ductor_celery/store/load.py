@@ -6,7 +6,6 @@ anything, so a redundant wake-up costs one indexed read and no more.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -15,7 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec, WorkflowSpec
+from ..definition.spec import WorkflowSpec
 from ..engine import (
     AttemptCheck,
     AttemptResult,
@@ -28,12 +27,9 @@ from ..engine import (
     needed_outputs,
 )
 from ..engine.advance import slots
-from ..engine.children import child_run_id
-from ..engine.inputs import ChildSnapshot
-from ..engine.scatter import assemble
-from ..engine.state import ScatterState
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..engine.tick import ACTIVE, read_nodes
+from .composed import child_output, children_of, gather_any, outputs_cache
 from .db import aware, is_postgres
 from .leases import holds_lease
 from .schema import step_attempt, workflow_control, workflow_run, workflow_signal
@@ -49,34 +45,6 @@ class LoadedRun:
     state: RunState
     now: datetime
     parent_run_id: str | None = None
-
-
-class _OutputCache:
-    """Outputs are immutable once written, so each process keeps the recent ones."""
-
-    def __init__(self, size: int = 4096) -> None:
-        self._data: OrderedDict[str, Any] = OrderedDict()
-        self._size = size
-
-    def get_many(self, tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
-        found: dict[str, Any] = {}
-        missing: list[str] = []
-        for token in tokens:
-            if token in self._data:
-                self._data.move_to_end(token)
-                found[token] = self._data[token]
-            else:
-                missing.append(token)
-        return found, missing
-
-    def put(self, token: str, value: Any) -> None:
-        self._data[token] = value
-        self._data.move_to_end(token)
-        while len(self._data) > self._size:
-            self._data.popitem(last=False)
-
-
-_outputs = _OutputCache()
 
 
 def _exists(table: sa.Table, *where: Any) -> Any:
@@ -137,11 +105,11 @@ def load_on(
         control=control,
         received=_received(conn, state),
         gathered={
-            node: _gather_any(conn, spec, node, ns.scatter)
+            node: gather_any(conn, spec, node, ns.scatter)
             for node, ns in state.nodes.items()
             if ns.status in ACTIVE and ns.scatter is not None and ns.scatter.gathering
         },
-        children=_children(conn, spec, state),
+        children=children_of(conn, spec, state),
     )
     return loaded, spec, inputs
 
@@ -288,171 +256,23 @@ def _outputs_for(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[
         if found is None or found.status != NodeStatus.SUCCEEDED:
             continue
         if found.scatter:
-            outputs[node_id] = _gather_any(conn, spec, node_id, found.scatter)
+            outputs[node_id] = gather_any(conn, spec, node_id, found.scatter)
         elif found.child_run:
             outputs[node_id] = child_output(conn, spec, node_id, found.child_run)
     wanted = needed_outputs(spec, state)
     if not wanted:
         return outputs
-    cached, missing = _outputs.get_many(list(wanted.values()))
+    cached, missing = outputs_cache.get_many(list(wanted.values()))
     if missing:
         for r in conn.execute(
             sa.select(step_attempt.c.token, step_attempt.c.output).where(
                 step_attempt.c.token.in_(missing)
             )
         ):
-            _outputs.put(r.token, r.output)
+            outputs_cache.put(r.token, r.output)
             cached[r.token] = r.output
     outputs.update({node: cached.get(token) for node, token in wanted.items()})
     return outputs
-
-
-def _gather_any(conn: Connection, spec: WorkflowSpec, node: str, sc: ScatterState) -> list[Any]:
-    if isinstance(spec.graph.nodes.get(node), ChildScatterNodeSpec):
-        return gather_children(conn, node, sc)
-    return gather(conn, node, sc)
-
-
-def _children(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[str, ChildSnapshot]:
-    """Snapshots of the child runs this run waits on (sub-workflows and child-run scatters)."""
-    wanted: dict[str, str | None] = {}  # child run id -> checkpoint awaited
-    for node_id, ns in state.nodes.items():
-        if ns.status != NodeStatus.WAITING:
-            continue
-        node = spec.graph.nodes.get(node_id)
-        if isinstance(node, SubworkflowNodeSpec) and ns.child_run:
-            wanted[ns.child_run] = node.until
-        elif isinstance(node, ChildScatterNodeSpec) and ns.scatter is not None:
-            wanted.update({b.token: None for b in ns.scatter.branches.values() if b.token})
-    if not wanted:
-        return {}
-    newest = child_runs(conn, list(wanted), with_state=any(wanted.values()))
-    out: dict[str, ChildSnapshot] = {}
-    for child, until in wanted.items():
-        row = newest.get(child)
-        if row is None:
-            out[child] = ChildSnapshot(run_id=child, status="missing")
-            continue
-        reached: dict[str, Any] = {}
-        if until is not None and row.state is not None:
-            mark = (row.state.get("nodes") or {}).get(until) or {}
-            if mark.get("status") == NodeStatus.SUCCEEDED.value:
-                reached[until] = mark.get("output_value")
-        out[child] = ChildSnapshot(
-            run_id=row.run_id,
-            status=row.status,
-            output=row.output if row.status == "succeeded" else None,
-            error=row.error,
-            checkpoints=reached,
-        )
-    return out
-
-
-def child_runs(conn: Connection, ids: list[str], with_state: bool = False) -> dict[str, Any]:
-    """For each run id, the newest run of its continue-as-new chain (a child that continued
-    as new is followed to its successor). Missing ids are left out."""
-    cols = [
-        workflow_run.c.run_id,
-        workflow_run.c.status,
-        workflow_run.c.output,
-        workflow_run.c.error,
-        workflow_run.c.continued_to,
-        (workflow_run.c.state if with_state else sa.literal(None)).label("state"),
-    ]
-    out: dict[str, Any] = {}
-    pending = {i: i for i in ids}  # id to read -> the id the caller asked for
-    for _ in range(100):  # a chain longer than that is not followed further
-        if not pending:
-            break
-        rows = conn.execute(sa.select(*cols).where(workflow_run.c.run_id.in_(list(pending))))
-        follow: dict[str, str] = {}
-        for r in rows:
-            origin = pending[r.run_id]
-            if r.status == "continued" and r.continued_to:
-                follow[r.continued_to] = origin
-            else:
-                out[origin] = r
-        pending = follow
-    return out
-
-
-def gather_children(conn: Connection, node: str, sc: ScatterState) -> list[Any]:
-    """A child-run scatter's outputs in item order, read from the child runs."""
-    ids = {child_run_id(sc.run, node, i, sc.base): i for i in range(sc.total)}
-    rows = child_runs(conn, list(ids))
-    finals: dict[int, tuple[bool, Any]] = {}
-    for child, index in ids.items():
-        row = rows.get(child)
-        if row is None:
-            continue
-        if row.status == "succeeded":
-            finals[index] = (True, row.output)
-        else:
-            finals[index] = (
-                False,
-                {
-                    "type": "ChildRunFailed",
-                    "message": f"child run {row.run_id} {row.status}",
-                    "child_error": row.error,
-                },
-            )
-    return assemble(sc, finals)
-
-
-def child_output(conn: Connection, spec: WorkflowSpec, node: str, child: str) -> Any:
-    """A finished sub-workflow node's output: the child's output, or with ``until`` the
-    child's context at that checkpoint."""
-    node_spec = spec.graph.nodes.get(node)
-    until = node_spec.until if isinstance(node_spec, SubworkflowNodeSpec) else None
-    row = child_runs(conn, [child], with_state=until is not None).get(child)
-    if row is None:
-        return None
-    if until is None:
-        return row.output
-    return ((row.state or {}).get("nodes", {}).get(until) or {}).get("output_value")
-
-
-def gather(conn: Connection, node: str, sc: ScatterState) -> list[Any]:
-    """A scatter's outputs in item order: each branch's last attempt (the one that counted).
-
-    One query over the node's attempt rows of this scatter (generations above ``base``);
-    cached per process, since a finished scatter's branches never change.
-    """
-    key = f"gather:{sc.run}:{node}:{sc.base}:{sc.total}"
-    found, _ = _outputs.get_many([key])
-    if key in found:
-        return list(found[key])
-    ranked = (
-        sa.select(
-            step_attempt.c.branch,
-            step_attempt.c.outcome,
-            step_attempt.c.output,
-            step_attempt.c.error,
-            sa.func.row_number()
-            .over(partition_by=step_attempt.c.branch, order_by=step_attempt.c.generation.desc())
-            .label("rank"),
-        )
-        .where(
-            step_attempt.c.run_id == sc.run,
-            step_attempt.c.node == node,
-            step_attempt.c.generation > sc.base,
-            step_attempt.c.branch.is_not(None),
-            step_attempt.c.finished_at.is_not(None),
-        )
-        .subquery()
-    )
-    finals = {
-        r.branch: (r.outcome == "succeeded", r.output if r.outcome == "succeeded" else r.error)
-        for r in conn.execute(
-            sa.select(ranked.c.branch, ranked.c.outcome, ranked.c.output, ranked.c.error).where(
-                ranked.c.rank == 1
-            )
-        )
-    }
-    out = assemble(sc, finals)
-    if not sc.gathering:
-        _outputs.put(key, out)
-    return out
 
 
 def _payloads(conn: Connection, ids: list[int]) -> dict[int, Any]:

@@ -16,8 +16,8 @@ from sqlalchemy.exc import IntegrityError
 from ..definition.spec import ChildScatterNodeSpec, WorkflowSpec
 from ..engine.state import NodeState, RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
+from .composed import child_output, gather, gather_children
 from .db import aware
-from .load import child_output, gather, gather_children
 from .schema import step_attempt, workflow_definition, workflow_run, workflow_transition
 
 RUN_COLUMNS = (
@@ -187,7 +187,9 @@ def insert_run(
             )
         return run_id, True
     except IntegrityError:
-        if _run_exists(engine, run_id):
+        with engine.connect() as conn:
+            ours = run_exists(conn, run_id)
+        if ours:
             return run_id, True  # our own insert: it committed, but its answer was lost
         existing = open_run_id(engine, workflow_id)
         if existing is None:
@@ -195,14 +197,13 @@ def insert_run(
         return existing, False
 
 
-def _run_exists(engine: Engine, run_id: str) -> bool:
-    with engine.connect() as conn:
-        return (
-            conn.execute(
-                sa.select(workflow_run.c.run_id).where(workflow_run.c.run_id == run_id)
-            ).first()
-            is not None
-        )
+def run_exists(conn: Connection, run_id: str) -> bool:
+    return (
+        conn.execute(
+            sa.select(workflow_run.c.run_id).where(workflow_run.c.run_id == run_id)
+        ).first()
+        is not None
+    )
 
 
 def open_run_id(engine: Engine, workflow_id: str) -> str | None:

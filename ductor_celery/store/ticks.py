@@ -24,7 +24,7 @@ from .db import is_postgres
 from .external import lock_workflow_signals
 from .load import LoadedRun
 from .outbox import OutboxRow, insert_outbox, step_intent, wakeup_intent
-from .runs import pending_run
+from .runs import pending_run, run_exists
 from .schema import (
     step_attempt,
     workflow_control,
@@ -311,7 +311,7 @@ def _children(
         ).first()
         if inserted is not None:  # (rowcount is not reliable for ON CONFLICT on psycopg)
             intents.append(wakeup_intent(child.run_id))
-        elif not _run_exists(conn, child.run_id):
+        elif not run_exists(conn, child.run_id):
             # Its workflow id is taken by an open run: tick this parent again at once, so it
             # reads the child as missing and fails the node saying so.
             intents.append(wakeup_intent(loaded.run_id))
@@ -334,15 +334,6 @@ def _children(
         )
         intents.append(wakeup_intent(target))
     return insert_outbox(conn, intents, now)
-
-
-def _run_exists(conn: Connection, run_id: str) -> bool:
-    return (
-        conn.execute(
-            sa.select(workflow_run.c.run_id).where(workflow_run.c.run_id == run_id)
-        ).first()
-        is not None
-    )
 
 
 def reject_control(engine: Engine, control_id: int, result: str) -> None:

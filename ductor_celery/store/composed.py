@@ -1,0 +1,197 @@
+"""Outputs composed from many rows: a scatter's gathered list, and child-run snapshots.
+
+Read by the tick's loader (``load.py``) and by views (``runs.composed_output``). Outputs are
+immutable once written, so finished gathers and attempt outputs are cached per process.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec, WorkflowSpec
+from ..engine import NodeStatus, RunState
+from ..engine.children import child_run_id
+from ..engine.inputs import ChildSnapshot
+from ..engine.scatter import assemble
+from ..engine.state import ScatterState
+from .schema import step_attempt, workflow_run
+
+
+class _OutputCache:
+    """Outputs are immutable once written, so each process keeps the recent ones."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._data: OrderedDict[str, Any] = OrderedDict()
+        self._size = size
+
+    def get_many(self, tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
+        found: dict[str, Any] = {}
+        missing: list[str] = []
+        for token in tokens:
+            if token in self._data:
+                self._data.move_to_end(token)
+                found[token] = self._data[token]
+            else:
+                missing.append(token)
+        return found, missing
+
+    def put(self, token: str, value: Any) -> None:
+        self._data[token] = value
+        self._data.move_to_end(token)
+        while len(self._data) > self._size:
+            self._data.popitem(last=False)
+
+
+outputs_cache = _OutputCache()
+
+
+def gather_any(conn: Connection, spec: WorkflowSpec, node: str, sc: ScatterState) -> list[Any]:
+    if isinstance(spec.graph.nodes.get(node), ChildScatterNodeSpec):
+        return gather_children(conn, node, sc)
+    return gather(conn, node, sc)
+
+
+def children_of(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[str, ChildSnapshot]:
+    """Snapshots of the child runs this run waits on (sub-workflows and child-run scatters)."""
+    wanted: dict[str, str | None] = {}  # child run id -> checkpoint awaited
+    for node_id, ns in state.nodes.items():
+        if ns.status != NodeStatus.WAITING:
+            continue
+        node = spec.graph.nodes.get(node_id)
+        if isinstance(node, SubworkflowNodeSpec) and ns.child_run:
+            wanted[ns.child_run] = node.until
+        elif isinstance(node, ChildScatterNodeSpec) and ns.scatter is not None:
+            wanted.update({b.token: None for b in ns.scatter.branches.values() if b.token})
+    if not wanted:
+        return {}
+    newest = child_runs(conn, list(wanted), with_state=any(wanted.values()))
+    out: dict[str, ChildSnapshot] = {}
+    for child, until in wanted.items():
+        row = newest.get(child)
+        if row is None:
+            out[child] = ChildSnapshot(run_id=child, status="missing")
+            continue
+        reached: dict[str, Any] = {}
+        if until is not None and row.state is not None:
+            mark = (row.state.get("nodes") or {}).get(until) or {}
+            if mark.get("status") == NodeStatus.SUCCEEDED.value:
+                reached[until] = mark.get("output_value")
+        out[child] = ChildSnapshot(
+            run_id=row.run_id,
+            status=row.status,
+            output=row.output if row.status == "succeeded" else None,
+            error=row.error,
+            checkpoints=reached,
+        )
+    return out
+
+
+def child_runs(conn: Connection, ids: list[str], with_state: bool = False) -> dict[str, Any]:
+    """For each run id, the newest run of its continue-as-new chain (a child that continued
+    as new is followed to its successor). Missing ids are left out."""
+    cols = [
+        workflow_run.c.run_id,
+        workflow_run.c.status,
+        workflow_run.c.output,
+        workflow_run.c.error,
+        workflow_run.c.continued_to,
+        (workflow_run.c.state if with_state else sa.literal(None)).label("state"),
+    ]
+    out: dict[str, Any] = {}
+    pending = {i: i for i in ids}  # id to read -> the id the caller asked for
+    for _ in range(100):  # a chain longer than that is not followed further
+        if not pending:
+            break
+        rows = conn.execute(sa.select(*cols).where(workflow_run.c.run_id.in_(list(pending))))
+        follow: dict[str, str] = {}
+        for r in rows:
+            origin = pending[r.run_id]
+            if r.status == "continued" and r.continued_to:
+                follow[r.continued_to] = origin
+            else:
+                out[origin] = r
+        pending = follow
+    return out
+
+
+def gather_children(conn: Connection, node: str, sc: ScatterState) -> list[Any]:
+    """A child-run scatter's outputs in item order, read from the child runs."""
+    ids = {child_run_id(sc.run, node, i, sc.base): i for i in range(sc.total)}
+    rows = child_runs(conn, list(ids))
+    finals: dict[int, tuple[bool, Any]] = {}
+    for child, index in ids.items():
+        row = rows.get(child)
+        if row is None:
+            continue
+        if row.status == "succeeded":
+            finals[index] = (True, row.output)
+        else:
+            finals[index] = (
+                False,
+                {
+                    "type": "ChildRunFailed",
+                    "message": f"child run {row.run_id} {row.status}",
+                    "child_error": row.error,
+                },
+            )
+    return assemble(sc, finals)
+
+
+def child_output(conn: Connection, spec: WorkflowSpec, node: str, child: str) -> Any:
+    """A finished sub-workflow node's output: the child's output, or with ``until`` the
+    child's context at that checkpoint."""
+    node_spec = spec.graph.nodes.get(node)
+    until = node_spec.until if isinstance(node_spec, SubworkflowNodeSpec) else None
+    row = child_runs(conn, [child], with_state=until is not None).get(child)
+    if row is None:
+        return None
+    if until is None:
+        return row.output
+    return ((row.state or {}).get("nodes", {}).get(until) or {}).get("output_value")
+
+
+def gather(conn: Connection, node: str, sc: ScatterState) -> list[Any]:
+    """A scatter's outputs in item order: each branch's last attempt (the one that counted).
+
+    One query over the node's attempt rows of this scatter (generations above ``base``);
+    cached per process, since a finished scatter's branches never change.
+    """
+    key = f"gather:{sc.run}:{node}:{sc.base}:{sc.total}"
+    found, _ = outputs_cache.get_many([key])
+    if key in found:
+        return list(found[key])
+    ranked = (
+        sa.select(
+            step_attempt.c.branch,
+            step_attempt.c.outcome,
+            step_attempt.c.output,
+            step_attempt.c.error,
+            sa.func.row_number()
+            .over(partition_by=step_attempt.c.branch, order_by=step_attempt.c.generation.desc())
+            .label("rank"),
+        )
+        .where(
+            step_attempt.c.run_id == sc.run,
+            step_attempt.c.node == node,
+            step_attempt.c.generation > sc.base,
+            step_attempt.c.branch.is_not(None),
+            step_attempt.c.finished_at.is_not(None),
+        )
+        .subquery()
+    )
+    finals = {
+        r.branch: (r.outcome == "succeeded", r.output if r.outcome == "succeeded" else r.error)
+        for r in conn.execute(
+            sa.select(ranked.c.branch, ranked.c.outcome, ranked.c.output, ranked.c.error).where(
+                ranked.c.rank == 1
+            )
+        )
+    }
+    out = assemble(sc, finals)
+    if not sc.gathering:
+        outputs_cache.put(key, out)
+    return out
