@@ -1,0 +1,80 @@
+"""Every limit ductor enforces at the door, in one place, the same on SQLite and PostgreSQL.
+
+A value is checked against these before anything is written, so a run can never be accepted
+and then fail to tick (an infinite timeout overflowing a datetime, a node id too long for its
+column, a payload nested too deep to decode). The README's "Limits" section lists them.
+
+Pure: imported by ``definition/`` and ``engine/`` as well as the client.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: Workflow ids and names, node ids, step names, signal names, idempotency keys, queue names,
+#: ``requested_by``: 1..200 characters, no NUL (the columns are ``VARCHAR(200)``).
+MAX_ID_LENGTH = 200
+
+#: Deepest nesting of lists and dicts in any JSON value ductor stores (inputs, arguments,
+#: outputs, context patches, signal payloads, heartbeat details, reasons).
+MAX_JSON_DEPTH = 100
+
+#: Longest duration in seconds (timeouts, sleeps, retry intervals): ten years. Anything longer
+#: is a typo for "never" (write ``None``), and ``now + seconds`` must stay a valid datetime.
+MAX_DURATION_S = 10 * 365 * 86400.0
+
+#: Largest ``RetryPolicy.max_attempts``.
+MAX_ATTEMPTS = 1_000_000
+
+#: Largest ``RetryPolicy.backoff`` multiplier.
+MAX_BACKOFF = 1000.0
+
+#: Largest workflow version, ``max_parallel``, ``tolerated_failures``, event-set ``mode``:
+#: what a 32-bit signed integer column holds.
+MAX_INT = 2**31 - 1
+
+#: ``list_runs(limit=...)``, ``ductor runs --limit``: 1..MAX_LIST_LIMIT.
+MAX_LIST_LIMIT = 1000
+
+
+def is_number(value: object) -> bool:
+    """An int or float, not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def duration_problem(value: object, *, allow_zero: bool = False) -> str | None:
+    """Why ``value`` is not a usable number of seconds, or ``None`` when it is."""
+    if not is_number(value):
+        return f"must be a number of seconds, got {value!r}"
+    assert isinstance(value, int | float)
+    if not math.isfinite(value):
+        return f"must be a finite number of seconds, got {value!r}"
+    if value < 0 or (value == 0 and not allow_zero):
+        return f"must be {'>= 0' if allow_zero else 'positive'}, got {value!r}"
+    if value > MAX_DURATION_S:
+        return f"must be at most {MAX_DURATION_S:.0f} s (ten years), got {value!r}"
+    return None
+
+
+def int_problem(value: object, *, minimum: int, maximum: int = MAX_INT) -> str | None:
+    """Why ``value`` is not an integer in ``minimum..maximum``, or ``None`` when it is."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return f"must be an integer, got {value!r}"
+    if not minimum <= value <= maximum:
+        return f"must be between {minimum} and {maximum}, got {value!r}"
+    return None
+
+
+def id_problem(value: object) -> str | None:
+    """Why ``value`` is not a usable identifier string, or ``None`` when it is."""
+    if not isinstance(value, str):
+        return f"must be a string, got {type(value).__name__}"
+    if not value:
+        return "must not be empty"
+    if len(value) > MAX_ID_LENGTH:
+        return f"must be at most {MAX_ID_LENGTH} characters, got {len(value)}"
+    if "\x00" in value:
+        return "must not contain NUL characters"
+    if not value.isprintable() and any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+        return "must not contain lone surrogates (it is not valid Unicode)"
+    return None
