@@ -6,7 +6,6 @@ on one socket corrupt the protocol), so engines are keyed by (pid, url) and buil
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -21,6 +20,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from ..errors import StoreUnavailable
+from .schema import dumps_json
 
 log = logging.getLogger("ductor_celery.store")
 
@@ -28,10 +28,6 @@ _engines: dict[tuple[int, str], Engine] = {}
 _lock = threading.Lock()
 
 T = TypeVar("T")
-
-
-def _json_dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
 
 
 def get_engine(url: str) -> Engine:
@@ -55,7 +51,7 @@ def _create_engine(url: str) -> Engine:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         engine = sa.create_engine(
             url,
-            json_serializer=_json_dumps,
+            json_serializer=dumps_json,
             connect_args={"check_same_thread": False, "timeout": 30},
         )
 
@@ -79,7 +75,7 @@ def _create_engine(url: str) -> Engine:
     # a whole transaction on a dropped connection (with_retry), which also covers a restart.
     return sa.create_engine(
         url,
-        json_serializer=_json_dumps,
+        json_serializer=dumps_json,
         pool_size=5,
         max_overflow=10,
         pool_recycle=1800,

@@ -7,13 +7,67 @@ run per workflow id, one row per attempt token, one transition per (run, seq).
 
 from __future__ import annotations
 
+import decimal
+import json
+import re
+from typing import Any
+
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 
 metadata = sa.MetaData()
 
-#: JSONB on PostgreSQL, JSON (text) elsewhere.
-Json = sa.JSON().with_variant(JSONB(), "postgresql")
+# A JSON string, or a number written with a positive exponent (json.dumps prints floats from
+# 1e16 up as ``1e+16``). Strings come first so that text inside them is never touched.
+_STRING_OR_BIG_FLOAT = re.compile(r'"(?:[^"\\]|\\.)*"|(-?\d+(?:\.\d+)?[eE]\+\d+)')
+
+
+def _float_as_decimal(match: re.Match[str]) -> str:
+    number = match.group(1)
+    if number is None:
+        return match.group(0)
+    return format(decimal.Decimal(number), "f") + ".0"
+
+
+def dumps_json(value: Any) -> str:
+    """The JSON text ductor stores, the same on every database.
+
+    A float with a positive exponent is written out in full with a trailing ``.0``
+    (``1e+16`` -> ``10000000000000000.0``): PostgreSQL's jsonb prints ``1e+16`` back as
+    ``10000000000000000``, which would read back as an int. Everything else is ``json.dumps``.
+    """
+    text = json.dumps(value, separators=(",", ":"))
+    if "e+" in text or "E+" in text:
+        text = _STRING_OR_BIG_FLOAT.sub(_float_as_decimal, text)
+    return text
+
+
+class JsonText(sa.types.TypeDecorator[Any]):
+    """JSON kept as TEXT on SQLite, so a stored value comes back exactly as it went in.
+
+    A column declared ``JSON`` has NUMERIC affinity in SQLite: a bare number stored in it is
+    converted on the way in (``2**64 + 1`` becomes the REAL ``1.8446744073709552e+19``,
+    ``1.0`` becomes ``1``, ``-0.0`` becomes ``0``). A TEXT column never converts. Python
+    ``None`` is stored as the JSON text ``null``, as SQLAlchemy's ``JSON`` type does.
+    """
+
+    impl = sa.Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: sa.Dialect) -> str:
+        return dumps_json(value)
+
+    def process_result_value(self, value: Any, dialect: sa.Dialect) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, bytes | str):
+            return json.loads(value)
+        return value  # a number stored before migration 0005 (already converted by SQLite)
+
+
+#: JSONB on PostgreSQL, JSON as exact TEXT on SQLite (path expressions such as
+#: ``state["context"]`` still compile to ``json_extract`` there).
+Json = sa.JSON().with_variant(JSONB(), "postgresql").with_variant(JsonText(), "sqlite")
 Ts = sa.DateTime(timezone=True)
 
 OPEN_STATUSES_SQL = "status IN ('pending', 'running', 'paused')"

@@ -95,3 +95,32 @@ def test_cli_migrate_against_an_unreachable_database_fails_in_one_line() -> None
     assert result.exit_code == 1
     assert result.output.startswith("error: migration failed")
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_sqlite_0005_turns_json_columns_into_text_keeping_rows_and_indexes(tmp_path: Any) -> None:
+    url = f"sqlite:///{tmp_path}/old.sqlite3"
+    upgrade(url, "0004")
+    engine = get_engine(url)
+
+    def indexes() -> list[tuple[str, str]]:
+        with engine.connect() as conn:
+            return sorted(
+                conn.exec_driver_sql(
+                    "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
+                ).fetchall()
+            )
+
+    before = indexes()
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO eec_workflow_definition (spec_hash, name, version, spec) "
+            "VALUES ('h', 'w', 1, '{\"nodes\": []}')"
+        )
+    upgrade(url)
+    assert indexes() == before  # the partial unique index on open workflow ids included
+    with engine.connect() as conn:
+        columns = {c["name"]: c["type"] for c in sa.inspect(conn).get_columns("eec_workflow_run")}
+        spec = conn.exec_driver_sql("SELECT spec FROM eec_workflow_definition").scalar_one()
+    assert all(isinstance(columns[c], sa.Text) for c in ("state", "input", "output", "error"))
+    assert spec == '{"nodes": []}'
+    assert _diff(url) == []
