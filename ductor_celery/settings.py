@@ -24,6 +24,9 @@ class Settings:
     max_transitions: int = 10_000
     #: Outbox rows older than this are considered abandoned by their dispatcher.
     outbox_grace: float = 2.0
+    #: A step worker that has written an outcome runs its run's tick itself when no other tick
+    #: of the run is in progress; otherwise (and always when False) the coordinator does.
+    eager_ticks: bool = True
 
     @property
     def embedded(self) -> bool:
@@ -64,7 +67,20 @@ class Settings:
             max_payload_bytes=get("max_payload_bytes", defaults.max_payload_bytes, int),
             max_transitions=get("max_transitions", defaults.max_transitions, int),
             outbox_grace=get("outbox_grace", defaults.outbox_grace, float),
+            eager_ticks=get("eager_ticks", defaults.eager_ticks, _flag),
         )
+
+
+def _flag(value: Any) -> bool:
+    """A boolean setting: True/False, or the strings Celery users write in env-driven configs."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"a ductor flag setting must be true or false, got {value!r}")
 
 
 def normalize_url(url: str) -> str:

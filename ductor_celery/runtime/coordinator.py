@@ -1,13 +1,22 @@
 """The coordinator's tick: load -> compute (pure) -> commit (versioned) -> dispatch.
 
-Load and commit share one transaction (one connection, one BEGIN): the commit stays
-conditional on ``record_version``, so a racing coordinator still makes this one recompute.
+Load and commit share one transaction (one connection, one BEGIN). The load locks the run row
+(``store.load.load_on``): that lock is the run's tick lock, so two processes never compute one
+run at once, and the commit stays conditional on ``record_version`` as the last line of defence.
+
+The same code runs in two places (docs/architecture.md, "Who runs a tick"):
+- on the coordinator queue (``ductor.tick``), waiting for the run's lock;
+- eagerly, in the step worker that has just written an attempt's outcome
+  (``ductor_eager_ticks``), only if it can take the lock without waiting; otherwise that
+  worker sends the wake-up to the coordinator queue instead.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import IntegrityError
@@ -15,9 +24,10 @@ from sqlalchemy.exc import IntegrityError
 from ..engine import compute_tick
 from ..store import wakes
 from ..store.db import with_retry
-from ..store.load import load_on
-from ..store.outbox import OutboxRow, delete_outbox
+from ..store.load import RunBusy, load_on
+from ..store.outbox import OutboxRow
 from ..store.ticks import VersionConflict, commit_on, reject_control
+from .outbox_janitor import sent_outbox
 
 if TYPE_CHECKING:
     from ..engine import TickPayload
@@ -28,28 +38,59 @@ log = logging.getLogger("ductor_celery.coordinator")
 MAX_CONFLICT_RETRIES = 50
 
 
-def run_tick(rt: Runtime, run_id: str) -> str:
-    """One tick of one run. Returns "missing", "noop", "committed" or "conflict"."""
+@dataclass
+class TickStats:
+    """What this process's ticks did, for benchmarks and metrics: outcomes and recomputes."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    #: Ticks computed again because the run or one of its attempts changed under them.
+    conflicts: int = 0
+
+    def count(self, outcome: str) -> None:
+        self.outcomes[outcome] += 1
+
+
+#: Per process (a prefork child has its own).
+TICK_STATS = TickStats()
+
+
+def run_tick(rt: Runtime, run_id: str, *, eager: bool = False) -> str:
+    """One tick of one run. Returns "missing", "noop", "committed" or "conflict"; with
+    ``eager``, "busy" when another tick holds the run's lock (the caller then wakes the
+    coordinator, which waits for it).
+
+    An eager tick leaves the coalesced wake-up row alone: a row there means a tick message is
+    queued whose tick has not started, and that tick clears it (store/wakes.py).
+    """
     engine = rt.engine()
-    # Before the load: a result committed after this point wakes the run again (store/wakes).
-    with_retry(functools.partial(wakes.clear_wake, engine, run_id), what="clear wake-up")
+    if not eager:
+        # Before the load: a result committed after this point wakes the run again.
+        with_retry(functools.partial(wakes.clear_wake, engine, run_id), what="clear wake-up")
     for _ in range(MAX_CONFLICT_RETRIES):
         try:
             outcome, payload, outbox = with_retry(
-                functools.partial(_load_compute_commit, rt, run_id), what="tick"
+                functools.partial(_load_compute_commit, rt, run_id, eager), what="tick"
             )
         except VersionConflict as conflict:
+            TICK_STATS.conflicts += 1
             log.debug("run %s: %s; recomputing", run_id, conflict)
             continue
+        except RunBusy:
+            TICK_STATS.count("busy")
+            return "busy"
         except _Rejected:
             continue
+        TICK_STATS.count(outcome)
         if outcome != "committed":
             return outcome
-        rt.failpoint("after_commit_before_dispatch")
+        rt.failpoint(
+            "eager_after_commit_before_dispatch" if eager else "after_commit_before_dispatch"
+        )
         if outbox:
             rt.dispatcher.send(outbox)
-            sent_ids = [r.id for r in outbox]
-            with_retry(functools.partial(delete_outbox, engine, sent_ids), what="clear outbox")
+            # Off the critical path: deleted in batches by a background thread. A row this
+            # process dies before deleting is sent again by the sweeper (harmless: by token).
+            sent_outbox(engine).add([r.id for r in outbox])
         return "committed"
     log.error("run %s: gave up after %d conflicting ticks", run_id, MAX_CONFLICT_RETRIES)
     return "conflict"
@@ -60,14 +101,14 @@ class _Rejected(Exception):
 
 
 def _load_compute_commit(
-    rt: Runtime, run_id: str
+    rt: Runtime, run_id: str, eager: bool = False
 ) -> tuple[str, TickPayload | None, list[OutboxRow]]:
     engine = rt.engine()
     config = rt.settings.engine_config()
     payload: TickPayload | None = None
     try:
         with engine.begin() as conn:
-            loaded_all = load_on(conn, run_id, rt.spec_for, config)
+            loaded_all = load_on(conn, run_id, rt.spec_for, config, wait_for_lock=not eager)
             if loaded_all is None:
                 log.warning("tick for unknown run %s ignored", run_id)
                 return "missing", None, []

@@ -62,19 +62,34 @@ def load_tick(
         return load_on(conn, run_id, lambda spec_hash, _conn: spec_for(spec_hash), config)
 
 
+class RunBusy(Exception):
+    """Another tick holds the run's lock (only raised when asked not to wait for it)."""
+
+
 def load_on(
     conn: Connection,
     run_id: str,
     spec_for: Callable[[str, Connection], WorkflowSpec],
     config: EngineConfig,
+    *,
+    wait_for_lock: bool = True,
 ) -> tuple[LoadedRun, WorkflowSpec, TickInputs] | None:
     """Read everything one tick needs, on ``conn`` (the coordinator's commit transaction).
+
+    On PostgreSQL the run row is read ``FOR UPDATE``: the row lock is the run's tick lock, held
+    until the tick commits or rolls back, so two processes never compute one run at once (the
+    version check stays the last line of defence). ``wait_for_lock=False`` (an eager tick in a
+    step worker) reads it ``FOR UPDATE SKIP LOCKED`` and raises ``RunBusy`` when another tick
+    holds it. SQLite needs neither: every tick transaction starts with ``BEGIN IMMEDIATE``,
+    which serializes them.
 
     ``spec_for`` gets the connection too: a definition missing from the process cache is read
     on it, never on a second connection (on SQLite that one would wait for this one's lock).
     """
-    row = _run_row(conn, run_id)
+    row = _run_row(conn, run_id, wait_for_lock)
     if row is None:
+        if not wait_for_lock and _run_exists(conn, run_id):
+            raise RunBusy(run_id)
         return None
     now = aware(row.now) if row.now is not None else datetime.now(UTC)
     assert now is not None
@@ -114,37 +129,48 @@ def load_on(
     return loaded, spec, inputs
 
 
-def _run_row(conn: Connection, run_id: str) -> Any:
-    now_col = sa.func.now() if is_postgres(conn.engine) else sa.literal(None)
-    return conn.execute(
-        sa.select(
-            workflow_run.c.run_id,
-            workflow_run.c.workflow_id,
-            workflow_run.c.workflow,
-            workflow_run.c.spec_hash,
-            workflow_run.c.record_version,
-            workflow_run.c.state,
-            workflow_run.c.input,
-            workflow_run.c.parent_run_id,
-            now_col.label("now"),
-            _exists(
-                step_attempt,
-                step_attempt.c.run_id == run_id,
-                step_attempt.c.finished_at.is_not(None),
-                sa.not_(step_attempt.c.folded),
-            ).label("has_results"),
-            _exists(
-                workflow_control,
-                workflow_control.c.run_id == run_id,
-                workflow_control.c.handled_at.is_(None),
-            ).label("has_control"),
-            _exists(
-                workflow_signal,
-                workflow_signal.c.run_id == run_id,
-                workflow_signal.c.applied_at.is_(None),
-            ).label("has_signals"),
-        ).where(workflow_run.c.run_id == run_id)
-    ).one_or_none()
+def _run_exists(conn: Connection, run_id: str) -> bool:
+    found = conn.execute(sa.select(workflow_run.c.run_id).where(workflow_run.c.run_id == run_id))
+    return found.first() is not None
+
+
+def _run_row(conn: Connection, run_id: str, wait_for_lock: bool = True) -> Any:
+    postgres = is_postgres(conn.engine)
+    now_col = sa.func.now() if postgres else sa.literal(None)
+    lock: dict[str, Any] = {}
+    if postgres:
+        # Lock the run row only (the EXISTS subqueries read the inbox tables without locks).
+        lock = {"of": workflow_run, "skip_locked": not wait_for_lock}
+    query = sa.select(
+        workflow_run.c.run_id,
+        workflow_run.c.workflow_id,
+        workflow_run.c.workflow,
+        workflow_run.c.spec_hash,
+        workflow_run.c.record_version,
+        workflow_run.c.state,
+        workflow_run.c.input,
+        workflow_run.c.parent_run_id,
+        now_col.label("now"),
+        _exists(
+            step_attempt,
+            step_attempt.c.run_id == run_id,
+            step_attempt.c.finished_at.is_not(None),
+            sa.not_(step_attempt.c.folded),
+        ).label("has_results"),
+        _exists(
+            workflow_control,
+            workflow_control.c.run_id == run_id,
+            workflow_control.c.handled_at.is_(None),
+        ).label("has_control"),
+        _exists(
+            workflow_signal,
+            workflow_signal.c.run_id == run_id,
+            workflow_signal.c.applied_at.is_(None),
+        ).label("has_signals"),
+    ).where(workflow_run.c.run_id == run_id)
+    if lock:
+        query = query.with_for_update(**lock)
+    return conn.execute(query).one_or_none()
 
 
 def _results(conn: Connection, run_id: str) -> tuple[AttemptResult, ...]:

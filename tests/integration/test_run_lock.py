@@ -1,0 +1,150 @@
+"""The run's tick lock on PostgreSQL: an eager tick never waits for it, a coordinator tick does,
+and ticks racing on one run do not recompute (issue 10: eager ticks, several coordinators)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from ductor_celery import Ductor, Workflow
+from ductor_celery.runtime import coordinator
+from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.store import attempts
+from ductor_celery.store.db import get_engine
+
+
+@pytest.fixture
+def ductor(database_url: str, tmp_path: Path) -> Any:
+    app = Celery(f"lock{tmp_path.name}", set_as_current=False)
+    app.conf.broker_url = "memory://"
+    d = Ductor(app, database_url=database_url)
+    sent: list[Any] = []
+    d.runtime.dispatcher.send = sent.extend  # type: ignore[method-assign]
+    d.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+    d.step(name="t.noop")(lambda ctx, item=None: item)
+    wf = Workflow("fan")
+    wf.scatter("each", "t.noop", over="$.input.items", max_parallel=64)
+    wf.step("after", "t.noop", after=["each"])
+    d.register(wf)
+    return d
+
+
+def _record_version(url: str, run_id: str) -> int:
+    with get_engine(url).connect() as conn:
+        return int(
+            conn.execute(
+                sa.text("SELECT record_version FROM eec_workflow_run WHERE run_id = :r"),
+                {"r": run_id},
+            ).scalar_one()
+        )
+
+
+def _hold_run_lock(url: str, run_id: str, release: threading.Event, held: threading.Event) -> None:
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("SELECT 1 FROM eec_workflow_run WHERE run_id = :r FOR UPDATE"), {"r": run_id}
+        )
+        held.set()
+        release.wait(10)
+    engine.dispose()
+
+
+def test_an_eager_tick_does_not_wait_for_a_run_another_tick_holds(
+    ductor: Any, database_url: str
+) -> None:
+    run_id = ductor.start("fan", input={"items": [1, 2]}).run_id
+    release, held = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_run_lock, args=(database_url, run_id, release, held))
+    holder.start()
+    try:
+        assert held.wait(5)
+        started = time.monotonic()
+        assert run_tick(ductor.runtime, run_id, eager=True) == "busy"
+        assert time.monotonic() - started < 1.0
+        assert _record_version(database_url, run_id) == 0  # nothing written
+    finally:
+        release.set()
+        holder.join()
+    assert run_tick(ductor.runtime, run_id, eager=True) == "committed"
+    assert _record_version(database_url, run_id) == 1
+
+
+def test_a_coordinator_tick_waits_for_the_run_lock_and_then_commits(
+    ductor: Any, database_url: str
+) -> None:
+    run_id = ductor.start("fan", input={"items": [1]}).run_id
+    release, held = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_run_lock, args=(database_url, run_id, release, held))
+    holder.start()
+    assert held.wait(5)
+    threading.Timer(0.5, release.set).start()
+    started = time.monotonic()
+    assert run_tick(ductor.runtime, run_id) == "committed"
+    assert time.monotonic() - started >= 0.45
+    holder.join()
+    assert _record_version(database_url, run_id) == 1
+
+
+def test_eager_and_coordinator_ticks_racing_on_one_scatter_never_recompute(
+    ductor: Any, database_url: str
+) -> None:
+    """Branches finishing at the same instant, each followed by an eager tick, while a
+    coordinator ticks the same run: every result is folded once, with no version conflict."""
+    items = list(range(40))
+    run_id = ductor.start("fan", input={"items": items}).run_id
+    engine = get_engine(database_url)
+    assert run_tick(ductor.runtime, run_id) == "committed"
+    with engine.connect() as conn:
+        tokens = list(
+            conn.execute(
+                sa.text("SELECT token FROM eec_workflow_step_attempt WHERE run_id = :r"),
+                {"r": run_id},
+            ).scalars()
+        )
+    assert len(tokens) == len(items)
+    before = coordinator.TICK_STATS.conflicts
+    outcomes: list[str] = []
+    barrier = threading.Barrier(len(tokens) + 1)
+
+    def worker(token: str) -> None:
+        claimed = attempts.claim(engine, token, f"w-{token}")
+        assert claimed is not None
+        barrier.wait()
+        attempts.finish(engine, token, outcome="succeeded", output=claimed.branch)
+        outcomes.append(run_tick(ductor.runtime, run_id, eager=True))
+
+    def coord() -> None:
+        barrier.wait()
+        for _ in range(5):
+            outcomes.append(run_tick(ductor.runtime, run_id))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in tokens]
+    threads.append(threading.Thread(target=coord))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    # Whatever was busy or raced is picked up by one more coordinator tick (the wake-up those
+    # workers would have sent).
+    run_tick(ductor.runtime, run_id)
+    assert coordinator.TICK_STATS.conflicts == before
+    assert "conflict" not in outcomes
+    view = ductor.get(run_id)
+    assert view.nodes["each"].status == "succeeded"
+    assert view.nodes["each"].output == items
+    with engine.connect() as conn:
+        unfolded = conn.execute(
+            sa.text(
+                "SELECT count(*) FROM eec_workflow_step_attempt WHERE run_id = :r "
+                "AND finished_at IS NOT NULL AND NOT folded"
+            ),
+            {"r": run_id},
+        ).scalar_one()
+    assert unfolded == 0
