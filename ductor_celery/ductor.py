@@ -8,6 +8,8 @@ from typing import Any, overload
 
 from .client import Client
 from .definition.builder import Workflow
+from .definition.checks import check_step_options, not_a_function
+from .definition.checks import step_name as checked_step_name
 from .definition.retry import ConcurrencyLimit, RetryPolicy
 from .definition.spec import WorkflowSpec
 from .errors import DefinitionError
@@ -101,19 +103,24 @@ class Ductor:
         queue: str | None = None,
         concurrency: ConcurrencyLimit | None = None,
     ) -> Any:
-        """Turn a function ``fn(ctx, **args)`` into a durable step (a Celery task)."""
+        """Turn a function ``fn(ctx, **args)`` into a durable step (a Celery task).
+
+        Everything is checked here, at decoration: a step accepted now must never stop a
+        worker from starting or make a run's ticks fail later.
+        """
+        if fn is not None and not callable(fn):  # @ductor.step(5), @ductor.step("name")
+            raise DefinitionError(not_a_function(fn))
 
         def decorate(func: Callable[..., Any]) -> Step:
-            if concurrency is not None and not isinstance(concurrency, ConcurrencyLimit):
-                raise DefinitionError(
-                    f"step {func.__name__!r}: concurrency= takes a ConcurrencyLimit(key, limit), "
-                    f"got {concurrency!r}"
-                )
-            if heartbeat_timeout is not None and heartbeat_timeout <= 0:
-                raise DefinitionError(f"step {func.__name__!r}: heartbeat_timeout must be positive")
-            if timeout is not None and timeout <= 0:
-                raise DefinitionError(f"step {func.__name__!r}: timeout must be positive")
-            step_name = name or f"{func.__module__}.{func.__qualname__}"
+            step_name = checked_step_name(func, name)
+            check_step_options(
+                step_name,
+                retry=retry,
+                timeout=timeout,
+                heartbeat_timeout=heartbeat_timeout,
+                queue=queue,
+                concurrency=concurrency,
+            )
             if step_name in self._steps and self._steps[step_name].fn is not func:
                 raise DefinitionError(
                     f"two different functions are registered as step {step_name!r}"

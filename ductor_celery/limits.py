@@ -78,3 +78,8 @@ def id_problem(value: object) -> str | None:
     if not value.isprintable() and any(0xD800 <= ord(c) <= 0xDFFF for c in value):
         return "must not contain lone surrogates (it is not valid Unicode)"
     return None
+
+
+#: Longest ``ConcurrencyLimit.key`` as written (a path or a literal): the lease key column is
+#: ``VARCHAR(500)``.
+MAX_LEASE_KEY_LENGTH = 500

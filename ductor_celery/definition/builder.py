@@ -12,6 +12,18 @@ from typing import Any, Protocol, runtime_checkable
 from pydantic import BaseModel
 
 from ..errors import DefinitionError
+from ..limits import duration_problem, id_problem, int_problem
+from .checks import (
+    after_ids,
+    check_events,
+    check_over,
+    check_scatter_options,
+    check_timeout,
+    check_tolerance,
+    check_when,
+    refuse,
+    signal_problem,
+)
 from .retry import RetryPolicy
 from .spec import (
     CHILD_KINDS,
@@ -29,7 +41,7 @@ from .spec import (
     WaitSignalNodeSpec,
     WorkflowSpec,
 )
-from .validate import validate_spec
+from .validate import check_node_id, short, validate_spec
 
 
 @runtime_checkable
@@ -52,12 +64,12 @@ class Workflow:
     """A DAG of nodes: ``Workflow("order", version=1)``, then ``wf.step(...)`` and friends."""
 
     def __init__(self, name: str, version: int = 1) -> None:
-        if not isinstance(name, str) or not name:
-            raise DefinitionError(f"a workflow name must be a non-empty string, got {name!r}")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise DefinitionError(
-                f"workflow {name!r}: version must be a positive integer, got {version!r}"
-            )
+        problem = id_problem(name)
+        if problem is not None:
+            raise DefinitionError(f"workflow name {short(name)}: the name {problem}")
+        problem = int_problem(version, minimum=1)
+        if problem is not None:
+            raise DefinitionError(f"workflow {name!r}: version {problem}")
         self.name = name
         self.version = version
         self._nodes: list[dict[str, Any]] = []
@@ -273,7 +285,7 @@ class Workflow:
             id,
             after,
             when,
-            events=tuple(events) if events is not None else (),
+            events=events,
             mode=mode,
             timeout=timeout,
             on_timeout=on_timeout,
@@ -323,61 +335,27 @@ class Workflow:
         resolve_workflow: WorkflowResolver | None,
     ) -> NodeSpec:
         node_id = raw["id"]
+        check_node_id(node_id, f"workflow {self.name!r}")
         where = f"workflow {self.name!r}, node {node_id!r}"
+        check_when(raw["when"], where)
         if raw["kind"] in CHILD_KINDS:
             return _build_child(raw, where, resolve_workflow)
         if raw["kind"] not in ("step", "scatter"):
             return self._build_parked(raw, where)
         if raw["kind"] == "scatter":
-            _check_scatter_options(raw, where)
-        step = raw["step"]
-        if isinstance(step, str):
-            step_name = step
-            found = resolve_step(step) if resolve_step is not None else None
-            if resolve_step is not None and found is None:
-                raise DefinitionError(
-                    f"{where}: unknown step {step!r} (decorate it with @ductor.step)"
-                )
-            step = found if found is not None else step
-        elif isinstance(step, StepLike):
-            step_name = step.name
-            if resolve_step is not None and resolve_step(step_name) is None:
-                raise DefinitionError(
-                    f"{where}: step {step_name!r} is not registered with this Ductor"
-                )
-        else:
-            raise DefinitionError(
-                f"{where}: unknown step {step!r}: pass a @ductor.step function or its name"
-            )
-        after = raw["after"]
-        if after is None:
-            after = ()
-        elif isinstance(after, str):
-            after = (after,)
+            check_scatter_options(raw, where)
+        step_name, step = _resolve_step(raw["step"], where, resolve_step)
         args = raw["args"] or {}
         if not isinstance(args, Mapping):
             raise DefinitionError(f"{where}: args must be a mapping of argument name to value")
-        policy: RetryPolicy | None = raw["retry"] or (
-            step.retry if isinstance(step, StepLike) else None
-        )
-        retry = policy.to_spec() if policy is not None else RetrySpec()
-        timeout = raw["timeout"]
-        if timeout is None and isinstance(step, StepLike):
-            timeout = step.timeout
-        if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
-            raise DefinitionError(f"{where}: timeout must be a positive number of seconds")
         common: dict[str, Any] = {
             "id": node_id,
             "step": step_name,
-            "after": tuple(after),
+            "after": after_ids(raw["after"], where),
             "args": dict(args),
             "when": raw["when"],
             "continue_on_failure": bool(raw["continue_on_failure"]),
-            "retry": retry,
-            "timeout": timeout,
-            "queue": step.queue if isinstance(step, StepLike) else None,
-            "heartbeat_timeout": getattr(step, "heartbeat_timeout", None),
-            "concurrency": _concurrency_of(step),
+            **_attempt_settings(raw, step, where),
         }
         try:
             if raw["kind"] == "step":
@@ -395,26 +373,18 @@ class Workflow:
 
     def _build_parked(self, raw: dict[str, Any], where: str) -> NodeSpec:
         fields = dict(raw)
-        after = fields.pop("after")
-        fields["after"] = () if after is None else (after,) if isinstance(after, str) else after
+        fields["after"] = after_ids(fields.pop("after"), where)
         if fields.get("when") is None:
             fields.pop("when")
         model = _PARKED_MODELS[fields["kind"]]
+        if fields["kind"] == "sleep":
+            refuse(where, "seconds", duration_problem(fields["seconds"], allow_zero=True))
+        elif "timeout" in fields:
+            check_timeout(where, "timeout", fields["timeout"])
+        if fields["kind"] == "wait_signal":
+            refuse(where, "signal", signal_problem(fields["signal"]))
         if fields["kind"] == "event_set":
-            mode = fields.get("mode")
-            events = fields.get("events") or ()
-            if not events:
-                raise DefinitionError(f"{where}: event_set needs at least one event")
-            if isinstance(mode, int) and not isinstance(mode, bool):
-                if not 1 <= mode <= len(set(events)):
-                    raise DefinitionError(
-                        f"{where}: mode={mode} must be between 1 and the number of distinct "
-                        f"events ({len(set(events))})"
-                    )
-            elif mode not in ("all", "any"):
-                raise DefinitionError(
-                    f"{where}: mode must be 'all', 'any' or a number, got {mode!r}"
-                )
+            fields["events"] = check_events(fields["events"], fields["mode"], where)
         try:
             node: NodeSpec = model.model_validate(fields)  # type: ignore[assignment]
         except ValueError as exc:
@@ -422,11 +392,55 @@ class Workflow:
         return node
 
 
+def _resolve_step(
+    step: Any, where: str, resolve_step: StepResolver | None
+) -> tuple[str, StepLike | str]:
+    """The step's name and, when known, its ``@ductor.step`` object."""
+    if isinstance(step, str):
+        refuse(where, "step name", id_problem(step))
+        found = resolve_step(step) if resolve_step is not None else None
+        if resolve_step is not None and found is None:
+            raise DefinitionError(f"{where}: unknown step {step!r} (decorate it with @ductor.step)")
+        return step, found if found is not None else step
+    if isinstance(step, StepLike):
+        refuse(where, "step name", id_problem(step.name))
+        if resolve_step is not None and resolve_step(step.name) is None:
+            raise DefinitionError(f"{where}: step {step.name!r} is not registered with this Ductor")
+        return step.name, step
+    raise DefinitionError(
+        f"{where}: unknown step {short(step)}: pass a @ductor.step function or its name"
+    )
+
+
+def _attempt_settings(raw: dict[str, Any], step: StepLike | str, where: str) -> dict[str, Any]:
+    """Retry, timeouts, queue and lease of a step or scatter node: the node's own settings,
+    else the step's. Each is checked here, where a message can name the node: a value accepted
+    now and unusable later (an infinite timeout) would make every tick of the run raise."""
+    known = step if isinstance(step, StepLike) else None
+    policy = raw["retry"] if raw["retry"] is not None else getattr(known, "retry", None)
+    if policy is not None and not isinstance(policy, RetryPolicy):
+        raise DefinitionError(f"{where}: retry= takes a RetryPolicy(...), got {short(policy)}")
+    timeout = raw["timeout"] if raw["timeout"] is not None else getattr(known, "timeout", None)
+    check_timeout(where, "timeout", timeout)
+    heartbeat_timeout = getattr(known, "heartbeat_timeout", None)
+    check_timeout(where, "heartbeat_timeout", heartbeat_timeout)
+    queue = getattr(known, "queue", None)
+    if queue is not None:
+        refuse(where, "queue", id_problem(queue))
+    return {
+        "retry": policy.to_spec() if policy is not None else RetrySpec(),
+        "timeout": timeout,
+        "heartbeat_timeout": heartbeat_timeout,
+        "queue": queue,
+        "concurrency": _concurrency_of(known),
+    }
+
+
 def _build_child(
     raw: dict[str, Any], where: str, resolve_workflow: WorkflowResolver | None
 ) -> NodeSpec:
     fields = {k: v for k, v in raw.items() if v is not None or k == "input"}
-    fields["after"] = _after(raw["after"])
+    fields["after"] = after_ids(raw["after"], where)
     if raw["kind"] == "child_scatter":
         if not raw["as_child_runs"] or raw["workflow"] is None or raw["step"] is not None:
             raise DefinitionError(
@@ -435,8 +449,8 @@ def _build_child(
             )
         if raw["args"]:
             raise DefinitionError(f"{where}: child runs take input=..., not args=")
-        _check_over(raw["over"], where)
-        _check_tolerance(raw, where)
+        check_over(raw["over"], where)
+        check_tolerance(raw, where)
         for name in ("as_child_runs", "step", "args"):
             fields.pop(name, None)
     if raw["parent_close"] not in ("terminate", "cancel", "abandon"):
@@ -445,14 +459,19 @@ def _build_child(
             f"got {raw['parent_close']!r}"
         )
     child_name = raw["workflow"]
-    if not isinstance(child_name, str) or not child_name:
-        raise DefinitionError(f"{where}: workflow must be the name of a registered workflow")
+    problem = id_problem(child_name)
+    if problem is not None:
+        raise DefinitionError(
+            f"{where}: workflow must be the name of a registered workflow; it {problem}"
+        )
+    until = raw.get("until")
+    if until is not None:
+        refuse(where, "until (a checkpoint node id)", id_problem(until))
     child = resolve_workflow(child_name) if resolve_workflow is not None else None
     if child is not None:
         # Registered already: pin its definition. One registered later (or this workflow
         # itself) is resolved by name when a run starts: the newest definition then.
         fields["workflow_hash"] = child.spec_hash
-        until = raw.get("until")
         if until is not None and not isinstance(child.graph.nodes.get(until), CheckpointNodeSpec):
             raise DefinitionError(
                 f"{where}: workflow {child_name!r} has no checkpoint {until!r} "
@@ -470,48 +489,6 @@ def _detail(exc: ValueError) -> str:
     """A pydantic validation error in one line: the field and what is wrong with it."""
     lines = str(exc).splitlines()
     return "; ".join(line.strip() for line in lines[1:3]) if len(lines) > 1 else str(exc)
-
-
-def _after(after: Any) -> tuple[str, ...]:
-    if after is None:
-        return ()
-    if isinstance(after, str):
-        return (after,)
-    return tuple(after)
-
-
-def _check_over(over: Any, where: str) -> None:
-    if not isinstance(over, str) or not over.startswith(("$.input", "$.nodes.")):
-        raise DefinitionError(
-            f"{where}: over={over!r} must be a path to a list under $.input or "
-            "$.nodes.<id>.output (they never change while the scatter runs)"
-        )
-
-
-def _check_tolerance(raw: dict[str, Any], where: str) -> None:
-    if raw["tolerated_failures"] is not None and raw["tolerated_failure_ratio"] is not None:
-        raise DefinitionError(
-            f"{where}: give tolerated_failures or tolerated_failure_ratio, not both"
-        )
-    for name in ("max_parallel", "tolerated_failures"):
-        value = raw[name]
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise DefinitionError(f"{where}: {name} must be an integer, got {value!r}")
-
-
-def _check_scatter_options(raw: dict[str, Any], where: str) -> None:
-    if raw["step"] is None:
-        raise DefinitionError(f"{where}: scatter needs a step to run for each item")
-    _check_over(raw["over"], where)
-    _check_tolerance(raw, where)
-    item_arg = raw["item_arg"]
-    if item_arg is not None:
-        if not isinstance(item_arg, str) or not item_arg.isidentifier():
-            raise DefinitionError(f"{where}: item_arg must be an argument name, got {item_arg!r}")
-        if item_arg in (raw["args"] or {}):
-            raise DefinitionError(
-                f"{where}: item_arg {item_arg!r} is also given in args; rename one of them"
-            )
 
 
 def _concurrency_of(step: object) -> ConcurrencySpec | None:

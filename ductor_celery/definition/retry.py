@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import DefinitionError
+from ..limits import (
+    MAX_ATTEMPTS,
+    MAX_BACKOFF,
+    MAX_INT,
+    MAX_LEASE_KEY_LENGTH,
+    duration_problem,
+    int_problem,
+    is_number,
+)
 from .spec import ConcurrencySpec, RetrySpec
 
 
@@ -25,12 +35,28 @@ class RetryPolicy:
     non_retryable: tuple[type[BaseException], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise DefinitionError(f"RetryPolicy.max_attempts must be >= 1, got {self.max_attempts}")
-        if self.initial_interval < 0 or self.max_interval < 0:
-            raise DefinitionError("RetryPolicy intervals must be >= 0")
-        if self.backoff < 1:
-            raise DefinitionError(f"RetryPolicy.backoff must be >= 1, got {self.backoff}")
+        # Checked here, where the user wrote them: a nan or an infinite interval accepted now
+        # would make every tick of every run using the policy raise when it schedules a retry.
+        problem = int_problem(self.max_attempts, minimum=1, maximum=MAX_ATTEMPTS)
+        if problem is not None:
+            raise DefinitionError(f"RetryPolicy.max_attempts {problem}")
+        for name in ("initial_interval", "max_interval"):
+            problem = duration_problem(getattr(self, name), allow_zero=True)
+            if problem is not None:
+                raise DefinitionError(f"RetryPolicy.{name} {problem}")
+        backoff = self.backoff
+        if not (is_number(backoff) and math.isfinite(backoff) and 1 <= backoff <= MAX_BACKOFF):
+            raise DefinitionError(
+                f"RetryPolicy.backoff must be a number between 1 and {MAX_BACKOFF:g}, "
+                f"got {backoff!r}"
+            )
+        if not isinstance(self.non_retryable, tuple | list):  # e.g. a bare ValueError
+            raise DefinitionError(
+                "RetryPolicy.non_retryable takes a tuple of exception classes, "
+                f"got {self.non_retryable!r}"
+            )
+        # A list is taken as the tuple it stands for (the policy stays hashable).
+        object.__setattr__(self, "non_retryable", tuple(self.non_retryable))
         for exc in self.non_retryable:
             if not (isinstance(exc, type) and issubclass(exc, BaseException)):
                 raise DefinitionError(
@@ -71,12 +97,22 @@ class ConcurrencyLimit:
     limit: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.key, str) or not self.key:
+        key = self.key
+        if not isinstance(key, str) or not key or "\x00" in key:
             raise DefinitionError(
-                f"ConcurrencyLimit.key must be a path or string, got {self.key!r}"
+                f"ConcurrencyLimit.key must be a path or a non-empty string, got {key!r}"
             )
-        if not isinstance(self.limit, int) or self.limit < 1:
-            raise DefinitionError(f"ConcurrencyLimit.limit must be >= 1, got {self.limit!r}")
+        if len(key) > MAX_LEASE_KEY_LENGTH:
+            raise DefinitionError(
+                f"ConcurrencyLimit.key must be at most {MAX_LEASE_KEY_LENGTH} characters, "
+                f"got {len(key)}"
+            )
+        if int_problem(self.limit, minimum=1) is not None:
+            # Bools are refused: ConcurrencyLimit(key, True) is a slip, not a limit of one.
+            raise DefinitionError(
+                f"ConcurrencyLimit.limit must be >= 1 and an integer of at most {MAX_INT}, "
+                f"got {self.limit!r}"
+            )
 
     def to_spec(self) -> ConcurrencySpec:
         return ConcurrencySpec(key=self.key, limit=self.limit)

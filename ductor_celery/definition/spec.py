@@ -9,7 +9,33 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..limits import (
+    MAX_ATTEMPTS,
+    MAX_BACKOFF,
+    MAX_DURATION_S,
+    MAX_ID_LENGTH,
+    MAX_INT,
+    MAX_LEASE_KEY_LENGTH,
+)
 from .paths import iter_paths
+
+# The bounds below repeat, as a backstop, what the builder checks with a message naming the
+# node: a spec read back from the database can then never carry a value that makes every tick
+# raise (an infinite timeout overflowing ``now + seconds``, an id too long for its column).
+#: A name or id as stored: node ids, workflow, step, queue and signal names (``VARCHAR(200)``).
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH)]
+#: A duration that may be zero (sleeps, retry intervals): finite, at most ten years.
+Seconds = Annotated[float, Field(ge=0, le=MAX_DURATION_S, allow_inf_nan=False)]
+#: A timeout: positive, finite, at most ten years.
+Timeout = Annotated[float, Field(gt=0, le=MAX_DURATION_S, allow_inf_nan=False)]
+#: What a 32-bit signed integer column holds, from 0 (``Count``) or 1 (``PositiveCount``).
+Count = Annotated[int, Field(ge=0, le=MAX_INT)]
+PositiveCount = Annotated[int, Field(ge=1, le=MAX_INT)]
+Ratio = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+
+#: Signal names starting with this are ductor's own (approval decisions); users cannot send
+#: them, so a node waiting for one would wait forever.
+RESERVED_SIGNAL_PREFIX = "ductor."
 
 
 class RetrySpec(BaseModel):
@@ -17,10 +43,10 @@ class RetrySpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_attempts: int = Field(default=3, ge=1)
-    initial_interval: float = Field(default=1.0, ge=0)
-    backoff: float = Field(default=2.0, ge=1)
-    max_interval: float = Field(default=60.0, ge=0)
+    max_attempts: int = Field(default=3, ge=1, le=MAX_ATTEMPTS)
+    initial_interval: Seconds = 1.0
+    backoff: float = Field(default=2.0, ge=1, le=MAX_BACKOFF, allow_inf_nan=False)
+    max_interval: Seconds = 60.0
     non_retryable: tuple[str, ...] = ()
 
 
@@ -29,8 +55,8 @@ class ConcurrencySpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    key: str
-    limit: int = Field(ge=1)
+    key: str = Field(min_length=1, max_length=MAX_LEASE_KEY_LENGTH)
+    limit: PositiveCount
 
 
 def allowed_failures(count: int | None, ratio: float | None, total: int) -> int:
@@ -45,7 +71,7 @@ def allowed_failures(count: int | None, ratio: float | None, total: int) -> int:
 class _NodeBase(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    id: str
+    id: Id
     after: tuple[str, ...] = ()
     when: str | bool | None = None
     continue_on_failure: bool = False
@@ -54,13 +80,13 @@ class _NodeBase(BaseModel):
 class AttemptNodeSpec(_NodeBase):
     """What every node that runs step attempts shares: the step, its arguments and policies."""
 
-    step: str
+    step: Id
     args: dict[str, Any] = Field(default_factory=dict)
     retry: RetrySpec = Field(default_factory=RetrySpec)
-    timeout: float | None = None
+    timeout: Timeout | None = None
     #: An attempt that has not heartbeaten (ctx.heartbeat) for this long is declared lost.
-    heartbeat_timeout: float | None = Field(default=None, gt=0)
-    queue: str | None = None
+    heartbeat_timeout: Timeout | None = None
+    queue: Id | None = None
     #: At most ``limit`` attempts of this step with the same resolved key run at once.
     concurrency: ConcurrencySpec | None = None
 
@@ -79,9 +105,9 @@ class ScatterNodeSpec(AttemptNodeSpec):
     over: str
     #: The argument that receives the item (``None``: only ``args``, which may read ``$.item``).
     item_arg: str | None = "item"
-    max_parallel: int = Field(default=64, ge=1)
-    tolerated_failures: int | None = Field(default=None, ge=0)
-    tolerated_failure_ratio: float | None = Field(default=None, ge=0, le=1)
+    max_parallel: PositiveCount = 64
+    tolerated_failures: Count | None = None
+    tolerated_failure_ratio: Ratio | None = None
 
     def branch_args(self) -> dict[str, Any]:
         """The argument template of one branch: ``args`` plus the item under ``item_arg``."""
@@ -98,11 +124,11 @@ class SleepNodeSpec(_NodeBase):
     """A durable timer: waits ``seconds``, then succeeds with output ``None``."""
 
     kind: Literal["sleep"] = "sleep"
-    seconds: float = Field(ge=0)
+    seconds: Seconds
 
 
 class _ParkedBase(_NodeBase):
-    timeout: float | None = Field(default=None, gt=0)
+    timeout: Timeout | None = None
     on_timeout: Literal["fail", "continue"] = "fail"
 
 
@@ -110,7 +136,7 @@ class WaitSignalNodeSpec(_ParkedBase):
     """Waits for the oldest unapplied signal named ``signal``; its payload is the output."""
 
     kind: Literal["wait_signal"] = "wait_signal"
-    signal: str
+    signal: Id
 
 
 class ApprovalNodeSpec(_ParkedBase):
@@ -124,8 +150,8 @@ class EventSetNodeSpec(_ParkedBase):
     """Waits for signals named in ``events``: all of them, any one, or N distinct ones."""
 
     kind: Literal["event_set"] = "event_set"
-    events: tuple[str, ...]
-    mode: Literal["all", "any"] | int = "all"
+    events: tuple[Id, ...] = Field(min_length=1)
+    mode: Literal["all", "any"] | PositiveCount = "all"
 
     def needed(self) -> int:
         if self.mode == "all":
@@ -141,7 +167,7 @@ ParentClose = Literal["terminate", "cancel", "abandon"]
 class _ChildBase(_NodeBase):
     """A node that starts child runs of another registered workflow."""
 
-    workflow: str
+    workflow: Id
     #: The child definition pinned when the parent was registered (None: the latest by name).
     workflow_hash: str | None = None
     #: What happens to open children when this run is cancelled, terminated or fails.
@@ -167,9 +193,9 @@ class ChildScatterNodeSpec(_ChildBase):
     over: str
     #: Each child's input; ``$.item`` is its item.
     input: Any = "$.item"
-    max_parallel: int = Field(default=64, ge=1)
-    tolerated_failures: int | None = Field(default=None, ge=0)
-    tolerated_failure_ratio: float | None = Field(default=None, ge=0, le=1)
+    max_parallel: PositiveCount = 64
+    tolerated_failures: Count | None = None
+    tolerated_failure_ratio: Ratio | None = None
 
     def allowed_failures(self, total: int) -> int:
         return allowed_failures(self.tolerated_failures, self.tolerated_failure_ratio, total)
@@ -263,8 +289,8 @@ class WorkflowSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str
-    version: int = 1
+    name: Id
+    version: PositiveCount = 1
     nodes: tuple[NodeSpec, ...]
     output: Any = None
 

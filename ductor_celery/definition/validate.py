@@ -5,10 +5,35 @@ from __future__ import annotations
 import re
 
 from ..errors import DefinitionError
+from ..limits import id_problem
 from .paths import Path, iter_paths, parse_path
 from .spec import ChildScatterNodeSpec, ScatterNodeSpec, WorkflowSpec, node_templates
 
 _ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+
+
+def short(value: object, limit: int = 60) -> str:
+    """``repr(value)``, cut short: a message naming a 10,000-character id stays readable."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def node_id_problem(node_id: object) -> str | None:
+    """Why ``node_id`` cannot be a node id, or ``None``. Ids longer than MAX_ID_LENGTH are
+    refused here: the node rows' column holds no more, so such a run could never tick."""
+    problem = id_problem(node_id)
+    if problem is not None:
+        return problem
+    assert isinstance(node_id, str)
+    if not _ID.match(node_id):
+        return "must be letters, digits, '_' and '-', not starting with a digit"
+    return None
+
+
+def check_node_id(node_id: object, wf: str) -> None:
+    problem = node_id_problem(node_id)
+    if problem is not None:
+        raise DefinitionError(f"{wf}: invalid node id {short(node_id)}: it {problem}")
 
 
 def validate_spec(spec: WorkflowSpec) -> None:
@@ -17,11 +42,7 @@ def validate_spec(spec: WorkflowSpec) -> None:
         raise DefinitionError(f"{wf} has no nodes")
     seen: set[str] = set()
     for node in spec.nodes:
-        if not isinstance(node.id, str) or not _ID.match(node.id):
-            raise DefinitionError(
-                f"{wf}: invalid node id {node.id!r} (letters, digits, '_' and '-', "
-                "not starting with a digit)"
-            )
+        check_node_id(node.id, wf)
         if node.id in seen:
             raise DefinitionError(f"{wf}: duplicate node id {node.id!r}")
         seen.add(node.id)

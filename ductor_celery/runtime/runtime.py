@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import keyword
 import logging
 import threading
 from typing import Any
@@ -97,8 +98,19 @@ class Runtime:
         def run(task: Any, token: str) -> str:
             return execute_attempt(rt, step, token, hostname=task.request.hostname)
 
-        run.__name__ = step.fn.__name__
-        run.__doc__ = step.fn.__doc__
+        # Celery compiles a signature checker named after the task function with exec
+        # (celery.utils.functional.head_from_fun), when the app is finalized: a name that is
+        # not an identifier ("<lambda>") stops every worker from starting, and a partial has
+        # no name at all. Borrow the step function's name only when it is safe to.
+        fn_name = getattr(step.fn, "__name__", None)
+        run.__name__ = (
+            fn_name
+            if isinstance(fn_name, str)
+            and fn_name.isidentifier()
+            and not keyword.iskeyword(fn_name)
+            else "step"
+        )
+        run.__doc__ = getattr(step.fn, "__doc__", None)
         task = self.app.task(
             name=step.name,
             bind=True,

@@ -14,6 +14,7 @@ from ductor_celery.definition.builder import StepLike
 from ductor_celery.definition.paths import Scope, is_path, iter_paths, parse_path, resolve
 from ductor_celery.definition.retry import backoff_delay
 from ductor_celery.errors import DefinitionError
+from ductor_celery.limits import MAX_BACKOFF
 
 
 @dataclass
@@ -387,8 +388,12 @@ def test_backoff_delay_other_shapes() -> None:
     assert backoff_delay(RetrySpec(initial_interval=10.0, backoff=2.0, max_interval=3.0), 1) == 3.0
 
 
-def test_backoff_delay_never_overflows() -> None:
-    huge = RetrySpec(max_attempts=1000, initial_interval=1.0, backoff=1e9, max_interval=60.0)
+@pytest.mark.parametrize("backoff", [MAX_BACKOFF, 1e9])
+def test_backoff_delay_never_overflows(backoff: float) -> None:
+    # A spec refuses a backoff over MAX_BACKOFF; backoff_delay stays total past it anyway.
+    huge = RetrySpec.model_construct(
+        max_attempts=1000, initial_interval=1.0, backoff=backoff, max_interval=60.0
+    )
     for attempt in (1, 2, 10, 40, 65, 999, 10**9):
         delay = backoff_delay(huge, attempt)
         assert math.isfinite(delay) and 0 <= delay <= 60.0
