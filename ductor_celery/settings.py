@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +51,7 @@ class Settings:
         )
         defaults = cls()
 
-        def get(key: str, default: Any, kind: type) -> Any:
+        def get(key: str, default: Any, kind: Callable[[Any], Any]) -> Any:
             value = conf.get(f"ductor_{key}")
             return default if value is None else kind(value)
 
