@@ -307,3 +307,17 @@ child_scatter.scatter(
 )
 child_scatter.output("$.nodes.kids.output")
 ductor.register(child_scatter)
+
+
+# --- issue 9: a step that raises SystemExit fails its node at once --------------------------
+
+
+@ductor.step(name="e2e.exits", retry=RetryPolicy(max_attempts=1))
+def exits(ctx: StepContext) -> None:
+    _ledger(ctx)
+    raise SystemExit("the step called sys.exit")
+
+
+exits_wf = Workflow("e2e_exits")
+exits_wf.step("exits", exits)
+ductor.register(exits_wf)

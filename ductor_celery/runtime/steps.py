@@ -11,12 +11,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy.exc import DataError, DBAPIError, StatementError
+
 from ..definition.retry import ConcurrencyLimit, RetryPolicy
 from ..engine.payloads import json_problem
 from ..errors import NonRetryableError
 from ..store import attempts, wakes
 from ..store.db import with_retry
-from ..store.outbox import delete_outbox
+from ..store.outbox import OutboxRow, delete_outbox
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -25,6 +27,12 @@ log = logging.getLogger("ductor_celery.step")
 
 #: How long a worker keeps trying to write a finished attempt's outcome to the database.
 FINISH_DEADLINE_S = 600.0
+
+#: The longest exception message and traceback tail kept in an attempt's error, and the
+#: longest database or exception cause quoted in a message.
+_MESSAGE_CHARS = 4000
+_TRACEBACK_CHARS = 8000
+_CAUSE_CHARS = 500
 
 
 @dataclass
@@ -124,9 +132,12 @@ class _ReadOnly(Mapping[str, Any]):
 
 
 def _is_non_retryable(step: Step, exc: BaseException) -> bool:
-    return isinstance(exc, NonRetryableError) or (
-        bool(step.retry.non_retryable) and isinstance(exc, step.retry.non_retryable)
-    )
+    try:
+        return isinstance(exc, NonRetryableError) or (
+            bool(step.retry.non_retryable) and isinstance(exc, step.retry.non_retryable)
+        )
+    except Exception:  # noqa: BLE001 - a class's __instancecheck__ is user code too
+        return False
 
 
 def worker_identity(hostname: str | None) -> str:
@@ -134,15 +145,100 @@ def worker_identity(hostname: str | None) -> str:
     return f"{(hostname or socket.gethostname())[:150]}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
 
 
+# -- making anything a step does into text and JSON the database accepts ----------------------
+
+
+def _guarded(make: Callable[[], str], fallback: str) -> str:
+    """``make()``, or ``fallback`` if it raises anything at all.
+
+    Formatting a step's exception runs the user's code (``__str__``) while that exception is
+    being handled; whatever it raises, even ``SystemExit``, is a broken ``__str__``, and must
+    not stop the attempt's outcome from being written.
+    """
+    try:
+        return make()
+    except BaseException:  # noqa: BLE001
+        return fallback
+
+
+def _storable(text: str) -> str:
+    """Text PostgreSQL's jsonb accepts: no NUL, no lone surrogate. An exception's message or a
+    traceback can carry either, and a refused error would leave the attempt open."""
+    return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _error_of(exc: BaseException) -> dict[str, str]:
+    """The stored error of a raised exception; building it cannot fail."""
+    name = _guarded(lambda: _storable(str(type(exc).__qualname__))[:200], "BaseException")
+    message = _guarded(lambda: _storable(str(exc)[:_MESSAGE_CHARS]), f"<unprintable {name}>")
+    trace = _guarded(
+        lambda: _storable(
+            "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[
+                -_TRACEBACK_CHARS:
+            ]
+        ),
+        f"<unprintable traceback of {name}>",
+    )
+    return {"type": name, "message": message, "traceback": trace}
+
+
+def _payload(value: Any, what: str, limit: int) -> tuple[Any, str | None]:
+    """``json_problem``, made total here as well: whatever the check raises (a RecursionError
+    on a value nested thousands deep, a user's container misbehaving) is the problem."""
+    try:
+        return json_problem(value, what, limit)
+    except Exception as exc:  # noqa: BLE001
+        return None, f"{what} is not JSON-serializable: {_describe(exc)}"
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` on one line, short and storable, even when ``__str__`` raises."""
+    name = _guarded(lambda: type(exc).__name__, "BaseException")
+    text = _guarded(lambda: " ".join(str(exc).split()), "<unprintable>")
+    return _storable(f"{name}: {text}" if text else name)[:_CAUSE_CHARS]
+
+
+def _refused_by_database(exc: BaseException) -> bool:
+    """The database (or the driver, binding them) refused the values themselves: writing
+    them again cannot help, writing a failure without them can. Connection problems are not
+    this: ``with_retry`` rides them out, then raises ``StoreUnavailable``."""
+    return isinstance(exc, DataError) or (
+        isinstance(exc, StatementError) and not isinstance(exc, DBAPIError)
+    )
+
+
+def _db_cause(exc: StatementError) -> str:
+    """What the database said, without the statement and its (possibly huge) parameters."""
+    return _describe(exc.orig if isinstance(exc.orig, BaseException) else exc)
+
+
+# -- heartbeats ---------------------------------------------------------------------------------
+
+
 def _heartbeat(engine: Any, token: str, details: Any, limit: int) -> None:
-    """A heartbeat is a hint: a database blip or odd details must not fail the user's step."""
-    value, problem = json_problem(details, "heartbeat details", min(limit, 65536))
+    """A heartbeat is a hint: a database blip or odd details must not fail the user's step,
+    and details the database refuses must not cost the heartbeat itself."""
+    value, problem = _payload(details, "heartbeat details", min(limit, 65536))
     if problem is not None:
         log.warning("attempt %s: %s; recording the heartbeat without them", token, problem)
     try:
-        attempts.heartbeat(engine, token, value)
+        _record_heartbeat(engine, token, value)
     except Exception as exc:  # noqa: BLE001
-        log.warning("heartbeat for %s not recorded: %s", token, exc)
+        log.warning("heartbeat for %s not recorded: %s", token, _describe(exc))
+
+
+def _record_heartbeat(engine: Any, token: str, details: Any) -> None:
+    try:
+        attempts.heartbeat(engine, token, details)
+    except StatementError as exc:
+        if details is None or not _refused_by_database(exc):
+            raise
+        log.warning(
+            "attempt %s: heartbeat details refused by the database (%s); recorded without them",
+            token,
+            _db_cause(exc),
+        )
+        attempts.heartbeat(engine, token, None)
 
 
 def _wake_needed(engine: Any, run_id: str) -> bool:
@@ -153,12 +249,50 @@ def _wake_needed(engine: Any, run_id: str) -> bool:
         return True
 
 
+# -- one attempt --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """What one execution of a step comes to, ready to be written to its attempt row."""
+
+    outcome: str
+    output: Any = None
+    patch: Any = None
+    error: dict[str, Any] | None = None
+    retryable: bool = True
+
+
+def _invalid(problem: str) -> _Outcome:
+    """Failed without retry: the same step would return the same unstorable value again."""
+    error = {"type": "InvalidResult", "message": _storable(problem)}
+    return _Outcome("failed", error=error, retryable=False)
+
+
 def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = None) -> str:
-    """Claim, run, record, wake. Returns what happened (for logs and tests)."""
+    """Claim, run, record, wake. Returns what happened (for logs and tests).
+
+    Whatever the step does (raises anything, returns anything), its attempt's outcome is
+    written before this returns: an attempt left open keeps its node waiting for the whole
+    step timeout. ``KeyboardInterrupt`` and ``SystemExit`` are re-raised once it is written,
+    as Celery's tracer does, so the process still stops or is replaced.
+    """
     engine = rt.engine()
     me = worker_identity(hostname)
     limit = rt.settings.max_payload_bytes
-    claimed = with_retry(lambda: attempts.claim(engine, token, me), what="claim attempt")
+    claimed = with_retry(
+        lambda: attempts.claim(engine, token, me, step=step.name), what="claim attempt"
+    )
+    if isinstance(claimed, attempts.WrongStep):
+        # Run nothing: the arguments are another function's. The attempt's own message (or
+        # the sweeper's re-send) still claims it.
+        log.warning(
+            "attempt %s belongs to step %r but came in a message for task %r; message dropped",
+            token,
+            claimed.step,
+            step.name,
+        )
+        return "wrong-step"
     if claimed is None:
         log.info("attempt %s already claimed or closed; message ignored", token)
         return "duplicate"
@@ -174,51 +308,81 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
         context=claimed.context,
         heartbeat_fn=lambda details: _heartbeat(engine, token, details, limit),
     )
-    outcome = "succeeded"
-    output: Any = None
-    patch: Any = None
-    error: dict[str, Any] | None = None
-    retryable = True
+    result, interrupt = _run(step, ctx, claimed.args, token, limit)
     try:
-        result = step.fn(ctx, **claimed.args)
-    except Exception as exc:  # noqa: BLE001 - a step's failure is data, not a crash
-        outcome = "failed"
-        retryable = not _is_non_retryable(step, exc)
-        error = {
-            "type": type(exc).__qualname__,
-            "message": str(exc)[:4000],
-            "traceback": traceback.format_exc()[-8000:],
-        }
-    else:
-        output, problem = json_problem(result, f"step {step.name!r} result", limit)
-        if problem is None:
-            patch, problem = json_problem(
-                ctx.patch_value, f"step {step.name!r} context patch", limit
-            )
-        if problem is not None:
-            outcome, retryable, output, patch = "failed", False, None, None
-            error = {"type": "InvalidResult", "message": problem}
-            log.error("attempt %s: %s", token, problem)
-    written, granted = with_retry(
-        lambda: attempts.finish(
-            engine,
-            token,
-            outcome=outcome,
-            output=output,
-            error=error,
-            retryable=retryable,
-            patch=patch,
-            leased=step.concurrency is not None,
-        ),
-        what="record attempt outcome",
-        deadline_s=FINISH_DEADLINE_S,
-    )
+        outcome = _record(rt, engine, step, token, result)
+        # Coalesced: when a wake-up of the run is already queued, its tick will see this.
+        if _wake_needed(engine, claimed.run_id):
+            rt.wake(claimed.run_id)
+    finally:
+        if interrupt is not None:
+            raise interrupt
+    return outcome
+
+
+def _run(
+    step: Step, ctx: StepContext, args: dict[str, Any], token: str, limit: int
+) -> tuple[_Outcome, BaseException | None]:
+    """Call the step: its outcome, and the interrupt to re-raise once that is written."""
+    try:
+        value = step.fn(ctx, **args)
+    except BaseException as exc:  # noqa: BLE001 - a step's failure is data, not a crash
+        failed = _Outcome(
+            "failed", error=_error_of(exc), retryable=not _is_non_retryable(step, exc)
+        )
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            return failed, exc
+        if not isinstance(exc, Exception):
+            # Celery's tracer treats these as failures too; the worker carries on.
+            log.warning("attempt %s: step %r raised %s", token, step.name, _describe(exc))
+        return failed, None
+    output, problem = _payload(value, f"step {step.name!r} result", limit)
+    patch = None
+    if problem is None:
+        patch, problem = _payload(ctx.patch_value, f"step {step.name!r} context patch", limit)
+    if problem is not None:
+        log.error("attempt %s: %s", token, problem)
+        return _invalid(problem), None
+    return _Outcome("succeeded", output=output, patch=patch), None
+
+
+def _record(rt: Runtime, engine: Any, step: Step, token: str, result: _Outcome) -> str:
+    """Write the outcome and hand on the lease it held; the outcome written, or "closed" when
+    the attempt was closed first.
+
+    Last line of defence: if the database refuses the values (a payload the check let
+    through), a failure without them is written instead, so the attempt never stays open.
+    """
+    try:
+        written, granted = _finish(engine, step, token, result)
+    except StatementError as exc:
+        if not _refused_by_database(exc):
+            raise
+        what = "result or context patch" if result.outcome == "succeeded" else "error"
+        problem = f"step {step.name!r} {what} could not be stored: {_db_cause(exc)}"
+        log.error("attempt %s: %s; recording the attempt as failed without it", token, problem)
+        result = _invalid(problem)
+        written, granted = _finish(engine, step, token, result)
     if granted:
         # This attempt's lease went to a waiting attempt: send its step message now (the
         # sweeper relays it if we die first), then clear the outbox rows.
         rt.dispatcher.send(granted)
         with_retry(lambda: delete_outbox(engine, [r.id for r in granted]), what="clear outbox")
-    # Coalesced: when a wake-up of the run is already queued, its tick will see this result.
-    if _wake_needed(engine, claimed.run_id):
-        rt.wake(claimed.run_id)
-    return outcome if written else "closed"
+    return result.outcome if written else "closed"
+
+
+def _finish(engine: Any, step: Step, token: str, result: _Outcome) -> tuple[bool, list[OutboxRow]]:
+    return with_retry(
+        lambda: attempts.finish(
+            engine,
+            token,
+            outcome=result.outcome,
+            output=result.output,
+            error=result.error,
+            retryable=result.retryable,
+            patch=result.patch,
+            leased=step.concurrency is not None,
+        ),
+        what="record attempt outcome",
+        deadline_s=FINISH_DEADLINE_S,
+    )

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from . import leases
 from .db import aware, is_postgres
@@ -38,11 +38,32 @@ def _now(engine: Engine) -> Any:
     return sa.func.now() if is_postgres(engine) else datetime.now(UTC)
 
 
-def claim(engine: Engine, token: str, worker: str) -> ClaimedAttempt | None:
+@dataclass(frozen=True, slots=True)
+class WrongStep:
+    """The token names an attempt of another step: the message's task is not the attempt's.
+
+    Such a message (put on a queue by hand, or by a tool that mixed up names) must not run
+    the wrong function with the attempt's arguments; nothing is claimed, and the attempt's
+    own message can still claim it.
+    """
+
+    token: str
+    #: The step the attempt row belongs to.
+    step: str
+
+
+def claim(
+    engine: Engine, token: str, worker: str, *, step: str | None = None
+) -> ClaimedAttempt | WrongStep | None:
     """Take the attempt for this worker. None if it was claimed or closed already.
 
     ``worker`` must be unique per claim attempt (at most 200 characters): retrying the same
     claim after an ambiguous commit then finds its own claim instead of a stranger's.
+
+    ``step`` is the name of the task the message was delivered to: the attempt is claimed only
+    if it belongs to that step, checked in the claim statement itself. A mismatch claims
+    nothing and returns ``WrongStep``. (``None`` skips the check: for tests and tools that
+    play the worker by hand; the step worker always passes its step.)
 
     A claim is exclusive: a duplicate or redelivered message for a claimed token does nothing.
     If the claiming worker died, the coordinator's start-to-close timeout retries the node
@@ -62,16 +83,11 @@ def claim(engine: Engine, token: str, worker: str) -> ClaimedAttempt | None:
         )
         .values(claimed_at=_now(engine), claimed_by=worker)
     )
+    if step is not None:
+        claim_stmt = claim_stmt.where(step_attempt.c.step == step)
     with engine.begin() as conn:
         if postgres:
-            # One statement: UPDATE ... FROM the run, returning its input and context too.
-            row = conn.execute(
-                claim_stmt.where(workflow_run.c.run_id == step_attempt.c.run_id).returning(
-                    *_CLAIM_COLUMNS,
-                    workflow_run.c.workflow_id,
-                    workflow_run.c.state["context"].label("context"),
-                )
-            ).one_or_none()
+            row, attempt_step = _claim_postgres(conn, claim_stmt, token)
             run = row
         else:
             row = conn.execute(claim_stmt.returning(*_CLAIM_COLUMNS)).one_or_none()
@@ -85,7 +101,17 @@ def claim(engine: Engine, token: str, worker: str) -> ClaimedAttempt | None:
                     ).where(workflow_run.c.run_id == row.run_id)
                 ).one()
             )
+            # Why nothing was claimed, read only on a miss (SQLite is in-process: no trip).
+            attempt_step = (
+                conn.execute(
+                    sa.select(step_attempt.c.step).where(step_attempt.c.token == token)
+                ).scalar_one_or_none()
+                if row is None and step is not None
+                else None
+            )
     if row is None or run is None:
+        if step is not None and attempt_step is not None and attempt_step != step:
+            return WrongStep(token=token, step=attempt_step)
         return None
     return ClaimedAttempt(
         token=token,
@@ -99,6 +125,36 @@ def claim(engine: Engine, token: str, worker: str) -> ClaimedAttempt | None:
         args=dict(row.args or {}),
         context=dict(run.context or {}),
     )
+
+
+def _claim_postgres(conn: Connection, claim_stmt: Any, token: str) -> tuple[Any, str | None]:
+    """The claim in one round trip: (the claimed row or None, the attempt's step or None).
+
+    The UPDATE ... FROM the run (returning its workflow id and context too) runs as a CTE, left
+    joined to the attempt row itself, so a miss still says which step the token belongs to
+    (a wrong-step message is told apart from a duplicate without a second query). The outer
+    SELECT sees the row as it was before the UPDATE; ``step`` never changes.
+    """
+    claimed = (
+        claim_stmt.where(workflow_run.c.run_id == step_attempt.c.run_id)
+        .returning(
+            *_CLAIM_COLUMNS,
+            workflow_run.c.workflow_id,
+            workflow_run.c.state["context"].label("context"),
+        )
+        .cte("claimed")
+    )
+    found = conn.execute(
+        sa.select(
+            step_attempt.c.step.label("attempt_step"),
+            *claimed.c,
+        )
+        .select_from(step_attempt.outerjoin(claimed, sa.true()))
+        .where(step_attempt.c.token == token)
+    ).one_or_none()
+    if found is None:
+        return None, None
+    return (found if found.run_id is not None else None), found.attempt_step
 
 
 _CLAIM_COLUMNS = (
