@@ -32,7 +32,13 @@ from ..engine.tick import ACTIVE, read_nodes
 from .composed import child_output, children_of, gather_any, outputs_cache
 from .db import aware, is_postgres
 from .leases import holds_lease
-from .schema import step_attempt, workflow_control, workflow_run, workflow_signal
+from .schema import (
+    step_attempt,
+    workflow_control,
+    workflow_run,
+    workflow_signal,
+    workflow_timer,
+)
 
 
 @dataclass(slots=True)
@@ -45,6 +51,8 @@ class LoadedRun:
     state: RunState
     now: datetime
     parent_run_id: str | None = None
+    #: When the run's timer row fires (None: no row), so a commit can leave a good one alone.
+    timer_at: datetime | None = None
 
 
 def _exists(table: sa.Table, *where: Any) -> Any:
@@ -103,6 +111,7 @@ def load_on(
         state=state,
         now=now,
         parent_run_id=row.parent_run_id,
+        timer_at=aware(row.timer_at),
     )
     spec = spec_for(row.spec_hash, conn)
     results = _results(conn, run_id) if row.has_results else ()
@@ -151,6 +160,10 @@ def _run_row(conn: Connection, run_id: str, wait_for_lock: bool = True) -> Any:
         workflow_run.c.input,
         workflow_run.c.parent_run_id,
         now_col.label("now"),
+        sa.select(workflow_timer.c.fire_at)
+        .where(workflow_timer.c.run_id == run_id)
+        .scalar_subquery()
+        .label("timer_at"),
         _exists(
             step_attempt,
             step_attempt.c.run_id == run_id,

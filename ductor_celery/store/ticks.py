@@ -18,6 +18,7 @@ from ..engine import (
     RunState,
     TickPayload,
 )
+from ..engine.children import child_workflow_id
 from ..engine.status import TERMINAL_RUN_STATUSES
 from . import leases
 from .db import is_postgres
@@ -175,16 +176,26 @@ def commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list
         parent = newest_of_chain(conn, loaded.parent_run_id)
         outbox.extend(insert_outbox(conn, [wakeup_intent(parent)], now))
 
-    _set_timer(conn, loaded.run_id, payload.next_wake_at)
+    _set_timer(conn, loaded, payload.next_wake_at)
 
     if finished and loaded.state.status not in TERMINAL_RUN_STATUSES and is_postgres(conn.engine):
         conn.execute(sa.select(sa.func.pg_notify(RUN_FINISHED_CHANNEL, loaded.run_id)))
     return outbox
 
 
-def _set_timer(conn: Connection, run_id: str, fire_at: datetime | None) -> None:
+def _set_timer(conn: Connection, loaded: LoadedRun, fire_at: datetime | None) -> None:
+    """Keep the run's timer row at ``fire_at``, writing only when that matters.
+
+    A row still in the future and no later than ``fire_at`` is left as it is: it wakes the run
+    early, a no-op tick that moves it (and most runs finish first). That saves a write in
+    almost every tick of a busy run, whose next check moves a little later each time.
+    """
+    run_id, current = loaded.run_id, loaded.timer_at
     if fire_at is None:
-        conn.execute(sa.delete(workflow_timer).where(workflow_timer.c.run_id == run_id))
+        if current is not None:
+            conn.execute(sa.delete(workflow_timer).where(workflow_timer.c.run_id == run_id))
+        return
+    if current is not None and loaded.now < current <= fire_at:
         return
     insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
     stmt = insert(workflow_timer).values(run_id=run_id, fire_at=fire_at, woken_at=None)
@@ -294,7 +305,7 @@ def _children(
             .values(
                 pending_run(
                     run_id=child.run_id,
-                    workflow_id=f"{loaded.workflow_id}{child.workflow_id_suffix}"[:200],
+                    workflow_id=child_workflow_id(loaded.workflow_id, child.workflow_id_suffix),
                     workflow=found.name,
                     version=found.version,
                     spec_hash=found.spec_hash,

@@ -16,6 +16,18 @@ from ductor_celery import RunStatus
 pytestmark = pytest.mark.e2e
 
 
+@pytest.fixture(params=["eager", "coordinator-only"])
+def cluster_factory(request: pytest.FixtureRequest, cluster_factory: Any) -> Any:
+    """Every fault test runs twice: with eager ticks (step workers tick the run they just
+    advanced) and with every tick on the coordinator queue (``ductor_eager_ticks=False``)."""
+    eager = "1" if request.param == "eager" else "0"
+
+    def make(**env: str) -> Any:
+        return cluster_factory(**{"E2E_EAGER": eager, **env})
+
+    return make
+
+
 def _wait_for_file(path: Path, timeout: float = 30.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -204,3 +204,41 @@ def test_terminal_run_folds_late_results_without_changing(engine: Any) -> None:
         spec, loaded.state, inputs.__class__(run_id=run_id, results=(late,)), loaded.now
     )
     assert payload.state.status == RunStatus.FAILED
+
+
+def test_the_timer_row_is_written_only_when_it_must_move_earlier_or_go(engine: Any) -> None:
+    from datetime import timedelta
+
+    from ductor_celery.store.load import load_on
+    from ductor_celery.store.ticks import commit_on
+
+    spec = _spec()
+    run_id = _start(engine, spec)
+    _tick(engine, spec, run_id)  # attempt a started: a check time, so a timer row
+
+    def timer() -> Any:
+        with engine.connect() as conn:
+            return conn.execute(
+                sa.text("SELECT fire_at FROM eec_workflow_timer WHERE run_id = :r"), {"r": run_id}
+            ).scalar_one_or_none()
+
+    first = timer()
+    assert first is not None
+
+    def commit_with(fire_at: Any) -> None:
+        with engine.begin() as conn:
+            found = load_on(conn, run_id, lambda _h, _c: spec, CONFIG)
+            assert found is not None
+            loaded, _, inputs = found
+            assert loaded.timer_at == first or loaded.timer_at == timer()
+            payload = compute_tick(spec, loaded.state, inputs, loaded.now)
+            payload.changed = True
+            payload.next_wake_at = fire_at
+            commit_on(conn, loaded, payload)
+
+    commit_with(first + timedelta(seconds=30))  # later: the earlier row stays, no write
+    assert timer() == first
+    commit_with(first - timedelta(seconds=1))  # earlier: moved
+    assert timer() == first - timedelta(seconds=1)
+    commit_with(None)  # nothing to wait for: deleted
+    assert timer() is None
