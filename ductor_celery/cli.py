@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from .errors import DuctorError
+from .limits import MAX_JSON_DEPTH, MAX_LIST_LIMIT
 from .settings import EMBEDDED_DATABASE_URL, normalize_url
 
 if TYPE_CHECKING:
@@ -58,24 +59,44 @@ def _load_ductor(ctx: click.Context) -> Ductor:
     return found
 
 
+def _one_line(exc: BaseException) -> str:
+    """The exception's message on one line (a message may span several)."""
+    text = "; ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+    return text or exc.__class__.__name__
+
+
 def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Run a client call; ductor's errors and bad values become one line and exit 1."""
     try:
         return fn(*args, **kwargs)
-    except (DuctorError, TimeoutError, ValueError) as exc:
-        _fail(str(exc))
+    except (DuctorError, TimeoutError, TypeError, ValueError, RecursionError) as exc:
+        _fail(_one_line(exc))
     except Exception as exc:  # noqa: BLE001 - e.g. the database is unreachable
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         _fail(f"{exc.__class__.__name__}: {first}")
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+
+
+def _json_int(digits: str) -> int:
+    limit = sys.get_int_max_str_digits()
+    if limit and len(digits.lstrip("-")) > limit:
+        raise ValueError(f"an integer of {len(digits.lstrip('-'))} digits (at most {limit})")
+    return int(digits)
+
+
 def _parse_json(text: str | None, option: str) -> Any:
+    """Strict JSON: NaN, Infinity, huge integers and deep nesting are one clear line."""
     if text is None:
         return None
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        _fail(f"{option} is not valid JSON: {exc}")
+        return json.loads(text, parse_constant=_no_constant, parse_int=_json_int)
+    except RecursionError:
+        _fail(f"{option} is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
+    except ValueError as exc:  # JSONDecodeError too
+        _fail(f"{option} is not valid JSON: {_one_line(exc)}")
 
 
 def _console() -> Any:
@@ -147,6 +168,10 @@ def start(
 ) -> None:
     """Start a run of WORKFLOW; prints {"run_id", "workflow_id"} (then the run, with --wait)."""
     value = _parse_json(input_json, "--input")
+    if wait_:
+        from .client import check_timeout
+
+        _call(check_timeout, timeout)  # before the run starts, not after
     d = _load_ductor(ctx)
     handle = _call(d.start, workflow, input=value, workflow_id=workflow_id)
     click.echo(json.dumps({"run_id": handle.run_id, "workflow_id": handle.workflow_id}))
@@ -160,7 +185,7 @@ def start(
 @ductor.command()
 @click.option("--status", default=None, help="Only runs with this status.")
 @click.option("--workflow", default=None, help="Only runs of this workflow.")
-@click.option("--limit", default=50, type=click.IntRange(1, 10_000), show_default=True)
+@click.option("--limit", default=50, type=click.IntRange(1, MAX_LIST_LIMIT), show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.pass_context
 def runs(

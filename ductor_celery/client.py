@@ -6,7 +6,9 @@ It never imports ``runtime/``: the facade hands it a ``wake`` function.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -16,8 +18,9 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from . import limits
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
-from .engine.payloads import json_problem
+from .engine.payloads import check_json
 from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
 from .errors import (
     InvalidOperation,
@@ -49,13 +52,94 @@ CONTROL_ALLOWED: dict[str, frozenset[RunStatus]] = {
 
 
 def check_payload(value: Any, what: str, limit: int) -> Any:
-    """Refuse a payload that is not JSON or is over the limit, naming it; return it as JSON."""
-    normalized, problem = json_problem(value, what, limit)
-    if problem is None:
-        return normalized
-    if "not JSON-serializable" in problem:
-        raise PayloadNotSerializable(problem)
-    raise PayloadTooLarge(problem)
+    """Refuse a payload that cannot be stored exactly or is over the limit, naming it; return
+    it as JSON."""
+    checked = check_json(value, what, limit)
+    if checked.problem is None:
+        return checked.value
+    if checked.too_large:
+        raise PayloadTooLarge(checked.problem)
+    raise PayloadNotSerializable(checked.problem)
+
+
+def check_id(value: Any, what: str) -> str:
+    """An identifier (workflow id, name, node, signal name, key): a str (TypeError otherwise)
+    of 1..MAX_ID_LENGTH characters without NUL (ValueError otherwise), as the columns hold."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string, got {type(value).__name__}")
+    problem = limits.id_problem(value)
+    if problem is not None:
+        raise ValueError(f"{what} {problem}")
+    return value
+
+
+def check_target(target: Any) -> str:
+    """A run id or workflow id."""
+    return check_id(target, "target")
+
+
+def check_text(value: Any, what: str, limit: int) -> str | None:
+    """Free text (a reason, a comment): ``None`` or a str without NUL or lone surrogates, of
+    at most ``limit`` UTF-8 bytes (PayloadTooLarge otherwise)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string or None, got {type(value).__name__}")
+    if "\x00" in value:
+        raise ValueError(f"{what} must not contain NUL characters")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{what} must not contain lone surrogates (it is not valid Unicode)"
+        ) from None
+    if size > limit:
+        raise PayloadTooLarge(f"{what} is {size} bytes, over ductor_max_payload_bytes={limit}")
+    return value
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """``wait()``'s timeout: ``None`` (forever) or a finite number of seconds >= 0."""
+    if timeout is None:
+        return None
+    if not limits.is_number(timeout):
+        raise TypeError(
+            f"timeout must be a number of seconds or None, got {type(timeout).__name__}"
+        )
+    if not math.isfinite(timeout) or timeout < 0:
+        raise ValueError(
+            f"timeout must be a finite number of seconds >= 0, got {timeout!r} "
+            "(use None to wait forever)"
+        )
+    return float(timeout)
+
+
+def check_list_args(status: Any, workflow: Any, limit: Any) -> str | None:
+    """``list_runs``' filters; returns the status as its value."""
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"limit must be an integer, got {type(limit).__name__}")
+    if not 1 <= limit <= limits.MAX_LIST_LIMIT:
+        raise ValueError(f"limit must be between 1 and {limits.MAX_LIST_LIMIT}, got {limit}")
+    if workflow is not None:
+        check_id(workflow, "workflow")
+    if status is None:
+        return None
+    if not isinstance(status, str):
+        raise TypeError(f"status must be a string or None, got {type(status).__name__}")
+    try:
+        return RunStatus(status).value
+    except ValueError:
+        known = ", ".join(s.value for s in RunStatus)
+        raise ValueError(f"unknown run status {status!r} (one of: {known})") from None
+
+
+def decision_key(run_id: str, node: str, started: str) -> str:
+    """The idempotency key of one decision on one waiting episode, within the column's
+    MAX_ID_LENGTH (a long node id would overflow it: then a digest of it)."""
+    key = f"ductor:decision:{run_id}:{node}:{started}"
+    if len(key) <= limits.MAX_ID_LENGTH:
+        return key
+    return f"ductor:decision:{hashlib.sha256(key.encode()).hexdigest()}"
 
 
 class Client:
@@ -85,14 +169,17 @@ class Client:
     # -- writes -----------------------------------------------------------------------------
 
     def start(self, workflow: str, input: Any = None, workflow_id: str | None = None) -> RunHandle:
-        spec = self.find_definition(workflow)
-        if self._remember_spec is not None:
-            self._remember_spec(spec)
+        # Every argument is checked before the first query: a bad id must not reach a
+        # VARCHAR(200) column (PostgreSQL raises a DataError; SQLite would store it).
+        check_id(workflow, "workflow")
+        if workflow_id is not None:
+            check_id(workflow_id, "workflow_id")
         value = check_payload(
             input, f"input of workflow {workflow!r}", self.settings.max_payload_bytes
         )
-        if workflow_id is not None and (not isinstance(workflow_id, str) or not workflow_id):
-            raise ValueError(f"workflow_id must be a non-empty string, got {workflow_id!r}")
+        spec = self.find_definition(workflow)
+        if self._remember_spec is not None:
+            self._remember_spec(spec)
         run_id = uuid.uuid4().hex
         engine = self.engine
         for needed in self._with_children(spec):
@@ -172,14 +259,19 @@ class Client:
         idempotency_key: str | None = None,
     ) -> int:
         """Accept a signal for the run (kept until a node consumes it). Returns its id."""
-        if not isinstance(name, str) or not name or name.startswith("ductor."):
+        check_target(target)
+        check_id(name, "signal name")
+        if name.startswith("ductor."):
             raise ValueError(
                 f"invalid signal name {name!r} (names starting 'ductor.' are reserved)"
             )
-        row = self._row(target)
+        if idempotency_key is not None:
+            # "" is refused, not read as "no key": the caller meant a key.
+            check_id(idempotency_key, "idempotency_key")
         value = check_payload(
             payload, f"payload of signal {name!r}", self.settings.max_payload_bytes
         )
+        row = self._row(target)
         # insert_signal decides under the workflow's lock: a repeated key is accepted and
         # ignored (even once the run has finished), a continued run hands the signal to its
         # successor, any other finished run refuses it with InvalidOperation.
@@ -206,6 +298,11 @@ class Client:
     ) -> None:
         """approve / reject: only a waiting approval node, and only once."""
         verb = "approve" if approved else "reject"
+        check_target(target)
+        check_id(node, "node")
+        if by is not None:
+            check_id(by, "by")
+        check_text(comment, "comment", self.settings.max_payload_bytes)
         row = self._open_row(target, f"{verb} {node!r}")
         spec = self._read(runs.load_definition, self.engine, row.spec_hash)
         node_spec = spec.graph.nodes.get(node) if spec is not None else None
@@ -238,7 +335,7 @@ class Client:
                 workflow_id=row.workflow_id,
                 name=approval_signal(node),
                 payload=decision,
-                idempotency_key=f"ductor:decision:{row.run_id}:{node}:{started}",
+                idempotency_key=decision_key(row.run_id, node, started),
             ),
             what="insert decision",
         )
@@ -259,6 +356,12 @@ class Client:
         requested_by: str | None = None,
     ) -> None:
         """Queue an operator control after checking it makes sense for the run's state."""
+        check_target(target)
+        check_text(reason, "reason", self.settings.max_payload_bytes)
+        if requested_by is not None:
+            check_id(requested_by, "requested_by")
+        if has_input:
+            input = check_payload(input, "continue-as-new input", self.settings.max_payload_bytes)
         row = self._row(target)
         allowed = CONTROL_ALLOWED[kind]
         if row.status not in allowed:
@@ -273,8 +376,6 @@ class Client:
                     f"cannot redrive run {row.run_id}: run {other} of workflow id "
                     f"{row.workflow_id!r} is open"
                 )
-        if has_input:
-            input = check_payload(input, "continue-as-new input", self.settings.max_payload_bytes)
         with_retry(
             lambda: external.insert_control(
                 self.engine,
@@ -300,19 +401,20 @@ class Client:
     # -- reads ------------------------------------------------------------------------------
 
     def _row(self, target: str) -> RunRow:
+        check_target(target)
         row = self._read(runs.find_run, self.engine, target)
         if row is None:
             raise RunNotFound(f"no run with run id or workflow id {target!r}")
         return row
 
     def get(self, target: str) -> RunView:
+        check_target(target)
         return self._view(self._row(target))
 
     def list_runs(
         self, status: str | None = None, workflow: str | None = None, limit: int = 50
     ) -> list[RunView]:
-        if status is not None:
-            status = RunStatus(status).value
+        status = check_list_args(status, workflow, limit)
         rows = self._read(
             runs.list_runs, self.engine, status=status, workflow=workflow, limit=limit
         )
@@ -391,6 +493,8 @@ class Client:
 
     def wait(self, target: str, timeout: float | None = None) -> RunView:
         """Block until the run is terminal. Told by NOTIFY on PostgreSQL; polls otherwise."""
+        check_target(target)
+        timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         row = self._row(target)
         if is_postgres(self.engine):

@@ -8,7 +8,7 @@
       RunNotFound                no run with that id or workflow id
       InvalidOperation           a control, approval or signal the run's state does not allow
       PayloadTooLarge            an input or payload over ductor_max_payload_bytes
-      PayloadNotSerializable     a value that cannot be stored as JSON
+      PayloadNotSerializable     a value that cannot be stored exactly (NaN, NUL, too deep, ...)
       StoreUnavailable           the database could not be reached
     NonRetryableError            raise it inside a step to fail without retry
 
@@ -46,7 +46,8 @@ class PayloadTooLarge(DuctorError):
 
 
 class PayloadNotSerializable(DuctorError):
-    """A payload cannot be serialized as JSON."""
+    """A payload cannot be stored exactly as JSON (NaN or Infinity, NUL, a lone surrogate,
+    nesting deeper than limits.MAX_JSON_DEPTH, an integer too long to print, a non-JSON type)."""
 
 
 class StoreUnavailable(DuctorError):

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..definition.paths import Scope, resolve
 from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec
+from ..limits import MAX_ID_LENGTH
 from .context import TickContext
 from .inputs import ChildControl, ChildSnapshot, ChildStart
 from .payloads import json_problem
@@ -28,6 +29,21 @@ def child_run_id(run_id: str, node: str, branch: int | None, generation: int) ->
     """Deterministic: the same (parent, node, branch, generation) always names the same child."""
     key = f"{run_id}:{node}:{'' if branch is None else branch}:{generation}"
     return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+#: Hex digits of sha256 that end a child workflow id too long to keep whole.
+_ID_DIGEST = 16
+
+
+def child_workflow_id(parent_workflow_id: str, suffix: str) -> str:
+    """``<parent workflow id>/<node>[i]~g``, deterministic and at most MAX_ID_LENGTH
+    characters (the column's width): kept whole when it fits, otherwise a prefix of it ended
+    by a digest of the whole, so two long ids differing only in their tails stay apart."""
+    full = parent_workflow_id + suffix
+    if len(full) <= MAX_ID_LENGTH:
+        return full
+    digest = hashlib.sha256(full.encode("utf-8", "surrogatepass")).hexdigest()[:_ID_DIGEST]
+    return f"{full[: MAX_ID_LENGTH - _ID_DIGEST - 1]}#{digest}"
 
 
 def _suffix(node: str, branch: int | None, generation: int) -> str:

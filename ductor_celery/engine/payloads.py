@@ -1,18 +1,183 @@
-"""The one rule for payloads (inputs, arguments, results, patches, signals): JSON, and at most
-``ductor_max_payload_bytes`` once serialized. Client, worker and tick all apply it."""
+"""The one rule for payloads (inputs, arguments, results, patches, signals, heartbeat details):
+JSON that both databases store exactly, and at most ``ductor_max_payload_bytes`` once serialized
+as UTF-8. Client, worker and tick all apply it.
+
+"Stored exactly" is stricter than ``json.dumps`` succeeding: PostgreSQL's jsonb refuses NaN and
+Infinity, ``\\u0000`` and text that is not valid UTF-8 (a lone surrogate), and a value nested
+deeper than ``limits.MAX_JSON_DEPTH`` could not be decoded again by every reader. The check is
+total: whatever the value, it returns a verdict and never raises (a user's result nested 3,000
+deep must fail its attempt, not the worker).
+"""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import math
+import re
+import sys
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+from ..limits import MAX_JSON_DEPTH
+
+#: ``\u0000`` in the serialized text, not preceded by an escaping backslash (``"\\u0000"``,
+#: a literal backslash followed by ``u0000``, is harmless text).
+_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+#: Longest path shown in a message; deeper paths keep their tail.
+_PATH_WIDTH = 120
+
+
+class JsonCheck(NamedTuple):
+    """The verdict on one payload."""
+
+    #: The value normalized through JSON (tuples become lists, keys strings); ``None`` when
+    #: refused.
+    value: Any
+    #: What is wrong, naming the payload; ``None`` when the value is accepted.
+    problem: str | None = None
+    #: Refused for its size alone (``PayloadTooLarge``); otherwise for its content
+    #: (``PayloadNotSerializable``).
+    too_large: bool = False
+
+
+def check_json(value: Any, what: str, limit: int) -> JsonCheck:
+    """Whether ``value`` can be stored exactly as JSON of at most ``limit`` UTF-8 bytes.
+
+    Cost on the accepted path: one ``json.dumps`` and one ``json.loads`` (both in C), an
+    encode to UTF-8, and a walk over containers only when the text holds more than
+    ``MAX_JSON_DEPTH`` brackets (fewer brackets cannot nest deeper).
+    """
+    try:
+        return _check(value, what, limit)
+    except Exception as exc:  # noqa: BLE001 - total: a user's dict subclass may raise anything
+        return JsonCheck(None, _storable(f"{what} is not JSON-serializable: {_describe(exc)}"))
 
 
 def json_problem(value: Any, what: str, limit: int) -> tuple[Any, str | None]:
     """``value`` normalized through JSON, or ``None`` and a problem that names ``what``."""
+    checked = check_json(value, what, limit)
+    return checked.value, checked.problem
+
+
+def _check(value: Any, what: str, limit: int) -> JsonCheck:
     try:
-        text = json.dumps(value)
-    except (TypeError, ValueError) as exc:
-        return None, f"{what} is not JSON-serializable: {exc}"
-    if len(text) > limit:
-        return None, f"{what} is {len(text)} bytes, over ductor_max_payload_bytes={limit}"
-    return json.loads(text), None
+        # ensure_ascii=False: the text's UTF-8 encoding is what is measured, and encoding it
+        # is what finds a lone surrogate.
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        data = text.encode("utf-8")
+    except Exception as exc:  # noqa: BLE001 - TypeError, ValueError, RecursionError, ...
+        return _refused(value, what, exc)
+    if "\\u0000" in text and _NUL.search(text):
+        return _refused(value, what, None)
+    if len(data) > limit:
+        return JsonCheck(
+            None, f"{what} is {len(data)} bytes, over ductor_max_payload_bytes={limit}", True
+        )
+    normalized = json.loads(text)
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _deeper_than(
+        normalized, MAX_JSON_DEPTH
+    ):
+        return _refused(value, what, None)
+    return JsonCheck(normalized)
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether decoded JSON nests lists and dicts more than ``limit`` levels (iteratively)."""
+    level = [value] if type(value) is dict or type(value) is list else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        below: list[Any] = []
+        for container in level:
+            items = container.values() if type(container) is dict else container
+            below += [x for x in items if type(x) is dict or type(x) is list]
+        level = below
+    return False
+
+
+def _refused(value: Any, what: str, exc: Exception | None) -> JsonCheck:
+    """The refusal, naming the first offending value and where it is (the failure path only,
+    so it may walk the whole value)."""
+    found = _first_problem(value)
+    detail = found if found is not None else _describe(exc) if exc else "cannot be stored"
+    return JsonCheck(None, _storable(f"{what} is not JSON-serializable: {detail}"))
+
+
+def _first_problem(value: Any) -> str | None:
+    """The first value that JSON (as PostgreSQL stores it) cannot hold, with its path."""
+    stack: list[tuple[Any, str, int]] = [(value, "$", 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        if isinstance(item, dict | list | tuple):
+            if depth + 1 > MAX_JSON_DEPTH:
+                return f"it is nested deeper than {MAX_JSON_DEPTH} levels"
+            children = list(_children(item, path))
+            for key, _ in children:
+                if key is not None and (problem := _scalar_problem(key)) is not None:
+                    return f"key {_show(key)} at {_short(path)}: {problem}"
+            stack += [(child, where, depth + 1) for (_, (child, where)) in reversed(children)]
+        elif (problem := _scalar_problem(item)) is not None:
+            return f"{problem} at {_short(path)}"
+    return None
+
+
+def _children(item: Any, path: str) -> Iterator[tuple[Any, tuple[Any, str]]]:
+    """(dict key or None, (child, its path)) of a container."""
+    if isinstance(item, dict):
+        for key, child in item.items():
+            yield key, (child, f"{path}.{key}" if isinstance(key, str) else f"{path}[{_show(key)}]")
+    else:
+        for index, child in enumerate(item):
+            yield None, (child, f"{path}[{index}]")
+
+
+def _scalar_problem(item: Any) -> str | None:
+    """Why a non-container value (or a dict key) cannot be stored, or ``None``."""
+    if item is None or isinstance(item, bool):
+        return None
+    if isinstance(item, str):
+        if "\x00" in item:
+            return "a NUL character (\\x00) in text"
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            return "a lone surrogate in text (not valid UTF-8)"
+        return None
+    if isinstance(item, int):
+        try:
+            int.__repr__(item)
+        except ValueError:
+            return f"an integer of more than {sys.get_int_max_str_digits()} digits"
+        return None
+    if isinstance(item, float):
+        return None if math.isfinite(item) else f"{item!r} (JSON has no NaN or Infinity)"
+    return f"a value of type {type(item).__name__}"
+
+
+def _show(key: Any) -> str:
+    """A key for a message: ``repr`` escapes NUL and surrogates; a huge int has none."""
+    try:
+        return _short(repr(key))
+    except Exception:  # noqa: BLE001
+        return f"<{type(key).__name__}>"
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _PATH_WIDTH else "…" + text[-_PATH_WIDTH:]
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message``, even when the exception's ``__str__`` raises."""
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001
+        message = "<unprintable>"
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def _storable(message: str) -> str:
+    """The message itself must be storable: an exception's text may hold NUL or surrogates."""
+    return message.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
