@@ -24,6 +24,8 @@ app.conf.update(
     worker_hijack_root_logger=False,
     ductor_sweep_interval=float(os.environ.get("E2E_SWEEP_INTERVAL", "0.5")),
     ductor_resend_unclaimed_after=float(os.environ.get("E2E_RESEND_AFTER", "30")),
+    # Fault tests run with eager ticks on and off (E2E_EAGER=1/0); the default is ductor's.
+    ductor_eager_ticks=os.environ.get("E2E_EAGER", "1"),
 )
 ductor = Ductor(app)
 

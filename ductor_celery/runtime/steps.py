@@ -18,7 +18,9 @@ from ..engine.payloads import json_problem
 from ..errors import NonRetryableError
 from ..store import attempts, wakes
 from ..store.db import with_retry
-from ..store.outbox import OutboxRow, delete_outbox
+from ..store.outbox import OutboxRow
+from .coordinator import run_tick
+from .outbox_janitor import sent_outbox
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -311,13 +313,29 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
     result, interrupt = _run(step, ctx, claimed.args, token, limit)
     try:
         outcome = _record(rt, engine, step, token, result)
-        # Coalesced: when a wake-up of the run is already queued, its tick will see this.
-        if _wake_needed(engine, claimed.run_id):
-            rt.wake(claimed.run_id)
+        _advance_run(rt, engine, claimed.run_id)
     finally:
         if interrupt is not None:
             raise interrupt
     return outcome
+
+
+def _advance_run(rt: Runtime, engine: Any, run_id: str) -> None:
+    """Make sure a tick folds the outcome just written.
+
+    Eager (``ductor_eager_ticks``): run the run's tick here and now, if no other tick holds the
+    run (docs/architecture.md, "Who runs a tick"); it loads after our commit, so it sees our
+    outcome. Otherwise, or if it fails, wake the coordinator; coalesced: when a wake-up of the
+    run is already queued, its tick will see this outcome and no message is sent.
+    """
+    if rt.settings.eager_ticks:
+        try:
+            if run_tick(rt, run_id, eager=True) in ("committed", "noop", "missing"):
+                return
+        except Exception as exc:  # noqa: BLE001 - the coordinator can always do it instead
+            log.warning("eager tick of run %s failed (%s); waking the coordinator", run_id, exc)
+    if _wake_needed(engine, run_id):
+        rt.wake(run_id)
 
 
 def _run(
@@ -367,7 +385,7 @@ def _record(rt: Runtime, engine: Any, step: Step, token: str, result: _Outcome) 
         # This attempt's lease went to a waiting attempt: send its step message now (the
         # sweeper relays it if we die first), then clear the outbox rows.
         rt.dispatcher.send(granted)
-        with_retry(lambda: delete_outbox(engine, [r.id for r in granted]), what="clear outbox")
+        sent_outbox(engine).add([r.id for r in granted])
     return result.outcome if written else "closed"
 
 

@@ -1,0 +1,90 @@
+"""Eager ticks and several coordinators with real worker processes (issue 10).
+
+The invariant each time: every run finishes, every step ran exactly once (the ledger), every
+result was folded once.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ductor_celery import RunStatus
+
+pytestmark = pytest.mark.e2e
+
+
+def _wait_for_file(path: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_a_step_worker_killed_after_its_eager_commit_and_before_dispatch_loses_nothing(
+    cluster_factory: Any, client_for: Any, tmp_path: Path
+) -> None:
+    fired = tmp_path / "eager-failpoint-fired"
+    cluster = cluster_factory(E2E_EAGER="1")
+    cluster.start_coordinator()
+    cluster.start_steps(
+        concurrency=1,
+        DUCTOR_FAILPOINT="eager_after_commit_before_dispatch",
+        DUCTOR_FAILPOINT_MARKER=str(fired),
+    )
+    ductor = client_for(cluster)
+    handle = ductor.start("chain10", input={"value": 5})
+    _wait_for_file(fired)
+    # The pool child died between its eager tick's commit and sending the next step: the
+    # outbox row is what is left, and the sweeper relays it.
+    view = ductor.wait(handle.run_id, timeout=60)
+    assert view.status == RunStatus.SUCCEEDED, cluster.logs()
+    assert view.output == 5
+    assert cluster.executions(handle.run_id) == 10
+    attempts = cluster.attempts(handle.run_id)
+    assert all(a.outcome == "succeeded" and a.folded for a in attempts)
+    assert len(attempts) == 10
+
+
+def test_eager_ticks_advance_a_chain_with_the_coordinator_gone(
+    cluster_factory: Any, client_for: Any
+) -> None:
+    """With eager ticks the step workers tick the runs they advance: once the coordinator has
+    run the start's tick, a 10-step chain finishes even with the coordinator SIGKILLed."""
+    cluster = cluster_factory(E2E_EAGER="1")
+    coordinator = cluster.start_coordinator()
+    ductor = client_for(cluster)
+    handle = ductor.start("chain10", input={"value": 1})
+    deadline = time.monotonic() + 30
+    while not cluster.attempts(handle.run_id):  # the start's tick committed the first attempt
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.05)
+    coordinator.kill()
+    cluster.start_steps(concurrency=1)
+    view = ductor.wait(handle.run_id, timeout=60)
+    assert view.status == RunStatus.SUCCEEDED, cluster.logs()
+    assert view.output == 1
+    assert cluster.executions(handle.run_id) == 10
+
+
+def test_two_coordinators_under_load_finish_every_run_exactly_once(
+    cluster_factory: Any, client_for: Any
+) -> None:
+    """Every tick on the coordinator queue (eager off), two coordinator processes sharing it:
+    the run lock keeps them off each other's runs, and nothing is applied twice."""
+    cluster = cluster_factory(E2E_EAGER="0")
+    cluster.start_coordinator(name="coord-a")
+    cluster.start_coordinator(name="coord-b")
+    cluster.start_steps(concurrency=2)
+    ductor = client_for(cluster)
+    handles = [ductor.start("chain10", input={"value": i}) for i in range(20)]
+    for i, handle in enumerate(handles):
+        view = ductor.wait(handle.run_id, timeout=120)
+        assert view.status == RunStatus.SUCCEEDED, cluster.logs()
+        assert view.output == i
+        assert cluster.executions(handle.run_id) == 10
+        attempts = cluster.attempts(handle.run_id)
+        assert len(attempts) == 10 and all(a.folded for a in attempts)
