@@ -42,26 +42,39 @@ def is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def show(value: object, limit: int = 60) -> str:
+    """``repr(value)`` for a message, cut short; never raises (``repr(10**5000)`` does)."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - an int too long to print, a user's broken __repr__
+        if isinstance(value, int):
+            return f"an integer of {value.bit_length()} bits"
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
 def duration_problem(value: object, *, allow_zero: bool = False) -> str | None:
     """Why ``value`` is not a usable number of seconds, or ``None`` when it is."""
     if not is_number(value):
-        return f"must be a number of seconds, got {value!r}"
+        return f"must be a number of seconds, got {show(value)}"
     assert isinstance(value, int | float)
-    if not math.isfinite(value):
-        return f"must be a finite number of seconds, got {value!r}"
+    # An int is always finite (and math.isfinite(10**400) would raise OverflowError); an int
+    # compares exactly with the float bounds below.
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number of seconds, got {show(value)}"
     if value < 0 or (value == 0 and not allow_zero):
-        return f"must be {'>= 0' if allow_zero else 'positive'}, got {value!r}"
+        return f"must be {'>= 0' if allow_zero else 'positive'}, got {show(value)}"
     if value > MAX_DURATION_S:
-        return f"must be at most {MAX_DURATION_S:.0f} s (ten years), got {value!r}"
+        return f"must be at most {MAX_DURATION_S:.0f} s (ten years), got {show(value)}"
     return None
 
 
 def int_problem(value: object, *, minimum: int, maximum: int = MAX_INT) -> str | None:
     """Why ``value`` is not an integer in ``minimum..maximum``, or ``None`` when it is."""
     if not isinstance(value, int) or isinstance(value, bool):
-        return f"must be an integer, got {value!r}"
+        return f"must be an integer, got {show(value)}"
     if not minimum <= value <= maximum:
-        return f"must be between {minimum} and {maximum}, got {value!r}"
+        return f"must be between {minimum} and {maximum}, got {show(value)}"
     return None
 
 
@@ -83,3 +96,7 @@ def id_problem(value: object) -> str | None:
 #: Longest ``ConcurrencyLimit.key`` as written (a path or a literal): the lease key column is
 #: ``VARCHAR(500)``.
 MAX_LEASE_KEY_LENGTH = 500
+
+#: Largest scatter ``batch_size`` (items per attempt): a batch's arguments and outputs travel
+#: in one attempt row, so it stays a bounded multiple of one item's.
+MAX_BATCH_SIZE = 10_000

@@ -323,3 +323,28 @@ def exits(ctx: StepContext) -> None:
 exits_wf = Workflow("e2e_exits")
 exits_wf.step("exits", exits)
 ductor.register(exits_wf)
+
+
+# --- issue 10: batched scatter under a SIGKILL ----------------------------------------------
+
+
+@ductor.step(name="e2e.item_pause", heartbeat_timeout=2.5, timeout=60.0,
+             retry=RetryPolicy(max_attempts=3, initial_interval=0.1))
+def item_pause(ctx: StepContext, item: int, pause: float) -> int:
+    """One item of a batch; the ledger's node is ``<node>[<item index>]``."""
+    engine = ductor.runtime.engine()
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(LEDGER).values(
+                run_id=ctx.run_id, node=f"{ctx.node}[{ctx.branch}]", attempt=ctx.attempt
+            )
+        )
+    time.sleep(pause)  # no heartbeat of its own: the batch's checkpoints are its heartbeats
+    return item * 2
+
+
+batched = Workflow("e2e_batched")
+batched.scatter("each", item_pause, over="$.input.items", item_arg="item",
+                args={"pause": "$.input.pause"}, batch_size=10, max_parallel=2)
+batched.output("$.nodes.each.output")
+ductor.register(batched)

@@ -15,7 +15,9 @@ from ..errors import DefinitionError
 from ..limits import duration_problem, id_problem, int_problem
 from .checks import (
     after_ids,
+    check_batch_lease,
     check_events,
+    check_literals,
     check_over,
     check_scatter_options,
     check_timeout,
@@ -26,6 +28,7 @@ from .checks import (
 )
 from .retry import RetryPolicy
 from .spec import (
+    BATCH_ARG,
     CHILD_KINDS,
     ApprovalNodeSpec,
     CheckpointNodeSpec,
@@ -118,6 +121,7 @@ class Workflow:
         max_parallel: int = 64,
         tolerated_failures: int | None = None,
         tolerated_failure_ratio: float | None = None,
+        batch_size: int = 1,
         workflow: str | None = None,
         as_child_runs: bool = False,
         input: Any = "$.item",
@@ -136,8 +140,18 @@ class Workflow:
 
         Fail fast by default; with ``tolerated_failures=N`` or ``tolerated_failure_ratio=r``
         the gather finishes with ``{"error": ...}`` in the failed branches' places.
+
+        ``batch_size=n`` sends up to ``n`` consecutive items in one message and one attempt
+        (``max_parallel`` then counts batches); the step is still called once per item, and a
+        retry of a batch runs only its items without a recorded output. Tolerances count items.
         """
         if as_child_runs or workflow is not None:
+            if batch_size != 1:
+                raise DefinitionError(
+                    f"workflow {self.name!r}, node {short(id)}: "
+                    f"batch_size={short(batch_size)} batches step attempts; a scatter over "
+                    "child runs starts one run per item (leave batch_size at 1)"
+                )
             return self._add(
                 "child_scatter",
                 id,
@@ -170,6 +184,7 @@ class Workflow:
             max_parallel=max_parallel,
             tolerated_failures=tolerated_failures,
             tolerated_failure_ratio=tolerated_failure_ratio,
+            batch_size=batch_size,
         )
 
     def subworkflow(
@@ -319,6 +334,7 @@ class Workflow:
         start; their definitions are pinned (by hash) into this one.
         """
         nodes = [self._build_node(raw, resolve_step, resolve_workflow) for raw in self._nodes]
+        check_literals(self._output, f"workflow {self.name!r}", "output")
         try:
             spec = WorkflowSpec(
                 name=self.name, version=self.version, nodes=tuple(nodes), output=self._output
@@ -348,6 +364,14 @@ class Workflow:
         args = raw["args"] or {}
         if not isinstance(args, Mapping):
             raise DefinitionError(f"{where}: args must be a mapping of argument name to value")
+        check_literals(dict(args), where, "args")
+        if BATCH_ARG in args:
+            raise DefinitionError(
+                f"{where}: args: the argument name {BATCH_ARG!r} is reserved (batch attempts)"
+            )
+        settings = _attempt_settings(raw, step, where)
+        if raw["kind"] == "scatter":
+            check_batch_lease(raw["batch_size"], settings["concurrency"], where)
         common: dict[str, Any] = {
             "id": node_id,
             "step": step_name,
@@ -355,7 +379,7 @@ class Workflow:
             "args": dict(args),
             "when": raw["when"],
             "continue_on_failure": bool(raw["continue_on_failure"]),
-            **_attempt_settings(raw, step, where),
+            **settings,
         }
         try:
             if raw["kind"] == "step":
@@ -367,6 +391,7 @@ class Workflow:
                 max_parallel=raw["max_parallel"],
                 tolerated_failures=raw["tolerated_failures"],
                 tolerated_failure_ratio=raw["tolerated_failure_ratio"],
+                batch_size=raw["batch_size"],
             )
         except ValueError as exc:
             raise DefinitionError(f"{where}: {_detail(exc)}") from None
@@ -441,6 +466,7 @@ def _build_child(
 ) -> NodeSpec:
     fields = {k: v for k, v in raw.items() if v is not None or k == "input"}
     fields["after"] = after_ids(raw["after"], where)
+    check_literals(raw["input"], where, "input")
     if raw["kind"] == "child_scatter":
         if not raw["as_child_runs"] or raw["workflow"] is None or raw["step"] is not None:
             raise DefinitionError(
@@ -456,7 +482,7 @@ def _build_child(
     if raw["parent_close"] not in ("terminate", "cancel", "abandon"):
         raise DefinitionError(
             f"{where}: parent_close must be 'terminate', 'cancel' or 'abandon', "
-            f"got {raw['parent_close']!r}"
+            f"got {short(raw['parent_close'])}"
         )
     child_name = raw["workflow"]
     problem = id_problem(child_name)

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import DefinitionError
-from ..limits import duration_problem, id_problem, int_problem, is_number
+from ..limits import MAX_BATCH_SIZE, duration_problem, id_problem, int_problem, is_number
 from .retry import ConcurrencyLimit, RetryPolicy
-from .spec import RESERVED_SIGNAL_PREFIX
+from .spec import BATCH_ARG, RESERVED_SIGNAL_PREFIX, ConcurrencySpec
 from .validate import short
 
 
@@ -26,6 +26,23 @@ def check_timeout(where: str, field: str, value: Any) -> None:
     """``None`` (no timeout) or a positive, finite number of seconds of at most ten years."""
     if value is not None:
         refuse(where, field, duration_problem(value))
+
+
+#: Templates are not held to ductor_max_payload_bytes here (the definition is no payload).
+_NO_SIZE_LIMIT = 1 << 62
+
+
+def check_literals(template: Any, where: str, field: str) -> None:
+    """Refuse a template (``args``, a child's ``input``, the ``output``) whose literals no
+    database stores exactly: NaN or Infinity (pydantic would store them as ``null``), NUL, a
+    lone surrogate, an int too long to print, a non-JSON type, or nesting deeper than
+    MAX_JSON_DEPTH. The definition is stored as JSON, and what the template resolves to is a
+    payload (an argument set counts as one level)."""
+    from ..engine.payloads import check_json  # here: engine/ imports definition/
+
+    problem = check_json(template, f"{where}: {field}", _NO_SIZE_LIMIT).problem
+    if problem is not None:
+        raise DefinitionError(problem)
 
 
 def check_when(when: Any, where: str) -> None:
@@ -76,10 +93,11 @@ def check_events(events: Any, mode: Any, where: str) -> tuple[str, ...]:
     if isinstance(mode, int) and not isinstance(mode, bool):
         if not 1 <= mode <= len(events):
             raise DefinitionError(
-                f"{where}: mode={mode} must be between 1 and the number of events ({len(events)})"
+                f"{where}: mode={short(mode)} must be between 1 and the number of events "
+                f"({len(events)})"
             )
     elif mode not in ("all", "any"):
-        raise DefinitionError(f"{where}: mode must be 'all', 'any' or a number, got {mode!r}")
+        raise DefinitionError(f"{where}: mode must be 'all', 'any' or a number, got {short(mode)}")
     return tuple(events)
 
 
@@ -102,7 +120,7 @@ def check_tolerance(raw: dict[str, Any], where: str) -> None:
     ratio = raw["tolerated_failure_ratio"]
     if ratio is not None and not (is_number(ratio) and 0 <= ratio <= 1):  # nan fails 0 <= nan
         raise DefinitionError(
-            f"{where}: tolerated_failure_ratio must be a number between 0 and 1, got {ratio!r}"
+            f"{where}: tolerated_failure_ratio must be a number between 0 and 1, got {short(ratio)}"
         )
 
 
@@ -111,14 +129,31 @@ def check_scatter_options(raw: dict[str, Any], where: str) -> None:
         raise DefinitionError(f"{where}: scatter needs a step to run for each item")
     check_over(raw["over"], where)
     check_tolerance(raw, where)
+    refuse(where, "batch_size", int_problem(raw["batch_size"], minimum=1, maximum=MAX_BATCH_SIZE))
     item_arg = raw["item_arg"]
     if item_arg is not None:
         if not isinstance(item_arg, str) or not item_arg.isidentifier():
-            raise DefinitionError(f"{where}: item_arg must be an argument name, got {item_arg!r}")
+            raise DefinitionError(
+                f"{where}: item_arg must be an argument name, got {short(item_arg)}"
+            )
+        if item_arg == BATCH_ARG:
+            raise DefinitionError(
+                f"{where}: item_arg: the argument name {BATCH_ARG!r} is reserved (batch attempts)"
+            )
         if item_arg in (raw["args"] or {}):
             raise DefinitionError(
                 f"{where}: item_arg {item_arg!r} is also given in args; rename one of them"
             )
+
+
+def check_batch_lease(batch_size: int, concurrency: ConcurrencySpec | None, where: str) -> None:
+    """A batch is one attempt holding one lease, so its key cannot differ per item."""
+    if batch_size > 1 and concurrency is not None and concurrency.key.startswith("$.item"):
+        raise DefinitionError(
+            f"{where}: batch_size={batch_size} runs a batch of items as one attempt under one "
+            f"concurrency lease, so the step's concurrency key {concurrency.key!r} cannot read "
+            "$.item (use batch_size=1, or a key that is the same for every item)"
+        )
 
 
 def step_name(fn: Callable[..., Any], name: object) -> str:

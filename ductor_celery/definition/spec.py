@@ -7,11 +7,12 @@ import json
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from ..limits import (
     MAX_ATTEMPTS,
     MAX_BACKOFF,
+    MAX_BATCH_SIZE,
     MAX_DURATION_S,
     MAX_ID_LENGTH,
     MAX_INT,
@@ -32,6 +33,11 @@ Timeout = Annotated[float, Field(gt=0, le=MAX_DURATION_S, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0, le=MAX_INT)]
 PositiveCount = Annotated[int, Field(ge=1, le=MAX_INT)]
 Ratio = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+
+#: The one argument of a batch attempt (a scatter with ``batch_size`` > 1): the per-item
+#: arguments travel under it. No step or scatter may name an argument so (the builder refuses
+#: it), so a worker tells a batch attempt from a plain one by its arguments alone.
+BATCH_ARG = "__ductor_batch__"
 
 #: Signal names starting with this are ductor's own (approval decisions); users cannot send
 #: them, so a node waiting for one would wait forever.
@@ -108,6 +114,17 @@ class ScatterNodeSpec(AttemptNodeSpec):
     max_parallel: PositiveCount = 64
     tolerated_failures: Count | None = None
     tolerated_failure_ratio: Ratio | None = None
+    #: Items per attempt: a branch is a batch of up to this many consecutive items, run in one
+    #: attempt (``max_parallel`` then counts batches). Left out of the stored form when 1, so
+    #: the specs (and hashes) of unbatched scatters are what they were before it existed.
+    batch_size: int = Field(default=1, ge=1, le=MAX_BATCH_SIZE)
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("batch_size") == 1:
+            del data["batch_size"]
+        return data
 
     def branch_args(self) -> dict[str, Any]:
         """The argument template of one branch: ``args`` plus the item under ``item_arg``."""

@@ -48,8 +48,12 @@ def fold_results(t: TickContext) -> None:
             t.record(result.node, status, status, f"stale result ignored (token {result.token})")
             continue
         branch = result.branch if ns.scatter is not None else None
+        batched = ns.scatter is not None and ns.scatter.batch > 1 and branch is not None
         if result.outcome == "succeeded":
             problem = _bad_success(result, t.inputs.config.max_payload_bytes)
+            if problem is None and batched:
+                assert ns.scatter is not None and branch is not None
+                problem = scatter.batch_shape_problem(ns.scatter, branch, result.output)
             if problem is None:
                 _succeed(t, result, slot, branch)
                 continue
@@ -57,8 +61,15 @@ def fold_results(t: TickContext) -> None:
                 t, result.node, slot, branch, {"type": "InvalidResult", "message": problem}, False
             )
         else:
+            if batched:
+                assert isinstance(slot, BranchState)
+                scatter.note_batch_progress(slot, result.output)
             error = result.error or {"type": "Error", "message": f"attempt {result.outcome}"}
             attempt_failed(t, result.node, slot, branch, error, result.retryable)
+            if batched and slot.retry_at is None and isinstance(result.patch, dict):
+                # The batch gave up: its items with a recorded output count as succeeded, so
+                # their context patches (merged by the worker into this attempt's) apply.
+                t.payload.state.context.update(result.patch)
 
 
 def _waiting_on(ns: NodeState | None, result: AttemptResult) -> Slot | None:

@@ -6,6 +6,9 @@ stays small however many items there are. Branch outputs stay in attempt rows; w
 branch has finished the scatter is marked ``gathering`` and wakes its run, and the next load
 reads the gathered list (``TickInputs.gathered``) in item order.
 
+With ``batch_size`` > 1 each branch is a batch of consecutive items run as one attempt; the
+counters and the failure policy still count items.
+
 See docs/fan-out.md for the states and transitions.
 """
 
@@ -14,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..definition.paths import Scope, resolve
-from ..definition.spec import ChildScatterNodeSpec, ScatterNodeSpec
+from ..definition.spec import BATCH_ARG, ChildScatterNodeSpec, ScatterNodeSpec
 from . import advance, children
 from .context import TickContext
 from .inputs import ClosedAttempt, Dispatch
@@ -46,12 +49,16 @@ def start_scatter(t: TickContext, node_id: str, spec: AnyScatter, scope: Scope) 
     if isinstance(spec, ChildScatterNodeSpec):
         ns.generation += 1  # child run ids are made from it: a redrive starts new children
         children.poll_later(t, node_id)
-    ns.scatter = ScatterState(run=t.inputs.run_id, base=ns.generation, total=len(items))
+    batch = spec.batch_size if isinstance(spec, ScatterNodeSpec) else 1
+    ns.scatter = ScatterState(
+        run=t.inputs.run_id, base=ns.generation, total=len(items), batch=batch
+    )
     what = "items" if isinstance(spec, ScatterNodeSpec) else f"child runs of {spec.workflow!r}"
+    at_once = f"{spec.max_parallel} batches of {batch}" if batch > 1 else str(spec.max_parallel)
     t.move_node(
         node_id,
         _active_status(spec),
-        f"scatter over {len(items)} {what}, at most {spec.max_parallel} at once",
+        f"scatter over {len(items)} {what}, at most {at_once} at once",
     )
     if not items:
         ns.finished_at = t.now
@@ -133,6 +140,10 @@ def _fill(t: TickContext, node_id: str, spec: AnyScatter, items: list[Any], scop
     while sc.next < sc.total and len(sc.branches) < spec.max_parallel:
         if ns.status != _active_status(spec):
             return  # the failure policy stopped the scatter (a refused branch)
+        if sc.batch > 1:
+            assert isinstance(spec, ScatterNodeSpec)
+            _start_batch(t, node_id, spec, items, scope)
+            continue
         index = sc.next
         sc.next += 1
         item_scope = Scope(
@@ -170,11 +181,84 @@ def _fill(t: TickContext, node_id: str, spec: AnyScatter, items: list[Any], scop
     t.payload.changed = True
 
 
+def _start_batch(
+    t: TickContext, node_id: str, spec: ScatterNodeSpec, items: list[Any], scope: Scope
+) -> None:
+    """Start the next batch: one attempt whose arguments are each item's resolved arguments.
+
+    Each item's arguments are checked alone against the payload limit (as an unbatched
+    branch's are); an item refused there fails alone, and its place in the batch is ``None``
+    (the worker skips it). The retry copies these arguments, ``base`` included, so every
+    attempt of the batch finds the earlier ones' recorded outputs.
+    """
+    ns = t.nodes[node_id]
+    sc = ns.scatter
+    assert sc is not None
+    limit = t.inputs.config.max_payload_bytes
+    branch = sc.next // sc.batch
+    span = sc.batch_items(branch)
+    sc.next = span.stop
+    per_item: list[dict[str, Any] | None] = []
+    for index in span:
+        args = resolve(spec.branch_args(), _item_scope(scope, items[index]))
+        problem = json_problem(args, f"item {index} arguments", limit)[1]
+        if problem is None:
+            per_item.append(args)
+            continue
+        error = {"type": "PayloadTooLarge", "message": problem}
+        sc.errors[index] = error
+        per_item.append(None)
+        _items_failed(t, node_id, 1, error, f"item {index}", "arguments refused")
+        if ns.status != NodeStatus.RUNNING:
+            return
+    if all(a is None for a in per_item):
+        return
+    slot = BranchState()
+    sc.branches[branch] = slot
+    batch_args = {BATCH_ARG: {"base": sc.base, "first": span.start, "items": per_item}}
+    first = next(i for i, a in zip(span, per_item, strict=True) if a is not None)
+    advance.start_attempt(
+        t,
+        node_id,
+        batch_args,
+        # One lease for the batch: the builder refuses keys that read $.item when batched.
+        lease_key=advance.lease_key_for(spec, _item_scope(scope, items[first])),
+        branch=branch,
+        slot=slot,
+    )
+
+
+def _item_scope(scope: Scope, item: Any) -> Scope:
+    return Scope(input=scope.input, context=scope.context, outputs=scope.outputs, item=item)
+
+
+def _runnable(sc: ScatterState, branch: int) -> int:
+    """How many items of a branch its attempts run (those not refused before it started)."""
+    return sum(1 for i in sc.batch_items(branch) if i not in sc.errors)
+
+
+def batch_shape_problem(sc: ScatterState, branch: int, output: Any) -> str | None:
+    """A batch's successful result must hold one value per item of the batch."""
+    size = len(sc.batch_items(branch))
+    if isinstance(output, list) and len(output) == size:
+        return None
+    got = f"a list of {len(output)}" if isinstance(output, list) else type(output).__name__
+    return f"batch {branch} result must be a list of {size} item outputs, got {got}"
+
+
+def note_batch_progress(slot: BranchState, output: Any) -> None:
+    """A failed batch attempt reports the items with a recorded output (``{"done": ...}``,
+    earlier attempts' included); if the batch gives up, they count as succeeded."""
+    done = output.get("done") if isinstance(output, dict) else None
+    if isinstance(done, dict):
+        slot.done = max(slot.done, len(done))
+
+
 def branch_succeeded(t: TickContext, node_id: str, branch: int) -> None:
     sc = t.nodes[node_id].scatter
     assert sc is not None
     sc.branches.pop(branch, None)
-    sc.succeeded += 1
+    sc.succeeded += _runnable(sc, branch) if sc.batch > 1 else 1
     t.payload.changed = True
 
 
@@ -182,14 +266,46 @@ def branch_failed(
     t: TickContext, node_id: str, branch: int, error: dict[str, Any], why: str
 ) -> None:
     """A branch gave up. Within the tolerance the scatter goes on; past it, it fails fast:
-    nothing more is started and the branches in flight are revoked and closed."""
+    nothing more is started and the branches in flight are revoked and closed.
+
+    A batch that gives up counts its items with a recorded output as succeeded and the rest
+    as failed."""
+    sc = t.nodes[node_id].scatter
+    assert sc is not None
+    slot = sc.branches.pop(branch, None)
+    if sc.batch == 1:
+        _items_failed(t, node_id, 1, error, f"branch {branch}", why, branch=branch)
+        return
+    span = sc.batch_items(branch)
+    runnable = _runnable(sc, branch)
+    done = min(slot.done if slot is not None else 0, runnable)
+    sc.succeeded += done
+    subject = f"batch {branch} (items {span.start}..{span.stop - 1})"
+    if done:
+        why = f"{why}, {done} of its {runnable} items done"
+    _items_failed(t, node_id, runnable - done, error, subject, why, branch=branch)
+
+
+def _items_failed(
+    t: TickContext,
+    node_id: str,
+    count: int,
+    error: dict[str, Any],
+    subject: str,
+    why: str,
+    branch: int | None = None,
+) -> None:
+    """``count`` items (branches) failed for good: apply the failure policy to them.
+
+    ``subject`` names what failed ("branch 3", "batch 2 (items 20..29)", "item 7") for the
+    history and the node's error."""
     ns = t.nodes[node_id]
     sc = ns.scatter
     assert sc is not None
     spec = t.spec.graph.nodes[node_id]
     assert isinstance(spec, AnyScatter)
-    sc.branches.pop(branch, None)
-    sc.failed += 1
+    sc.failed += count
+    t.payload.changed = True
     message = str(error.get("message", ""))
     allowed = spec.allowed_failures(sc.total)
     if sc.failed <= allowed:
@@ -197,16 +313,14 @@ def branch_failed(
             node_id,
             ns.status,
             ns.status,
-            f"branch {branch} {why}: {message} ({sc.failed} of {allowed} tolerated failures)",
+            f"{subject} {why}: {message} ({sc.failed} of {allowed} tolerated failures)",
         )
         return
-    ns.error = {
-        "type": "BranchFailed",
-        "message": f"branch {branch} failed: {message}",
-        "branch": branch,
-        "cause": error,
-    }
-    _fail_node(t, node_id, f"branch {branch} {why}: {message}")
+    ns.error = {"type": "BranchFailed", "message": f"{subject} failed: {message}"}
+    if branch is not None:
+        ns.error["branch"] = branch
+    ns.error["cause"] = error
+    _fail_node(t, node_id, f"{subject} {why}: {message}")
 
 
 def _fail_node(t: TickContext, node_id: str, reason: str) -> None:
@@ -276,6 +390,58 @@ def assemble(sc: ScatterState, finals: dict[int, tuple[bool, Any]]) -> list[Any]
         ok, value = finals.get(index, (False, {"type": "Missing", "message": "no attempt row"}))
         out.append(value if ok else {"error": value})
     return out
+
+
+#: One finished attempt of a batch, as the gather reads it: (succeeded, output, error). The
+#: output of an attempt the coordinator closed (timed out, cancelled) is passed as ``None``:
+#: only outputs the worker wrote with its outcome were counted by the tick.
+BatchAttempt = tuple[bool, Any, Any]
+
+
+def assemble_batched(sc: ScatterState, attempts: dict[int, list[BatchAttempt]]) -> list[Any]:
+    """The gathered list of a batched scatter, from each batch's finished attempts (oldest
+    first), flattened to one value per item in item order.
+
+    A batch whose last attempt succeeded gives its list. Otherwise each item gets the output
+    recorded for it by any attempt of the batch (``{"done": {index: output}}``), else
+    ``{"error": ...}``: its own error from the last attempt, or the batch's (timed out).
+    """
+    out: list[Any] = []
+    for branch in range(-(-sc.total // sc.batch)):
+        span = sc.batch_items(branch)
+        values = _batch_values(span, attempts.get(branch, []))
+        out.extend(
+            {"error": sc.errors[i]} if i in sc.errors else value
+            for i, value in zip(span, values, strict=True)
+        )
+    return out
+
+
+def _batch_values(span: range, attempts: list[BatchAttempt]) -> list[Any]:
+    if attempts:
+        ok, output, _ = attempts[-1]
+        if ok and isinstance(output, list) and len(output) == len(span):
+            return output
+    done: dict[str, Any] = {}
+    final: dict[str, Any] = {}
+    for _, output, _ in attempts:
+        if isinstance(output, dict):
+            done.update(output.get("done") or {})
+            final.update(output.get("failed") or {})
+    last = attempts[-1][2] if attempts else None
+    if not isinstance(last, dict):
+        last = {"type": "Missing", "message": "no attempt row"}
+    items = last.get("items")
+    mine: dict[str, Any] = items if isinstance(items, dict) else {}
+    whole = {k: v for k, v in last.items() if k != "items"}
+    values: list[Any] = []
+    for index in span:
+        key = str(index)
+        if key in done:
+            values.append(done[key])
+        else:
+            values.append({"error": mine.get(key) or final.get(key) or whole})
+    return values
 
 
 def _gathered(t: TickContext, node_id: str, sc: ScatterState, gathered: list[Any]) -> None:

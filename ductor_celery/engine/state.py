@@ -58,6 +58,9 @@ class BranchState:
     claimed_at: datetime | None = None
     retry_at: datetime | None = None
     error: dict[str, Any] | None = None
+    #: A batch (``batch_size`` > 1): how many of its items have a recorded output, as its
+    #: latest failed attempt reported; they count as succeeded if the batch gives up.
+    done: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return _dump(self)
@@ -73,6 +76,10 @@ class ScatterState:
 
     Branch outputs stay in attempt rows (run ``run``, node generations above ``base``) and are
     read once, when the gather completes.
+
+    With ``batch`` > 1 a branch is a batch: branch ``b`` covers items
+    ``[b * batch, min((b + 1) * batch, total))``; ``next``, ``succeeded`` and ``failed`` still
+    count items, ``branches`` is keyed by batch index.
     """
 
     #: The run whose attempt rows hold the branches (kept across continue-as-new).
@@ -87,12 +94,17 @@ class ScatterState:
     #: Every branch finished within the failure policy: the next tick reads the gathered list.
     gathering: bool = False
     branches: dict[int, BranchState] = field(default_factory=dict)
-    #: Branches refused before they had an attempt row (arguments too large): their errors.
+    #: Branches refused before they had an attempt row (arguments too large): their errors,
+    #: by item index.
     errors: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: Items per branch (the node's ``batch_size``); left out of the stored state when 1.
+    batch: int = 1
 
     def to_json(self) -> dict[str, Any]:
-        out = _dump(self, skip=("branches", "errors"))
+        out = _dump(self, skip=("branches", "errors", "batch"))
         out["run"], out["base"], out["total"] = self.run, self.base, self.total
+        if self.batch != 1:
+            out["batch"] = self.batch
         out["branches"] = {str(i): b.to_json() for i, b in self.branches.items()}
         if self.errors:
             out["errors"] = {str(i): e for i, e in self.errors.items()}
@@ -118,7 +130,13 @@ class ScatterState:
             gathering=self.gathering,
             branches={i: copy.copy(b) for i, b in self.branches.items()},
             errors=dict(self.errors),
+            batch=self.batch,
         )
+
+    def batch_items(self, branch: int) -> range:
+        """The item indices branch ``branch`` runs (one item unless batched)."""
+        first = branch * self.batch
+        return range(first, min(first + self.batch, self.total))
 
 
 @dataclass(slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -14,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import DataError, DBAPIError, StatementError
 
 from ..definition.retry import ConcurrencyLimit, RetryPolicy
+from ..definition.spec import BATCH_ARG
 from ..engine.payloads import json_problem
 from ..errors import NonRetryableError
 from ..store import attempts, wakes
 from ..store.db import with_retry
 from ..store.outbox import OutboxRow
+from . import batch
 from .coordinator import run_tick
 from .outbox_janitor import sent_outbox
 
@@ -298,19 +301,12 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
     if claimed is None:
         log.info("attempt %s already claimed or closed; message ignored", token)
         return "duplicate"
-    ctx = StepContext(
-        run_id=claimed.run_id,
-        workflow_id=claimed.workflow_id,
-        node=claimed.node,
-        branch=claimed.branch,
-        attempt=claimed.attempt,
-        input_fn=lambda: with_retry(
-            lambda: attempts.run_input(engine, claimed.run_id), what="read run input"
-        ),
-        context=claimed.context,
-        heartbeat_fn=lambda details: _heartbeat(engine, token, details, limit),
-    )
-    result, interrupt = _run(step, ctx, claimed.args, token, limit)
+    if batch.is_batch(claimed.args, BATCH_ARG):
+        result, interrupt = _run_batch(engine, step, claimed, me, limit)
+    else:
+        read_input = _input_reader(engine, claimed.run_id)
+        ctx = _context(engine, claimed, claimed.branch, read_input, limit)
+        result, interrupt = _run(step, ctx, claimed.args, token, limit)
     try:
         outcome = _record(rt, engine, step, token, result)
         _advance_run(rt, engine, claimed.run_id)
@@ -318,6 +314,84 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
         if interrupt is not None:
             raise interrupt
     return outcome
+
+
+def _input_reader(engine: Any, run_id: str) -> Callable[[], Any]:
+    """Reads the run's input once, on first use (shared by the items of a batch)."""
+    return functools.cache(
+        lambda: with_retry(lambda: attempts.run_input(engine, run_id), what="read run input")
+    )
+
+
+def _context(
+    engine: Any,
+    claimed: attempts.ClaimedAttempt,
+    branch: int | None,
+    read_input: Callable[[], Any],
+    limit: int,
+) -> StepContext:
+    return StepContext(
+        run_id=claimed.run_id,
+        workflow_id=claimed.workflow_id,
+        node=claimed.node,
+        branch=branch,
+        attempt=claimed.attempt,
+        input_fn=read_input,
+        context=claimed.context,
+        heartbeat_fn=lambda details: _heartbeat(engine, claimed.token, details, limit),
+    )
+
+
+def _run_batch(
+    engine: Any, step: Step, claimed: attempts.ClaimedAttempt, me: str, limit: int
+) -> tuple[_Outcome, BaseException | None]:
+    """A batch attempt (runtime/batch.py): the step once per item without a recorded output;
+    each item gets its own context (``ctx.branch`` is the item's index) and the same checks
+    an unbatched branch gets."""
+    token = claimed.token
+    spec = claimed.args[BATCH_ARG]
+    earlier: list[Any] = []
+    branch = claimed.branch
+    if claimed.attempt > 1 and branch is not None:
+        earlier = with_retry(
+            lambda: attempts.batch_progress(
+                engine, claimed.run_id, claimed.node, branch, int(spec["base"]), token
+            ),
+            what="read batch progress",
+        )
+    read_input = _input_reader(engine, claimed.run_id)
+
+    def call(index: int, args: dict[str, Any]) -> tuple[batch.ItemOutcome, BaseException | None]:
+        ctx = _context(engine, claimed, index, read_input, limit)
+        item, interrupt = _run(step, ctx, args, token, limit)
+        return (
+            batch.ItemOutcome(
+                item.outcome == "succeeded", item.output, item.patch, item.error, item.retryable
+            ),
+            interrupt,
+        )
+
+    def checkpoint(progress: dict[str, Any]) -> None:
+        try:
+            attempts.batch_checkpoint(engine, token, me, progress)
+        except Exception as exc:  # noqa: BLE001 - a checkpoint only saves a retry some work
+            log.warning("attempt %s: batch checkpoint not recorded: %s", token, _describe(exc))
+
+    done, interrupt = batch.run_batch(spec, earlier, call, checkpoint)
+    what = f"step {step.name!r} batch of {len(spec['items'])} items"
+    output, problem = _payload(done.output, f"{what} result", limit)
+    patch = None
+    if problem is None:
+        patch, problem = _payload(done.patch, f"{what} context patch", limit)
+    if problem is not None:
+        log.error("attempt %s: %s", token, problem)
+        return _invalid(f"{problem} (a smaller batch_size keeps it under the limit)"), interrupt
+    if done.succeeded:
+        return _Outcome("succeeded", output=output, patch=patch), interrupt
+    return (
+        _Outcome("failed", output=output, patch=patch, error=done.error, retryable=done.retryable),
+        interrupt,
+    )
 
 
 def _advance_run(rt: Runtime, engine: Any, run_id: str) -> None:

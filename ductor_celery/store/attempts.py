@@ -231,3 +231,47 @@ def heartbeat(engine: Engine, token: str, details: Any = None) -> None:
             .where(step_attempt.c.token == token, step_attempt.c.finished_at.is_(None))
             .values(heartbeat_at=_now(engine), heartbeat_details=details)
         )
+
+
+# -- batch attempts (a scatter with batch_size > 1) ----------------------------------------------
+
+
+def batch_checkpoint(engine: Engine, token: str, worker: str, progress: dict[str, Any]) -> None:
+    """Record a running batch attempt's progress (its items' outputs so far) in its own
+    ``output`` column, which is otherwise empty until the outcome is written; also a heartbeat.
+
+    Only the claiming worker writes it, only while the attempt is open. If the attempt is then
+    lost (the worker killed, the attempt timed out), its retry reads these outputs and runs
+    only the items without one.
+    """
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(step_attempt)
+            .where(
+                step_attempt.c.token == token,
+                step_attempt.c.claimed_by == worker,
+                step_attempt.c.finished_at.is_(None),
+            )
+            .values(output=progress, heartbeat_at=_now(engine))
+        )
+
+
+def batch_progress(
+    engine: Engine, run_id: str, node: str, branch: int, base: int, token: str
+) -> list[Any]:
+    """What earlier attempts of one batch recorded (outcomes or checkpoints), oldest first."""
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                sa.select(step_attempt.c.output)
+                .where(
+                    step_attempt.c.run_id == run_id,
+                    step_attempt.c.node == node,
+                    step_attempt.c.branch == branch,
+                    step_attempt.c.generation > base,
+                    step_attempt.c.token != token,
+                    step_attempt.c.output.is_not(None),
+                )
+                .order_by(step_attempt.c.generation)
+            ).scalars()
+        )

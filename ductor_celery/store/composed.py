@@ -16,7 +16,7 @@ from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec, Workflo
 from ..engine import NodeStatus, RunState
 from ..engine.children import child_run_id
 from ..engine.inputs import ChildSnapshot
-from ..engine.scatter import assemble
+from ..engine.scatter import BatchAttempt, assemble, assemble_batched
 from ..engine.state import ScatterState
 from .schema import step_attempt, workflow_run
 
@@ -164,6 +164,13 @@ def gather(conn: Connection, node: str, sc: ScatterState) -> list[Any]:
     found, _ = outputs_cache.get_many([key])
     if key in found:
         return list(found[key])
+    out = _gather_batched(conn, node, sc) if sc.batch > 1 else _gather_branches(conn, node, sc)
+    if not sc.gathering:
+        outputs_cache.put(key, out)
+    return out
+
+
+def _gather_branches(conn: Connection, node: str, sc: ScatterState) -> list[Any]:
     ranked = (
         sa.select(
             step_attempt.c.branch,
@@ -191,7 +198,34 @@ def gather(conn: Connection, node: str, sc: ScatterState) -> list[Any]:
             )
         )
     }
-    out = assemble(sc, finals)
-    if not sc.gathering:
-        outputs_cache.put(key, out)
-    return out
+    return assemble(sc, finals)
+
+
+def _gather_batched(conn: Connection, node: str, sc: ScatterState) -> list[Any]:
+    """Every finished attempt of each batch, oldest first: a batch that gave up still has
+    outputs for the items its workers recorded (``scatter.assemble_batched``)."""
+    attempts: dict[int, list[BatchAttempt]] = {}
+    rows = conn.execute(
+        sa.select(
+            step_attempt.c.branch,
+            step_attempt.c.outcome,
+            step_attempt.c.output,
+            step_attempt.c.error,
+        )
+        .where(
+            step_attempt.c.run_id == sc.run,
+            step_attempt.c.node == node,
+            step_attempt.c.generation > sc.base,
+            step_attempt.c.branch.is_not(None),
+            step_attempt.c.finished_at.is_not(None),
+        )
+        .order_by(step_attempt.c.branch, step_attempt.c.generation)
+    )
+    for r in rows:
+        # A closed attempt's output column may hold its worker's last checkpoint; the tick
+        # never counted it, so neither does the gather.
+        written = r.outcome in ("succeeded", "failed")
+        attempts.setdefault(r.branch, []).append(
+            (r.outcome == "succeeded", r.output if written else None, r.error)
+        )
+    return assemble_batched(sc, attempts)

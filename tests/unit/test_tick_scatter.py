@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 from ductor_celery.definition import RetryPolicy, Workflow
 from ductor_celery.engine import AttemptResult, RunState, RunStatus, TickInputs, compute_tick
 from ductor_celery.engine.inputs import ControlIn, NewAttempt
-from ductor_celery.engine.scatter import assemble
+from ductor_celery.definition.spec import BATCH_ARG
+from ductor_celery.engine.scatter import assemble, assemble_batched
+from ductor_celery.runtime.batch import ItemOutcome, run_batch
 from ductor_celery.errors import DefinitionError
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -69,6 +71,10 @@ class _Sim:
         self.max_in_flight = 0
         self.ticks = 0
         self.executions: list[tuple[int | None, int]] = []
+        #: The output column of each finished attempt (a failed batch records its progress).
+        self.outputs: dict[str, Any] = {}
+        #: Items whose failures are not retryable (batch runs only).
+        self.final: set[int] = set()
 
     def _gathered(self, finished: bool = False) -> dict[str, list[Any]]:
         """Gathers being read (or, with ``finished``, outputs of finished scatters)."""
@@ -82,12 +88,28 @@ class _Sim:
                 if a.node == node and a.branch is not None and a.generation > sc.base:
                     if a.branch not in last or a.generation > last[a.branch].generation:
                         last[a.branch] = a
+            if sc.batch > 1:
+                out[node] = assemble_batched(sc, self._batch_attempts(node, sc.base))
+                continue
             finals = {}
             for b, a in last.items():
                 outcome, value = self.finished[a.token]
                 finals[b] = (outcome == "succeeded", value)
             out[node] = assemble(sc, finals)
         return out
+
+    def _batch_attempts(self, node: str, base: int, branch: int | None = None) -> dict[int, list[Any]]:
+        """Finished attempts per batch, oldest first, as the store's gather reads them."""
+        found: dict[int, list[Any]] = {}
+        for a in sorted(self.attempts.values(), key=lambda a: a.generation):
+            if a.node != node or a.branch is None or a.generation <= base:
+                continue
+            if a.token not in self.finished or branch not in (None, a.branch):
+                continue
+            outcome, value = self.finished[a.token]
+            output = self.outputs.get(a.token) if outcome in ("succeeded", "failed") else None
+            found.setdefault(a.branch, []).append((outcome == "succeeded", output, value))
+        return found
 
     def tick(self, results: tuple[AttemptResult, ...] = (), control: ControlIn | None = None) -> Any:
         outputs = {}
@@ -128,6 +150,9 @@ class _Sim:
         for token in list(self.open):
             a = self.attempts[token]
             self.open.remove(token)
+            if BATCH_ARG in a.args:
+                results.append(self._run_batch(token, a))  # executions counted per item
+                continue
             self.executions.append((a.branch, a.attempt))
             if a.node == "prep":
                 value: Any = self.items
@@ -139,6 +164,7 @@ class _Sim:
                 value = {"item": a.args["item"], "x": a.args["scale"]} if ok else None
             error = None if ok else {"type": "Boom", "message": f"item {a.args.get('item')}"}
             self.finished[token] = ("succeeded" if ok else "failed", value if ok else error)
+            self.outputs[token] = value
             results.append(
                 AttemptResult(
                     token=token,
@@ -150,6 +176,38 @@ class _Sim:
                 )
             )
         return tuple(results)
+
+    def _run_batch(self, token: str, a: NewAttempt) -> AttemptResult:
+        """The worker's batch loop (runtime/batch.py) over this sim's outcomes; the earlier
+        attempts' recorded outputs come from this sim's rows, as the store hands them over."""
+        spec = a.args[BATCH_ARG]
+        earlier = [
+            out
+            for _, out, _ in self._batch_attempts(a.node, spec["base"], a.branch).get(a.branch, [])
+            if out is not None
+        ]
+
+        def call(index: int, args: dict[str, Any]) -> tuple[ItemOutcome, None]:
+            self.executions.append((index, a.attempt))
+            if self.outcome(args["item"], a.attempt):
+                return ItemOutcome(True, {"item": args["item"], "x": args["scale"]}), None
+            fail = {"type": "Boom", "message": f"item {args['item']}"}
+            return ItemOutcome(False, error=fail, retryable=args["item"] not in self.final), None
+
+        done, _ = run_batch(spec, earlier, call, lambda _progress: None)
+        outcome = "succeeded" if done.succeeded else "failed"
+        self.finished[token] = (outcome, done.output if done.succeeded else done.error)
+        self.outputs[token] = done.output
+        return AttemptResult(
+            token=token,
+            node=a.node,
+            outcome=outcome,
+            output=done.output,
+            error=done.error,
+            retryable=done.retryable,
+            patch=done.patch,
+            branch=a.branch,
+        )
 
     def until_done(self, limit: int = 10_000) -> Any:
         p = self.tick()
@@ -386,3 +444,176 @@ def test_automatic_continue_as_new_waits_for_a_running_scatter() -> None:
         p = sim.tick(results)
     assert p.state.status in (RunStatus.SUCCEEDED, RunStatus.CONTINUED)
     assert p.state.nodes["each"].status == "succeeded", "the scatter finished before continuing"
+
+
+# -- batched scatter (batch_size > 1): one attempt per batch, the step once per item ----------
+
+
+def _items_run(sim: _Sim) -> dict[int, list[int]]:
+    """Item index -> the attempt numbers of the batch attempts that called the step for it."""
+    runs: dict[int, list[int]] = {}
+    for item, attempt in sim.executions:
+        if item is not None:
+            runs.setdefault(item, []).append(attempt)
+    return runs
+
+
+def test_a_batched_scatter_gathers_every_item_in_order_with_batches_in_flight_bounded() -> None:
+    items = list(range(23))  # 5 batches of 5, the last one of 3
+    sim = _Sim(_spec(max_parallel=2, batch_size=5), items, _ok)
+    p = sim.until_done()
+    assert p.state.status == RunStatus.SUCCEEDED
+    assert p.output == {"parts": [{"item": i, "x": 10} for i in items]}
+    batches = [a for a in sim.attempts.values() if a.node == "each"]
+    assert len(batches) == 5
+    assert [len(a.args[BATCH_ARG]["items"]) for a in sorted(batches, key=lambda a: a.branch)] == [
+        5, 5, 5, 5, 3
+    ]
+    assert sim.max_in_flight == 2
+    assert _items_run(sim) == {i: [1] for i in items}
+
+
+def test_a_failing_item_is_retried_without_rerunning_its_neighbours() -> None:
+    sim = _Sim(_spec(max_parallel=4, attempts=3, batch_size=4), list(range(8)), lambda i, a: i != 5 or a == 3)
+    p = sim.until_done()
+    assert p.state.status == RunStatus.SUCCEEDED
+    assert p.output["parts"][5] == {"item": 5, "x": 10}
+    runs = _items_run(sim)
+    assert runs[5] == [1, 2, 3]
+    assert all(runs[i] == [1] for i in range(8) if i != 5)
+    assert len([a for a in sim.attempts.values() if a.node == "each"]) == 2 + 2  # 2 batches, 2 retries
+
+
+@pytest.mark.parametrize(("bad", "ok"), [({1, 3}, True), ({1, 3, 6}, False)])
+def test_batched_tolerances_count_items_not_batches(bad: set[int], ok: bool) -> None:
+    sim = _Sim(
+        _spec(max_parallel=3, batch_size=5, tolerated_failures=2), list(range(10)),
+        lambda i, _a: i not in bad,
+    )
+    p = sim.until_done()
+    assert (p.state.status == RunStatus.SUCCEEDED) is ok
+    if ok:
+        parts = p.output["parts"]
+        for i, part in enumerate(parts):
+            if i in bad:
+                assert part["error"]["type"] == "Boom" and part["error"]["message"] == f"item {i}"
+            else:
+                assert part == {"item": i, "x": 10}
+        sc = p.state.nodes["each"].scatter
+        assert sc is None or (sc.succeeded, sc.failed) == (8, 2)
+    else:
+        assert p.state.nodes["each"].error["type"] == "BranchFailed"
+        assert "items failed" in p.state.nodes["each"].error["message"]
+
+
+def test_an_item_that_fails_for_good_is_not_retried_with_its_flaky_neighbour() -> None:
+    sim = _Sim(
+        _spec(max_parallel=1, attempts=3, batch_size=4, tolerated_failures=1), list(range(4)),
+        lambda i, a: i != 0 and (i != 2 or a > 1),
+    )
+    sim.final = {0}
+    p = sim.until_done()
+    assert p.state.status == RunStatus.SUCCEEDED
+    runs = _items_run(sim)
+    assert runs == {0: [1], 1: [1], 2: [1, 2], 3: [1]}
+    assert p.output["parts"][0]["error"]["message"] == "item 0"
+    assert [part for part in p.output["parts"][1:]] == [{"item": i, "x": 10} for i in (1, 2, 3)]
+
+
+def test_a_batch_result_of_the_wrong_shape_fails_the_batch_without_retry() -> None:
+    spec = _spec(max_parallel=1, attempts=3, batch_size=3, then=False)
+    sim = _Sim(spec, list(range(3)), _ok)
+    sim.tick()
+    sim.tick(sim.run_workers())  # prep done: the one batch is in flight
+    (token,) = sim.open
+    bad = AttemptResult(token=token, node="each", outcome="succeeded", output=[1, 2], branch=0)
+    p = sim.tick((bad,))
+    assert p.state.status == RunStatus.FAILED
+    assert "must be a list of 3 item outputs, got a list of 2" in p.state.nodes["each"].error["message"]
+    assert p.new_attempts == []
+
+
+def test_a_batched_run_row_stays_small() -> None:
+    sim = _Sim(_spec(max_parallel=8, batch_size=50, then=False), list(range(5000)), _ok)
+    sizes = []
+    p = sim.tick()
+    while p.state.status == RunStatus.RUNNING:
+        sizes.append(len(json.dumps(p.state.to_json())))
+        p = sim.tick(sim.run_workers())
+    assert p.state.status == RunStatus.SUCCEEDED
+    assert len(p.output["parts"]) == 5000
+    assert max(sizes) < 4000, max(sizes)
+
+
+def test_batched_scatter_definitions_are_checked() -> None:
+    from ductor_celery import ConcurrencyLimit
+
+    wf = Workflow("bad")
+    wf.scatter("x", _Step("s.x"), over="$.input.items", batch_size=0)
+    with pytest.raises(DefinitionError, match="batch_size"):
+        wf.build()
+    with pytest.raises(DefinitionError, match="batch_size"):
+        Workflow("bad").scatter("x", workflow="child", over="$.input.items", as_child_runs=True, batch_size=5)
+    step = _Step("s.x")
+    step.concurrency = ConcurrencyLimit(key="$.item.customer", limit=2)  # type: ignore[attr-defined]
+    wf = Workflow("bad")
+    wf.scatter("x", step, over="$.input.items", batch_size=10)
+    with pytest.raises(DefinitionError, match="cannot read"):
+        wf.build()
+    wf = Workflow("bad")
+    wf.scatter("x", _Step("s.x"), over="$.input.items", args={BATCH_ARG: 1}, batch_size=2)
+    with pytest.raises(DefinitionError, match="reserved"):
+        wf.build()
+
+
+def test_an_unbatched_scatter_spec_is_stored_as_before() -> None:
+    """batch_size=1 is left out of the stored form: existing definitions keep their hashes."""
+    stored = _spec().model_dump(mode="json")
+    assert "batch_size" not in json.dumps(stored)
+    assert "batch_size" in json.dumps(_spec(batch_size=2).model_dump(mode="json"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(min_value=0, max_value=30),
+    batch=st.integers(min_value=2, max_value=7),
+    max_parallel=st.integers(min_value=1, max_value=4),
+    attempts=st.integers(min_value=1, max_value=3),
+    tolerated=st.one_of(st.none(), st.integers(min_value=0, max_value=5)),
+    bad=st.sets(st.integers(min_value=0, max_value=29), max_size=6),
+    flaky=st.sets(st.integers(min_value=0, max_value=29), max_size=8),
+)
+def test_batched_scatter_invariants_hold_for_any_mix_of_outcomes(
+    n: int, batch: int, max_parallel: int, attempts: int, tolerated: int | None,
+    bad: set[int], flaky: set[int],
+) -> None:
+    policy: dict[str, Any] = {"batch_size": batch}
+    if tolerated is not None:
+        policy["tolerated_failures"] = tolerated
+    items = list(range(n))
+
+    def outcome(item: int, attempt: int) -> bool:
+        return item not in bad and (item not in flaky or attempt > 1)
+
+    sim = _Sim(_spec(max_parallel=max_parallel, attempts=attempts, **policy), items, outcome)
+    p = sim.until_done()
+    assert sim.max_in_flight <= max_parallel
+    assert sim.open == []
+    runs = _items_run(sim)
+    # An item with a recorded output is never called again: only its failures repeat.
+    for item, attempt_numbers in runs.items():
+        assert attempt_numbers == sorted(set(attempt_numbers)), (item, attempt_numbers)
+        assert attempt_numbers.count(attempt_numbers[-1]) == 1
+    failing = {i for i in items if i in bad or (i in flaky and attempts == 1)}
+    if p.state.status == RunStatus.SUCCEEDED:
+        assert len(failing) <= (tolerated or 0)
+        parts = p.output["parts"]
+        assert len(parts) == n
+        for i in items:
+            assert ("error" in parts[i]) is (i in failing), (i, parts[i])
+            if i not in failing:
+                assert parts[i] == {"item": i, "x": 10}
+    else:
+        assert p.state.status == RunStatus.FAILED
+        assert len(failing) > (tolerated or 0)
+        assert p.state.nodes["each"].error["type"] == "BranchFailed"

@@ -11,6 +11,8 @@ Create Date: 2026-12-01 12:00:00
 
 from __future__ import annotations
 
+from typing import Any
+
 import sqlalchemy as sa
 from alembic import op
 
@@ -30,7 +32,7 @@ JSON_COLUMNS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _retype(old: sa.types.TypeEngine[object], new: sa.types.TypeEngine[object]) -> None:
+def _retype(old: sa.types.TypeEngine[Any], new: sa.types.TypeEngine[Any]) -> None:
     if op.get_bind().dialect.name != "sqlite":
         return
     for table, columns in JSON_COLUMNS.items():
