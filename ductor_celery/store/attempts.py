@@ -6,15 +6,16 @@ the StepContext, and write only the attempt row whose token they were handed.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Engine
 
 from . import leases
-from .db import aware, is_postgres
+from .db import autocommit, aware, is_postgres
 from .leases import holds_lease
 from .outbox import OutboxRow
 from .schema import step_attempt, workflow_run
@@ -69,7 +70,8 @@ def claim(
     If the claiming worker died, the coordinator's start-to-close timeout retries the node
     under a new token.
     """
-    postgres = is_postgres(engine)
+    if is_postgres(engine):
+        return _claim_postgres(engine, token, worker, step)
     claim_stmt = (
         sa.update(step_attempt)
         .where(
@@ -86,29 +88,31 @@ def claim(
     if step is not None:
         claim_stmt = claim_stmt.where(step_attempt.c.step == step)
     with engine.begin() as conn:
-        if postgres:
-            row, attempt_step = _claim_postgres(conn, claim_stmt, token)
-            run = row
-        else:
-            row = conn.execute(claim_stmt.returning(*_CLAIM_COLUMNS)).one_or_none()
-            run = (
-                None
-                if row is None
-                else conn.execute(
-                    sa.select(
-                        workflow_run.c.workflow_id,
-                        workflow_run.c.state["context"].label("context"),
-                    ).where(workflow_run.c.run_id == row.run_id)
-                ).one()
-            )
-            # Why nothing was claimed, read only on a miss (SQLite is in-process: no trip).
-            attempt_step = (
-                conn.execute(
-                    sa.select(step_attempt.c.step).where(step_attempt.c.token == token)
-                ).scalar_one_or_none()
-                if row is None and step is not None
-                else None
-            )
+        row = conn.execute(claim_stmt.returning(*_CLAIM_COLUMNS)).one_or_none()
+        run = (
+            None
+            if row is None
+            else conn.execute(
+                sa.select(
+                    workflow_run.c.workflow_id,
+                    workflow_run.c.state["context"].label("context"),
+                ).where(workflow_run.c.run_id == row.run_id)
+            ).one()
+        )
+        # Why nothing was claimed, read only on a miss (SQLite is in-process: no trip).
+        attempt_step = (
+            conn.execute(
+                sa.select(step_attempt.c.step).where(step_attempt.c.token == token)
+            ).scalar_one_or_none()
+            if row is None and step is not None
+            else None
+        )
+    return _claimed(token, step, row, run, attempt_step)
+
+
+def _claimed(
+    token: str, step: str | None, row: Any, run: Any, attempt_step: str | None
+) -> ClaimedAttempt | WrongStep | None:
     if row is None or run is None:
         if step is not None and attempt_step is not None and attempt_step != step:
             return WrongStep(token=token, step=attempt_step)
@@ -127,34 +131,61 @@ def claim(
     )
 
 
-def _claim_postgres(conn: Connection, claim_stmt: Any, token: str) -> tuple[Any, str | None]:
-    """The claim in one round trip: (the claimed row or None, the attempt's step or None).
+@functools.cache
+def _pg_claim_statement(check_step: bool) -> Any:
+    """The PostgreSQL claim, built once per process (bind parameters ``b_token``,
+    ``b_worker``, ``b_step``): building a statement with a CTE costs more than running it.
 
     The UPDATE ... FROM the run (returning its workflow id and context too) runs as a CTE, left
     joined to the attempt row itself, so a miss still says which step the token belongs to
     (a wrong-step message is told apart from a duplicate without a second query). The outer
     SELECT sees the row as it was before the UPDATE; ``step`` never changes.
     """
-    claimed = (
-        claim_stmt.where(workflow_run.c.run_id == step_attempt.c.run_id)
-        .returning(
-            *_CLAIM_COLUMNS,
-            workflow_run.c.workflow_id,
-            workflow_run.c.state["context"].label("context"),
+    # Not named after columns: an UPDATE would read such parameters as SET values.
+    token = sa.bindparam("b_token", type_=sa.String)
+    worker = sa.bindparam("b_worker", type_=sa.String)
+    update = (
+        sa.update(step_attempt)
+        .where(
+            step_attempt.c.token == token,
+            # Our own claim again: the first try committed but its answer was lost.
+            sa.or_(step_attempt.c.claimed_at.is_(None), step_attempt.c.claimed_by == worker),
+            step_attempt.c.finished_at.is_(None),
+            # An attempt under a concurrency limit runs only while it holds a lease slot; a
+            # message for one still waiting is dropped (the release that grants it re-sends).
+            sa.or_(step_attempt.c.lease_key.is_(None), holds_lease()),
+            workflow_run.c.run_id == step_attempt.c.run_id,
         )
-        .cte("claimed")
+        .values(claimed_at=sa.func.now(), claimed_by=worker)
     )
-    found = conn.execute(
-        sa.select(
-            step_attempt.c.step.label("attempt_step"),
-            *claimed.c,
-        )
+    if check_step:
+        update = update.where(step_attempt.c.step == sa.bindparam("b_step", type_=sa.String))
+    claimed = update.returning(
+        *_CLAIM_COLUMNS,
+        workflow_run.c.workflow_id,
+        workflow_run.c.state["context"].label("context"),
+    ).cte("claimed")
+    return (
+        sa.select(step_attempt.c.step.label("attempt_step"), *claimed.c)
         .select_from(step_attempt.outerjoin(claimed, sa.true()))
         .where(step_attempt.c.token == token)
-    ).one_or_none()
+    )
+
+
+def _claim_postgres(
+    engine: Engine, token: str, worker: str, step: str | None
+) -> ClaimedAttempt | WrongStep | None:
+    """The claim in one round trip and one statement, in autocommit (no BEGIN, no COMMIT: a
+    single UPDATE is atomic by itself)."""
+    params = {"b_token": token, "b_worker": worker}
+    if step is not None:
+        params["b_step"] = step
+    with autocommit(engine) as conn:
+        found = conn.execute(_pg_claim_statement(step is not None), params).one_or_none()
     if found is None:
-        return None, None
-    return (found if found.run_id is not None else None), found.attempt_step
+        return None
+    row = found if found.run_id is not None else None
+    return _claimed(token, step, row, row, found.attempt_step)
 
 
 _CLAIM_COLUMNS = (
@@ -196,20 +227,28 @@ def finish(
     concurrency limit) takes the key's lock before the attempt row, the order the
     coordinator's commit uses, so a finish racing a timeout close cannot deadlock.
     """
+    outcome_values = {
+        "outcome": outcome,
+        "output": output,
+        "error": error,
+        "retryable": retryable,
+        "patch": patch,
+    }
+    if not leased and is_postgres(engine):
+        # The common case in one round trip: an attempt without a lease needs nothing but
+        # its own row (autocommit). An attempt that has a lease after all (its step's limit
+        # was added since), or is finished already, takes the full path below.
+        with autocommit(engine) as conn:
+            done = conn.execute(_pg_finish_unleased(), {"b_token": token, **outcome_values})
+        if done.rowcount == 1:
+            return True, []
     with engine.begin() as conn:
         if leased:
             leases.lock_keys(conn, leases.keys_held_by(conn, [token]))
         res = conn.execute(
             sa.update(step_attempt)
             .where(step_attempt.c.token == token, step_attempt.c.finished_at.is_(None))
-            .values(
-                finished_at=_now(engine),
-                outcome=outcome,
-                output=output,
-                error=error,
-                retryable=retryable,
-                patch=patch,
-            )
+            .values(finished_at=_now(engine), **outcome_values)
         )
         if res.rowcount != 1:
             return False, []
@@ -221,6 +260,21 @@ def finish(
             else None
         )
         return True, leases.release(conn, [token], db_now or datetime.now(UTC))
+
+
+@functools.cache
+def _pg_finish_unleased() -> Any:
+    """The outcome of an attempt that holds no lease (bind parameter ``b_token`` and the
+    outcome columns), built once per process."""
+    return (
+        sa.update(step_attempt)
+        .where(
+            step_attempt.c.token == sa.bindparam("b_token", type_=sa.String),
+            step_attempt.c.finished_at.is_(None),
+            step_attempt.c.lease_key.is_(None),
+        )
+        .values(finished_at=sa.func.now())
+    )
 
 
 def heartbeat(engine: Engine, token: str, details: Any = None) -> None:

@@ -30,6 +30,12 @@ _lock = threading.Lock()
 T = TypeVar("T")
 
 
+def autocommit(engine: Engine) -> Any:
+    """A connection for one statement, one round trip: no BEGIN/COMMIT around it (a single
+    statement is atomic by itself). psycopg switches autocommit on the client side."""
+    return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+
+
 def get_engine(url: str) -> Engine:
     """The engine for ``url`` in this process (a new one after a fork)."""
     key = (os.getpid(), url)

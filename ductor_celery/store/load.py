@@ -6,6 +6,7 @@ anything, so a redundant wake-up costs one indexed read and no more.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -145,11 +146,16 @@ def _run_exists(conn: Connection, run_id: str) -> bool:
 
 def _run_row(conn: Connection, run_id: str, wait_for_lock: bool = True) -> Any:
     postgres = is_postgres(conn.engine)
+    query = _run_row_statement(postgres, skip_locked=postgres and not wait_for_lock)
+    return conn.execute(query, {"b_run": run_id}).one_or_none()
+
+
+@functools.cache
+def _run_row_statement(postgres: bool, skip_locked: bool) -> Any:
+    """The tick's first read (bind parameter ``b_run``), built once per process: the run row,
+    the database clock, its timer, and whether each inbox holds anything."""
+    run_id = sa.bindparam("b_run", type_=sa.String)
     now_col = sa.func.now() if postgres else sa.literal(None)
-    lock: dict[str, Any] = {}
-    if postgres:
-        # Lock the run row only (the EXISTS subqueries read the inbox tables without locks).
-        lock = {"of": workflow_run, "skip_locked": not wait_for_lock}
     query = sa.select(
         workflow_run.c.run_id,
         workflow_run.c.workflow_id,
@@ -181,31 +187,15 @@ def _run_row(conn: Connection, run_id: str, wait_for_lock: bool = True) -> Any:
             workflow_signal.c.applied_at.is_(None),
         ).label("has_signals"),
     ).where(workflow_run.c.run_id == run_id)
-    if lock:
-        query = query.with_for_update(**lock)
-    return conn.execute(query).one_or_none()
+    if postgres:
+        # Lock the run row only (the EXISTS subqueries read the inbox tables without locks).
+        query = query.with_for_update(of=workflow_run, skip_locked=skip_locked)
+    return query
 
 
 def _results(conn: Connection, run_id: str) -> tuple[AttemptResult, ...]:
     """Finished attempts not folded yet, in the order they finished."""
-    rows = conn.execute(
-        sa.select(
-            step_attempt.c.token,
-            step_attempt.c.node,
-            step_attempt.c.outcome,
-            step_attempt.c.output,
-            step_attempt.c.error,
-            step_attempt.c.retryable,
-            step_attempt.c.patch,
-            step_attempt.c.branch,
-        )
-        .where(
-            step_attempt.c.run_id == run_id,
-            step_attempt.c.finished_at.is_not(None),
-            sa.not_(step_attempt.c.folded),
-        )
-        .order_by(step_attempt.c.finished_at, step_attempt.c.token)
-    )
+    rows = conn.execute(_results_statement(), {"b_run": run_id})
     return tuple(
         AttemptResult(
             token=r.token,
@@ -218,6 +208,28 @@ def _results(conn: Connection, run_id: str) -> tuple[AttemptResult, ...]:
             branch=r.branch,
         )
         for r in rows
+    )
+
+
+@functools.cache
+def _results_statement() -> Any:
+    return (
+        sa.select(
+            step_attempt.c.token,
+            step_attempt.c.node,
+            step_attempt.c.outcome,
+            step_attempt.c.output,
+            step_attempt.c.error,
+            step_attempt.c.retryable,
+            step_attempt.c.patch,
+            step_attempt.c.branch,
+        )
+        .where(
+            step_attempt.c.run_id == sa.bindparam("b_run", type_=sa.String),
+            step_attempt.c.finished_at.is_not(None),
+            sa.not_(step_attempt.c.folded),
+        )
+        .order_by(step_attempt.c.finished_at, step_attempt.c.token)
     )
 
 

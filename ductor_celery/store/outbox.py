@@ -6,6 +6,7 @@ rows left behind by a crash. A duplicate send is harmless (claims are by token).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -31,10 +32,7 @@ def insert_outbox(conn: Connection, rows: list[dict[str, Any]], now: datetime) -
     if not rows:
         return []
     values = [{**r, "created_at": now} for r in rows]
-    result = conn.execute(
-        sa.insert(workflow_outbox).returning(workflow_outbox.c.id, sort_by_parameter_order=True),
-        values,
-    )
+    result = conn.execute(_insert_statement(), values)
     return [
         OutboxRow(
             id=i.id,
@@ -46,6 +44,12 @@ def insert_outbox(conn: Connection, rows: list[dict[str, Any]], now: datetime) -
         )
         for i, r in zip(result, rows, strict=True)
     ]
+
+
+@functools.cache
+def _insert_statement() -> Any:
+    """Built once per process: it runs in nearly every tick."""
+    return sa.insert(workflow_outbox).returning(workflow_outbox.c.id, sort_by_parameter_order=True)
 
 
 def step_intent(run_id: str, token: str, node: str, step: str, queue: str | None) -> dict[str, Any]:

@@ -6,6 +6,7 @@ always does so ``WHERE record_version = :expected``.
 
 from __future__ import annotations
 
+import functools
 from datetime import datetime
 from typing import Any
 
@@ -68,12 +69,8 @@ def commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list
     if payload.successor is not None:
         values["continued_to"] = payload.successor.run_id
     updated = conn.execute(
-        sa.update(workflow_run)
-        .where(
-            workflow_run.c.run_id == loaded.run_id,
-            workflow_run.c.record_version == loaded.record_version,
-        )
-        .values(**values)
+        _update_run_statement(tuple(sorted(values))),
+        {"b_run": loaded.run_id, "b_version": loaded.record_version, **values},
     )
     if updated.rowcount != 1:
         raise VersionConflict(loaded.run_id)
@@ -105,11 +102,7 @@ def commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list
             raise VersionConflict(f"attempt {closed.token} finished meanwhile")
 
     if payload.folded:
-        conn.execute(
-            sa.update(step_attempt)
-            .where(step_attempt.c.token.in_(payload.folded))
-            .values(folded=True)
-        )
+        conn.execute(_fold_statement(), {"b_tokens": payload.folded})
 
     waiting: set[str] = set()
     if payload.new_attempts:
@@ -181,6 +174,30 @@ def commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list
     if finished and loaded.state.status not in TERMINAL_RUN_STATUSES and is_postgres(conn.engine):
         conn.execute(sa.select(sa.func.pg_notify(RUN_FINISHED_CHANNEL, loaded.run_id)))
     return outbox
+
+
+# Statements of every tick, built once per process (building one costs more than sending it;
+# SQLAlchemy's compiled cache then skips the compile too). Bind parameters are named b_* so an
+# UPDATE never reads them as SET values.
+
+
+@functools.cache
+def _update_run_statement(columns: tuple[str, ...]) -> Any:
+    """The versioned run update, SETting ``columns`` (given as parameters of those names)."""
+    del columns  # part of the cache key only: the SET clause comes from the parameters
+    return sa.update(workflow_run).where(
+        workflow_run.c.run_id == sa.bindparam("b_run", type_=sa.String),
+        workflow_run.c.record_version == sa.bindparam("b_version", type_=sa.Integer),
+    )
+
+
+@functools.cache
+def _fold_statement() -> Any:
+    return (
+        sa.update(step_attempt)
+        .where(step_attempt.c.token.in_(sa.bindparam("b_tokens", expanding=True)))
+        .values(folded=True)
+    )
 
 
 def _set_timer(conn: Connection, loaded: LoadedRun, fire_at: datetime | None) -> None:

@@ -19,13 +19,11 @@ SQLite (the embedded single-process default) does not coalesce: every result wak
 
 from __future__ import annotations
 
-from typing import Any
-
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Engine
 
-from .db import is_postgres
+from .db import autocommit, is_postgres
 from .schema import workflow_wake
 
 STALE_AFTER_S = 5.0
@@ -45,7 +43,7 @@ def request_wake(engine: Engine, run_id: str) -> bool:
         # inserted (xmax = 0) or refreshed from stale (requested_at is this transaction's now)
         sa.or_(sa.text("xmax = 0"), workflow_wake.c.requested_at == now)
     )
-    with _autocommit(engine) as conn:
+    with autocommit(engine) as conn:
         return bool(conn.execute(stmt).scalar_one())
 
 
@@ -53,10 +51,5 @@ def clear_wake(engine: Engine, run_id: str) -> None:
     """A tick of the run starts now: later results need a wake-up of their own."""
     if not is_postgres(engine):
         return
-    with _autocommit(engine) as conn:
+    with autocommit(engine) as conn:
         conn.execute(sa.delete(workflow_wake).where(workflow_wake.c.run_id == run_id))
-
-
-def _autocommit(engine: Engine) -> Any:
-    """One statement, one round trip: no BEGIN/COMMIT around it (it is atomic by itself)."""
-    return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
