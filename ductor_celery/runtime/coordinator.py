@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,8 @@ from ..store.ticks import VersionConflict, commit_on, reject_control
 from .outbox_janitor import sent_outbox
 
 if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
     from ..engine import TickPayload
     from .runtime import Runtime
 
@@ -54,13 +57,32 @@ class TickStats:
 TICK_STATS = TickStats()
 
 
-def run_tick(rt: Runtime, run_id: str, *, eager: bool = False) -> str:
+#: Runs first in a tick's transaction (the step worker writing its attempt's outcome); False:
+#: it had nothing to write, and the tick is not run (``PreludeRefused``).
+Prelude = Callable[["Connection"], bool]
+
+
+class PreludeRefused(Exception):
+    """The prelude wrote nothing (the attempt was closed or leased): no tick was run, and the
+    caller takes its ordinary path."""
+
+
+def run_tick(
+    rt: Runtime, run_id: str, *, eager: bool = False, prelude: Prelude | None = None
+) -> str:
     """One tick of one run. Returns "missing", "noop", "committed" or "conflict"; with
     ``eager``, "busy" when another tick holds the run's lock (the caller then wakes the
     coordinator, which waits for it).
 
     An eager tick leaves the coalesced wake-up row alone: a row there means a tick message is
     queued whose tick has not started, and that tick clears it (store/wakes.py).
+
+    ``prelude`` (eager ticks only): a write made first in the tick's own transaction, so the
+    step worker's outcome and the tick that folds it commit together, one transaction instead
+    of two. The prelude is the worker's write, the tick is the coordinator's code: still one
+    writer of the run row. It is committed even when the run is busy ("busy": the write alone);
+    it is rolled back with the tick on a conflict and written again by the recomputed tick;
+    "conflict" (given up) means it was not written.
     """
     engine = rt.engine()
     if not eager:
@@ -69,7 +91,7 @@ def run_tick(rt: Runtime, run_id: str, *, eager: bool = False) -> str:
     for _ in range(MAX_CONFLICT_RETRIES):
         try:
             outcome, payload, outbox = with_retry(
-                functools.partial(_load_compute_commit, rt, run_id, eager), what="tick"
+                functools.partial(_load_compute_commit, rt, run_id, eager, prelude), what="tick"
             )
         except VersionConflict as conflict:
             TICK_STATS.conflicts += 1
@@ -81,7 +103,7 @@ def run_tick(rt: Runtime, run_id: str, *, eager: bool = False) -> str:
         except _Rejected:
             continue
         TICK_STATS.count(outcome)
-        if outcome != "committed":
+        if outcome != "committed":  # "busy" too, when a prelude's write was committed alone
             return outcome
         rt.failpoint(
             "eager_after_commit_before_dispatch" if eager else "after_commit_before_dispatch"
@@ -101,14 +123,21 @@ class _Rejected(Exception):
 
 
 def _load_compute_commit(
-    rt: Runtime, run_id: str, eager: bool = False
+    rt: Runtime, run_id: str, eager: bool = False, prelude: Prelude | None = None
 ) -> tuple[str, TickPayload | None, list[OutboxRow]]:
     engine = rt.engine()
     config = rt.settings.engine_config()
     payload: TickPayload | None = None
     try:
         with engine.begin() as conn:
-            loaded_all = load_on(conn, run_id, rt.spec_for, config, wait_for_lock=not eager)
+            if prelude is not None and not prelude(conn):
+                raise PreludeRefused(run_id)
+            try:
+                loaded_all = load_on(conn, run_id, rt.spec_for, config, wait_for_lock=not eager)
+            except RunBusy:
+                if prelude is None:
+                    raise
+                return "busy", None, []  # leaving the block commits the prelude's write
             if loaded_all is None:
                 log.warning("tick for unknown run %s ignored", run_id)
                 return "missing", None, []

@@ -19,10 +19,10 @@ from ..definition.spec import BATCH_ARG
 from ..engine.payloads import json_problem
 from ..errors import NonRetryableError
 from ..store import attempts, wakes
-from ..store.db import with_retry
+from ..store.db import is_postgres, with_retry
 from ..store.outbox import OutboxRow
 from . import batch
-from .coordinator import run_tick
+from .coordinator import PreludeRefused, run_tick
 from .outbox_janitor import sent_outbox
 
 if TYPE_CHECKING:
@@ -308,8 +308,7 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
         ctx = _context(engine, claimed, claimed.branch, read_input, limit)
         result, interrupt = _run(step, ctx, claimed.args, token, limit)
     try:
-        outcome = _record(rt, engine, step, token, result)
-        _advance_run(rt, engine, claimed.run_id)
+        outcome = _record_and_advance(rt, engine, step, token, claimed.run_id, result)
     finally:
         if interrupt is not None:
             raise interrupt
@@ -391,6 +390,47 @@ def _run_batch(
     return (
         _Outcome("failed", output=output, patch=patch, error=done.error, retryable=done.retryable),
         interrupt,
+    )
+
+
+def _record_and_advance(
+    rt: Runtime, engine: Any, step: Step, token: str, run_id: str, result: _Outcome
+) -> str:
+    """Write the outcome, then make sure a tick folds it.
+
+    With eager ticks on PostgreSQL, an unleased attempt's outcome is written first in the
+    eager tick's own transaction (one commit for both; ``run_tick``'s prelude). Anything
+    unusual (the attempt closed meanwhile, values the database refuses, a tick that fails)
+    falls back to the ordinary path: write the outcome alone, then tick or wake.
+    """
+    if rt.settings.eager_ticks and step.concurrency is None and is_postgres(engine):
+        try:
+            tick = run_tick(rt, run_id, eager=True, prelude=_prelude(token, result))
+        except PreludeRefused:
+            tick = None
+        except Exception as exc:  # noqa: BLE001 - the ordinary path below still writes it
+            log.warning("eager tick of run %s failed (%s); recording on its own", run_id, exc)
+            tick = None
+        if tick in ("committed", "noop", "missing"):
+            return result.outcome
+        if tick == "busy":  # the outcome is committed; the coordinator folds it
+            if _wake_needed(engine, run_id):
+                rt.wake(run_id)
+            return result.outcome
+    outcome = _record(rt, engine, step, token, result)
+    _advance_run(rt, engine, run_id)
+    return outcome
+
+
+def _prelude(token: str, result: _Outcome) -> Callable[[Any], bool]:
+    return lambda conn: attempts.finish_unleased_on(
+        conn,
+        token,
+        outcome=result.outcome,
+        output=result.output,
+        error=result.error,
+        retryable=result.retryable,
+        patch=result.patch,
     )
 
 

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from . import leases
 from .db import autocommit, aware, is_postgres
@@ -239,9 +239,8 @@ def finish(
         # its own row (autocommit). An attempt that has a lease after all (its step's limit
         # was added since), or is finished already, takes the full path below.
         with autocommit(engine) as conn:
-            done = conn.execute(_pg_finish_unleased(), {"b_token": token, **outcome_values})
-        if done.rowcount == 1:
-            return True, []
+            if finish_unleased_on(conn, token, **outcome_values):
+                return True, []
     with engine.begin() as conn:
         if leased:
             leases.lock_keys(conn, leases.keys_held_by(conn, [token]))
@@ -260,6 +259,28 @@ def finish(
             else None
         )
         return True, leases.release(conn, [token], db_now or datetime.now(UTC))
+
+
+def finish_unleased_on(
+    conn: Connection,
+    token: str,
+    *,
+    outcome: str,
+    output: Any = None,
+    error: dict[str, Any] | None = None,
+    retryable: bool = True,
+    patch: dict[str, Any] | None = None,
+) -> bool:
+    """Write the outcome of an attempt that holds no lease, on ``conn`` (PostgreSQL): False if
+    it is finished or closed already, or has a lease (then ``finish`` must release it)."""
+    values = {
+        "outcome": outcome,
+        "output": output,
+        "error": error,
+        "retryable": retryable,
+        "patch": patch,
+    }
+    return bool(conn.execute(_pg_finish_unleased(), {"b_token": token, **values}).rowcount == 1)
 
 
 @functools.cache

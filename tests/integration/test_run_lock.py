@@ -148,3 +148,115 @@ def test_eager_and_coordinator_ticks_racing_on_one_scatter_never_recompute(
             {"r": run_id},
         ).scalar_one()
     assert unfolded == 0
+
+
+# -- the worker's outcome written in its eager tick's own transaction (run_tick's prelude) ------
+
+
+def _first_attempt(engine: Any, run_id: str) -> str:
+    with engine.connect() as conn:
+        return str(
+            conn.execute(
+                sa.text("SELECT token FROM eec_workflow_step_attempt WHERE run_id = :r LIMIT 1"),
+                {"r": run_id},
+            ).scalar_one()
+        )
+
+
+def _attempt(engine: Any, token: str) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(
+            sa.text(
+                "SELECT outcome, output, folded FROM eec_workflow_step_attempt WHERE token = :t"
+            ),
+            {"t": token},
+        ).one()
+
+
+def _prelude(token: str, value: Any) -> Any:
+    return lambda conn: attempts.finish_unleased_on(conn, token, outcome="succeeded", output=value)
+
+
+def test_the_outcome_and_the_eager_tick_that_folds_it_commit_together(
+    ductor: Any, database_url: str
+) -> None:
+    run_id = ductor.start("fan", input={"items": [7]}).run_id
+    engine = get_engine(database_url)
+    assert run_tick(ductor.runtime, run_id) == "committed"
+    token = _first_attempt(engine, run_id)
+    assert attempts.claim(engine, token, "w1") is not None
+    assert run_tick(ductor.runtime, run_id, eager=True, prelude=_prelude(token, 7)) == "committed"
+    row = _attempt(engine, token)
+    assert (row.outcome, row.output, row.folded) == ("succeeded", 7, True)
+    assert _record_version(database_url, run_id) == 2
+
+
+def test_a_busy_run_commits_the_outcome_alone_for_the_coordinator_to_fold(
+    ductor: Any, database_url: str
+) -> None:
+    run_id = ductor.start("fan", input={"items": [7]}).run_id
+    engine = get_engine(database_url)
+    assert run_tick(ductor.runtime, run_id) == "committed"
+    token = _first_attempt(engine, run_id)
+    assert attempts.claim(engine, token, "w1") is not None
+    release, held = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_run_lock, args=(database_url, run_id, release, held))
+    holder.start()
+    try:
+        assert held.wait(5)
+        outcome = run_tick(ductor.runtime, run_id, eager=True, prelude=_prelude(token, 7))
+        assert outcome == "busy"
+        row = _attempt(engine, token)
+        assert (row.outcome, row.output, row.folded) == ("succeeded", 7, False)
+    finally:
+        release.set()
+        holder.join()
+    assert run_tick(ductor.runtime, run_id) == "committed"
+    assert _attempt(engine, token).folded
+
+
+def test_a_closed_attempt_refuses_the_prelude_and_no_tick_runs(
+    ductor: Any, database_url: str
+) -> None:
+    run_id = ductor.start("fan", input={"items": [7]}).run_id
+    engine = get_engine(database_url)
+    assert run_tick(ductor.runtime, run_id) == "committed"
+    token = _first_attempt(engine, run_id)
+    assert attempts.claim(engine, token, "w1") is not None
+    ductor.terminate(run_id)
+    assert run_tick(ductor.runtime, run_id) == "committed"  # the terminate closes the attempt
+    version = _record_version(database_url, run_id)
+    with pytest.raises(coordinator.PreludeRefused):
+        run_tick(ductor.runtime, run_id, eager=True, prelude=_prelude(token, 7))
+    assert _attempt(engine, token).outcome == "cancelled"
+    assert _record_version(database_url, run_id) == version
+
+
+def test_a_conflict_rolls_the_prelude_back_with_the_tick_and_the_retry_writes_it_again(
+    ductor: Any, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_id = ductor.start("fan", input={"items": [7]}).run_id
+    engine = get_engine(database_url)
+    assert run_tick(ductor.runtime, run_id) == "committed"
+    token = _first_attempt(engine, run_id)
+    assert attempts.claim(engine, token, "w1") is not None
+    real_commit = coordinator.commit_on
+    calls: list[int] = []
+
+    def commit_once_conflicting(conn: Any, loaded: Any, payload: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise coordinator.VersionConflict(run_id)
+        return real_commit(conn, loaded, payload)
+
+    monkeypatch.setattr(coordinator, "commit_on", commit_once_conflicting)
+    written: list[bool] = []
+
+    def prelude(conn: Any) -> bool:
+        written.append(_prelude(token, 7)(conn))
+        return written[-1]
+
+    assert run_tick(ductor.runtime, run_id, eager=True, prelude=prelude) == "committed"
+    assert written == [True, True]  # rolled back with the conflicting tick, then written again
+    row = _attempt(engine, token)
+    assert (row.outcome, row.output, row.folded) == ("succeeded", 7, True)
