@@ -185,7 +185,9 @@ def start(
 @ductor.command()
 @click.option("--status", default=None, help="Only runs with this status.")
 @click.option("--workflow", default=None, help="Only runs of this workflow.")
-@click.option("--limit", default=50, type=click.IntRange(1, MAX_LIST_LIMIT), show_default=True)
+# A plain int: the client checks the range, so --limit 0 is one line and exit 1 like every
+# other bad value (click's IntRange would print its usage text and exit 2).
+@click.option("--limit", default=50, type=int, show_default=True, help=f"1..{MAX_LIST_LIMIT} runs.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.pass_context
 def runs(

@@ -106,12 +106,16 @@ def check_timeout(timeout: Any) -> float | None:
         raise TypeError(
             f"timeout must be a number of seconds or None, got {type(timeout).__name__}"
         )
-    if not math.isfinite(timeout) or timeout < 0:
+    try:
+        seconds = float(timeout)  # an int too large for a float raises OverflowError
+    except OverflowError:
+        seconds = math.inf
+    if not math.isfinite(seconds) or timeout < 0:
         raise ValueError(
-            f"timeout must be a finite number of seconds >= 0, got {timeout!r} "
+            f"timeout must be a finite number of seconds >= 0, got {limits.show(timeout)} "
             "(use None to wait forever)"
         )
-    return float(timeout)
+    return seconds
 
 
 def check_list_args(status: Any, workflow: Any, limit: Any) -> str | None:

@@ -334,10 +334,10 @@ class Workflow:
         start; their definitions are pinned (by hash) into this one.
         """
         nodes = [self._build_node(raw, resolve_step, resolve_workflow) for raw in self._nodes]
-        check_literals(self._output, f"workflow {self.name!r}", "output")
+        output = check_literals(self._output, f"workflow {self.name!r}", "output")
         try:
             spec = WorkflowSpec(
-                name=self.name, version=self.version, nodes=tuple(nodes), output=self._output
+                name=self.name, version=self.version, nodes=tuple(nodes), output=output
             )
         except ValueError as exc:  # pydantic: the output is not JSON-like
             raise DefinitionError(f"workflow {self.name!r}: invalid output: {exc}") from None
@@ -364,7 +364,12 @@ class Workflow:
         args = raw["args"] or {}
         if not isinstance(args, Mapping):
             raise DefinitionError(f"{where}: args must be a mapping of argument name to value")
-        check_literals(dict(args), where, "args")
+        names = [name for name in args if not isinstance(name, str)]
+        if names:
+            raise DefinitionError(
+                f"{where}: args: argument names are strings, got {short(names[0])}"
+            )
+        args = check_literals(dict(args), where, "args")
         if BATCH_ARG in args:
             raise DefinitionError(
                 f"{where}: args: the argument name {BATCH_ARG!r} is reserved (batch attempts)"
@@ -466,7 +471,7 @@ def _build_child(
 ) -> NodeSpec:
     fields = {k: v for k, v in raw.items() if v is not None or k == "input"}
     fields["after"] = after_ids(raw["after"], where)
-    check_literals(raw["input"], where, "input")
+    fields["input"] = check_literals(raw["input"], where, "input")
     if raw["kind"] == "child_scatter":
         if not raw["as_child_runs"] or raw["workflow"] is None or raw["step"] is not None:
             raise DefinitionError(

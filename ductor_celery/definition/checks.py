@@ -6,7 +6,7 @@ unusable later (an infinite timeout, a 300-character id) would make every tick o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..errors import DefinitionError
@@ -32,17 +32,19 @@ def check_timeout(where: str, field: str, value: Any) -> None:
 _NO_SIZE_LIMIT = 1 << 62
 
 
-def check_literals(template: Any, where: str, field: str) -> None:
-    """Refuse a template (``args``, a child's ``input``, the ``output``) whose literals no
-    database stores exactly: NaN or Infinity (pydantic would store them as ``null``), NUL, a
-    lone surrogate, an int too long to print, a non-JSON type, or nesting deeper than
-    MAX_JSON_DEPTH. The definition is stored as JSON, and what the template resolves to is a
-    payload (an argument set counts as one level)."""
+def check_literals(template: Any, where: str, field: str) -> Any:
+    """A template (``args``, a child's ``input``, the ``output``) as JSON normalizes it (tuples
+    become lists), so a spec in memory holds what its stored form reads back as. Refused when
+    its literals are no JSON both databases store exactly: NaN or Infinity (pydantic would
+    store them as ``null``), NUL, a lone surrogate, an int too long to print, a non-JSON type,
+    or nesting deeper than MAX_JSON_DEPTH. The definition is stored as JSON, and what the
+    template resolves to is a payload (an argument set counts as one level)."""
     from ..engine.payloads import check_json  # here: engine/ imports definition/
 
-    problem = check_json(template, f"{where}: {field}", _NO_SIZE_LIMIT).problem
-    if problem is not None:
-        raise DefinitionError(problem)
+    checked = check_json(template, f"{where}: {field}", _NO_SIZE_LIMIT)
+    if checked.problem is not None:
+        raise DefinitionError(checked.problem)
+    return checked.value
 
 
 def check_when(when: Any, where: str) -> None:
@@ -140,7 +142,9 @@ def check_scatter_options(raw: dict[str, Any], where: str) -> None:
             raise DefinitionError(
                 f"{where}: item_arg: the argument name {BATCH_ARG!r} is reserved (batch attempts)"
             )
-        if item_arg in (raw["args"] or {}):
+        args = raw["args"]
+        # args that are no mapping are refused, with their own message, by the caller.
+        if isinstance(args, Mapping) and item_arg in args:
             raise DefinitionError(
                 f"{where}: item_arg {item_arg!r} is also given in args; rename one of them"
             )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..errors import DefinitionError
@@ -14,6 +13,7 @@ from ..limits import (
     duration_problem,
     int_problem,
     is_number,
+    show,
 )
 from .spec import ConcurrencySpec, RetrySpec
 
@@ -45,10 +45,12 @@ class RetryPolicy:
             if problem is not None:
                 raise DefinitionError(f"RetryPolicy.{name} {problem}")
         backoff = self.backoff
-        if not (is_number(backoff) and math.isfinite(backoff) and 1 <= backoff <= MAX_BACKOFF):
+        # No math.isfinite: it raises OverflowError on an int too large for a float; nan and
+        # inf fail the comparisons anyway.
+        if not (is_number(backoff) and 1 <= backoff <= MAX_BACKOFF):
             raise DefinitionError(
                 f"RetryPolicy.backoff must be a number between 1 and {MAX_BACKOFF:g}, "
-                f"got {backoff!r}"
+                f"got {show(backoff)}"
             )
         if not isinstance(self.non_retryable, tuple | list):  # e.g. a bare ValueError
             raise DefinitionError(
@@ -100,7 +102,7 @@ class ConcurrencyLimit:
         key = self.key
         if not isinstance(key, str) or not key or "\x00" in key:
             raise DefinitionError(
-                f"ConcurrencyLimit.key must be a path or a non-empty string, got {key!r}"
+                f"ConcurrencyLimit.key must be a path or a non-empty string, got {show(key)}"
             )
         if len(key) > MAX_LEASE_KEY_LENGTH:
             raise DefinitionError(
@@ -111,7 +113,7 @@ class ConcurrencyLimit:
             # Bools are refused: ConcurrencyLimit(key, True) is a slip, not a limit of one.
             raise DefinitionError(
                 f"ConcurrencyLimit.limit must be >= 1 and an integer of at most {MAX_INT}, "
-                f"got {self.limit!r}"
+                f"got {show(self.limit)}"
             )
 
     def to_spec(self) -> ConcurrencySpec:

@@ -301,6 +301,16 @@ def _topological_order(spec: WorkflowSpec) -> list[str]:
     return order
 
 
+def _unsigned_zeros(value: Any) -> Any:
+    if isinstance(value, float):
+        return 0.0 if value == 0 else value
+    if isinstance(value, dict):
+        return {k: _unsigned_zeros(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unsigned_zeros(v) for v in value]
+    return value
+
+
 class WorkflowSpec(BaseModel):
     """A whole workflow: its name, version, nodes in declaration order and output template."""
 
@@ -312,7 +322,12 @@ class WorkflowSpec(BaseModel):
     output: Any = None
 
     def canonical_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        """The text the spec hash is taken of: the stored form, keys sorted, and ``-0.0``
+        written as ``0.0``, since PostgreSQL's jsonb keeps no sign on zero: a spec read back
+        from it must hash as the one stored."""
+        return json.dumps(
+            _unsigned_zeros(self.model_dump(mode="json")), sort_keys=True, separators=(",", ":")
+        )
 
     @cached_property
     def spec_hash(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from ..errors import DefinitionError
-from ..limits import id_problem
+from ..limits import id_problem, show
 from .paths import Path, iter_paths, parse_path
 from .spec import ChildScatterNodeSpec, ScatterNodeSpec, WorkflowSpec, node_templates
 
@@ -13,9 +13,9 @@ _ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
 
 def short(value: object, limit: int = 60) -> str:
-    """``repr(value)``, cut short: a message naming a 10,000-character id stays readable."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}..."
+    """``repr(value)``, cut short: a message naming a 10,000-character id stays readable (and
+    one naming an int too long to print is still written)."""
+    return show(value, limit)
 
 
 def node_id_problem(node_id: object) -> str | None:
