@@ -85,7 +85,12 @@ def _bad_success(result: AttemptResult, limit: int) -> str | None:
     """The worker validates results; this is the coordinator's own guard against bad rows."""
     if result.patch is not None and not isinstance(result.patch, dict):
         return f"context patch must be a mapping, got {type(result.patch).__name__}"
-    return json_problem([result.output, result.patch], "result", limit)[1]
+    # Each on its own, as the worker checked them: wrapped in a list, a result at the depth
+    # limit would be one level too deep.
+    return (
+        json_problem(result.output, "result", limit)[1]
+        or json_problem(result.patch, "context patch", limit)[1]
+    )
 
 
 def _succeed(t: TickContext, result: AttemptResult, slot: Slot, branch: int | None) -> None:

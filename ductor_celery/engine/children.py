@@ -18,7 +18,7 @@ from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec
 from ..limits import MAX_ID_LENGTH
 from .context import TickContext
 from .inputs import ChildControl, ChildSnapshot, ChildStart
-from .payloads import json_problem
+from .payloads import refusal
 from .status import NodeStatus
 
 #: Child statuses that end the parent's wait with a failure.
@@ -63,9 +63,9 @@ def start_child(
     """Queue a child run for the commit: (its id, None), or (None, error) if its input is
     refused. ``owner`` is the run the ids derive from (a scatter carried over a
     continue-as-new keeps naming its children after the run it started in)."""
-    value, problem = json_problem(input_value, "child run input", t.inputs.config.max_payload_bytes)
-    if problem is not None:
-        return None, {"type": "PayloadTooLarge", "message": problem}
+    value, error = refusal(input_value, "child run input", t.inputs.config.max_payload_bytes)
+    if error is not None:
+        return None, error
     run_id = child_run_id(owner or t.inputs.run_id, node_id, branch, generation)
     t.payload.child_starts.append(
         ChildStart(

@@ -54,6 +54,17 @@ def check_json(value: Any, what: str, limit: int) -> JsonCheck:
         return JsonCheck(None, _storable(f"{what} is not JSON-serializable: {_describe(exc)}"))
 
 
+def refusal(value: Any, what: str, limit: int) -> tuple[Any, dict[str, Any] | None]:
+    """``value`` normalized through JSON and ``None``, or ``None`` and the stored error of
+    its refusal, typed as the client's exceptions are: ``PayloadTooLarge`` for its size,
+    ``PayloadNotSerializable`` for its content."""
+    checked = check_json(value, what, limit)
+    if checked.problem is None:
+        return checked.value, None
+    kind = "PayloadTooLarge" if checked.too_large else "PayloadNotSerializable"
+    return None, {"type": kind, "message": checked.problem}
+
+
 def json_problem(value: Any, what: str, limit: int) -> tuple[Any, str | None]:
     """``value`` normalized through JSON, or ``None`` and a problem that names ``what``."""
     checked = check_json(value, what, limit)

@@ -21,7 +21,7 @@ from ..definition.spec import BATCH_ARG, ChildScatterNodeSpec, ScatterNodeSpec
 from . import advance, children
 from .context import TickContext
 from .inputs import ClosedAttempt, Dispatch
-from .payloads import json_problem
+from .payloads import refusal
 from .state import BranchState, ScatterState
 from .status import NodeStatus
 
@@ -161,9 +161,8 @@ def _fill(t: TickContext, node_id: str, spec: AnyScatter, items: list[Any], scop
                 sc.branches[index] = BranchState(token=child)
             continue
         args = resolve(spec.branch_args(), item_scope)
-        problem = json_problem(args, f"branch {index} arguments", limit)[1]
-        if problem is not None:
-            error = {"type": "PayloadTooLarge", "message": problem}
+        error = refusal(args, f"branch {index} arguments", limit)[1]
+        if error is not None:
             # No attempt row holds this failure, so the state keeps it for the gather.
             sc.errors[index] = error
             branch_failed(t, node_id, index, error, "arguments refused")
@@ -201,11 +200,10 @@ def _start_batch(
     per_item: list[dict[str, Any] | None] = []
     for index in span:
         args = resolve(spec.branch_args(), _item_scope(scope, items[index]))
-        problem = json_problem(args, f"item {index} arguments", limit)[1]
-        if problem is None:
+        error = refusal(args, f"item {index} arguments", limit)[1]
+        if error is None:
             per_item.append(args)
             continue
-        error = {"type": "PayloadTooLarge", "message": problem}
         sc.errors[index] = error
         per_item.append(None)
         _items_failed(t, node_id, 1, error, f"item {index}", "arguments refused")

@@ -17,7 +17,7 @@ from .advance import lease_key_for, slots, start_attempt
 from .children import close_child, start_subworkflow
 from .context import TickContext
 from .external import park_node
-from .payloads import json_problem
+from .payloads import refusal
 from .scatter import close_branches, close_slot, start_scatter
 from .status import FINISHED_NODE_STATUSES, NodeStatus, RunStatus
 
@@ -107,11 +107,11 @@ def start_ready_nodes(t: TickContext) -> bool:
             park_node(t, node_id)
             continue
         args = resolve(spec.args, scope)
-        problem = json_problem(args, "resolved arguments", t.inputs.config.max_payload_bytes)[1]
-        if problem is not None:
-            ns.error = {"type": "PayloadTooLarge", "message": problem}
+        error = refusal(args, "resolved arguments", t.inputs.config.max_payload_bytes)[1]
+        if error is not None:
+            ns.error = error
             ns.finished_at = t.now
-            t.move_node(node_id, NodeStatus.FAILED, problem)
+            t.move_node(node_id, NodeStatus.FAILED, error["message"])
             continue
         start_attempt(t, node_id, args, lease_key=lease_key_for(spec, scope))
         t.move_node(node_id, NodeStatus.RUNNING, f"attempt {ns.attempt} dispatched")
@@ -135,7 +135,16 @@ def finish_if_done(t: TickContext) -> None:
         scope = Scope(
             input=t.inputs.input, context=t.payload.state.context, outputs=t.outputs, item=None
         )
-        t.payload.output = resolve(t.spec.output, scope)
+        output, error = refusal(
+            resolve(t.spec.output, scope), "run output", t.inputs.config.max_payload_bytes
+        )
+        if error is not None:
+            # Every node succeeded, but the output they make cannot be stored (too large, or
+            # nested deeper than the limit): the run fails, saying so, never half-written.
+            t.payload.error = error
+            t.move_run(RunStatus.FAILED, error["message"])
+            return
+        t.payload.output = output
         t.move_run(RunStatus.SUCCEEDED, "every node finished")
 
 

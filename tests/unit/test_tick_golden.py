@@ -867,3 +867,53 @@ def test_needed_outputs_lists_succeeded_nodes_that_pending_nodes_read() -> None:
     assert needed_outputs(spec, state) == {}
     state.nodes["c"] = NodeState(status=NodeStatus.SUCCEEDED, generation=1, output_token="r1:c:1")
     assert needed_outputs(spec, state) == {"c": "r1:c:1"}
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_arguments_nested_past_the_limit_fail_the_node_as_not_serializable() -> None:
+    """An input at the depth limit is accepted; wrapped in an argument dict it is one level
+    deeper, and the node fails for its content, not its size."""
+    spec = Workflow("w").step("deep", "s", args={"v": "$.input"}).build()
+    p = tick(spec, RunState(), input=_nested(100))
+    assert p.state.status == RunStatus.FAILED
+    assert p.error is not None and p.error["type"] == "PayloadNotSerializable"
+    assert "nested deeper than 100 levels" in p.error["message"]
+
+
+def test_a_run_output_nested_past_the_limit_fails_the_run_and_stores_no_output() -> None:
+    spec = Workflow("w").step("a", "s").output({"wrapped": "$.nodes.a.output"}).build()
+    started = tick(spec, RunState())
+    p = tick(spec, started.state, results=[ok("r1:a:1", output=_nested(100))])
+    assert p.state.status == RunStatus.FAILED
+    assert p.output is None
+    assert p.error is not None and p.error["type"] == "PayloadNotSerializable"
+    assert p.error["message"].startswith("run output is not JSON-serializable")
+
+
+def test_a_run_output_over_the_payload_limit_fails_the_run_as_too_large() -> None:
+    spec = Workflow("w").step("a", "s").step("b", "s").output(
+        ["$.nodes.a.output", "$.nodes.b.output"]
+    ).build()
+    config = EngineConfig(max_payload_bytes=100)
+    first = tick(spec, RunState(), config=config)
+    halves = [ok("r1:a:1", output="x" * 60), ok("r1:b:1", output="y" * 60)]
+    p = tick(spec, first.state, results=halves, config=config)
+    assert p.state.status == RunStatus.FAILED
+    assert p.error is not None and p.error["type"] == "PayloadTooLarge"
+    assert "run output is" in p.error["message"]
+
+
+def test_a_result_nested_exactly_to_the_limit_is_accepted_by_the_tick() -> None:
+    """The worker accepts a result 100 levels deep; the tick's own guard must too (it once
+    checked the output and patch wrapped in a list, one level deeper)."""
+    spec = Workflow("w").step("a", "s").output("$.nodes.a.output").build()
+    started = tick(spec, RunState())
+    p = tick(spec, started.state, results=[ok("r1:a:1", output=_nested(100))])
+    assert p.state.status == RunStatus.SUCCEEDED
+    assert p.output == _nested(100)
