@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.engine import Connection, Engine
 
 from ..definition.spec import WorkflowSpec
@@ -115,7 +116,10 @@ def load_on(
         timer_at=aware(row.timer_at),
     )
     spec = spec_for(row.spec_hash, conn)
-    results = _results(conn, run_id) if row.has_results else ()
+    if "results" in row._fields:
+        results = _aggregated_results(row.results)
+    else:
+        results = _results(conn, run_id) if row.has_results else ()
     control = _control(conn, run_id) if row.has_control else None
     if state.status in TERMINAL_RUN_STATUSES and control is None:
         return loaded, spec, TickInputs(run_id=run_id, results=results, config=config)
@@ -170,12 +174,7 @@ def _run_row_statement(postgres: bool, skip_locked: bool) -> Any:
         .where(workflow_timer.c.run_id == run_id)
         .scalar_subquery()
         .label("timer_at"),
-        _exists(
-            step_attempt,
-            step_attempt.c.run_id == run_id,
-            step_attempt.c.finished_at.is_not(None),
-            sa.not_(step_attempt.c.folded),
-        ).label("has_results"),
+        _results_column(run_id, postgres),
         _exists(
             workflow_control,
             workflow_control.c.run_id == run_id,
@@ -208,6 +207,47 @@ def _results(conn: Connection, run_id: str) -> tuple[AttemptResult, ...]:
             branch=r.branch,
         )
         for r in rows
+    )
+
+
+#: The columns of one unfolded result, as ``_results_column`` aggregates them on PostgreSQL.
+_RESULT_COLUMNS = ("token", "node", "outcome", "output", "error", "retryable", "patch", "branch")
+
+
+def _results_column(run_id: Any, postgres: bool) -> Any:
+    """On PostgreSQL, the unfolded results themselves, as one JSON array in finish order (the
+    run-row read then brings them in the same round trip); on SQLite, whether there are any
+    (read next by ``_results``: SQLite is in-process, a second query costs no trip)."""
+    unfolded = (
+        step_attempt.c.run_id == run_id,
+        step_attempt.c.finished_at.is_not(None),
+        sa.not_(step_attempt.c.folded),
+    )
+    if not postgres:
+        return _exists(step_attempt, *unfolded).label("has_results")
+    row = sa.func.json_build_array(*(step_attempt.c[c] for c in _RESULT_COLUMNS))
+    ordered = aggregate_order_by(row, step_attempt.c.finished_at, step_attempt.c.token)
+    return (
+        sa.select(sa.func.json_agg(ordered))
+        .where(*unfolded)
+        .scalar_subquery()
+        .label("results")
+    )
+
+
+def _aggregated_results(rows: list[list[Any]] | None) -> tuple[AttemptResult, ...]:
+    return tuple(
+        AttemptResult(
+            token=token,
+            node=node,
+            outcome=outcome or "failed",
+            output=output,
+            error=error,
+            retryable=bool(retryable) if retryable is not None else True,
+            patch=patch,
+            branch=branch,
+        )
+        for token, node, outcome, output, error, retryable, patch, branch in rows or ()
     )
 
 

@@ -21,7 +21,7 @@ from ..engine import (
 )
 from ..engine.children import child_workflow_id
 from ..engine.status import TERMINAL_RUN_STATUSES
-from . import leases
+from . import leases, pg_commit
 from .db import is_postgres
 from .external import lock_workflow_signals
 from .load import LoadedRun
@@ -68,79 +68,10 @@ def commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list
         values.update(output=None, error=None, finished_at=None)
     if payload.successor is not None:
         values["continued_to"] = payload.successor.run_id
-    updated = conn.execute(
-        _update_run_statement(tuple(sorted(values))),
-        {"b_run": loaded.run_id, "b_version": loaded.record_version, **values},
-    )
-    if updated.rowcount != 1:
-        raise VersionConflict(loaded.run_id)
-
-    # Every lease key this commit touches is locked up front, in sorted order.
-    # The keys of closed attempts come from their own rows (a lease_key never changes), not
-    # from the lease table: a waiter being closed may be granted a slot by a worker's finish
-    # until its key is locked, and that grant must be released too.
-    closed_tokens = [c.token for c in payload.closed]
-    released_keys = _lease_keys_of(conn, closed_tokens)
-    prior = _prior_attempts(conn, payload)
-    leases.lock_keys(conn, released_keys + [k for _, k in _lease_keys(payload, prior) if k])
-
-    for closed in payload.closed:
-        # Conditional on the attempt still being open: if its worker finished it after our
-        # load, roll back and recompute, so the worker's result is folded, not overwritten.
-        res = conn.execute(
-            sa.update(step_attempt)
-            .where(step_attempt.c.token == closed.token, step_attempt.c.finished_at.is_(None))
-            .values(
-                finished_at=now,
-                outcome=closed.outcome,
-                error=closed.error,
-                retryable=False,
-                folded=True,
-            )
-        )
-        if res.rowcount != 1:
-            raise VersionConflict(f"attempt {closed.token} finished meanwhile")
-
-    if payload.folded:
-        conn.execute(_fold_statement(), {"b_tokens": payload.folded})
-
-    waiting: set[str] = set()
-    if payload.new_attempts:
-        waiting = _insert_attempts(conn, loaded, payload, prior, now)
-
-    if payload.transitions:
-        first = state.transitions - len(payload.transitions)
-        conn.execute(
-            sa.insert(workflow_transition),
-            [
-                {
-                    "run_id": loaded.run_id,
-                    "seq": first + i,
-                    "node": tr.node,
-                    "from_status": str(tr.from_status) if tr.from_status is not None else None,
-                    "to_status": str(tr.to_status),
-                    "reason": tr.reason[:2000],
-                    "at": now,
-                }
-                for i, tr in enumerate(payload.transitions)
-            ],
-        )
-
-    # A step message for an attempt still waiting for its lease is not sent: the release that
-    # hands it a slot sends it.
-    outbox = insert_outbox(
-        conn,
-        [
-            wakeup_intent(d.run_id)
-            if d.kind == "wakeup"
-            else step_intent(d.run_id, d.token, d.node, d.step, d.queue) | {"kind": d.kind}
-            for d in payload.dispatches
-            if not (d.kind == "step" and d.token in waiting)
-        ],
-        now,
-    )
-    if released_keys:
-        outbox.extend(leases.release(conn, closed_tokens, now))
+    if is_postgres(conn.engine) and pg_commit.eligible(payload):
+        outbox = _commit_in_one_statement(conn, loaded, payload, values, now)
+    else:
+        outbox = _commit_core(conn, loaded, payload, values, now)
 
     for applied in payload.applied_signals:
         res = conn.execute(
@@ -198,6 +129,126 @@ def _fold_statement() -> Any:
         .where(step_attempt.c.token.in_(sa.bindparam("b_tokens", expanding=True)))
         .values(folded=True)
     )
+
+
+def _transition_rows(loaded: LoadedRun, payload: TickPayload) -> list[dict[str, Any]]:
+    first = payload.state.transitions - len(payload.transitions)
+    return [
+        {
+            "run_id": loaded.run_id,
+            "seq": first + i,
+            "node": tr.node,
+            "from_status": str(tr.from_status) if tr.from_status is not None else None,
+            "to_status": str(tr.to_status),
+            "reason": tr.reason[:2000],
+            "at": loaded.now,
+        }
+        for i, tr in enumerate(payload.transitions)
+    ]
+
+
+def _outbox_intents(payload: TickPayload, waiting: set[str]) -> list[dict[str, Any]]:
+    # A step message for an attempt still waiting for its lease is not sent: the release that
+    # hands it a slot sends it.
+    return [
+        wakeup_intent(d.run_id)
+        if d.kind == "wakeup"
+        else step_intent(d.run_id, d.token, d.node, d.step, d.queue) | {"kind": d.kind}
+        for d in payload.dispatches
+        if not (d.kind == "step" and d.token in waiting)
+    ]
+
+
+def _commit_in_one_statement(
+    conn: Connection,
+    loaded: LoadedRun,
+    payload: TickPayload,
+    values: dict[str, Any],
+    now: datetime,
+) -> list[OutboxRow]:
+    """The common tick's writes in one round trip (store/pg_commit.py)."""
+    intents = _outbox_intents(payload, set())
+    matched, ids = pg_commit.commit(
+        conn,
+        run_id=loaded.run_id,
+        version=loaded.record_version,
+        run_values=values,
+        payload=payload,
+        transitions=_transition_rows(loaded, payload),
+        outbox=intents,
+        now=now,
+    )
+    if not matched:
+        raise VersionConflict(loaded.run_id)
+    return [
+        OutboxRow(
+            id=i,
+            run_id=r["run_id"],
+            kind=r["kind"],
+            task=r["task"],
+            queue=r["queue"],
+            payload=r["payload"],
+        )
+        for i, r in zip(ids, intents, strict=True)
+    ]
+
+
+def _commit_core(
+    conn: Connection,
+    loaded: LoadedRun,
+    payload: TickPayload,
+    values: dict[str, Any],
+    now: datetime,
+) -> list[OutboxRow]:
+    """The run update and the writes that come with it, one statement each, in the order
+    the lease rules need (every key locked before an attempt row is touched)."""
+    updated = conn.execute(
+        _update_run_statement(tuple(sorted(values))),
+        {"b_run": loaded.run_id, "b_version": loaded.record_version, **values},
+    )
+    if updated.rowcount != 1:
+        raise VersionConflict(loaded.run_id)
+
+    # Every lease key this commit touches is locked up front, in sorted order.
+    # The keys of closed attempts come from their own rows (a lease_key never changes), not
+    # from the lease table: a waiter being closed may be granted a slot by a worker's finish
+    # until its key is locked, and that grant must be released too.
+    closed_tokens = [c.token for c in payload.closed]
+    released_keys = _lease_keys_of(conn, closed_tokens)
+    prior = _prior_attempts(conn, payload)
+    leases.lock_keys(conn, released_keys + [k for _, k in _lease_keys(payload, prior) if k])
+
+    for closed in payload.closed:
+        # Conditional on the attempt still being open: if its worker finished it after our
+        # load, roll back and recompute, so the worker's result is folded, not overwritten.
+        res = conn.execute(
+            sa.update(step_attempt)
+            .where(step_attempt.c.token == closed.token, step_attempt.c.finished_at.is_(None))
+            .values(
+                finished_at=now,
+                outcome=closed.outcome,
+                error=closed.error,
+                retryable=False,
+                folded=True,
+            )
+        )
+        if res.rowcount != 1:
+            raise VersionConflict(f"attempt {closed.token} finished meanwhile")
+
+    if payload.folded:
+        conn.execute(_fold_statement(), {"b_tokens": payload.folded})
+
+    waiting: set[str] = set()
+    if payload.new_attempts:
+        waiting = _insert_attempts(conn, loaded, payload, prior, now)
+
+    if payload.transitions:
+        conn.execute(sa.insert(workflow_transition), _transition_rows(loaded, payload))
+    outbox = insert_outbox(conn, _outbox_intents(payload, waiting), now)
+    if released_keys:
+        outbox.extend(leases.release(conn, closed_tokens, now))
+
+    return outbox
 
 
 def _set_timer(conn: Connection, loaded: LoadedRun, fire_at: datetime | None) -> None:

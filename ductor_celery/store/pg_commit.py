@@ -1,0 +1,136 @@
+"""The common tick commit in one statement and one round trip, on PostgreSQL.
+
+Most ticks do the same five writes: update the run row (versioned), mark the folded results,
+insert the new attempts, append the transitions, insert the outbox rows and read their ids.
+Sent one by one they cost five round trips and five trips through SQLAlchemy's execution
+path. Here they are one fixed statement: the run update and the other writes as
+data-modifying CTEs, the rows passed as arrays and expanded with ``unnest``. The text never
+changes with the number of rows, so psycopg prepares it once per connection.
+
+Only for ticks with none of the writes that need an order of their own: no attempt closed,
+no lease taken or released, no retry copying an earlier attempt's arguments, no redrive or
+continue-as-new (``eligible``). ``ticks.commit_on`` does everything else, and the writes
+that follow these five, as before.
+
+Every other write is conditional on the run update having matched (``EXISTS (SELECT 1 FROM
+run_update)``): a tick that lost a version race writes nothing, not even a row that would
+collide with the winner's, and the caller rolls back and recomputes (``VersionConflict``).
+"""
+
+from __future__ import annotations
+
+import functools
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.engine import Connection
+
+from ..engine import TickPayload
+from .schema import dumps_json
+
+#: Run-row columns holding JSON (cast from the text ``dumps_json`` makes).
+_JSON_RUN_COLUMNS = frozenset({"state", "output", "error"})
+
+
+def eligible(payload: TickPayload) -> bool:
+    return (
+        not payload.closed
+        and not payload.reopened
+        and payload.successor is None
+        and all(a.args_from is None and a.lease_key is None for a in payload.new_attempts)
+    )
+
+
+@functools.cache
+def _statement(run_columns: tuple[str, ...]) -> str:
+    sets = ", ".join(
+        f"{c} = %(r_{c})s::jsonb" if c in _JSON_RUN_COLUMNS else f"{c} = %(r_{c})s"
+        for c in run_columns
+    )
+    return f"""
+WITH run_update AS (
+    UPDATE eec_workflow_run SET {sets}
+    WHERE run_id = %(run_id)s AND record_version = %(version)s
+    RETURNING 1
+), folded AS (
+    UPDATE eec_workflow_step_attempt SET folded = true
+    WHERE token = ANY(%(folded)s::varchar[]) AND EXISTS (SELECT 1 FROM run_update)
+), attempts AS (
+    INSERT INTO eec_workflow_step_attempt
+        (token, run_id, node, branch, generation, attempt, step, queue, args, timeout,
+         created_at, folded)
+    SELECT a.token, %(run_id)s, a.node, a.branch, a.generation, a.attempt, a.step, a.queue,
+           a.args::jsonb, a.timeout, %(now)s, false
+    FROM unnest(%(a_token)s::varchar[], %(a_node)s::varchar[], %(a_branch)s::int[],
+                %(a_generation)s::int[], %(a_attempt)s::int[], %(a_step)s::varchar[],
+                %(a_queue)s::varchar[], %(a_args)s::text[], %(a_timeout)s::float8[])
+         AS a(token, node, branch, generation, attempt, step, queue, args, timeout)
+    WHERE EXISTS (SELECT 1 FROM run_update)
+), transitions AS (
+    INSERT INTO eec_workflow_transition (run_id, seq, node, from_status, to_status, reason, at)
+    SELECT %(run_id)s, t.seq, t.node, t.from_status, t.to_status, t.reason, %(now)s
+    FROM unnest(%(t_seq)s::int[], %(t_node)s::varchar[], %(t_from)s::varchar[],
+                %(t_to)s::varchar[], %(t_reason)s::text[])
+         AS t(seq, node, from_status, to_status, reason)
+    WHERE EXISTS (SELECT 1 FROM run_update)
+), outbox AS (
+    INSERT INTO eec_workflow_outbox (run_id, kind, task, queue, payload, created_at)
+    SELECT o.run_id, o.kind, o.task, o.queue, o.payload::jsonb, %(now)s
+    FROM unnest(%(o_run)s::varchar[], %(o_kind)s::varchar[], %(o_task)s::varchar[],
+                %(o_queue)s::varchar[], %(o_payload)s::text[]) WITH ORDINALITY
+         AS o(run_id, kind, task, queue, payload, n)
+    WHERE EXISTS (SELECT 1 FROM run_update)
+    ORDER BY o.n
+    RETURNING id
+)
+SELECT (SELECT count(*) FROM run_update) AS updated,
+       ARRAY(SELECT id FROM outbox ORDER BY id) AS outbox_ids
+"""
+
+
+def commit(
+    conn: Connection,
+    *,
+    run_id: str,
+    version: int,
+    run_values: dict[str, Any],
+    payload: TickPayload,
+    transitions: list[dict[str, Any]],
+    outbox: list[dict[str, Any]],
+    now: datetime,
+) -> tuple[bool, list[int]]:
+    """Run the five writes; (whether the run update matched, the outbox ids in row order)."""
+    columns = tuple(sorted(run_values))
+    params: dict[str, Any] = {
+        "run_id": run_id,
+        "version": version,
+        "now": now,
+        "folded": list(payload.folded),
+    }
+    for column in columns:
+        value = run_values[column]
+        params[f"r_{column}"] = dumps_json(value) if column in _JSON_RUN_COLUMNS else value
+    new = payload.new_attempts
+    params.update(
+        a_token=[a.token for a in new],
+        a_node=[a.node for a in new],
+        a_branch=[a.branch for a in new],
+        a_generation=[a.generation for a in new],
+        a_attempt=[a.attempt for a in new],
+        a_step=[a.step for a in new],
+        a_queue=[a.queue for a in new],
+        a_args=[dumps_json(a.args) for a in new],
+        a_timeout=[float(a.timeout) for a in new],
+        t_seq=[t["seq"] for t in transitions],
+        t_node=[t["node"] for t in transitions],
+        t_from=[t["from_status"] for t in transitions],
+        t_to=[t["to_status"] for t in transitions],
+        t_reason=[t["reason"] for t in transitions],
+        o_run=[o["run_id"] for o in outbox],
+        o_kind=[o["kind"] for o in outbox],
+        o_task=[o["task"] for o in outbox],
+        o_queue=[o["queue"] for o in outbox],
+        o_payload=[dumps_json(o["payload"]) for o in outbox],
+    )
+    row = conn.exec_driver_sql(_statement(columns), params).one()
+    return row.updated == 1, list(row.outbox_ids)

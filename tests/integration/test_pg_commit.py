@@ -1,0 +1,165 @@
+"""The common tick commit in one statement (store/pg_commit.py) writes exactly what the
+statement-by-statement commit writes, and nothing when it loses a version race."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from ductor_celery import Ductor, RetryPolicy, RunStatus, StepContext, Workflow
+from ductor_celery.store import pg_commit
+from ductor_celery.store.db import get_engine
+
+
+def _app(url: str, tmp_path: Path) -> Ductor:
+    d = Ductor(Celery(f"pgc{tmp_path.name}{id(url)}", set_as_current=False), database_url=url)
+    tries: dict[str, int] = {}
+
+    @d.step(name="pgc.work", retry=RetryPolicy(max_attempts=3, initial_interval=0.01))
+    def work(ctx: StepContext, value: Any) -> Any:
+        key = f"{ctx.node}:{ctx.branch}"
+        tries[key] = tries.get(key, 0) + 1
+        if value == "flaky" and tries[key] == 1:
+            raise RuntimeError("once")
+        ctx.patch({key: value})
+        return {"v": value, "é": "ünïcode ✓", "n": [1.0, 2**64 + 1, None]}
+
+    wf = Workflow("pgc")
+    wf.step("a", work, args={"value": "$.input.a"})
+    wf.step("b", work, args={"value": "flaky"}, after=["a"])
+    wf.step("c", work, args={"value": 3}, after=["a"], when="$.input.c")
+    # One attempt at a time: the same history in both runs, whatever the timing.
+    wf.scatter("s", work, over="$.input.items", item_arg="value", after=["b"], max_parallel=1)
+    wf.step("z", work, args={"value": "$.nodes.s.output"}, after=["s", "c"])
+    wf.output({"z": "$.nodes.z.output", "s": "$.nodes.s.output"})
+    d.register(wf)
+    return d
+
+
+def _rows(url: str, run_id: str) -> dict[str, Any]:
+    """What a run wrote, without ids and times (they differ between two runs)."""
+    with get_engine(url).connect() as conn:
+
+        def q(sql: str) -> list[tuple[Any, ...]]:
+            return [tuple(r) for r in conn.execute(sa.text(sql), {"r": run_id})]
+
+        return {
+            "run": q(
+                # Not record_version: how many ticks a run takes depends on timing.
+                "SELECT status, output, error, transition_count, "
+                "state->'context' FROM eec_workflow_run WHERE run_id = :r"
+            ),
+            "attempts": q(
+                "SELECT replace(token, run_id, ''), node, branch, generation, attempt, step, "
+                "queue, args, timeout, outcome, output, folded, lease_key FROM "
+                "eec_workflow_step_attempt WHERE run_id = :r ORDER BY generation, node"
+            ),
+            "transitions": q(
+                "SELECT seq, node, from_status, to_status, replace(reason, :r, '') "
+                "FROM eec_workflow_transition WHERE run_id = :r ORDER BY seq"
+            ),
+        }
+
+
+def _run(d: Ductor, url: str) -> dict[str, Any]:
+    with d.local_workers():
+        handle = d.start("pgc", input={"a": "x", "c": False, "items": ["i0", "flaky", "i2"]})
+        view = d.wait(handle.run_id, timeout=60)
+    assert view.status == RunStatus.SUCCEEDED, view.error
+    return _rows(url, handle.run_id)
+
+
+def test_the_one_statement_commit_writes_what_the_statement_by_statement_commit_writes(
+    database_url: str, pg_server: Any, template_db: str, tmp_path: Path, monkeypatch: Any
+) -> None:
+    used: list[bool] = []
+    real = pg_commit.commit
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        used.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pg_commit, "commit", counting)
+    fast = _run(_app(database_url, tmp_path), database_url)
+    assert used, "the one-statement commit was used"
+    monkeypatch.setattr(pg_commit, "eligible", lambda payload: False)
+    other = f"t_slow_{tmp_path.name[-8:]}".lower()
+    pg_server.create_database(other, template=template_db)
+    slow_url = pg_server.url(other)
+    used.clear()
+    slow = _run(_app(slow_url, tmp_path), slow_url)
+    assert not used
+    assert fast == slow
+
+
+def test_a_lost_version_race_writes_nothing(database_url: str, tmp_path: Path) -> None:
+    from ductor_celery.engine import RunState, TickInputs, compute_tick
+
+    d = _app(database_url, tmp_path)
+    run_id = d.start("pgc", input={"a": 1, "c": False, "items": []}).run_id
+    spec = d.client.find_definition("pgc")
+    payload = compute_tick(spec, RunState(), TickInputs(run_id=run_id, input={"a": 1}), _now())
+    assert payload.new_attempts and pg_commit.eligible(payload)
+    engine = get_engine(database_url)
+    before = _rows(database_url, run_id)
+    with engine.begin() as conn:
+        matched, ids = pg_commit.commit(
+            conn,
+            run_id=run_id,
+            version=7,  # the row is at version 0
+            run_values={"status": "running", "record_version": 8},
+            payload=payload,
+            transitions=[
+                {"seq": 0, "node": None, "from_status": None, "to_status": "running", "reason": "r"}
+            ],
+            outbox=[
+                {
+                    "run_id": run_id,
+                    "kind": "step",
+                    "task": "pgc.work",
+                    "queue": None,
+                    "payload": {"token": "t"},
+                }
+            ],
+            now=_now(),
+        )
+    assert (matched, ids) == (False, [])
+    assert _rows(database_url, run_id) == before
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM eec_workflow_outbox")).scalar() == 0
+
+
+def _now() -> Any:
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC)
+
+
+@pytest.mark.parametrize("folded", [[], ["nope"]])
+def test_empty_and_unknown_row_sets_are_fine(
+    database_url: str, tmp_path: Path, folded: list[str]
+) -> None:
+    from ductor_celery.engine import RunState, TickInputs, compute_tick
+
+    d = _app(database_url, tmp_path)
+    run_id = d.start("pgc", input={"a": 1, "c": False, "items": []}).run_id
+    spec = d.client.find_definition("pgc")
+    payload = compute_tick(spec, RunState(), TickInputs(run_id=run_id, input={"a": 1}), _now())
+    payload.folded = list(folded)
+    payload.new_attempts = []
+    with get_engine(database_url).begin() as conn:
+        matched, ids = pg_commit.commit(
+            conn,
+            run_id=run_id,
+            version=0,
+            run_values={"record_version": 1},
+            payload=payload,
+            transitions=[],
+            outbox=[],
+            now=_now(),
+        )
+    assert (matched, ids) == (True, [])
