@@ -28,6 +28,11 @@ consumes; the production commands log at WARNING). ``BENCH_EXPERIMENTS``: comma-
 what-ifs (``no-events``, ``no-sweeper``, ``no-pre-ping``, ``no-prepare``), never on in the
 default figures.
 
+``BENCH_EAGER`` (``1``/``0``; unset: the package default) sets ``ductor_eager_ticks``: run.py
+measures the ductor phases once per mode. ``BENCH_BATCH_SIZE`` (default 100): the batch size
+of ``bench_scatter_batched``, registered only when ``Workflow.scatter`` accepts ``batch_size``
+(``BATCHED_SCATTER`` is then its name, else ``None`` and ``BATCHED_UNAVAILABLE`` says why).
+
 The instrumentation and the experiments patch ductor from outside (module attributes looked
 up at call time); the package itself is not modified.
 """
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import cProfile
+import inspect
 import json
 import os
 import sys
@@ -74,6 +80,9 @@ if "no-events" in EXPERIMENTS:
 if "no-sweeper" in EXPERIMENTS:
     # The sweeper still starts, but sweeps once an hour: no re-sent wake-ups.
     app.conf.update(ductor_sweep_interval=3600.0)
+if os.environ.get("BENCH_EAGER", "") != "":
+    # Read by Ductor(app) below, so it must be set first.
+    app.conf.update(ductor_eager_ticks=os.environ["BENCH_EAGER"] not in ("0", "false", "off"))
 ductor = Ductor(app)
 
 
@@ -124,6 +133,32 @@ scatter_wf = Workflow("bench_scatter", version=1)
 scatter_wf.scatter("each", echo, over="$.input.items", item_arg="value")
 scatter_wf.output({"count": "$.input.count"})
 ductor.register(scatter_wf)
+
+BATCH_SIZE = int(os.environ.get("BENCH_BATCH_SIZE") or 100)
+#: The batched variant (one message and one attempt per ``BATCH_SIZE`` items), when the package
+#: has it; the driver and the workers import this module with the same environment, so both
+#: register the same definition.
+BATCHED_SCATTER: str | None = None
+BATCHED_UNAVAILABLE: str | None = None
+
+
+def _register_batched() -> None:
+    global BATCHED_SCATTER, BATCHED_UNAVAILABLE
+    if "batch_size" not in inspect.signature(Workflow.scatter).parameters:
+        BATCHED_UNAVAILABLE = "Workflow.scatter has no batch_size parameter"
+        return
+    wf = Workflow("bench_scatter_batched", version=1)
+    try:
+        wf.scatter("each", echo, over="$.input.items", item_arg="value", batch_size=BATCH_SIZE)
+        wf.output({"count": "$.input.count"})
+        ductor.register(wf)
+    except Exception as exc:  # noqa: BLE001 - a half-built feature must not stop the benchmark
+        BATCHED_UNAVAILABLE = f"registering it failed: {exc!r}"
+        return
+    BATCHED_SCATTER = wf.name
+
+
+_register_batched()
 
 # --------------------------------------------------------------------------------------------
 # raw Celery
@@ -225,11 +260,16 @@ class _Timers:
         wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
         return wrapped
 
-    def task(self, kind: str, fn: Any, describe: Any) -> Any:
-        """Wrap a whole tick or step: start/end wall times, total, and the phases inside."""
+    def task(self, kind: str, fn: Any, describe: Any, after: Any = None) -> Any:
+        """Wrap a whole tick or step: start/end wall times, total, and the phases inside.
+
+        Records nest: an eager tick runs inside the step that wrote the outcome, so the step's
+        record is set aside while the tick runs and its later phases (the wake-up when the
+        tick was busy) land in it again. ``after(rec)`` adds fields once the call returned."""
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            rec: dict[str, Any] = {"k": kind, "start": time.time(), **describe(*args)}
+            rec: dict[str, Any] = {"k": kind, "start": time.time(), **describe(*args, **kwargs)}
+            outer = self.current()
             self.local.rec = rec
             t0 = time.perf_counter()
             result = None
@@ -240,7 +280,13 @@ class _Timers:
                 rec["total"] = time.perf_counter() - t0
                 rec["end"] = time.time()
                 rec["result"] = result if isinstance(result, str) else None
-                self.local.rec = None
+                if outer is not None:
+                    # The outer call's total includes this one: say how much of it.
+                    rec["nested_in"] = outer["k"]
+                    outer[f"nested_{kind}"] = outer.get(f"nested_{kind}", 0.0) + rec["total"]
+                if after is not None:
+                    after(rec)
+                self.local.rec = outer
                 self.emit(rec)
 
         wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -366,12 +412,49 @@ def _instrument() -> None:
             profiles.dump()
 
     if timers is not None:
-        run_tick = timers.task("tick", run_tick, lambda _rt, run_id: {"run": run_id})
+        run_tick = timers.task("tick", run_tick, _describe_tick, _tick_recomputes)
         execute_attempt = timers.task(
             "step", execute_attempt, lambda _rt, _step, token, **_kw: {"token": token}
         )
-    runtime.run_tick = run_tick
-    runtime.execute_attempt = execute_attempt
+    # The tick runs on the coordinator queue (runtime's task) and eagerly in step workers
+    # (wherever the hook imported it from): replace every module-level reference.
+    _replace_everywhere(runtime.run_tick, run_tick)
+    _replace_everywhere(runtime.execute_attempt, execute_attempt)
+
+
+def _tick_stats() -> Any:
+    from ductor_celery.runtime import coordinator
+
+    return getattr(coordinator, "TICK_STATS", None)
+
+
+def _describe_tick(_rt: Any, run_id: str, *_args: Any, **kwargs: Any) -> dict[str, Any]:
+    """A tick record: the run, whether a step worker ran it eagerly, and the process's
+    recompute counter before it (``_tick_recomputes`` turns that into this tick's count)."""
+    stats = _tick_stats()
+    return {
+        "run": run_id,
+        "eager": bool(kwargs.get("eager", False)),
+        "_c0": getattr(stats, "conflicts", 0),
+    }
+
+
+def _tick_recomputes(rec: dict[str, Any]) -> None:
+    stats = _tick_stats()
+    rec["conflicts"] = getattr(stats, "conflicts", 0) - rec.pop("_c0", 0)
+
+
+def _replace_everywhere(original: Any, replacement: Any) -> None:
+    """Point every ``ductor_celery`` module attribute that is ``original`` at ``replacement``
+    (``from .coordinator import run_tick`` copies the reference into the importing module)."""
+    if replacement is original:
+        return
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("ductor_celery"):
+            continue
+        for attr, value in list(vars(module).items()):
+            if value is original:
+                setattr(module, attr, replacement)
 
 
 if os.environ.get("BENCH_TIMERS_DIR") or os.environ.get("BENCH_PROFILE_DIR"):

@@ -85,6 +85,17 @@ class Worker:
         ).stdout
         return [int(p) for p in out.split()]
 
+    def rss_kb(self) -> dict[str, int]:
+        """Resident memory (VmRSS, kB) of the main process and of its pool children."""
+        main = _vmrss_kb(self.proc.pid)
+        children = [_vmrss_kb(pid) for pid in self.child_pids()]
+        return {
+            "main_kb": main,
+            "children_kb": sum(children),
+            "children": len(children),
+            "total_kb": main + sum(children),
+        }
+
     def terminate(self) -> None:
         """Ask for a warm shutdown (SIGTERM to the main process only: its pool children then
         exit cleanly, which lets them dump profiles)."""
@@ -109,3 +120,15 @@ class Worker:
             self._watchdog.kill()
         self._watchdog.wait()
         self._log.close()
+
+
+def _vmrss_kb(pid: int) -> int:
+    """VmRSS of a live process in kB (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
