@@ -15,7 +15,7 @@ import click
 
 from .errors import DuctorError
 from .limits import MAX_JSON_DEPTH, MAX_LIST_LIMIT
-from .settings import EMBEDDED_DATABASE_URL, normalize_url
+from .settings import EMBEDDED_DATABASE_URL, normalize_url, redact_url
 
 if TYPE_CHECKING:
     from .ductor import Ductor
@@ -142,13 +142,7 @@ def migrate(ctx: click.Context, database_url: str | None) -> None:
         upgrade(url)
     except Exception as exc:  # noqa: BLE001
         _fail(f"migration failed: {exc.__class__.__name__}: {str(exc).splitlines()[0]}")
-    click.echo(f"schema is up to date ({_redact(url)})")
-
-
-def _redact(url: str) -> str:
-    import sqlalchemy as sa
-
-    return sa.engine.make_url(url).render_as_string(hide_password=True)
+    click.echo(f"schema is up to date ({redact_url(url)})")
 
 
 @ductor.command()

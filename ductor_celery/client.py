@@ -15,7 +15,6 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from . import limits
@@ -30,10 +29,9 @@ from .errors import (
     WorkflowNotFound,
 )
 from .settings import Settings
-from .store import external, runs
-from .store.db import get_engine, is_postgres, with_retry
+from .store import external, finishes, runs
+from .store.db import get_engine, with_retry
 from .store.runs import RunRow
-from .store.ticks import RUN_FINISHED_CHANNEL
 from .views import NodeView, RunHandle, RunView
 
 log = logging.getLogger("ductor_celery.client")
@@ -496,23 +494,21 @@ class Client:
         return spec
 
     def wait(self, target: str, timeout: float | None = None) -> RunView:
-        """Block until the run is terminal. Told by NOTIFY on PostgreSQL; polls otherwise."""
+        """Block until the run is terminal: told by the commit that finishes it on PostgreSQL
+        (``store/finishes.py``), polling on SQLite."""
         check_target(target)
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         row = self._row(target)
-        if is_postgres(self.engine):
-            return self._wait_notified(target, row, deadline)
-        delay = 0.01
-        while True:
-            row, done = self._poll(target, row.run_id)
-            if done:
-                return self._view(row)
-            self._check_deadline(target, deadline, timeout)
-            time.sleep(
-                delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
-            )
-            delay = min(delay * 1.5, 0.2)
+        with finishes.listener(self.engine, self.settings.database_url) as listener:
+            while True:
+                # Read after the listener started, so a finish just before it is not missed.
+                row, done = self._poll(target, row.run_id)
+                if done:
+                    return self._view(row)
+                self._check_deadline(target, deadline, timeout)
+                remaining = 3600.0 if deadline is None else deadline - time.monotonic()
+                listener.wait_for(row.run_id, max(0.0, remaining))
 
     def _poll(self, target: str, run_id: str) -> tuple[RunRow, bool]:
         """The run as it is now, and whether it is finished: terminal, and not about to be
@@ -537,23 +533,3 @@ class Client:
     def _check_deadline(target: str, deadline: float | None, timeout: float | None) -> None:
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"run {target!r} did not finish within {timeout}s")
-
-    def _wait_notified(self, target: str, row: RunRow, deadline: float | None) -> RunView:
-        import psycopg
-
-        url = sa.engine.make_url(self.settings.database_url).set(drivername="postgresql")
-        with psycopg.connect(url.render_as_string(hide_password=False), autocommit=True) as conn:
-            conn.execute(f"LISTEN {RUN_FINISHED_CHANNEL}")
-            while True:
-                # Re-read after LISTEN so a finish that happened before it is not missed.
-                row, done = self._poll(target, row.run_id)
-                if done:
-                    return self._view(row)
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"run {target!r} did not finish in time")
-                # Wake on our run's notification, or every second as a safety net.
-                wait_s = 1.0 if remaining is None else min(1.0, remaining)
-                for note in conn.notifies(timeout=wait_s):
-                    if note.payload == row.run_id:
-                        break

@@ -83,6 +83,13 @@ def _flag(value: Any) -> bool:
     raise ValueError(f"a ductor flag setting must be true or false, got {value!r}")
 
 
+def redact_url(url: str) -> str:
+    """The URL for a message or a log line: the password replaced by ``***``."""
+    import sqlalchemy as sa
+
+    return sa.engine.make_url(url).render_as_string(hide_password=True)
+
+
 def normalize_url(url: str) -> str:
     """``postgresql://`` and ``postgres://`` mean psycopg 3 to us."""
     for prefix in ("postgres://", "postgresql://"):

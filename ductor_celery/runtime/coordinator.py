@@ -20,14 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sqlalchemy.exc import IntegrityError
-
 from ..engine import compute_tick
 from ..store import wakes
 from ..store.db import with_retry
 from ..store.load import RunBusy, load_on
 from ..store.outbox import OutboxRow
-from ..store.ticks import VersionConflict, commit_on, reject_control
+from ..store.ticks import VersionConflict, WorkflowIdTaken, commit_on, reject_control
 from .outbox_janitor import sent_outbox
 
 if TYPE_CHECKING:
@@ -147,10 +145,10 @@ def _load_compute_commit(
                 return "noop", payload, []
             rt.failpoint("before_commit")
             return "committed", payload, commit_on(conn, loaded, payload)
-    except IntegrityError:
+    except WorkflowIdTaken:
         # A redrive reopening the run while another run of its workflow id is open (the client
         # checked, but a start raced it): refuse the redrive, keep the run as it is.
-        if payload is None or not payload.reopened or payload.handled_control is None:
+        if payload is None or payload.handled_control is None:
             raise
         reject_control(
             engine, payload.handled_control.id, "rejected: another run of this workflow id is open"

@@ -12,14 +12,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy.exc import DataError, DBAPIError, StatementError
-
 from ..definition.retry import ConcurrencyLimit, RetryPolicy
 from ..definition.spec import BATCH_ARG
 from ..engine.payloads import json_problem
 from ..errors import NonRetryableError
 from ..store import attempts, wakes
-from ..store.db import is_postgres, with_retry
+from ..store.db import ValuesRefused, with_retry
 from ..store.outbox import OutboxRow
 from . import batch
 from .coordinator import PreludeRefused, run_tick
@@ -203,20 +201,6 @@ def _describe(exc: BaseException) -> str:
     return _storable(f"{name}: {text}" if text else name)[:_CAUSE_CHARS]
 
 
-def _refused_by_database(exc: BaseException) -> bool:
-    """The database (or the driver, binding them) refused the values themselves: writing
-    them again cannot help, writing a failure without them can. Connection problems are not
-    this: ``with_retry`` rides them out, then raises ``StoreUnavailable``."""
-    return isinstance(exc, DataError) or (
-        isinstance(exc, StatementError) and not isinstance(exc, DBAPIError)
-    )
-
-
-def _db_cause(exc: StatementError) -> str:
-    """What the database said, without the statement and its (possibly huge) parameters."""
-    return _describe(exc.orig if isinstance(exc.orig, BaseException) else exc)
-
-
 # -- heartbeats ---------------------------------------------------------------------------------
 
 
@@ -235,13 +219,13 @@ def _heartbeat(engine: Any, token: str, details: Any, limit: int) -> None:
 def _record_heartbeat(engine: Any, token: str, details: Any) -> None:
     try:
         attempts.heartbeat(engine, token, details)
-    except StatementError as exc:
-        if details is None or not _refused_by_database(exc):
+    except ValuesRefused as refused:
+        if details is None:
             raise
         log.warning(
             "attempt %s: heartbeat details refused by the database (%s); recorded without them",
             token,
-            _db_cause(exc),
+            refused.cause,
         )
         attempts.heartbeat(engine, token, None)
 
@@ -403,7 +387,7 @@ def _record_and_advance(
     unusual (the attempt closed meanwhile, values the database refuses, a tick that fails)
     falls back to the ordinary path: write the outcome alone, then tick or wake.
     """
-    if rt.settings.eager_ticks and step.concurrency is None and is_postgres(engine):
+    if rt.settings.eager_ticks and step.concurrency is None and attempts.finishes_in_tick(engine):
         try:
             tick = run_tick(rt, run_id, eager=True, prelude=_prelude(token, result))
         except PreludeRefused:
@@ -487,11 +471,9 @@ def _record(rt: Runtime, engine: Any, step: Step, token: str, result: _Outcome) 
     """
     try:
         written, granted = _finish(engine, step, token, result)
-    except StatementError as exc:
-        if not _refused_by_database(exc):
-            raise
+    except ValuesRefused as refused:
         what = "result or context patch" if result.outcome == "succeeded" else "error"
-        problem = f"step {step.name!r} {what} could not be stored: {_db_cause(exc)}"
+        problem = f"step {step.name!r} {what} could not be stored: {refused.cause}"
         log.error("attempt %s: %s; recording the attempt as failed without it", token, problem)
         result = _invalid(problem)
         written, granted = _finish(engine, step, token, result)

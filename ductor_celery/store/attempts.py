@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from . import leases
-from .db import autocommit, aware, is_postgres
+from .db import autocommit, aware, is_postgres, refusing_values
 from .leases import holds_lease
 from .outbox import OutboxRow
 from .schema import step_attempt, workflow_run
@@ -208,6 +208,7 @@ def run_input(engine: Engine, run_id: str) -> Any:
         ).scalar_one_or_none()
 
 
+@refusing_values()
 def finish(
     engine: Engine,
     token: str,
@@ -261,6 +262,14 @@ def finish(
         return True, leases.release(conn, [token], db_now or datetime.now(UTC))
 
 
+@refusing_values()
+def finishes_in_tick(engine: Engine) -> bool:
+    """Whether a worker can write an unleased outcome in its eager tick's transaction
+    (``finish_unleased_on``): on PostgreSQL. SQLite serializes every writer anyway."""
+    return is_postgres(engine)
+
+
+@refusing_values()
 def finish_unleased_on(
     conn: Connection,
     token: str,
@@ -298,6 +307,7 @@ def _pg_finish_unleased() -> Any:
     )
 
 
+@refusing_values()
 def heartbeat(engine: Engine, token: str, details: Any = None) -> None:
     """Record that the attempt is alive (and how far it got); a closed attempt is left alone."""
     with engine.begin() as conn:

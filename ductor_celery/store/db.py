@@ -10,14 +10,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, OperationalError, StatementError
 
 from ..errors import StoreUnavailable
 from .schema import dumps_json
@@ -28,6 +29,41 @@ _engines: dict[tuple[int, str], Engine] = {}
 _lock = threading.Lock()
 
 T = TypeVar("T")
+
+
+class ValuesRefused(Exception):
+    """The database (or the driver, binding them) refused the values themselves: writing them
+    again cannot help, writing something without them can. Connection problems are not this:
+    ``with_retry`` rides them out, then raises ``StoreUnavailable``."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        #: What the database said, one line, without the statement and its parameters.
+        self.cause = cause
+
+
+@contextmanager
+def refusing_values() -> Iterator[None]:
+    """Turn the driver's refusal of a statement's values into ``ValuesRefused`` (the one place
+    that knows which SQLAlchemy and driver errors mean that)."""
+    try:
+        yield
+    except StatementError as exc:
+        if isinstance(exc, DataError) or not isinstance(exc, DBAPIError):
+            raise ValuesRefused(_one_line_cause(exc)) from exc
+        raise
+
+
+def _one_line_cause(exc: StatementError) -> str:
+    orig = exc.orig if isinstance(exc.orig, BaseException) else exc
+    try:
+        text = " ".join(str(orig).split())
+    except Exception:  # noqa: BLE001 - a driver message that cannot be printed
+        text = "<unprintable>"
+    line = f"{type(orig).__name__}: {text}" if text else type(orig).__name__
+    # The cause is stored in an error: it must itself be text the database accepts.
+    line = line.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+    return line[:500]
 
 
 def autocommit(engine: Engine) -> Any:

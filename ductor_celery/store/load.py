@@ -227,12 +227,7 @@ def _results_column(run_id: Any, postgres: bool) -> Any:
         return _exists(step_attempt, *unfolded).label("has_results")
     row = sa.func.json_build_array(*(step_attempt.c[c] for c in _RESULT_COLUMNS))
     ordered = aggregate_order_by(row, step_attempt.c.finished_at, step_attempt.c.token)
-    return (
-        sa.select(sa.func.json_agg(ordered))
-        .where(*unfolded)
-        .scalar_subquery()
-        .label("results")
-    )
+    return sa.select(sa.func.json_agg(ordered)).where(*unfolded).scalar_subquery().label("results")
 
 
 def _aggregated_results(rows: list[list[Any]] | None) -> tuple[AttemptResult, ...]:

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import IntegrityError
 
 from ..engine import (
     RunState,
@@ -24,6 +25,7 @@ from ..engine.status import TERMINAL_RUN_STATUSES
 from . import leases, pg_commit
 from .db import is_postgres
 from .external import lock_workflow_signals
+from .finishes import RUN_FINISHED_CHANNEL
 from .load import LoadedRun
 from .outbox import OutboxRow, insert_outbox, step_intent, wakeup_intent
 from .runs import pending_run, run_exists
@@ -37,8 +39,6 @@ from .schema import (
     workflow_transition,
 )
 
-RUN_FINISHED_CHANNEL = "ductor_run_finished"
-
 
 class VersionConflict(Exception):
     """Someone else committed this run (or an attempt changed) since we loaded it."""
@@ -50,8 +50,23 @@ def commit_tick(engine: Engine, loaded: LoadedRun, payload: TickPayload) -> list
         return commit_on(conn, loaded, payload)
 
 
+class WorkflowIdTaken(Exception):
+    """A redrive would reopen the run while another run of its workflow id is open (a start
+    raced the client's check): the database's unique index refused it; roll back."""
+
+
 def commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list[OutboxRow]:
-    """Write the payload in the caller's transaction; VersionConflict means roll it back."""
+    """Write the payload in the caller's transaction; ``VersionConflict`` and
+    ``WorkflowIdTaken`` mean roll it back."""
+    try:
+        return _commit_on(conn, loaded, payload)
+    except IntegrityError as exc:
+        if payload.reopened:
+            raise WorkflowIdTaken(loaded.workflow_id) from exc
+        raise
+
+
+def _commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list[OutboxRow]:
     now = loaded.now
     state = payload.state
     finished = state.status in TERMINAL_RUN_STATUSES

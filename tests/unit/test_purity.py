@@ -98,3 +98,35 @@ def test_the_checker_itself(tmp_path: Path, source: str, module: str, is_bad: bo
     path.write_text(source, encoding="utf-8")
     found = imported_modules(path, root=tmp_path / "ductor_celery")
     assert any(forbidden(name) for _, name in found) is is_bad, found
+
+
+# -- the database's dialect and driver live in store/ -------------------------------------------
+
+#: Outside store/, SQLAlchemy appears only as the Engine and Connection types handed around;
+#: the SQL, the dialect branches and the driver's errors are store/'s business.
+DIALECT_FREE = ("runtime", "client.py", "ductor.py", "cli.py", "views.py")
+ALLOWED_SQLALCHEMY = {
+    "sqlalchemy.engine",
+    "sqlalchemy.engine.Engine",
+    "sqlalchemy.engine.Connection",
+}
+
+
+def dialect_free_modules() -> list[Path]:
+    found: list[Path] = []
+    for name in DIALECT_FREE:
+        path = PACKAGE_ROOT / name
+        found.extend(sorted(path.rglob("*.py")) if path.is_dir() else [path])
+    return found
+
+
+@pytest.mark.parametrize("path", dialect_free_modules(), ids=module_name)
+def test_only_store_knows_the_dialect_and_the_driver(path: Path) -> None:
+    bad = [
+        f"line {line}: {name}"
+        for line, name in imported_modules(path)
+        if name.split(".")[0] in {"psycopg", "psycopg2"}
+        or (name.split(".")[0] == "sqlalchemy" and name not in ALLOWED_SQLALCHEMY)
+        or name.endswith(".is_postgres")
+    ]
+    assert bad == [], f"{module_name(path)} reaches past store/ to the database: {bad}"
