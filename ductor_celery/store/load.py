@@ -151,7 +151,15 @@ def _run_exists(conn: Connection, run_id: str) -> bool:
 def _run_row(conn: Connection, run_id: str, wait_for_lock: bool = True) -> Any:
     postgres = is_postgres(conn.engine)
     query = _run_row_statement(postgres, skip_locked=postgres and not wait_for_lock)
-    return conn.execute(query, {"b_run": run_id}).one_or_none()
+    row = conn.execute(query, {"b_run": run_id}).one_or_none()
+    if row is not None and postgres and row.snapshot_version != row.record_version:
+        # This statement waited for the run's lock while another tick committed the run.
+        # Under READ COMMITTED the locked row is re-read as that tick left it, but the
+        # subqueries (results, timer, inbox flags) keep the snapshot from before it: results
+        # it folded, a timer it moved. Read again: we hold the lock now, so no other tick
+        # can commit the run in between, and the new statement's snapshot is fresh.
+        row = conn.execute(query, {"b_run": run_id}).one_or_none()
+    return row
 
 
 @functools.cache
@@ -160,6 +168,7 @@ def _run_row_statement(postgres: bool, skip_locked: bool) -> Any:
     the database clock, its timer, and whether each inbox holds anything."""
     run_id = sa.bindparam("b_run", type_=sa.String)
     now_col = sa.func.now() if postgres else sa.literal(None)
+    other = workflow_run.alias("snapshot")
     query = sa.select(
         workflow_run.c.run_id,
         workflow_run.c.workflow_id,
@@ -170,6 +179,13 @@ def _run_row_statement(postgres: bool, skip_locked: bool) -> Any:
         workflow_run.c.input,
         workflow_run.c.parent_run_id,
         now_col.label("now"),
+        # The version as the statement's snapshot saw it (a subquery is never re-read after
+        # waiting for a lock, the locked row is): differs from record_version exactly when
+        # this read waited for another tick's commit (``_run_row``).
+        sa.select(other.c.record_version)
+        .where(other.c.run_id == run_id)
+        .scalar_subquery()
+        .label("snapshot_version"),
         sa.select(workflow_timer.c.fire_at)
         .where(workflow_timer.c.run_id == run_id)
         .scalar_subquery()
