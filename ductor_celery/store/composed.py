@@ -21,8 +21,9 @@ from ..engine.state import ScatterState
 from .schema import step_attempt, workflow_run
 
 
-class _OutputCache:
-    """Outputs are immutable once written, so each process keeps the recent ones."""
+class ImmutableCache:
+    """Values that never change once written (attempt outputs, finished gathers, run inputs):
+    each process keeps the recent ones, least recently used out first."""
 
     def __init__(self, size: int = 4096) -> None:
         self._data: OrderedDict[str, Any] = OrderedDict()
@@ -46,7 +47,7 @@ class _OutputCache:
             self._data.popitem(last=False)
 
 
-outputs_cache = _OutputCache()
+outputs_cache = ImmutableCache()
 
 
 def gather_any(conn: Connection, spec: WorkflowSpec, node: str, sc: ScatterState) -> list[Any]:

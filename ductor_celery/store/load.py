@@ -7,6 +7,7 @@ anything, so a redundant wake-up costs one indexed read and no more.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -31,7 +32,7 @@ from ..engine import (
 from ..engine.advance import slots
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..engine.tick import ACTIVE, read_nodes
-from .composed import child_output, children_of, gather_any, outputs_cache
+from .composed import ImmutableCache, child_output, children_of, gather_any, outputs_cache
 from .db import aware, is_postgres
 from .leases import holds_lease
 from .schema import (
@@ -41,6 +42,18 @@ from .schema import (
     workflow_signal,
     workflow_timer,
 )
+
+#: Run inputs by database and run id: an input never changes once its run is inserted
+#: (nothing updates ``eec_workflow_run.input``; a new input means a new run). Few entries per
+#: database: one can be large.
+_inputs_caches: weakref.WeakKeyDictionary[Engine, ImmutableCache] = weakref.WeakKeyDictionary()
+
+
+def _inputs_cache(engine: Engine) -> ImmutableCache:
+    cache = _inputs_caches.get(engine)
+    if cache is None:
+        cache = _inputs_caches.setdefault(engine, ImmutableCache(size=64))
+    return cache
 
 
 @dataclass(slots=True)
@@ -96,7 +109,9 @@ def load_on(
     ``spec_for`` gets the connection too: a definition missing from the process cache is read
     on it, never on a second connection (on SQLite that one would wait for this one's lock).
     """
-    row = _run_row(conn, run_id, wait_for_lock)
+    input_cache = _inputs_cache(conn.engine)
+    cached, _ = input_cache.get_many([run_id])
+    row = _run_row(conn, run_id, wait_for_lock, with_input=run_id not in cached)
     if row is None:
         if not wait_for_lock and _run_exists(conn, run_id):
             raise RunBusy(run_id)
@@ -125,7 +140,7 @@ def load_on(
         return loaded, spec, TickInputs(run_id=run_id, results=results, config=config)
     inputs = TickInputs(
         run_id=run_id,
-        input=row.input,
+        input=cached[run_id] if run_id in cached else _remember(input_cache, run_id, row.input),
         results=results,
         checks=_checks(conn, state, now),
         outputs=_outputs_for(conn, spec, state),
@@ -148,9 +163,16 @@ def _run_exists(conn: Connection, run_id: str) -> bool:
     return found.first() is not None
 
 
-def _run_row(conn: Connection, run_id: str, wait_for_lock: bool = True) -> Any:
+def _remember(cache: ImmutableCache, key: str, value: Any) -> Any:
+    cache.put(key, value)
+    return value
+
+
+def _run_row(
+    conn: Connection, run_id: str, wait_for_lock: bool = True, *, with_input: bool = True
+) -> Any:
     postgres = is_postgres(conn.engine)
-    query = _run_row_statement(postgres, skip_locked=postgres and not wait_for_lock)
+    query = _run_row_statement(postgres, postgres and not wait_for_lock, with_input)
     row = conn.execute(query, {"b_run": run_id}).one_or_none()
     if row is not None and postgres and row.snapshot_version != row.record_version:
         # This statement waited for the run's lock while another tick committed the run.
@@ -163,9 +185,14 @@ def _run_row(conn: Connection, run_id: str, wait_for_lock: bool = True) -> Any:
 
 
 @functools.cache
-def _run_row_statement(postgres: bool, skip_locked: bool) -> Any:
+def _run_row_statement(postgres: bool, skip_locked: bool, with_input: bool) -> Any:
     """The tick's first read (bind parameter ``b_run``), built once per process: the run row,
-    the database clock, its timer, and whether each inbox holds anything."""
+    the database clock, its timer, and whether each inbox holds anything.
+
+    The run's input only ``with_input``: it never changes after the run is inserted, so each
+    process keeps the recent ones (``_inputs_cache``). A scatter's item list can be most of a
+    megabyte; read and decoded by every tick of the run, it made a 10,000-item scatter cost
+    quadratic time."""
     run_id = sa.bindparam("b_run", type_=sa.String)
     now_col = sa.func.now() if postgres else sa.literal(None)
     other = workflow_run.alias("snapshot")
@@ -176,7 +203,7 @@ def _run_row_statement(postgres: bool, skip_locked: bool) -> Any:
         workflow_run.c.spec_hash,
         workflow_run.c.record_version,
         workflow_run.c.state,
-        workflow_run.c.input,
+        (workflow_run.c.input if with_input else sa.literal(None)).label("input"),
         workflow_run.c.parent_run_id,
         now_col.label("now"),
         # The version as the statement's snapshot saw it (a subquery is never re-read after

@@ -98,6 +98,8 @@ workflow_run = sa.Table(
     ),
     sa.Column("status", sa.String(20), nullable=False),
     sa.Column("state", Json, nullable=False),
+    # Never updated after the insert (store/load.py caches it per process): a run with another
+    # input is another run (continue-as-new).
     sa.Column("input", Json, nullable=True),
     sa.Column("output", Json, nullable=True),
     sa.Column("error", Json, nullable=True),
