@@ -57,13 +57,15 @@ def test_eager_ticks_advance_a_chain_with_the_coordinator_gone(
     cluster = cluster_factory(E2E_EAGER="1")
     coordinator = cluster.start_coordinator()
     ductor = client_for(cluster)
+    cluster.start_steps(concurrency=1)
     handle = ductor.start("chain10", input={"value": 1})
     deadline = time.monotonic() + 30
-    while not cluster.attempts(handle.run_id):  # the start's tick committed the first attempt
+    # The first attempt claimed: the start's tick committed it *and* sent its message (killed
+    # between the two, the coordinator would leave the message to its own sweeper).
+    while not any(a.claimed_at for a in cluster.attempts(handle.run_id)):
         assert time.monotonic() < deadline, cluster.logs()
         time.sleep(0.05)
     coordinator.kill()
-    cluster.start_steps(concurrency=1)
     view = ductor.wait(handle.run_id, timeout=60)
     assert view.status == RunStatus.SUCCEEDED, cluster.logs()
     assert view.output == 1
