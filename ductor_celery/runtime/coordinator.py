@@ -25,7 +25,13 @@ from ..store import wakes
 from ..store.db import with_retry
 from ..store.load import RunBusy, load_on
 from ..store.outbox import OutboxRow
-from ..store.ticks import VersionConflict, WorkflowIdTaken, commit_on, reject_control
+from ..store.ticks import (
+    VersionConflict,
+    WorkflowIdTaken,
+    commit_on,
+    refresh_stale_timer,
+    reject_control,
+)
 from .outbox_janitor import sent_outbox
 
 if TYPE_CHECKING:
@@ -142,6 +148,8 @@ def _load_compute_commit(
             loaded, spec, inputs = loaded_all
             payload = compute_tick(spec, loaded.state, inputs, loaded.now)
             if not payload.changed:
+                # Nothing to commit; only a timer row that came due early is moved.
+                refresh_stale_timer(conn, loaded, payload.next_wake_at)
                 return "noop", payload, []
             rt.failpoint("before_commit")
             return "committed", payload, commit_on(conn, loaded, payload)
