@@ -55,9 +55,9 @@ DBNAME = "chaos"
 STEPS_QUEUE, COORD_QUEUE = "ductor-steps", "ductor-coord"
 #: Failpoints given to workers by index (a worker with none: None). Step workers reach
 #: before_commit and eager_after_commit_before_dispatch in their eager ticks; coordinators
-#: reach before_commit and after_commit_before_dispatch.
+#: reach after_commit_before_dispatch and mid_dispatch (some of a tick's messages sent).
 STEP_FAILPOINTS = ["eager_after_commit_before_dispatch", "before_commit", None]
-COORD_FAILPOINTS = ["after_commit_before_dispatch", "before_commit"]
+COORD_FAILPOINTS = ["after_commit_before_dispatch", "mid_dispatch"]
 
 log = logging.getLogger("chaos")
 

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from ..store.outbox import OutboxRow
+from .failpoints import failpoint
 
 log = logging.getLogger("ductor_celery.dispatch")
 
@@ -24,7 +25,11 @@ class Dispatcher:
         if not rows:
             return
         with self.app.producer_or_acquire() as producer:
-            for row in rows:
+            for sent, row in enumerate(rows):
+                if sent:
+                    # Fault tests: die with part of a tick's messages sent (the sweeper sends
+                    # the rest from the outbox).
+                    failpoint("mid_dispatch")
                 if row.kind == "step":
                     token = row.payload["token"]
                     self.app.send_task(

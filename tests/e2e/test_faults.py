@@ -85,6 +85,30 @@ def test_coordinator_killed_between_commit_and_dispatch_loses_nothing(
     assert all(a.outcome == "succeeded" for a in cluster.attempts(handle.run_id))
 
 
+def test_coordinator_killed_between_two_sends_of_one_tick_loses_nothing(
+    cluster_factory: Any, client_for: Any, tmp_path: Path
+) -> None:
+    """The fan-out after ``start`` is one tick sending two step messages; the coordinator dies
+    after the first (failpoint ``mid_dispatch``). The second is still an outbox row, which the
+    next coordinator's sweeper sends; the one sent is not sent twice to any effect."""
+    fired = tmp_path / "failpoint-fired"
+    cluster = cluster_factory(E2E_EAGER="0")  # the fan-out tick runs on the coordinator
+    cluster.start_steps(concurrency=2)
+    doomed = cluster.start_coordinator(
+        name="doomed", DUCTOR_FAILPOINT="mid_dispatch", DUCTOR_FAILPOINT_MARKER=str(fired)
+    )
+    ductor = client_for(cluster)
+    handle = ductor.start("diamond", input={"x": 1})
+    _wait_for_file(fired)
+    doomed.kill()
+    cluster.start_coordinator(name="coord-again")
+    view = ductor.wait(handle.run_id, timeout=60)
+    assert view.status == RunStatus.SUCCEEDED, cluster.logs()
+    for node in ("start", "left", "right", "join"):
+        assert cluster.executions(handle.run_id, node) == 1, node
+    assert view.nodes["extra"].status == "skipped"
+
+
 def test_a_lost_step_message_is_resent_with_the_same_token(
     cluster_factory: Any, client_for: Any
 ) -> None:
