@@ -51,7 +51,7 @@ def check_json(value: Any, what: str, limit: int) -> JsonCheck:
     try:
         return _check(value, what, limit)
     except Exception as exc:  # noqa: BLE001 - total: a user's dict subclass may raise anything
-        return JsonCheck(None, _storable(f"{what} is not JSON-serializable: {_describe(exc)}"))
+        return JsonCheck(None, storable_text(f"{what} is not JSON-serializable: {_describe(exc)}"))
 
 
 def refusal(value: Any, what: str, limit: int) -> tuple[Any, dict[str, Any] | None]:
@@ -114,7 +114,7 @@ def _refused(value: Any, what: str, exc: Exception | None) -> JsonCheck:
     so it may walk the whole value)."""
     found = _first_problem(value)
     detail = found if found is not None else _describe(exc) if exc else "cannot be stored"
-    return JsonCheck(None, _storable(f"{what} is not JSON-serializable: {detail}"))
+    return JsonCheck(None, storable_text(f"{what} is not JSON-serializable: {detail}"))
 
 
 def _first_problem(value: Any) -> str | None:
@@ -189,6 +189,8 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
-def _storable(message: str) -> str:
-    """The message itself must be storable: an exception's text may hold NUL or surrogates."""
+def storable_text(message: str) -> str:
+    """Text both databases accept: NUL and lone surrogates escaped. An exception's message, a
+    traceback or a driver's error can carry either, and a refused error would leave the
+    attempt (or the node) it belongs to without one."""
     return message.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..definition.retry import ConcurrencyLimit, RetryPolicy
 from ..definition.spec import BATCH_ARG
-from ..engine.payloads import json_problem
+from ..engine.payloads import json_problem, storable_text
 from ..errors import NonRetryableError
 from ..store import attempts, wakes
 from ..store.db import ValuesRefused, with_retry
@@ -164,18 +164,12 @@ def _guarded(make: Callable[[], str], fallback: str) -> str:
         return fallback
 
 
-def _storable(text: str) -> str:
-    """Text PostgreSQL's jsonb accepts: no NUL, no lone surrogate. An exception's message or a
-    traceback can carry either, and a refused error would leave the attempt open."""
-    return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def _error_of(exc: BaseException) -> dict[str, str]:
     """The stored error of a raised exception; building it cannot fail."""
-    name = _guarded(lambda: _storable(str(type(exc).__qualname__))[:200], "BaseException")
-    message = _guarded(lambda: _storable(str(exc)[:_MESSAGE_CHARS]), f"<unprintable {name}>")
+    name = _guarded(lambda: storable_text(str(type(exc).__qualname__))[:200], "BaseException")
+    message = _guarded(lambda: storable_text(str(exc)[:_MESSAGE_CHARS]), f"<unprintable {name}>")
     trace = _guarded(
-        lambda: _storable(
+        lambda: storable_text(
             "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[
                 -_TRACEBACK_CHARS:
             ]
@@ -198,7 +192,7 @@ def _describe(exc: BaseException) -> str:
     """``Type: message`` on one line, short and storable, even when ``__str__`` raises."""
     name = _guarded(lambda: type(exc).__name__, "BaseException")
     text = _guarded(lambda: " ".join(str(exc).split()), "<unprintable>")
-    return _storable(f"{name}: {text}" if text else name)[:_CAUSE_CHARS]
+    return storable_text(f"{name}: {text}" if text else name)[:_CAUSE_CHARS]
 
 
 # -- heartbeats ---------------------------------------------------------------------------------
@@ -254,7 +248,7 @@ class _Outcome:
 
 def _invalid(problem: str) -> _Outcome:
     """Failed without retry: the same step would return the same unstorable value again."""
-    error = {"type": "InvalidResult", "message": _storable(problem)}
+    error = {"type": "InvalidResult", "message": storable_text(problem)}
     return _Outcome("failed", error=error, retryable=False)
 
 
@@ -398,8 +392,7 @@ def _record_and_advance(
         if tick in ("committed", "noop", "missing"):
             return result.outcome
         if tick == "busy":  # the outcome is committed; the coordinator folds it
-            if _wake_needed(engine, run_id):
-                rt.wake(run_id)
+            _wake_coordinator(rt, engine, run_id)
             return result.outcome
     outcome = _record(rt, engine, step, token, result)
     _advance_run(rt, engine, run_id)
@@ -432,6 +425,12 @@ def _advance_run(rt: Runtime, engine: Any, run_id: str) -> None:
                 return
         except Exception as exc:  # noqa: BLE001 - the coordinator can always do it instead
             log.warning("eager tick of run %s failed (%s); waking the coordinator", run_id, exc)
+    _wake_coordinator(rt, engine, run_id)
+
+
+def _wake_coordinator(rt: Runtime, engine: Any, run_id: str) -> None:
+    """Coalesced: when a wake-up of the run is already queued, its tick will see the outcome
+    and no message is sent."""
     if _wake_needed(engine, run_id):
         rt.wake(run_id)
 

@@ -74,15 +74,7 @@ def claim(
         return _claim_postgres(engine, token, worker, step)
     claim_stmt = (
         sa.update(step_attempt)
-        .where(
-            step_attempt.c.token == token,
-            # Our own claim again: the first try committed but its answer was lost.
-            sa.or_(step_attempt.c.claimed_at.is_(None), step_attempt.c.claimed_by == worker),
-            step_attempt.c.finished_at.is_(None),
-            # An attempt under a concurrency limit runs only while it holds a lease slot; a
-            # message for one still waiting is dropped (the release that grants it re-sends).
-            sa.or_(step_attempt.c.lease_key.is_(None), holds_lease()),
-        )
+        .where(*_claimable(token, worker))
         .values(claimed_at=_now(engine), claimed_by=worker)
     )
     if step is not None:
@@ -108,6 +100,19 @@ def claim(
             else None
         )
     return _claimed(token, step, row, run, attempt_step)
+
+
+def _claimable(token: Any, worker: Any) -> tuple[Any, ...]:
+    """The claim's conditions, the same on both databases (values or bind parameters)."""
+    return (
+        step_attempt.c.token == token,
+        # Our own claim again: the first try committed but its answer was lost.
+        sa.or_(step_attempt.c.claimed_at.is_(None), step_attempt.c.claimed_by == worker),
+        step_attempt.c.finished_at.is_(None),
+        # An attempt under a concurrency limit runs only while it holds a lease slot; a
+        # message for one still waiting is dropped (the release that grants it re-sends).
+        sa.or_(step_attempt.c.lease_key.is_(None), holds_lease()),
+    )
 
 
 def _claimed(
@@ -146,16 +151,7 @@ def _pg_claim_statement(check_step: bool) -> Any:
     worker = sa.bindparam("b_worker", type_=sa.String)
     update = (
         sa.update(step_attempt)
-        .where(
-            step_attempt.c.token == token,
-            # Our own claim again: the first try committed but its answer was lost.
-            sa.or_(step_attempt.c.claimed_at.is_(None), step_attempt.c.claimed_by == worker),
-            step_attempt.c.finished_at.is_(None),
-            # An attempt under a concurrency limit runs only while it holds a lease slot; a
-            # message for one still waiting is dropped (the release that grants it re-sends).
-            sa.or_(step_attempt.c.lease_key.is_(None), holds_lease()),
-            workflow_run.c.run_id == step_attempt.c.run_id,
-        )
+        .where(*_claimable(token, worker), workflow_run.c.run_id == step_attempt.c.run_id)
         .values(claimed_at=sa.func.now(), claimed_by=worker)
     )
     if check_step:

@@ -20,6 +20,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError, StatementError
 
+from ..engine.payloads import storable_text
 from ..errors import StoreUnavailable
 from .schema import dumps_json
 
@@ -61,9 +62,7 @@ def _one_line_cause(exc: StatementError) -> str:
     except Exception:  # noqa: BLE001 - a driver message that cannot be printed
         text = "<unprintable>"
     line = f"{type(orig).__name__}: {text}" if text else type(orig).__name__
-    # The cause is stored in an error: it must itself be text the database accepts.
-    line = line.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
-    return line[:500]
+    return storable_text(line)[:500]  # it is stored in an error
 
 
 def autocommit(engine: Engine) -> Any:
