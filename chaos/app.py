@@ -221,8 +221,9 @@ def item(ctx: StepContext, item: dict[str, Any]) -> dict[str, Any]:
             return RuntimeError(f"item {item.get('i')} flaked")
         return None
 
-    return execute(ctx, "chaos.item", lambda: int(item.get("i", 0)) * 2, ms=item.get("ms", 10),
-                   fail=fail)
+    return execute(
+        ctx, "chaos.item", lambda: int(item.get("i", 0)) * 2, ms=item.get("ms", 10), fail=fail
+    )
 
 
 @ductor.step(
@@ -317,11 +318,14 @@ parent.scatter(
 )
 parent.subworkflow("full", workflow="chaos_child", input={"id": "$.input.id"})
 parent.step(
-    "fin", join, after=["use", "kids", "full"],
+    "fin",
+    join,
+    after=["use", "kids", "full"],
     args={"use": "$.nodes.use.output", "full": "$.nodes.full.output.n"},
 )
-parent.output({"fin": "$.nodes.fin.output", "kids": "$.nodes.kids.output",
-               "full": "$.nodes.full.output"})
+parent.output(
+    {"fin": "$.nodes.fin.output", "kids": "$.nodes.kids.output", "full": "$.nodes.full.output"}
+)
 ductor.register(parent)
 
 # Signals consumed in order by a chain of waits, an event set (2 of 3, times out into
@@ -331,14 +335,19 @@ signals.step("prep", work, args={"x": 1})
 signals.wait_signal("w0", signal="tick", after=["prep"], timeout=600)
 signals.wait_signal("w1", signal="tick", after=["w0"], timeout=600)
 signals.wait_signal("w2", signal="tick", after=["w1"], timeout=600)
-signals.event_set("ev", events=["a", "b", "c"], mode=2, after=["prep"], timeout=8,
-                  on_timeout="continue")
+signals.event_set(
+    "ev", events=["a", "b", "c"], mode=2, after=["prep"], timeout=8, on_timeout="continue"
+)
 signals.approval("ok", after=["w2"], timeout=600, on_reject="continue")
 signals.sleep("nap", seconds=1.5, after=["ok"])
 signals.step("fin", work, after=["nap", "ev"], args={"x": "$.nodes.w2.output.seq"})
-signals.output({"fin": "$.nodes.fin.output", "ticks": ["$.nodes.w0.output", "$.nodes.w1.output",
-                                                       "$.nodes.w2.output"],
-                "ok": "$.nodes.ok.output"})
+signals.output(
+    {
+        "fin": "$.nodes.fin.output",
+        "ticks": ["$.nodes.w0.output", "$.nodes.w1.output", "$.nodes.w2.output"],
+        "ok": "$.nodes.ok.output",
+    }
+)
 ductor.register(signals)
 
 # Concurrency-limited steps: three parallel nodes on one customer key (limit 2 across runs).
@@ -346,8 +355,12 @@ lim = Workflow("chaos_limited")
 lim.step("p", limited, args={"customer": "$.input.customer"})
 lim.step("q", limited, args={"customer": "$.input.customer"})
 lim.step("r", limited, args={"customer": "$.input.customer"})
-lim.step("j", join, after=["p", "q", "r"],
-         args={"p": "$.nodes.p.output", "q": "$.nodes.q.output", "r": "$.nodes.r.output"})
+lim.step(
+    "j",
+    join,
+    after=["p", "q", "r"],
+    args={"p": "$.nodes.p.output", "q": "$.nodes.q.output", "r": "$.nodes.r.output"},
+)
 lim.output("$.nodes.j.output")
 ductor.register(lim)
 
@@ -356,8 +369,9 @@ LONG = 16
 long_chain = Workflow("chaos_long")
 long_chain.step("s0", work, args={"x": "$.input.x", "ms": 5})
 for _i in range(1, LONG):
-    long_chain.step(f"s{_i}", work, after=[f"s{_i - 1}"],
-                    args={"x": f"$.nodes.s{_i - 1}.output", "ms": 5})
+    long_chain.step(
+        f"s{_i}", work, after=[f"s{_i - 1}"], args={"x": f"$.nodes.s{_i - 1}.output", "ms": 5}
+    )
 long_chain.output(f"$.nodes.s{LONG - 1}.output")
 ductor.register(long_chain)
 
@@ -373,6 +387,13 @@ race.output("$.nodes.b.output")
 ductor.register(race)
 
 WORKFLOWS = [
-    "chaos_dag", "chaos_failing", "chaos_scatter", "chaos_batched", "chaos_parent",
-    "chaos_signals", "chaos_limited", "chaos_long", "chaos_race",
+    "chaos_dag",
+    "chaos_failing",
+    "chaos_scatter",
+    "chaos_batched",
+    "chaos_parent",
+    "chaos_signals",
+    "chaos_limited",
+    "chaos_long",
+    "chaos_race",
 ]

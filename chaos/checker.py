@@ -128,9 +128,12 @@ class Violation:
             "run_id": self.run_id,
             "invariant": self.invariant,
             "message": self.message,
-            "rows": [_jsonable(r) if not isinstance(r, dict) else
-                     {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in r.items()}
-                     for r in self.rows[:MAX_ROWS_SHOWN]],
+            "rows": [
+                _jsonable(r)
+                if not isinstance(r, dict)
+                else {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in r.items()}
+                for r in self.rows[:MAX_ROWS_SHOWN]
+            ],
         }
 
 
@@ -181,8 +184,9 @@ class Checker:
             self.transitions[r["run_id"]].append(r)
         self.signals = self._all("SELECT * FROM eec_workflow_signal ORDER BY id")
         self.controls = self._all("SELECT * FROM eec_workflow_control ORDER BY id")
-        self.outbox = self._all("SELECT id, run_id, kind, task, payload, created_at "
-                                "FROM eec_workflow_outbox")
+        self.outbox = self._all(
+            "SELECT id, run_id, kind, task, payload, created_at FROM eec_workflow_outbox"
+        )
         self.timers = self._all("SELECT * FROM eec_workflow_timer")
         self.leases = self._all("SELECT * FROM eec_concurrency_lease")
         self.wakes = self._all("SELECT * FROM eec_workflow_wake")
@@ -203,8 +207,9 @@ class Checker:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def fail(self, run_id: str | None, invariant: str, message: str,
-             rows: Iterable[Any] = ()) -> None:
+    def fail(
+        self, run_id: str | None, invariant: str, message: str, rows: Iterable[Any] = ()
+    ) -> None:
         self.violations.append(Violation(run_id, invariant, message, list(rows)))
 
     def spec_nodes(self, run: Any) -> dict[str, dict[str, Any]]:
@@ -239,7 +244,8 @@ class Checker:
             1
             for rid in run_ids
             for tr in self.transitions.get(rid, ())
-            if tr["node"] == node and tr["to_status"] == "pending"
+            if tr["node"] == node
+            and tr["to_status"] == "pending"
             and tr["from_status"] in ("failed", "cancelled")
         )
 
@@ -269,22 +275,44 @@ class Checker:
             if run["status"] not in TERMINAL:
                 timer = next((t for t in self.timers if t["run_id"] == rid), None)
                 due = sorted(
-                    v.get(k) for v in state.get("nodes", {}).values()
-                    for k in ("deadline", "check_at", "retry_at") if v.get(k)
+                    v.get(k)
+                    for v in state.get("nodes", {}).values()
+                    for k in ("deadline", "check_at", "retry_at")
+                    if v.get(k)
                 )
                 why = ""
                 if due and timer is None:
                     why = f" (its next time is {due[0]} but it has no timer row: nothing wakes it)"
-                self.fail(rid, "terminal", f"run is {run['status']} at the end{why}", [
-                    {"run_id": rid, "workflow": run["workflow"], "workflow_id": run["workflow_id"],
-                     "status": run["status"], "timer": timer["fire_at"] if timer else None,
-                     "nodes": {k: v.get("status") for k, v in state.get("nodes", {}).items()}}])
+                self.fail(
+                    rid,
+                    "terminal",
+                    f"run is {run['status']} at the end{why}",
+                    [
+                        {
+                            "run_id": rid,
+                            "workflow": run["workflow"],
+                            "workflow_id": run["workflow_id"],
+                            "status": run["status"],
+                            "timer": timer["fire_at"] if timer else None,
+                            "nodes": {
+                                k: v.get("status") for k, v in state.get("nodes", {}).items()
+                            },
+                        }
+                    ],
+                )
             if state.get("status") != run["status"]:
-                self.fail(rid, "state", f"status column {run['status']} but state says "
-                          f"{state.get('status')}")
+                self.fail(
+                    rid,
+                    "state",
+                    f"status column {run['status']} but state says {state.get('status')}",
+                )
             if int(state.get("transitions", 0)) != run["transition_count"]:
-                self.fail(rid, "state", "transition_count differs from the state's count",
-                          [{"column": run["transition_count"], "state": state.get("transitions")}])
+                self.fail(
+                    rid,
+                    "state",
+                    "transition_count differs from the state's count",
+                    [{"column": run["transition_count"], "state": state.get("transitions")}],
+                )
             self.check_log(run)
             self.check_nodes(run)
             self.check_context(run)
@@ -299,9 +327,11 @@ class Checker:
             missing = sorted(set(range(max(seqs, default=-1) + 1)) - set(seqs))
             self.fail(rid, "log_contiguous", f"seq not contiguous (missing {missing[:10]})")
         if len(seqs) != run["transition_count"]:
-            self.fail(rid, "log_contiguous",
-                      f"{len(seqs)} transition rows but transition_count "
-                      f"{run['transition_count']}")
+            self.fail(
+                rid,
+                "log_contiguous",
+                f"{len(seqs)} transition rows but transition_count {run['transition_count']}",
+            )
         nodes = self.spec_nodes(run)
         successor = bool(run["continued_from"])
         current: dict[str, str] = {}
@@ -310,9 +340,12 @@ class Checker:
             node, frm, to = tr["node"], tr["from_status"], tr["to_status"]
             if node is None:
                 if frm != run_status:
-                    self.fail(rid, "log_replay",
-                              f"run transition seq {tr['seq']} leaves {frm}, run was {run_status}",
-                              [tr])
+                    self.fail(
+                        rid,
+                        "log_replay",
+                        f"run transition seq {tr['seq']} leaves {frm}, run was {run_status}",
+                        [tr],
+                    )
                 run_status = to
                 continue
             if node not in nodes:
@@ -321,14 +354,18 @@ class Checker:
             if node not in current:
                 current[node] = frm if successor else "pending"
             if frm != current[node]:
-                self.fail(rid, "log_replay",
-                          f"{node}: seq {tr['seq']} leaves {frm} but the node was "
-                          f"{current[node]}", [tr])
-            if frm != to and to not in NODE_MOVES.get(frm or "", set()) and not (
-                to == "pending" and frm in ("failed", "cancelled")
+                self.fail(
+                    rid,
+                    "log_replay",
+                    f"{node}: seq {tr['seq']} leaves {frm} but the node was {current[node]}",
+                    [tr],
+                )
+            if (
+                frm != to
+                and to not in NODE_MOVES.get(frm or "", set())
+                and not (to == "pending" and frm in ("failed", "cancelled"))
             ):
-                self.fail(rid, "log_replay", f"{node}: {frm} -> {to} is not an allowed move",
-                          [tr])
+                self.fail(rid, "log_replay", f"{node}: {frm} -> {to} is not an allowed move", [tr])
             current[node] = to
         state_nodes = (run["state"] or {}).get("nodes", {})
         for node_id in nodes:
@@ -336,14 +373,21 @@ class Checker:
             replayed = current.get(node_id)
             if replayed is None:
                 if not successor and stored != "pending":
-                    self.fail(rid, "log_replay",
-                              f"{node_id} is {stored} but the log never moved it")
+                    self.fail(
+                        rid, "log_replay", f"{node_id} is {stored} but the log never moved it"
+                    )
             elif replayed != stored:
-                self.fail(rid, "log_replay",
-                          f"{node_id}: the log ends at {replayed}, the state says {stored}")
+                self.fail(
+                    rid,
+                    "log_replay",
+                    f"{node_id}: the log ends at {replayed}, the state says {stored}",
+                )
         if run_status != run["status"]:
-            self.fail(rid, "log_replay",
-                      f"run: the log ends at {run_status}, the row says {run['status']}")
+            self.fail(
+                rid,
+                "log_replay",
+                f"run: the log ends at {run_status}, the row says {run['status']}",
+            )
 
     def _succeeded_count_ok(self, rid: str, node: str) -> None:
         life = 0
@@ -355,8 +399,7 @@ class Checker:
             elif tr["to_status"] == "succeeded" and tr["from_status"] != "succeeded":
                 life += 1
                 if life > 1:
-                    self.fail(rid, "applied_once",
-                              f"{node} succeeded twice in one life", [tr])
+                    self.fail(rid, "applied_once", f"{node} succeeded twice in one life", [tr])
 
     def check_nodes(self, run: Any) -> None:
         rid = run["run_id"]
@@ -397,61 +440,92 @@ class Checker:
         token = ns.get("output_token")
         attempt = self.attempts.get(token) if token else None
         if attempt is None:
-            self.fail(rid, "no_lost_step", f"{node} succeeded without an attempt row ({token})",
-                      [ns])
+            self.fail(
+                rid, "no_lost_step", f"{node} succeeded without an attempt row ({token})", [ns]
+            )
             return
         if attempt["outcome"] != "succeeded" or attempt["node"] != node:
-            self.fail(rid, "no_stale_accepted",
-                      f"{node} accepted token {token} whose outcome is {attempt['outcome']}",
-                      [attempt])
+            self.fail(
+                rid,
+                "no_stale_accepted",
+                f"{node} accepted token {token} whose outcome is {attempt['outcome']}",
+                [attempt],
+            )
         execs = [e for e in self.ledger_by_token.get(token, []) if e["ok"]]
         if len(execs) != 1:
-            self.fail(rid, "no_lost_step",
-                      f"{node}: {len(execs)} successful ledger executions of its final token "
-                      f"{token}", [attempt, *execs])
+            self.fail(
+                rid,
+                "no_lost_step",
+                f"{node}: {len(execs)} successful ledger executions of its final token {token}",
+                [attempt, *execs],
+            )
         elif canon(execs[0]["result"]) != canon(attempt["output"]):
-            self.fail(rid, "no_lost_step",
-                      f"{node}: the accepted output is not what its execution returned",
-                      [attempt, execs[0]])
+            self.fail(
+                rid,
+                "no_lost_step",
+                f"{node}: the accepted output is not what its execution returned",
+                [attempt, execs[0]],
+            )
         siblings = self.attempts_by_node.get((attempt["run_id"], node), [])
         newest = max((a["generation"] for a in siblings), default=attempt["generation"])
         if attempt["generation"] != newest:
             newer = [a for a in siblings if a["generation"] > attempt["generation"]]
-            self.fail(rid, "no_stale_accepted",
-                      f"{node} accepted generation {attempt['generation']} while generation "
-                      f"{newest} exists", [attempt, *newer])
+            self.fail(
+                rid,
+                "no_stale_accepted",
+                f"{node} accepted generation {attempt['generation']} while generation "
+                f"{newest} exists",
+                [attempt, *newer],
+            )
         if token in stale:
             # Not a stale result accepted (the state is right) but one result folded twice: a
             # later tick was handed the already-folded result again and logged it as stale.
-            self.fail(rid, "applied_once",
-                      f"{node}: the result of {token} was folded twice (applied, then ignored "
-                      "as stale by a later tick)", [attempt, *self._stale_rows(rid, token)])
+            self.fail(
+                rid,
+                "applied_once",
+                f"{node}: the result of {token} was folded twice (applied, then ignored "
+                "as stale by a later tick)",
+                [attempt, *self._stale_rows(rid, token)],
+            )
 
     def _stale_rows(self, rid: str, token: str) -> list[Any]:
-        return [tr for tr in self.transitions.get(rid, [])
-                if (m := STALE.search(tr["reason"] or "")) and m.group("token") == token]
+        return [
+            tr
+            for tr in self.transitions.get(rid, [])
+            if (m := STALE.search(tr["reason"] or "")) and m.group("token") == token
+        ]
 
     def _branch_attempts(self, run_id: str, node: str, branch: int, base: int) -> list[Any]:
         return [
-            a for a in self.attempts_by_node.get((run_id, node), [])
+            a
+            for a in self.attempts_by_node.get((run_id, node), [])
             if a["branch"] == branch and a["generation"] > base
         ]
 
-    def check_gather(self, rid: str, node: str, spec: dict[str, Any], ns: dict[str, Any],
-                     output: Any) -> None:
+    def check_gather(
+        self, rid: str, node: str, spec: dict[str, Any], ns: dict[str, Any], output: Any
+    ) -> None:
         sc = ns.get("scatter") or {}
         total, batch = int(sc.get("total", 0)), int(sc.get("batch", 1))
         base, owner = int(sc.get("base", 0)), sc.get("run", rid)
         if not isinstance(output, list) or len(output) != total:
-            self.fail(rid, "no_lost_step", f"{node}: gathered {type(output).__name__} of "
-                      f"{len(output) if isinstance(output, list) else '?'} for {total} items")
+            self.fail(
+                rid,
+                "no_lost_step",
+                f"{node}: gathered {type(output).__name__} of "
+                f"{len(output) if isinstance(output, list) else '?'} for {total} items",
+            )
             return
         values = [v for v in output if not (isinstance(v, dict) and set(v) == {"error"})]
         succeeded, failed = int(sc.get("succeeded", 0)), int(sc.get("failed", 0))
         if succeeded + failed != total or len(values) != succeeded:
-            self.fail(rid, "applied_once",
-                      f"{node}: counters say {succeeded} succeeded + {failed} failed of {total}, "
-                      f"the gathered list holds {len(values)} values", [sc])
+            self.fail(
+                rid,
+                "applied_once",
+                f"{node}: counters say {succeeded} succeeded + {failed} failed of {total}, "
+                f"the gathered list holds {len(values)} values",
+                [sc],
+            )
         for tr in self.transitions.get(rid, []):
             m = GATHERED.search(tr["reason"] or "") if tr["node"] == node else None
             if m and int(m.group("s")) + int(m.group("f")) != int(m.group("n")):
@@ -464,28 +538,45 @@ class Checker:
                 last = mine[-1] if mine else None
                 if is_error:
                     if last is not None and last["outcome"] == "succeeded" and i not in errors:
-                        self.fail(rid, "no_lost_step",
-                                  f"{node}[{i}]: gathered as an error but its last attempt "
-                                  "succeeded", [last])
+                        self.fail(
+                            rid,
+                            "no_lost_step",
+                            f"{node}[{i}]: gathered as an error but its last attempt succeeded",
+                            [last],
+                        )
                     continue
                 if last is None or not is_step_value(value):
-                    self.fail(rid, "no_lost_step", f"{node}[{i}]: value without an attempt",
-                              [{"value": value}])
+                    self.fail(
+                        rid,
+                        "no_lost_step",
+                        f"{node}[{i}]: value without an attempt",
+                        [{"value": value}],
+                    )
                     continue
                 ex = self.by_nonce.get(value["n"])
                 if ex is None or not ex["ok"] or canon(ex["result"]) != canon(value):
-                    self.fail(rid, "no_lost_step",
-                              f"{node}[{i}]: gathered value is not what an execution returned",
-                              [{"value": value}, *([ex] if ex else [])])
+                    self.fail(
+                        rid,
+                        "no_lost_step",
+                        f"{node}[{i}]: gathered value is not what an execution returned",
+                        [{"value": value}, *([ex] if ex else [])],
+                    )
                 elif ex["token"] != last["token"] or last["outcome"] != "succeeded":
-                    self.fail(rid, "no_stale_accepted",
-                              f"{node}[{i}]: gathered the result of {ex['token']}, the branch's "
-                              f"final attempt is {last['token']} ({last['outcome']})", [ex, last])
+                    self.fail(
+                        rid,
+                        "no_stale_accepted",
+                        f"{node}[{i}]: gathered the result of {ex['token']}, the branch's "
+                        f"final attempt is {last['token']} ({last['outcome']})",
+                        [ex, last],
+                    )
                 elif self._stale_rows(owner, last["token"]):
-                    self.fail(rid, "applied_once",
-                              f"{node}[{i}]: the result of {last['token']} was folded twice "
-                              "(counted, then ignored as stale by a later tick)",
-                              [last, *self._stale_rows(owner, last["token"])])
+                    self.fail(
+                        rid,
+                        "applied_once",
+                        f"{node}[{i}]: the result of {last['token']} was folded twice "
+                        "(counted, then ignored as stale by a later tick)",
+                        [last, *self._stale_rows(owner, last["token"])],
+                    )
                 elif ex["branch"] != i or ex["node"] != node:
                     self.fail(rid, "no_lost_step", f"{node}[{i}]: value of another branch", [ex])
             else:
@@ -494,13 +585,20 @@ class Checker:
                 tokens = {a["token"] for a in self._branch_attempts(owner, node, i // batch, base)}
                 ex = self.by_nonce.get(value["n"]) if is_step_value(value) else None
                 if ex is None or not ex["ok"] or canon(ex["result"]) != canon(value):
-                    self.fail(rid, "no_lost_step",
-                              f"{node}[{i}]: batched value is not what an execution returned",
-                              [{"value": value}, *([ex] if ex else [])])
+                    self.fail(
+                        rid,
+                        "no_lost_step",
+                        f"{node}[{i}]: batched value is not what an execution returned",
+                        [{"value": value}, *([ex] if ex else [])],
+                    )
                 elif ex["token"] not in tokens or ex["branch"] != i:
-                    self.fail(rid, "no_stale_accepted",
-                              f"{node}[{i}]: value from {ex['token']} item {ex['branch']}, not an "
-                              f"attempt of batch {i // batch}", [ex])
+                    self.fail(
+                        rid,
+                        "no_stale_accepted",
+                        f"{node}[{i}]: value from {ex['token']} item {ex['branch']}, not an "
+                        f"attempt of batch {i // batch}",
+                        [ex],
+                    )
 
     def _child_of(self, parent_ids: list[str], node: str, branch: int | None) -> list[Any]:
         found = []
@@ -511,7 +609,7 @@ class Checker:
             for child in self.children.get(pid, []):
                 if child["parent_node"] != node or child["continued_from"]:
                     continue
-                m = SUFFIX.match(child["workflow_id"][len(parent["workflow_id"]):])
+                m = SUFFIX.match(child["workflow_id"][len(parent["workflow_id"]) :])
                 if m is None:
                     continue
                 b = m.group("branch")
@@ -533,13 +631,17 @@ class Checker:
             if is_error:
                 continue
             if not any(canon(k["output"]) == canon(value) for k in done):
-                self.fail(rid, "no_lost_step",
-                          f"{node}[{i}]: gathered value is no succeeded child's output",
-                          [{"value": value}, *kids])
+                self.fail(
+                    rid,
+                    "no_lost_step",
+                    f"{node}[{i}]: gathered value is no succeeded child's output",
+                    [{"value": value}, *kids],
+                )
             self.check_provenance(rid, f"{node}[{i}]", value)
 
-    def check_subworkflow(self, rid: str, node: str, spec: dict[str, Any], ns: dict[str, Any],
-                          output: Any) -> None:
+    def check_subworkflow(
+        self, rid: str, node: str, spec: dict[str, Any], ns: dict[str, Any], output: Any
+    ) -> None:
         child = self.runs.get(ns.get("child_run") or "")
         if child is None:
             self.fail(rid, "no_lost_step", f"{node}: child run {ns.get('child_run')} is missing")
@@ -549,16 +651,23 @@ class Checker:
             keys = set(output) if isinstance(output, dict) else None
             final = set(((last or child)["state"] or {}).get("context", {}))
             if keys is None or not keys <= final:
-                self.fail(rid, "no_lost_step",
-                          f"{node}: checkpoint context is not part of the child's context",
-                          [{"output": output}])
+                self.fail(
+                    rid,
+                    "no_lost_step",
+                    f"{node}: checkpoint context is not part of the child's context",
+                    [{"output": output}],
+                )
             for key in keys or ():
                 self._check_patch_key(child["run_id"], key, strict=False)
         else:
             same = last is not None and canon(last["output"]) == canon(output)
             if last is None or last["status"] != "succeeded" or not same:
-                self.fail(rid, "no_lost_step", f"{node}: output differs from the child's",
-                          [{"output": output}, *([last] if last else [])])
+                self.fail(
+                    rid,
+                    "no_lost_step",
+                    f"{node}: output differs from the child's",
+                    [{"output": output}, *([last] if last else [])],
+                )
             self.check_provenance(rid, node, output)
 
     # -- context patches ----------------------------------------------------------------------
@@ -579,24 +688,32 @@ class Checker:
         node, branch, nonce = parsed
         ex = self.by_nonce.get(nonce)
         if ex is None or not ex["ok"] or ex["node"] != node or ex["branch"] != branch:
-            self.fail(rid, "applied_once", f"context key {key} matches no finished execution",
-                      [ex] if ex else [])
+            self.fail(
+                rid,
+                "applied_once",
+                f"context key {key} matches no finished execution",
+                [ex] if ex else [],
+            )
             return None
         # A context holds patches of its run and of the runs it continued from (carried); a
         # child's checkpoint context is read through the child's newest run.
         newest = self.newest(rid) if not strict else None
         if ex["run_id"] not in self.lineage(newest["run_id"] if newest else rid):
-            self.fail(rid, "applied_once", f"context key {key} comes from another run's execution",
-                      [ex])
+            self.fail(
+                rid, "applied_once", f"context key {key} comes from another run's execution", [ex]
+            )
         attempt = self.attempts.get(ex["token"])
         if attempt is None:
             self.fail(rid, "claimed_once", f"context key {key}: its execution has no attempt", [ex])
             return None
         batched = isinstance(attempt["args"], dict) and BATCH_ARG in attempt["args"]
         if strict and not batched and attempt["outcome"] != "succeeded":
-            self.fail(rid, "no_stale_accepted",
-                      f"context key {key}: patch applied from an attempt that is "
-                      f"{attempt['outcome']}", [ex, attempt])
+            self.fail(
+                rid,
+                "no_stale_accepted",
+                f"context key {key}: patch applied from an attempt that is {attempt['outcome']}",
+                [ex, attempt],
+            )
         return node, ex
 
     def check_context(self, run: Any) -> None:
@@ -616,22 +733,30 @@ class Checker:
         lineage = self.lineage(rid)
         for (node, branch), count in per.items():
             kind = nodes.get(node, {}).get("kind")
-            allowed = 1 if kind == "step" else 1 + self.resets(lineage, node) + self.restarts_in(
-                lineage[1:])
+            allowed = (
+                1
+                if kind == "step"
+                else 1 + self.resets(lineage, node) + self.restarts_in(lineage[1:])
+            )
             if count > allowed:
-                self.fail(rid, "applied_once",
-                          f"{count} patches of {node} branch {branch} in the context "
-                          f"(at most {allowed})",
-                          [{"key": k} for k in context if k.startswith(f"x:{node}:")])
+                self.fail(
+                    rid,
+                    "applied_once",
+                    f"{count} patches of {node} branch {branch} in the context (at most {allowed})",
+                    [{"key": k} for k in context if k.startswith(f"x:{node}:")],
+                )
         for node_id, ns in (state.get("nodes") or {}).items():
             if nodes.get(node_id, {}).get("kind") != "step" or ns.get("status") != "succeeded":
                 continue
             attempt = self.attempts.get(ns.get("output_token") or "")
             output = attempt["output"] if attempt else None
             if is_step_value(output) and output["n"] not in nonces:
-                self.fail(rid, "applied_once",
-                          f"{node_id} succeeded but its context patch is not in the context",
-                          [attempt])
+                self.fail(
+                    rid,
+                    "applied_once",
+                    f"{node_id} succeeded but its context patch is not in the context",
+                    [attempt],
+                )
 
     # -- provenance ---------------------------------------------------------------------------
 
@@ -642,9 +767,12 @@ class Checker:
             if is_step_value(v):
                 ex = self.by_nonce.get(v["n"])
                 if ex is None or not ex["ok"] or canon(ex["result"]) != canon(v):
-                    self.fail(rid, "provenance",
-                              f"{where}: step value {v['n']} is not what an execution returned",
-                              [{"value": v}, *([ex] if ex else [])])
+                    self.fail(
+                        rid,
+                        "provenance",
+                        f"{where}: step value {v['n']} is not what an execution returned",
+                        [{"value": v}, *([ex] if ex else [])],
+                    )
             elif isinstance(v, dict):
                 stack.extend(v.values())
             elif isinstance(v, list):
@@ -660,35 +788,58 @@ class Checker:
             if outcome == "succeeded" and not batched:
                 ok = [e for e in execs if e["ok"]]
                 if len(ok) != 1 or canon(ok[0]["result"]) != canon(a["output"]):
-                    self.fail(a["run_id"], "no_lost_step",
-                              f"attempt {token} succeeded but {len(ok)} executions returned "
-                              "its output", [a, *execs])
+                    self.fail(
+                        a["run_id"],
+                        "no_lost_step",
+                        f"attempt {token} succeeded but {len(ok)} executions returned its output",
+                        [a, *execs],
+                    )
             elif outcome == "succeeded" and batched:
                 spec = a["args"][BATCH_ARG]
                 first = int(spec.get("first", 0))
                 if not isinstance(a["output"], list):
                     self.fail(a["run_id"], "no_lost_step", f"batch {token} output not a list", [a])
                     continue
-                tokens = {b["token"] for b in self._branch_attempts(
-                    a["run_id"], a["node"], a["branch"], int(spec.get("base", 0)))}
+                tokens = {
+                    b["token"]
+                    for b in self._branch_attempts(
+                        a["run_id"], a["node"], a["branch"], int(spec.get("base", 0))
+                    )
+                }
                 for k, value in enumerate(a["output"]):
                     if value is None:
                         continue
                     ex = self.by_nonce.get(value["n"]) if is_step_value(value) else None
-                    if (ex is None or not ex["ok"] or canon(ex["result"]) != canon(value)
-                            or ex["token"] not in tokens or ex["branch"] != first + k):
-                        self.fail(a["run_id"], "no_lost_step",
-                                  f"batch {token} item {first + k}: value is not what an "
-                                  "execution of this batch returned", [a, *([ex] if ex else [])])
+                    if (
+                        ex is None
+                        or not ex["ok"]
+                        or canon(ex["result"]) != canon(value)
+                        or ex["token"] not in tokens
+                        or ex["branch"] != first + k
+                    ):
+                        self.fail(
+                            a["run_id"],
+                            "no_lost_step",
+                            f"batch {token} item {first + k}: value is not what an "
+                            "execution of this batch returned",
+                            [a, *([ex] if ex else [])],
+                        )
             elif outcome == "failed" and not batched:
                 error_type = (a["error"] or {}).get("type")
                 if not execs and error_type not in ("LedgerUnavailable", "InvalidResult"):
-                    self.fail(a["run_id"], "no_lost_step",
-                              f"attempt {token} failed ({error_type}) without any execution", [a])
+                    self.fail(
+                        a["run_id"],
+                        "no_lost_step",
+                        f"attempt {token} failed ({error_type}) without any execution",
+                        [a],
+                    )
                 if any(e["ok"] for e in execs):
-                    self.fail(a["run_id"], "no_lost_step",
-                              f"attempt {token} recorded as failed but its execution succeeded",
-                              [a, *execs])
+                    self.fail(
+                        a["run_id"],
+                        "no_lost_step",
+                        f"attempt {token} recorded as failed but its execution succeeded",
+                        [a, *execs],
+                    )
 
     def check_ledger(self) -> None:
         seen: dict[tuple[str, Any], Any] = {}
@@ -699,17 +850,23 @@ class Checker:
             key = (e["token"], e["branch"])
             a = self.attempts.get(e["token"])
             if a is None or a["run_id"] != e["run_id"] or a["node"] != e["node"]:
-                self.fail(e["run_id"], "claimed_once",
-                          f"execution of {e['token']} belongs to no attempt of its run and node",
-                          [e, *([a] if a else [])])
+                self.fail(
+                    e["run_id"],
+                    "claimed_once",
+                    f"execution of {e['token']} belongs to no attempt of its run and node",
+                    [e, *([a] if a else [])],
+                )
             elif a["branch"] != e["branch"] and not (
                 isinstance(a["args"], dict) and BATCH_ARG in a["args"]
             ):
                 self.fail(e["run_id"], "claimed_once", "execution of another branch", [e, a])
             if key in seen:
-                self.fail(e["run_id"], "claimed_once",
-                          f"token {e['token']} (item {e['branch']}) executed twice",
-                          [seen[key], e])
+                self.fail(
+                    e["run_id"],
+                    "claimed_once",
+                    f"token {e['token']} (item {e['branch']}) executed twice",
+                    [seen[key], e],
+                )
             seen[key] = e
 
     # -- signals ------------------------------------------------------------------------------
@@ -730,25 +887,39 @@ class Checker:
                 for sid in refs:
                     s = by_id.get(sid)
                     if s is None or s["applied_at"] is None or s["applied_to"] != node_id:
-                        self.fail(rid, "signals",
-                                  f"{node_id} references signal {sid} not applied to it",
-                                  [s] if s else [])
+                        self.fail(
+                            rid,
+                            "signals",
+                            f"{node_id} references signal {sid} not applied to it",
+                            [s] if s else [],
+                        )
                         continue
                     if s["run_id"] not in lineage or s["workflow_id"] != run["workflow_id"]:
-                        self.fail(rid, "signals", f"{node_id} consumed signal {sid} of another run",
-                                  [s])
+                        self.fail(
+                            rid, "signals", f"{node_id} consumed signal {sid} of another run", [s]
+                        )
                     if sid in used and used[sid] != node_id:
-                        self.fail(rid, "signals",
-                                  f"signal {sid} consumed by {used[sid]} and {node_id}", [s])
+                        self.fail(
+                            rid,
+                            "signals",
+                            f"signal {sid} consumed by {used[sid]} and {node_id}",
+                            [s],
+                        )
                     used[sid] = node_id
             # a chain of waits reads one name in id order
             chain = [n for n in ("w0", "w1", "w2") if n in nodes]
-            ids = [((run["state"] or {}).get("nodes", {}).get(n) or {}).get("output_signal")
-                   for n in chain]
+            ids = [
+                ((run["state"] or {}).get("nodes", {}).get(n) or {}).get("output_signal")
+                for n in chain
+            ]
             got = [i for i in ids if i is not None]
             if got != sorted(got):
-                self.fail(rid, "signals", f"waits {chain} consumed signals {ids} out of order",
-                          [by_id[i] for i in got if i in by_id])
+                self.fail(
+                    rid,
+                    "signals",
+                    f"waits {chain} consumed signals {ids} out of order",
+                    [by_id[i] for i in got if i in by_id],
+                )
         # (2) an applied signal is referenced by its node, unless the node failed, was cancelled
         # or reset after consuming it, or timed out into continue.
         for s in self.signals:
@@ -768,11 +939,15 @@ class Checker:
                 for tr in self.transitions.get(run["run_id"], [])
             )
             timed_out = isinstance(ns.get("output_value"), dict) and ns["output_value"].get(
-                "timed_out")
+                "timed_out"
+            )
             if not (moved or timed_out):
-                self.fail(run["run_id"], "signals",
-                          f"signal {s['id']} was applied to {node} but {node} does not hold it",
-                          [s, ns])
+                self.fail(
+                    run["run_id"],
+                    "signals",
+                    f"signal {s['id']} was applied to {node} but {node} does not hold it",
+                    [s, ns],
+                )
         # (3) one name, one workflow id: consumed in the order accepted.
         groups: dict[tuple[str, str], list[Any]] = defaultdict(list)
         for s in self.signals:
@@ -785,9 +960,13 @@ class Checker:
                     continue
                 for earlier in rows[:i]:
                     if earlier["applied_at"] is None or earlier["applied_at"] > later["applied_at"]:
-                        self.fail(later["run_id"], "signals",
-                                  f"{name!r} of {wf}: signal {later['id']} consumed before the "
-                                  f"earlier {earlier['id']}", [earlier, later])
+                        self.fail(
+                            later["run_id"],
+                            "signals",
+                            f"{name!r} of {wf}: signal {later['id']} consumed before the "
+                            f"earlier {earlier['id']}",
+                            [earlier, later],
+                        )
                         break
         # (4) what the driver was told: a repeated key returns the one stored id.
         stored = {(s["workflow_id"], s["idempotency_key"]): s for s in self.signals}
@@ -798,19 +977,29 @@ class Checker:
                 continue
             returned[rec["id"]] += 1
             row = by_id.get(rec["id"])
-            if row is None or row["name"] != rec["name"] or canon(row["payload"]) != canon(
-                    rec["payload"]) or row["workflow_id"] != rec["workflow_id"]:
-                self.fail(row["run_id"] if row else None, "signals",
-                          f"accepted signal {rec['id']} is not stored as sent",
-                          [rec, *([row] if row else [])])
+            if (
+                row is None
+                or row["name"] != rec["name"]
+                or canon(row["payload"]) != canon(rec["payload"])
+                or row["workflow_id"] != rec["workflow_id"]
+            ):
+                self.fail(
+                    row["run_id"] if row else None,
+                    "signals",
+                    f"accepted signal {rec['id']} is not stored as sent",
+                    [rec, *([row] if row else [])],
+                )
             if rec["key"] is not None:
                 by_key[(rec["workflow_id"], rec["key"])].add(rec["id"])
         for (wf, key), ids in by_key.items():
             row = stored.get((wf, key))
             if len(ids) != 1 or row is None or row["id"] not in ids:
-                self.fail(row["run_id"] if row else None, "signals",
-                          f"idempotency key {key} of {wf} returned ids {sorted(ids)}",
-                          [row] if row else [])
+                self.fail(
+                    row["run_id"] if row else None,
+                    "signals",
+                    f"idempotency key {key} of {wf} returned ids {sorted(ids)}",
+                    [row] if row else [],
+                )
         for rec in self.signals_sent:
             if rec.get("key") is None and "id" in rec and returned[rec["id"]] > 1:
                 self.fail(None, "signals", f"two keyless sends got the same id {rec['id']}", [rec])
@@ -828,18 +1017,24 @@ class Checker:
         decided: Counter[str] = Counter()
         for s in self.signals:
             if s["name"].startswith(APPROVAL_PREFIX):
-                decided[f"{s['workflow_id']}|{s['name'][len(APPROVAL_PREFIX):]}"] += 1
+                decided[f"{s['workflow_id']}|{s['name'][len(APPROVAL_PREFIX) :]}"] += 1
         for key, count in decided.items():
             if count > episodes.get(key, 0):
-                self.fail(None, "signals",
-                          f"{count} decisions stored for {key}, {episodes.get(key, 0)} waiting "
-                          "episodes")
+                self.fail(
+                    None,
+                    "signals",
+                    f"{count} decisions stored for {key}, {episodes.get(key, 0)} waiting episodes",
+                )
         accepted: Counter[str] = Counter(
-            f"{d['workflow_id']}|ok" for d in self.decisions if d.get("accepted"))
+            f"{d['workflow_id']}|ok" for d in self.decisions if d.get("accepted")
+        )
         for key, count in accepted.items():
             if count > decided.get(key, 0):
-                self.fail(None, "signals",
-                          f"{count} decisions accepted for {key} but {decided.get(key, 0)} stored")
+                self.fail(
+                    None,
+                    "signals",
+                    f"{count} decisions accepted for {key} but {decided.get(key, 0)} stored",
+                )
 
     # -- children -----------------------------------------------------------------------------
 
@@ -853,11 +1048,13 @@ class Checker:
             if parent is None:
                 self.fail(run["run_id"], "one_child", "child of a missing parent", [run])
                 continue
-            m = SUFFIX.match(run["workflow_id"][len(parent["workflow_id"]):])
+            m = SUFFIX.match(run["workflow_id"][len(parent["workflow_id"]) :])
             if not run["workflow_id"].startswith(parent["workflow_id"]) or m is None:
-                self.fail(run["run_id"], "one_child",
-                          f"child workflow id {run['workflow_id']} is not derived from its "
-                          "parent's")
+                self.fail(
+                    run["run_id"],
+                    "one_child",
+                    f"child workflow id {run['workflow_id']} is not derived from its parent's",
+                )
                 continue
             branch = m.group("branch")
             gen = int(m.group("gen") or 1)
@@ -869,9 +1066,12 @@ class Checker:
                 for o in owners
             }
             if run["run_id"] not in ids:
-                self.fail(run["run_id"], "one_child",
-                          "child run id is not the one derived from (parent, node, branch, "
-                          "generation)", [run])
+                self.fail(
+                    run["run_id"],
+                    "one_child",
+                    "child run id is not the one derived from (parent, node, branch, generation)",
+                    [run],
+                )
         for (parent, node, wf), rows in groups.items():
             if len(rows) > 1:
                 self.fail(parent, "one_child", f"{len(rows)} children for {node} ({wf})", rows)
@@ -882,10 +1082,12 @@ class Checker:
                 # Documented: a child whose workflow id an open run holds (one an earlier run of
                 # the same workflow id abandoned) is never inserted, and the node fails.
                 refused = ns.get("status") == "failed" and "could not be started" in str(
-                    (ns.get("error") or {}).get("message", ""))
+                    (ns.get("error") or {}).get("message", "")
+                )
                 if child and child not in self.runs and not refused:
-                    self.fail(run["run_id"], "one_child",
-                              f"{node_id} names a missing child {child}")
+                    self.fail(
+                        run["run_id"], "one_child", f"{node_id} names a missing child {child}"
+                    )
 
     # -- concurrency --------------------------------------------------------------------------
 
@@ -900,8 +1102,10 @@ class Checker:
             a = self.attempts.get(e["token"])
             closed = a["finished_at"] if a else None
             end = e["ended_at"]
-            if closed is not None and a["outcome"] in ("timed_out", "cancelled") and (
-                end is None or end > closed
+            if (
+                closed is not None
+                and a["outcome"] in ("timed_out", "cancelled")
+                and (end is None or end > closed)
             ):
                 zombies += 1  # the documented caveat: ran on after it was declared lost
             # The slot is held from the claim until the attempt ends (the worker's finish or
@@ -930,9 +1134,12 @@ class Checker:
                     live[e["id"]] = e
                     peak = max(peak, len(live))
                     if len(live) > limit and not reported:
-                        self.fail(e["run_id"], "concurrency",
-                                  f"{len(live)} executions of {key} at once (limit {limit})",
-                                  list(live.values()))
+                        self.fail(
+                            e["run_id"],
+                            "concurrency",
+                            f"{len(live)} executions of {key} at once (limit {limit})",
+                            list(live.values()),
+                        )
                         reported = True
                 else:
                     live.pop(e["id"], None)
@@ -948,19 +1155,20 @@ class Checker:
             elif not a["folded"]:
                 self.fail(a["run_id"], "clean_end", f"attempt {a['token']} was never folded", [a])
         for row in self.outbox:
-            self.fail(row["run_id"], "clean_end", f"outbox row {row['id']} ({row['kind']}) unsent",
-                      [row])
+            self.fail(
+                row["run_id"], "clean_end", f"outbox row {row['id']} ({row['kind']}) unsent", [row]
+            )
         for row in self.leases:
-            self.fail(row["run_id"], "clean_end", f"lease {row['key']} slot {row['slot']} held",
-                      [row])
+            self.fail(
+                row["run_id"], "clean_end", f"lease {row['key']} slot {row['slot']} held", [row]
+            )
         for row in self.timers:
             run = self.runs.get(row["run_id"])
             if run is None or run["status"] in TERMINAL:
                 self.fail(row["run_id"], "clean_end", "timer row of a finished run", [row])
         for row in self.controls:
             if row["handled_at"] is None:
-                self.fail(row["run_id"], "clean_end", f"{row['kind']} control never handled",
-                          [row])
+                self.fail(row["run_id"], "clean_end", f"{row['kind']} control never handled", [row])
 
     # -- figures ------------------------------------------------------------------------------
 
@@ -971,31 +1179,40 @@ class Checker:
         f["runs_by_status"] = dict(Counter(r["status"] for r in self.runs.values()))
         f["runs_by_workflow"] = dict(Counter(r["workflow"] for r in self.runs.values()))
         f["step_attempts"] = len(self.attempts)
-        f["attempts_by_outcome"] = dict(Counter(a["outcome"] or "open"
-                                                for a in self.attempts.values()))
+        f["attempts_by_outcome"] = dict(
+            Counter(a["outcome"] or "open" for a in self.attempts.values())
+        )
         f["executions"] = len(self.ledger)
         f["executions_ok"] = sum(1 for e in self.ledger if e["ok"])
         f["executions_failed"] = sum(1 for e in self.ledger if e["ok"] is False)
         f["executions_interrupted"] = sum(1 for e in self.ledger if e["ended_at"] is None)
         f["transitions"] = sum(len(v) for v in self.transitions.values())
         f["stale_results_ignored"] = sum(
-            1 for log in self.transitions.values() for tr in log
-            if STALE.search(tr["reason"] or ""))
+            1 for log in self.transitions.values() for tr in log if STALE.search(tr["reason"] or "")
+        )
         f["continued_runs"] = sum(1 for r in self.runs.values() if r["status"] == "continued")
         f["child_runs"] = sum(1 for r in self.runs.values() if r["parent_run_id"])
         f["redrives_applied"] = sum(
-            1 for c in self.controls if c["kind"] == "redrive" and c["result"] == "applied")
-        f["controls"] = dict(Counter(f"{c['kind']}:{(c['result'] or 'unhandled').split(':')[0]}"
-                                     for c in self.controls))
+            1 for c in self.controls if c["kind"] == "redrive" and c["result"] == "applied"
+        )
+        f["controls"] = dict(
+            Counter(
+                f"{c['kind']}:{(c['result'] or 'unhandled').split(':')[0]}" for c in self.controls
+            )
+        )
         f["signals_stored"] = len(self.signals)
         f["signals_applied"] = sum(1 for s in self.signals if s["applied_at"] is not None)
         f["wake_rows_left"] = len(self.wakes)
         # zombies: executions that ended after their attempt was closed by the coordinator
         f["zombie_executions"] = sum(
-            1 for e in self.ledger
+            1
+            for e in self.ledger
             if (a := self.attempts.get(e["token"])) is not None
-            and a["outcome"] in ("timed_out", "cancelled") and a["finished_at"] is not None
-            and e["ended_at"] is not None and e["ended_at"] > a["finished_at"])
+            and a["outcome"] in ("timed_out", "cancelled")
+            and a["finished_at"] is not None
+            and e["ended_at"] is not None
+            and e["ended_at"] > a["finished_at"]
+        )
         self.duplicates()
 
     def duplicates(self) -> None:
@@ -1005,7 +1222,8 @@ class Checker:
             if e["ok"]:
                 groups[(e["run_id"], e["node"], e["branch"])].append(e)
         fault_times = sorted(
-            (f["started"], f["kind"]) for f in self.faults if f.get("started") is not None)
+            (f["started"], f["kind"]) for f in self.faults if f.get("started") is not None
+        )
         starts = [t for t, _ in fault_times]
         causes: Counter[str] = Counter()
         near: Counter[str] = Counter()
@@ -1021,15 +1239,21 @@ class Checker:
                 b = self.attempts.get(later["token"]) or {}
                 outcome = a.get("outcome")
                 resets = [
-                    tr["at"] for tr in self.transitions.get(later["run_id"], [])
-                    if tr["node"] == later["node"] and tr["to_status"] == "pending"
+                    tr["at"]
+                    for tr in self.transitions.get(later["run_id"], [])
+                    if tr["node"] == later["node"]
+                    and tr["to_status"] == "pending"
                     and tr["from_status"] in ("failed", "cancelled")
                 ]
-                if b.get("attempt") == 1 or outcome == "succeeded" or any(
-                    earlier["started_at"] < at < later["started_at"] for at in resets
+                if (
+                    b.get("attempt") == 1
+                    or outcome == "succeeded"
+                    or any(earlier["started_at"] < at < later["started_at"] for at in resets)
                 ):
-                    cause = ("node started over (a redrive re-runs a failed or cancelled scatter "
-                             "from its first item)")
+                    cause = (
+                        "node started over (a redrive re-runs a failed or cancelled scatter "
+                        "from its first item)"
+                    )
                 elif outcome == "timed_out":
                     cause = "attempt timed out after its effect (worker killed or stopped)"
                 elif outcome == "cancelled":
@@ -1040,16 +1264,27 @@ class Checker:
                     cause = f"other ({outcome} then attempt {b.get('attempt')})"
                 causes[cause] += 1
                 by_fault = cause.startswith(("attempt timed out", "attempt closed"))
-                if by_fault and self.t0_wall is not None and a.get("finished_at") is not None \
-                        and starts:
+                if (
+                    by_fault
+                    and self.t0_wall is not None
+                    and a.get("finished_at") is not None
+                    and starts
+                ):
                     at = a["finished_at"].timestamp() - self.t0_wall
                     i = bisect.bisect_right(starts, at) - 1
                     kind = fault_times[i][1] if i >= 0 and at - starts[i] <= 30 else "none"
                     near[kind] += 1
                 if len(examples) < 5:
-                    examples.append({"run_id": earlier["run_id"], "node": earlier["node"],
-                                     "branch": earlier["branch"], "first": earlier["token"],
-                                     "again": later["token"], "cause": cause})
+                    examples.append(
+                        {
+                            "run_id": earlier["run_id"],
+                            "node": earlier["node"],
+                            "branch": earlier["branch"],
+                            "first": earlier["token"],
+                            "again": later["token"],
+                            "cause": cause,
+                        }
+                    )
         self.figures["duplicate_executions"] = total
         self.figures["duplicates_by_cause"] = dict(causes)
         # For the duplicates a fault can explain (a timed-out or closed attempt): the kind of

@@ -134,8 +134,18 @@ def begin(
             "INSERT INTO chaos_ledger (nonce, token, run_id, workflow_id, node, branch, attempt,"
             " step, lease_key, pid) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
             " ON CONFLICT (nonce) DO NOTHING",
-            (nonce, token, run_id, workflow_id, node, branch, attempt, step, lease_key,
-             os.getpid()),
+            (
+                nonce,
+                token,
+                run_id,
+                workflow_id,
+                node,
+                branch,
+                attempt,
+                step,
+                lease_key,
+                os.getpid(),
+            ),
         )
 
     _with_retry("insert", insert)
@@ -160,4 +170,3 @@ def gate_open(key: str) -> bool:
         return found is not None
 
     return bool(_with_retry("gate", read))
-

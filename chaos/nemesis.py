@@ -238,8 +238,14 @@ class Nemesis:
         fault.ended = self.now()
         with self._lock:
             self.last_fault_end = max(self.last_fault_end, fault.ended)
-        log.info("fault %s %s on %s: %s %s", fault.seq, fault.kind, fault.target, fault.result,
-                 fault.detail)
+        log.info(
+            "fault %s %s on %s: %s %s",
+            fault.seq,
+            fault.kind,
+            fault.target,
+            fault.result,
+            fault.detail,
+        )
 
     def _sleep(self, seconds: float) -> None:
         time.sleep(max(0.0, seconds))
@@ -391,8 +397,9 @@ class Nemesis:
         if self.redis_down or self.pg_down:
             fault.result = "skipped: broker or database down"
             return
-        rows = self._recent("SELECT run_id FROM eec_workflow_run ORDER BY updated_at DESC "
-                            "LIMIT %s", 200)
+        rows = self._recent(
+            "SELECT run_id FROM eec_workflow_run ORDER BY updated_at DESC LIMIT %s", 200
+        )
         count = min(fault.param, len(rows))
         picks = [self.rng.choice(rows)[0] for _ in range(count)] if rows else []
         sent = self._publish(

@@ -223,12 +223,14 @@ class Worker:
             if self.expected_down or self.proc is None or self.proc.poll() is None:
                 return False
             why = next(
-                (line for line in reversed(self.log_tail(400).splitlines())
-                 if "Unrecoverable error" in line or "CRITICAL" in line),
+                (
+                    line
+                    for line in reversed(self.log_tail(400).splitlines())
+                    if "Unrecoverable error" in line or "CRITICAL" in line
+                ),
                 "",
             )
-            self.crashes.append({"t": round(t, 2), "exit": self.proc.returncode,
-                                 "why": why[-300:]})
+            self.crashes.append({"t": round(t, 2), "exit": self.proc.returncode, "why": why[-300:]})
             self._stop_watchdog()
             self.start()
         self.wait_ready(90)

@@ -77,8 +77,13 @@ def code_fingerprint() -> dict[str, Any]:
         digest.update(path.read_bytes())
     head = None
     with contextlib.suppress(Exception):
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     return {"head": head, "ductor_celery_sha256": digest.hexdigest()[:16]}
 
 
@@ -89,24 +94,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-workers", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=2, help="-c of each step worker")
     p.add_argument("--coordinators", type=int, default=2)
-    p.add_argument("--open-runs", type=int, default=30,
-                   help="top-level runs the workload keeps open at once")
-    p.add_argument("--mean-gap", type=float, default=None,
-                   help="mean seconds between faults (default: 2.2 for runs under 3 minutes, "
-                        "else 4)")
+    p.add_argument(
+        "--open-runs", type=int, default=30, help="top-level runs the workload keeps open at once"
+    )
+    p.add_argument(
+        "--mean-gap",
+        type=float,
+        default=None,
+        help="mean seconds between faults (default: 2.2 for runs under 3 minutes, else 4)",
+    )
     p.add_argument("--step-timeout", type=float, default=6.0, help="the steps' timeout (s)")
-    p.add_argument("--max-transitions", type=int, default=30,
-                   help="ductor_max_transitions (automatic continue-as-new)")
-    p.add_argument("--recovery-timeout", type=float, default=60.0,
-                   help="every run must be terminal this long after the last fault")
+    p.add_argument(
+        "--max-transitions",
+        type=int,
+        default=30,
+        help="ductor_max_transitions (automatic continue-as-new)",
+    )
+    p.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=60.0,
+        help="every run must be terminal this long after the last fault",
+    )
     p.add_argument("--no-faults", action="store_true", help="the workload alone (a baseline)")
-    p.add_argument("--report", type=Path, default=None,
-                   help="JSON report path (default: $TMPDIR/ductor-chaos-seed<SEED>.json)")
+    p.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        help="JSON report path (default: $TMPDIR/ductor-chaos-seed<SEED>.json)",
+    )
     p.add_argument("--workdir", type=Path, default=None)
-    p.add_argument("--keep", action="store_true",
-                   help="keep the work dir (logs, report, a pg_dump when something broke)")
-    p.add_argument("--schedule-only", action="store_true",
-                   help="print the fault schedule for --seed and exit")
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the work dir (logs, report, a pg_dump when something broke)",
+    )
+    p.add_argument(
+        "--schedule-only", action="store_true", help="print the fault schedule for --seed and exit"
+    )
     return p.parse_args(argv)
 
 
@@ -116,8 +141,9 @@ def worker_plan(args: argparse.Namespace) -> list[tuple[str, str, list[str], str
     for i in range(args.step_workers):
         fp = STEP_FAILPOINTS[i] if i < len(STEP_FAILPOINTS) else None
         eager = "0" if i == 2 else "1"  # one step worker ticks through the coordinator only
-        plan.append((f"steps{i}", "steps", ["-Q", STEPS_QUEUE, "-c", str(args.concurrency)], fp,
-                     eager))
+        plan.append(
+            (f"steps{i}", "steps", ["-Q", STEPS_QUEUE, "-c", str(args.concurrency)], fp, eager)
+        )
     for i in range(args.coordinators):
         fp = COORD_FAILPOINTS[i] if i < len(COORD_FAILPOINTS) else None
         plan.append((f"coord{i}", "coord", ["-Q", COORD_QUEUE, "-c", "1"], fp, "1"))
@@ -144,22 +170,27 @@ class Harness:
         self.workers: dict[str, Worker] = {}
         self.supervising = threading.Event()
         self.overdue: list[int] = []
-        self.report: dict[str, Any] = {"seed": args.seed, "minutes": args.minutes,
-                                       "code": code_fingerprint()}
+        self.report: dict[str, Any] = {
+            "seed": args.seed,
+            "minutes": args.minutes,
+            "code": code_fingerprint(),
+        }
 
     # -- set-up -----------------------------------------------------------------------------------
 
     def setup(self) -> None:
         args = self.args
-        base = args.workdir or Path(tempfile.mkdtemp(prefix="ductor-chaos-",
-                                                     dir=default_base_dir()))
+        base = args.workdir or Path(
+            tempfile.mkdtemp(prefix="ductor-chaos-", dir=default_base_dir())
+        )
         base.mkdir(parents=True, exist_ok=True)
         self.workdir = base
         if not args.keep and args.workdir is None:
             self.stack.callback(shutil.rmtree, base, ignore_errors=True)
         (base / "ready").mkdir(exist_ok=True)
         logging.basicConfig(
-            filename=base / "driver.log", level=logging.INFO,
+            filename=base / "driver.log",
+            level=logging.INFO,
             format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s",
         )
         say(f"work dir {base}")
@@ -172,8 +203,10 @@ class Harness:
         self.stack.callback(self.redis.stop)
         self.pg.create_database(DBNAME)
         self.db_url = self.pg.url(DBNAME)
-        say(f"PostgreSQL 127.0.0.1:{self.pg.port}, Redis 127.0.0.1:{self.redis.port} "
-            f"({time.monotonic() - t:.1f}s)")
+        say(
+            f"PostgreSQL 127.0.0.1:{self.pg.port}, Redis 127.0.0.1:{self.redis.port} "
+            f"({time.monotonic() - t:.1f}s)"
+        )
         self.env = {
             **os.environ,
             "DUCTOR_DATABASE_URL": self.db_url,
@@ -181,15 +214,25 @@ class Harness:
             "CHAOS_LEDGER_DSN": self.pg.conninfo(DBNAME),
             "CHAOS_MAX_TRANSITIONS": str(args.max_transitions),
             "CHAOS_STEP_TIMEOUT": str(args.step_timeout),
-            "PYTHONPATH": os.pathsep.join([str(CHAOS_DIR),
-                                           *filter(None, [os.environ.get("PYTHONPATH")])]),
+            "PYTHONPATH": os.pathsep.join(
+                [str(CHAOS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
         }
         for key in ("DUCTOR_FAILPOINT", "DUCTOR_FAILPOINT_MARKER"):
             self.env.pop(key, None)
         # The driver is a client of the same app: same environment, imported after it is set.
-        os.environ.update({k: self.env[k] for k in (
-            "DUCTOR_DATABASE_URL", "CHAOS_BROKER_URL", "CHAOS_LEDGER_DSN",
-            "CHAOS_MAX_TRANSITIONS", "CHAOS_STEP_TIMEOUT")})
+        os.environ.update(
+            {
+                k: self.env[k]
+                for k in (
+                    "DUCTOR_DATABASE_URL",
+                    "CHAOS_BROKER_URL",
+                    "CHAOS_LEDGER_DSN",
+                    "CHAOS_MAX_TRANSITIONS",
+                    "CHAOS_STEP_TIMEOUT",
+                )
+            }
+        )
         from ductor_celery.store.db import dispose_all
         from ductor_celery.store.migrate import upgrade
 
@@ -205,23 +248,34 @@ class Harness:
         self.app = chaos_app
         import sqlalchemy as sa
 
-        self.engine = sa.create_engine(self.db_url, pool_size=12, max_overflow=8,
-                                       pool_pre_ping=True)
+        self.engine = sa.create_engine(
+            self.db_url, pool_size=12, max_overflow=8, pool_pre_ping=True
+        )
         self.stack.callback(self.engine.dispose)
         t = time.monotonic()
         for name, role, wargs, fp, eager in worker_plan(args):
-            worker = Worker(name, role, wargs, {**self.env, "CHAOS_EAGER": eager}, base,
-                            base / "ready", failpoint=fp)
+            worker = Worker(
+                name,
+                role,
+                wargs,
+                {**self.env, "CHAOS_EAGER": eager},
+                base,
+                base / "ready",
+                failpoint=fp,
+            )
             self.workers[name] = worker
             worker.start()
         self.stack.callback(self.stop_workers)
         for worker in self.workers.values():
             if not worker.wait_ready(120):
                 raise SystemExit(f"worker {worker.name} did not start:\n{worker.log_tail()}")
-        say(f"{len(self.workers)} workers ready in {time.monotonic() - t:.1f}s: "
-            + ", ".join(f"{w.name}({w.failpoint or '-'})" for w in self.workers.values()))
-        self.report["commands"] = sorted({" ".join(["celery", "-A", "app", "worker", *w.args])
-                                          for w in self.workers.values()})
+        say(
+            f"{len(self.workers)} workers ready in {time.monotonic() - t:.1f}s: "
+            + ", ".join(f"{w.name}({w.failpoint or '-'})" for w in self.workers.values())
+        )
+        self.report["commands"] = sorted(
+            {" ".join(["celery", "-A", "app", "worker", *w.args]) for w in self.workers.values()}
+        )
 
     def supervise(self, t0: float) -> None:
         """Restart workers that exited on their own, as systemd or Kubernetes would (the
@@ -229,8 +283,10 @@ class Harness:
         while not self.supervising.wait(0.5):
             for worker in self.workers.values():
                 if worker.restart_if_crashed(time.monotonic() - t0):
-                    say(f"{worker.name} exited on its own ({worker.crashes[-1]['why'][:120]}); "
-                        "restarted")
+                    say(
+                        f"{worker.name} exited on its own ({worker.crashes[-1]['why'][:120]}); "
+                        "restarted"
+                    )
 
     def sample_timers(self) -> None:
         """Every 5 s: timer rows of open runs more than 10 s overdue (the sweeper should have
@@ -239,7 +295,8 @@ class Harness:
             n = self.scalar(
                 "SELECT count(*) FROM eec_workflow_timer t JOIN eec_workflow_run r USING "
                 "(run_id) WHERE r.status IN ('pending', 'running', 'paused') AND t.fire_at < "
-                "now() - interval '10 seconds'")
+                "now() - interval '10 seconds'"
+            )
             if n is not None:
                 self.overdue.append(int(n))
 
@@ -265,20 +322,35 @@ class Harness:
         return None
 
     def open_runs(self) -> int:
-        return int(self.scalar("SELECT count(*) FROM eec_workflow_run WHERE status IN "
-                               "('pending', 'running', 'paused')") or 0)
+        return int(
+            self.scalar(
+                "SELECT count(*) FROM eec_workflow_run WHERE status IN "
+                "('pending', 'running', 'paused')"
+            )
+            or 0
+        )
 
     def leftovers(self) -> dict[str, int]:
         return {
-            "open_attempts": int(self.scalar(
-                "SELECT count(*) FROM eec_workflow_step_attempt WHERE finished_at IS NULL") or 0),
-            "unfolded": int(self.scalar(
-                "SELECT count(*) FROM eec_workflow_step_attempt WHERE finished_at IS NOT NULL "
-                "AND NOT folded") or 0),
+            "open_attempts": int(
+                self.scalar(
+                    "SELECT count(*) FROM eec_workflow_step_attempt WHERE finished_at IS NULL"
+                )
+                or 0
+            ),
+            "unfolded": int(
+                self.scalar(
+                    "SELECT count(*) FROM eec_workflow_step_attempt WHERE finished_at IS NOT NULL "
+                    "AND NOT folded"
+                )
+                or 0
+            ),
             "outbox": int(self.scalar("SELECT count(*) FROM eec_workflow_outbox") or 0),
             "leases": int(self.scalar("SELECT count(*) FROM eec_concurrency_lease") or 0),
-            "controls": int(self.scalar(
-                "SELECT count(*) FROM eec_workflow_control WHERE handled_at IS NULL") or 0),
+            "controls": int(
+                self.scalar("SELECT count(*) FROM eec_workflow_control WHERE handled_at IS NULL")
+                or 0
+            ),
             "timers": int(self.scalar("SELECT count(*) FROM eec_workflow_timer") or 0),
         }
 
@@ -291,23 +363,30 @@ class Harness:
         schedule = [] if args.no_faults else schedule_for(args)
         self.schedule = schedule
         window = args.minutes * 60.0
-        say(f"fault window {window:.0f}s, {len(schedule)} faults scheduled (seed {args.seed}): "
-            + ", ".join(f"{k} {v}" for k, v in sorted(Counter(f.kind for f in schedule).items())))
+        say(
+            f"fault window {window:.0f}s, {len(schedule)} faults scheduled (seed {args.seed}): "
+            + ", ".join(f"{k} {v}" for k, v in sorted(Counter(f.kind for f in schedule).items()))
+        )
         workload = Workload(self.app.ductor, self.engine, args.seed, target_open=args.open_runs)
         self.workload = workload
         nemesis = Nemesis(
-            schedule, self.workers, self.pg, self.redis, DBNAME, self.app.app.send_task,
-            STEPS_QUEUE, COORD_QUEUE, args.seed,
+            schedule,
+            self.workers,
+            self.pg,
+            self.redis,
+            DBNAME,
+            self.app.app.send_task,
+            STEPS_QUEUE,
+            COORD_QUEUE,
+            args.seed,
         )
         t0 = time.monotonic()
         t0_wall = time.time()
         workload.t0 = t0
         threading.Thread(target=workload.run, name="workload", daemon=True).start()
-        nem_thread = threading.Thread(target=nemesis.run, args=(t0,), name="nemesis",
-                                      daemon=True)
+        nem_thread = threading.Thread(target=nemesis.run, args=(t0,), name="nemesis", daemon=True)
         nem_thread.start()
-        threading.Thread(target=self.supervise, args=(t0,), name="supervisor",
-                         daemon=True).start()
+        threading.Thread(target=self.supervise, args=(t0,), name="supervisor", daemon=True).start()
         threading.Thread(target=self.sample_timers, name="timers", daemon=True).start()
         next_note = 10.0
         while time.monotonic() - t0 < window:
@@ -316,14 +395,18 @@ class Harness:
             if elapsed >= next_note:
                 next_note += 10.0 if window <= 120 else 30.0
                 done = sum(1 for f in schedule if f.started is not None)
-                say(f"t={elapsed:5.0f}s runs started {len(workload.scripts)}, open "
-                    f"{len(workload.open_scripts())}, faults {done}/{len(schedule)}")
+                say(
+                    f"t={elapsed:5.0f}s runs started {len(workload.scripts)}, open "
+                    f"{len(workload.open_scripts())}, faults {done}/{len(schedule)}"
+                )
         workload.finish()
         say("fault window over: healing")
         last_fault = nemesis.heal()
         healed = time.monotonic()
-        say(f"healed {healed - t0 - window:+.1f}s after the window (last fault ended at "
-            f"t={last_fault:.1f}s); waiting for every run to finish")
+        say(
+            f"healed {healed - t0 - window:+.1f}s after the window (last fault ended at "
+            f"t={last_fault:.1f}s); waiting for every run to finish"
+        )
         deadline = healed + args.recovery_timeout
         all_terminal_at = None
         while time.monotonic() < deadline:
@@ -333,8 +416,10 @@ class Harness:
             time.sleep(0.25)
         recovery = None if all_terminal_at is None else all_terminal_at - healed
         if recovery is None:
-            say(f"NOT all terminal {args.recovery_timeout:.0f}s after the last fault: "
-                f"{self.open_runs()} runs open, {len(workload.open_scripts())} scripts open")
+            say(
+                f"NOT all terminal {args.recovery_timeout:.0f}s after the last fault: "
+                f"{self.open_runs()} runs open, {len(workload.open_scripts())} scripts open"
+            )
         else:
             say(f"every run terminal {recovery:.1f}s after the last fault")
         # Leftovers (sent outbox rows are deleted in batches, off the critical path) settle.
@@ -361,21 +446,45 @@ class Harness:
         )
         checker.run()
         result = checker.report()
-        attempts_in_window = int(self.scalar(
-            "SELECT count(*) FROM eec_workflow_step_attempt WHERE created_at >= to_timestamp(:a)"
-            " AND created_at < to_timestamp(:b)", a=t0_wall, b=t0_wall + window) or 0)
-        executions_in_window = int(self.scalar(
-            "SELECT count(*) FROM chaos_ledger WHERE ok AND ended_at >= to_timestamp(:a) AND "
-            "ended_at < to_timestamp(:b)", a=t0_wall, b=t0_wall + window) or 0)
-        runs_in_window = int(self.scalar(
-            "SELECT count(*) FROM eec_workflow_run WHERE finished_at >= to_timestamp(:a) AND "
-            "finished_at < to_timestamp(:b)", a=t0_wall, b=t0_wall + window) or 0)
+        attempts_in_window = int(
+            self.scalar(
+                "SELECT count(*) FROM eec_workflow_step_attempt WHERE created_at >= to_timestamp(:a)"
+                " AND created_at < to_timestamp(:b)",
+                a=t0_wall,
+                b=t0_wall + window,
+            )
+            or 0
+        )
+        executions_in_window = int(
+            self.scalar(
+                "SELECT count(*) FROM chaos_ledger WHERE ok AND ended_at >= to_timestamp(:a) AND "
+                "ended_at < to_timestamp(:b)",
+                a=t0_wall,
+                b=t0_wall + window,
+            )
+            or 0
+        )
+        runs_in_window = int(
+            self.scalar(
+                "SELECT count(*) FROM eec_workflow_run WHERE finished_at >= to_timestamp(:a) AND "
+                "finished_at < to_timestamp(:b)",
+                a=t0_wall,
+                b=t0_wall + window,
+            )
+            or 0
+        )
         injected = Counter(f["kind"] for f in faults if f["result"] == "done")
         self.report.update(
             {
-                "workers": {n: {"role": w.role, "failpoint": w.failpoint, "starts": w.starts,
-                                "crashes": w.crashes}
-                            for n, w in self.workers.items()},
+                "workers": {
+                    n: {
+                        "role": w.role,
+                        "failpoint": w.failpoint,
+                        "starts": w.starts,
+                        "crashes": w.crashes,
+                    }
+                    for n, w in self.workers.items()
+                },
                 "unplanned_worker_exits": sum(len(w.crashes) for w in self.workers.values()),
                 "window_s": window,
                 "faults_scheduled": len(schedule),
@@ -420,8 +529,22 @@ class Harness:
         out = self.workdir / "chaos.sql"
         pg_dump = self.pg.bindir / "pg_dump"
         with contextlib.suppress(Exception):
-            subprocess.run([str(pg_dump), "-h", "127.0.0.1", "-p", str(self.pg.port), "-U",
-                            "postgres", "-f", str(out), DBNAME], check=True, timeout=120)
+            subprocess.run(
+                [
+                    str(pg_dump),
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(self.pg.port),
+                    "-U",
+                    "postgres",
+                    "-f",
+                    str(out),
+                    DBNAME,
+                ],
+                check=True,
+                timeout=120,
+            )
             say(f"database dumped to {out}")
 
     def print_table(self) -> None:
@@ -431,11 +554,15 @@ class Harness:
             ("  top-level", f["top_level_runs"]),
             ("  by status", ", ".join(f"{k} {v}" for k, v in sorted(f["runs_by_status"].items()))),
             ("step attempts", f["step_attempts"]),
-            ("  by outcome", ", ".join(f"{k} {v}" for k, v in
-                                       sorted(f["attempts_by_outcome"].items()))),
-            ("ledger executions (ok / failed / interrupted)",
-             f"{f['executions']} ({f['executions_ok']} / {f['executions_failed']} / "
-             f"{f['executions_interrupted']})"),
+            (
+                "  by outcome",
+                ", ".join(f"{k} {v}" for k, v in sorted(f["attempts_by_outcome"].items())),
+            ),
+            (
+                "ledger executions (ok / failed / interrupted)",
+                f"{f['executions']} ({f['executions_ok']} / {f['executions_failed']} / "
+                f"{f['executions_interrupted']})",
+            ),
             ("faults injected", f"{r['faults_injected']} of {r['faults_scheduled']} scheduled"),
         ]
         rows += [(f"  {k}", v) for k, v in r["faults_by_kind"].items()]
@@ -447,16 +574,25 @@ class Harness:
             ("executions that ran on after their attempt was closed", f["zombie_executions"]),
             ("timer rows overdue > 10 s (most at once, open runs)", r["overdue_timers_max"]),
             ("stale results ignored", f["stale_results_ignored"]),
-            ("continued runs / child runs / redrives applied",
-             f"{f['continued_runs']} / {f['child_runs']} / {f['redrives_applied']}"),
+            (
+                "continued runs / child runs / redrives applied",
+                f"{f['continued_runs']} / {f['child_runs']} / {f['redrives_applied']}",
+            ),
             ("signals stored / applied", f"{f['signals_stored']} / {f['signals_applied']}"),
-            ("time to all-terminal after the last fault",
-             "STUCK" if r["time_to_all_terminal_s"] is None
-             else f"{r['time_to_all_terminal_s']} s"),
-            ("throughput under fire (attempts/s, ok executions/s, runs/s)",
-             " / ".join(str(v) for v in r["throughput_under_fire"].values())),
-            ("client exceptions (not DuctorError)",
-             sum(r["workload"]["client_exceptions"].values())),
+            (
+                "time to all-terminal after the last fault",
+                "STUCK"
+                if r["time_to_all_terminal_s"] is None
+                else f"{r['time_to_all_terminal_s']} s",
+            ),
+            (
+                "throughput under fire (attempts/s, ok executions/s, runs/s)",
+                " / ".join(str(v) for v in r["throughput_under_fire"].values()),
+            ),
+            (
+                "client exceptions (not DuctorError)",
+                sum(r["workload"]["client_exceptions"].values()),
+            ),
             ("worker exits nobody asked for (restarted)", r["unplanned_worker_exits"]),
         ]
         width = max(len(k) for k, _ in rows)

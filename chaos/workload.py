@@ -173,8 +173,12 @@ class Workload:
         except Exception as exc:  # noqa: BLE001 - counted, the script goes on
             if not isinstance(exc, DuctorError):
                 self.stats[f"action_error:{type(exc).__name__}"] += 1
-                log.warning("action %s failed for %s: %s", getattr(action, "__name__", "?"),
-                            script.workflow_id, exc)
+                log.warning(
+                    "action %s failed for %s: %s",
+                    getattr(action, "__name__", "?"),
+                    script.workflow_id,
+                    exc,
+                )
             if getattr(action, "__name__", "") in POLLERS and not self._stop.is_set():
                 self.later(script, 1.0, action)
         finally:
@@ -210,31 +214,41 @@ class Workload:
     # -- reading state (plain SQL: cheap polling) -----------------------------------------------
 
     def newest(self, workflow_id: str) -> Any:
-        return self._db(lambda conn: conn.execute(
-            sa.text(
-                "SELECT run_id, status, state FROM eec_workflow_run WHERE workflow_id = :w "
-                "ORDER BY created_at DESC, run_id DESC LIMIT 1"
-            ),
-            {"w": workflow_id},
-        ).one_or_none())
+        return self._db(
+            lambda conn: conn.execute(
+                sa.text(
+                    "SELECT run_id, status, state FROM eec_workflow_run WHERE workflow_id = :w "
+                    "ORDER BY created_at DESC, run_id DESC LIMIT 1"
+                ),
+                {"w": workflow_id},
+            ).one_or_none()
+        )
 
     def _unhandled(self, run_id: str, kinds: tuple[str, ...]) -> int:
-        return int(self._db(lambda conn: conn.execute(
-            sa.text(
-                "SELECT count(*) FROM eec_workflow_control WHERE run_id = :r AND "
-                "handled_at IS NULL AND kind = ANY(:k)"
-            ),
-            {"r": run_id, "k": list(kinds)},
-        ).scalar_one()))
+        return int(
+            self._db(
+                lambda conn: conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM eec_workflow_control WHERE run_id = :r AND "
+                        "handled_at IS NULL AND kind = ANY(:k)"
+                    ),
+                    {"r": run_id, "k": list(kinds)},
+                ).scalar_one()
+            )
+        )
 
     def _unapplied_ticks(self, workflow_id: str) -> int:
-        return int(self._db(lambda conn: conn.execute(
-            sa.text(
-                "SELECT count(*) FROM eec_workflow_signal WHERE workflow_id = :w AND "
-                "name = 'tick' AND applied_at IS NULL"
-            ),
-            {"w": workflow_id},
-        ).scalar_one()))
+        return int(
+            self._db(
+                lambda conn: conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM eec_workflow_signal WHERE workflow_id = :w AND "
+                        "name = 'tick' AND applied_at IS NULL"
+                    ),
+                    {"w": workflow_id},
+                ).scalar_one()
+            )
+        )
 
     # -- scripts --------------------------------------------------------------------------------
 
@@ -243,18 +257,26 @@ class Workload:
         names = sorted(MIX)
         workflow = rng.choices(names, weights=[MIX[n] for n in names])[0]
         seq = len(self.scripts)
-        script = Script(seq, workflow, f"c{seq}-{uuid.uuid4().hex[:6]}", self._input(workflow, rng),
-                        rng)
+        script = Script(
+            seq, workflow, f"c{seq}-{uuid.uuid4().hex[:6]}", self._input(workflow, rng), rng
+        )
         self.scripts.append(script)
         self.later(script, 0.0, self._start)
 
     def _input(self, workflow: str, rng: random.Random) -> dict[str, Any]:
         if workflow == "chaos_dag":
-            return {"x": rng.randrange(100), "do_c": rng.random() < 0.5,
-                    "skip_f": rng.random() < 0.3, "fails": rng.randint(0, 2)}
+            return {
+                "x": rng.randrange(100),
+                "do_c": rng.random() < 0.5,
+                "skip_f": rng.random() < 0.3,
+                "fails": rng.randint(0, 2),
+            }
         if workflow == "chaos_failing":
-            return {"key": uuid.uuid4().hex, "exhaust": rng.random() < 0.15,
-                    "bad": rng.random() < 0.15}
+            return {
+                "key": uuid.uuid4().hex,
+                "exhaust": rng.random() < 0.15,
+                "bad": rng.random() < 0.15,
+            }
         if workflow == "chaos_scatter":
             n = rng.randint(5, 12)
             return {"items": self._items(rng, n, rng.choice([0, 0, 1, 2, 3]))}
@@ -262,8 +284,10 @@ class Workload:
             n = rng.randint(8, 20)
             return {"items": self._items(rng, n, rng.randint(0, max(1, n // 3)))}
         if workflow == "chaos_parent":
-            groups = [self._items(rng, rng.randint(2, 4), 1 if rng.random() < 0.15 else 0)
-                      for _ in range(rng.randint(2, 4))]
+            groups = [
+                self._items(rng, rng.randint(2, 4), 1 if rng.random() < 0.15 else 0)
+                for _ in range(rng.randint(2, 4))
+            ]
             return {"id": rng.randrange(1000), "groups": groups}
         if workflow == "chaos_limited":
             return {"customer": rng.choice(CUSTOMERS)}
@@ -286,8 +310,12 @@ class Workload:
         if script.started:
             return
         try:
-            self.call("start", lambda: self.ductor.start(
-                script.workflow, input=script.input, workflow_id=script.workflow_id))
+            self.call(
+                "start",
+                lambda: self.ductor.start(
+                    script.workflow, input=script.input, workflow_id=script.workflow_id
+                ),
+            )
         except DuctorError:
             self.later(script, 1.0, self._start)  # the database was down: try again
             return
@@ -327,8 +355,7 @@ class Workload:
             elif kind == "continue":
                 self.call("continue_as_new", lambda: d.continue_as_new(w))
             elif kind == "continue_input":
-                self.call("continue_as_new_input",
-                          lambda: d.continue_as_new(w, input=script.input))
+                self.call("continue_as_new_input", lambda: d.continue_as_new(w, input=script.input))
 
         return act
 
@@ -372,9 +399,13 @@ class Workload:
                 self.later(script, 0.5, self._watch)
                 return
             redrivable = row.status in ("failed", "cancelled", "terminated")
-            if (redrivable and script.terminal_seen != row.run_id + row.status
-                    and script.redrives < 2 and not self.finishing
-                    and script.rng.random() < self.redrive_p):
+            if (
+                redrivable
+                and script.terminal_seen != row.run_id + row.status
+                and script.redrives < 2
+                and not self.finishing
+                and script.rng.random() < self.redrive_p
+            ):
                 script.terminal_seen = row.run_id + row.status
                 self._redrive(script)
                 self.later(script, 0.5, self._watch)
@@ -389,10 +420,12 @@ class Workload:
 
     def _redrive(self, script: Script) -> None:
         if script.workflow == "chaos_failing" and script.rng.random() < 0.8:
-            self._db(lambda conn: conn.execute(
-                sa.text("INSERT INTO chaos_gate (key) VALUES (:k) ON CONFLICT DO NOTHING"),
-                {"k": script.input["key"]},
-            ))
+            self._db(
+                lambda conn: conn.execute(
+                    sa.text("INSERT INTO chaos_gate (key) VALUES (:k) ON CONFLICT DO NOTHING"),
+                    {"k": script.input["key"]},
+                )
+            )
         script.redrives += 1
         try:
             self.call("redrive", lambda: self.ductor.redrive(script.workflow_id))
@@ -424,13 +457,19 @@ class Workload:
 
     def _send(self, name: str, payload: dict[str, Any], key: str | None) -> Action:
         def act(script: Script) -> None:
-            record = {"workflow_id": script.workflow_id, "name": name, "key": key,
-                      "payload": payload, "t": round(time.monotonic() - self.t0, 3)}
+            record = {
+                "workflow_id": script.workflow_id,
+                "name": name,
+                "key": key,
+                "payload": payload,
+                "t": round(time.monotonic() - self.t0, 3),
+            }
             try:
                 record["id"] = self.call(
                     f"signal:{'keyed' if key else 'keyless'}",
-                    lambda: self.ductor.signal(script.workflow_id, name, payload,
-                                               idempotency_key=key),
+                    lambda: self.ductor.signal(
+                        script.workflow_id, name, payload, idempotency_key=key
+                    ),
                 )
             except Exception as exc:  # noqa: BLE001 - DuctorError, or counted by call()
                 record["error"] = type(exc).__name__
@@ -458,8 +497,13 @@ class Workload:
         self.later(script, 0.5, self._approver)
 
     def _decide(self, script: Script, run_id: str, approved: bool, by: str) -> None:
-        record = {"workflow_id": script.workflow_id, "run_id": run_id, "approved": approved,
-                  "by": by, "t": round(time.monotonic() - self.t0, 3)}
+        record = {
+            "workflow_id": script.workflow_id,
+            "run_id": run_id,
+            "approved": approved,
+            "by": by,
+            "t": round(time.monotonic() - self.t0, 3),
+        }
         verb = self.ductor.approve if approved else self.ductor.reject
         try:
             self.call("decide", lambda: verb(script.workflow_id, "ok", by=by, comment="chaos"))
@@ -477,9 +521,17 @@ class Workload:
         """Liveness for chaos_race: its wait has no timeout."""
         row = self.newest(script.workflow_id)
         if row is not None and row.status == "running" and self._waiting(row, "w"):
-            pending = int(self._db(lambda conn: conn.execute(sa.text(
-                "SELECT count(*) FROM eec_workflow_signal WHERE workflow_id = :w AND "
-                "name = 'go' AND applied_at IS NULL"), {"w": script.workflow_id}).scalar_one()))
+            pending = int(
+                self._db(
+                    lambda conn: conn.execute(
+                        sa.text(
+                            "SELECT count(*) FROM eec_workflow_signal WHERE workflow_id = :w AND "
+                            "name = 'go' AND applied_at IS NULL"
+                        ),
+                        {"w": script.workflow_id},
+                    ).scalar_one()
+                )
+            )
             if pending == 0:
                 self._send("go", {"go": True, "fed": True}, None)(script)
         self.later(script, 1.0, self._go_feeder)
@@ -487,8 +539,10 @@ class Workload:
     def _feeder(self, script: Script) -> None:
         """Liveness: a waiting tick wait with no tick left gets one."""
         row = self.newest(script.workflow_id)
-        if row is not None and row.status == "running" and any(
-            self._waiting(row, w) for w in ("w0", "w1", "w2")
+        if (
+            row is not None
+            and row.status == "running"
+            and any(self._waiting(row, w) for w in ("w0", "w1", "w2"))
         ):
             if self._unapplied_ticks(script.workflow_id) == 0:
                 self._send("tick", {"seq": 100}, None)(script)

@@ -93,7 +93,9 @@ def main() -> RunView:
             "order",
             input={"order": {"id": 42, "total": 1999, "items": ["book", "lamp", "mug"]}},
         )
-        with Live(render(ductor.get(handle.run_id)), console=console, refresh_per_second=10) as live:
+        with Live(
+            render(ductor.get(handle.run_id)), console=console, refresh_per_second=10
+        ) as live:
             while True:
                 view = ductor.get(handle.run_id)
                 live.update(render(view))

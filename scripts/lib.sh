@@ -1,8 +1,9 @@
-# Shared by scripts/test and scripts/quickstart: helpers and the .venv set-up.
+# Shared by scripts/test, scripts/check, scripts/quickstart and scripts/chaos: helpers and the
+# .venv set-up.
 # Source it from the repo root with ROOT, VENV and PYTHON set.
 
 say() { printf '==> %s\n' "$*" >&2; }
-die() { printf 'scripts/test: error: %s\n' "$*" >&2; exit 1; }
+die() { printf 'scripts/%s: error: %s\n' "${0##*/}" "$*" >&2; exit 1; }
 
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then

@@ -36,8 +36,21 @@ class Worker:
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", app, "worker", "-n", f"{name}@%h", "--without-mingle", "--without-gossip",
-             "-l", "INFO", *args],
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                app,
+                "worker",
+                "-n",
+                f"{name}@%h",
+                "--without-mingle",
+                "--without-gossip",
+                "-l",
+                "INFO",
+                *args,
+            ],
             cwd=cwd,
             env=env,
             stdout=self._log,
@@ -115,7 +128,9 @@ class Cluster:
 
     def _start(self, name: str, args: list[str], env: dict[str, str]) -> Worker:
         worker = Worker(
-            f"{name}{len(self.workers)}", args, {**self.env, **env},
+            f"{name}{len(self.workers)}",
+            args,
+            {**self.env, **env},
             self.workdir / f"{name}{len(self.workers)}.log",
             app=self.app,
             cwd=self.cwd,

@@ -43,7 +43,9 @@ import sqlalchemy as sa  # noqa: E402
 from cluster import TESTS_DIR, Cluster  # noqa: E402
 
 _redis_dbs = itertools.count(1)
-LEDGER_DDL = "CREATE TABLE e2e_ledger (run_id text, node text, attempt int, at timestamptz DEFAULT now())"
+LEDGER_DDL = (
+    "CREATE TABLE e2e_ledger (run_id text, node text, attempt int, at timestamptz DEFAULT now())"
+)
 
 
 @pytest.fixture(scope="session")
@@ -131,6 +133,11 @@ def client_for(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     import sys
 
     def make(cluster: Cluster) -> Any:
+        # The cluster's own settings too: the client registers the definitions, so a step
+        # timeout set for the workers (E2E_ECHO_TIMEOUT...) must be the client's as well.
+        for key, value in cluster.env.items():
+            if key.startswith("E2E_"):
+                monkeypatch.setenv(key, value)
         monkeypatch.setenv("DUCTOR_DATABASE_URL", cluster.database_url)
         monkeypatch.setenv("E2E_BROKER_URL", cluster.broker_url)
         sys.modules.pop("e2e_app", None)

@@ -26,6 +26,7 @@ app.conf.update(
     ductor_resend_unclaimed_after=float(os.environ.get("E2E_RESEND_AFTER", "30")),
     # Fault tests run with eager ticks on and off (E2E_EAGER=1/0); the default is ductor's.
     ductor_eager_ticks=os.environ.get("E2E_EAGER", "1"),
+    ductor_inline_steps=os.environ.get("E2E_INLINE", "50"),
 )
 ductor = Ductor(app)
 
@@ -44,13 +45,16 @@ def _ledger(ctx: StepContext) -> int:
         conn.execute(
             sa.insert(LEDGER).values(run_id=ctx.run_id, node=ctx.node, attempt=ctx.attempt)
         )
-        return int(
-            conn.execute(
-                sa.select(sa.func.count()).select_from(LEDGER).where(
-                    LEDGER.c.run_id == ctx.run_id, LEDGER.c.node == ctx.node
-                )
-            ).scalar_one()
-        ) - 1
+        return (
+            int(
+                conn.execute(
+                    sa.select(sa.func.count())
+                    .select_from(LEDGER)
+                    .where(LEDGER.c.run_id == ctx.run_id, LEDGER.c.node == ctx.node)
+                ).scalar_one()
+            )
+            - 1
+        )
 
 
 @ductor.step(name="e2e.add")
@@ -115,7 +119,7 @@ def big(ctx: StepContext, size: int) -> str:
     return "x" * size
 
 
-@ductor.step(name="e2e.echo")
+@ductor.step(name="e2e.echo", timeout=float(os.environ.get("E2E_ECHO_TIMEOUT", "300")))
 def echo(ctx: StepContext, value: Any = None) -> Any:
     _ledger(ctx)
     return value
@@ -212,8 +216,12 @@ long_steps.step("after", echo, after=["slow_a", "slow_b"], args={"value": 1})
 ductor.register(long_steps)
 
 
-@ductor.step(name="e2e.beating", heartbeat_timeout=1.5, timeout=60.0,
-             retry=RetryPolicy(max_attempts=3, initial_interval=0.1))
+@ductor.step(
+    name="e2e.beating",
+    heartbeat_timeout=1.5,
+    timeout=60.0,
+    retry=RetryPolicy(max_attempts=3, initial_interval=0.1),
+)
 def beating(ctx: StepContext, hang: float) -> str:
     _ledger(ctx)
     ctx.heartbeat({"progress": 0.1, "attempt": ctx.attempt})
@@ -328,8 +336,12 @@ ductor.register(exits_wf)
 # --- issue 10: batched scatter under a SIGKILL ----------------------------------------------
 
 
-@ductor.step(name="e2e.item_pause", heartbeat_timeout=2.5, timeout=60.0,
-             retry=RetryPolicy(max_attempts=3, initial_interval=0.1))
+@ductor.step(
+    name="e2e.item_pause",
+    heartbeat_timeout=2.5,
+    timeout=60.0,
+    retry=RetryPolicy(max_attempts=3, initial_interval=0.1),
+)
 def item_pause(ctx: StepContext, item: int, pause: float) -> int:
     """One item of a batch; the ledger's node is ``<node>[<item index>]``."""
     engine = ductor.runtime.engine()
@@ -344,7 +356,14 @@ def item_pause(ctx: StepContext, item: int, pause: float) -> int:
 
 
 batched = Workflow("e2e_batched")
-batched.scatter("each", item_pause, over="$.input.items", item_arg="item",
-                args={"pause": "$.input.pause"}, batch_size=10, max_parallel=2)
+batched.scatter(
+    "each",
+    item_pause,
+    over="$.input.items",
+    item_arg="item",
+    args={"pause": "$.input.pause"},
+    batch_size=10,
+    max_parallel=2,
+)
 batched.output("$.nodes.each.output")
 ductor.register(batched)

@@ -53,8 +53,8 @@ def reproduce(url: str) -> dict[str, object]:
 
     def timer() -> object:
         with engine.connect() as conn:
-            return conn.execute(sa.text(
-                "SELECT fire_at FROM eec_workflow_timer WHERE run_id = :r"), {"r": run_id}
+            return conn.execute(
+                sa.text("SELECT fire_at FROM eec_workflow_timer WHERE run_id = :r"), {"r": run_id}
             ).scalar_one_or_none()
 
     run_id = ductor.start("repro_early_timer", workflow_id="repro-timer").run_id
@@ -72,13 +72,21 @@ def reproduce(url: str) -> dict[str, object]:
         time.sleep(0.2)
     late = timer()
     with engine.connect() as conn:
-        deadline = conn.execute(sa.text(
-            "SELECT state->'nodes'->'ok'->>'deadline' FROM eec_workflow_run WHERE run_id = :r"),
-            {"r": run_id}).scalar_one()
+        deadline = conn.execute(
+            sa.text(
+                "SELECT state->'nodes'->'ok'->>'deadline' FROM eec_workflow_run WHERE run_id = :r"
+            ),
+            {"r": run_id},
+        ).scalar_one()
     engine.dispose()
-    return {"timer_after_events": early, "timer_after_sweeps": late, "ticks": ticks,
-            "wakes": wakes, "approval_deadline": deadline,
-            "overdue_forever": wakes == 3 and late == early and all(t == "noop" for t in ticks)}
+    return {
+        "timer_after_events": early,
+        "timer_after_sweeps": late,
+        "ticks": ticks,
+        "wakes": wakes,
+        "approval_deadline": deadline,
+        "overdue_forever": wakes == 3 and late == early and all(t == "noop" for t in ticks),
+    }
 
 
 def main() -> int:
@@ -92,9 +100,11 @@ def main() -> int:
     for key, value in found.items():
         print(f"{key}: {value}")
     if found["overdue_forever"]:
-        print("REPRODUCED: the timer row stays at the event set's old deadline; each sweep wakes "
-              "the run again and each tick is a no-op that never moves it, until the approval's "
-              f"deadline {found['approval_deadline']}")
+        print(
+            "REPRODUCED: the timer row stays at the event set's old deadline; each sweep wakes "
+            "the run again and each tick is a no-op that never moves it, until the approval's "
+            f"deadline {found['approval_deadline']}"
+        )
         return 1
     return 0
 

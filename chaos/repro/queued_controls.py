@@ -63,17 +63,33 @@ def reproduce(url: str) -> dict[str, object]:
     finally:
         rt.dispatcher.send = real_send
     with engine.connect() as conn:
-        left = conn.execute(sa.text(
-            "SELECT kind FROM eec_workflow_control WHERE run_id = :r AND handled_at IS NULL "
-            "ORDER BY id"), {"r": run_id}).scalars().all()
-        status = conn.execute(sa.text(
-            "SELECT status FROM eec_workflow_run WHERE run_id = :r"), {"r": run_id}).scalar_one()
+        left = (
+            conn.execute(
+                sa.text(
+                    "SELECT kind FROM eec_workflow_control WHERE run_id = :r AND handled_at IS NULL "
+                    "ORDER BY id"
+                ),
+                {"r": run_id},
+            )
+            .scalars()
+            .all()
+        )
+        status = conn.execute(
+            sa.text("SELECT status FROM eec_workflow_run WHERE run_id = :r"), {"r": run_id}
+        ).scalar_one()
     engine.dispose()
-    self_wakes = [r for r in sent if getattr(r, "kind", None) == "wakeup"
-                  and getattr(r, "run_id", None) == run_id]
-    return {"tick": outcome, "status": status, "unhandled": list(left),
-            "self_wakes": len(self_wakes),
-            "stranded": bool(left) and not self_wakes}
+    self_wakes = [
+        r
+        for r in sent
+        if getattr(r, "kind", None) == "wakeup" and getattr(r, "run_id", None) == run_id
+    ]
+    return {
+        "tick": outcome,
+        "status": status,
+        "unhandled": list(left),
+        "self_wakes": len(self_wakes),
+        "stranded": bool(left) and not self_wakes,
+    }
 
 
 def main() -> int:
@@ -87,9 +103,11 @@ def main() -> int:
     for key, value in found.items():
         print(f"{key}: {value}")
     if found["stranded"]:
-        print(f"REPRODUCED: the tick handled one control and left {len(found['unhandled'])} "  # type: ignore[arg-type]
-              "queued without waking the run for them (each now waits for its own wake-up, or "
-              "for the sweeper: 10 s, then one per 30 s)")
+        print(
+            f"REPRODUCED: the tick handled one control and left {len(found['unhandled'])} "  # type: ignore[arg-type]
+            "queued without waking the run for them (each now waits for its own wake-up, or "
+            "for the sweeper: 10 s, then one per 30 s)"
+        )
         return 1
     return 0
 

@@ -84,15 +84,17 @@ def reproduce(url: str) -> dict[str, object]:
     ticks: dict[str, str] = {}
     coordinator.commit_on = slow_commit
     try:
-        a = threading.Thread(target=lambda: ticks.update(A=coordinator.run_tick(rt, run_id)),
-                             name="tick-A")
+        a = threading.Thread(
+            target=lambda: ticks.update(A=coordinator.run_tick(rt, run_id)), name="tick-A"
+        )
         a.start()
         time.sleep(0.4)
         # A signal arrives while A holds the lock; tick B (its wake-up) waits for the lock.
         ductor.signal("repro-1", "go", {"ok": True}, idempotency_key="go-1")
         time.sleep(0.2)
-        b = threading.Thread(target=lambda: ticks.update(B=coordinator.run_tick(rt, run_id)),
-                             name="tick-B")
+        b = threading.Thread(
+            target=lambda: ticks.update(B=coordinator.run_tick(rt, run_id)), name="tick-B"
+        )
         b.start()
         a.join()
         b.join()
@@ -100,14 +102,21 @@ def reproduce(url: str) -> dict[str, object]:
         coordinator.commit_on = original
 
     with engine.connect() as conn:
-        log = [tuple(r) for r in conn.execute(sa.text(
-            "SELECT seq, node, from_status, to_status, reason FROM eec_workflow_transition "
-            "WHERE run_id = :r ORDER BY seq"), {"r": run_id})]
-        timer = conn.execute(sa.text(
-            "SELECT fire_at FROM eec_workflow_timer WHERE run_id = :r"), {"r": run_id}
+        log = [
+            tuple(r)
+            for r in conn.execute(
+                sa.text(
+                    "SELECT seq, node, from_status, to_status, reason FROM eec_workflow_transition "
+                    "WHERE run_id = :r ORDER BY seq"
+                ),
+                {"r": run_id},
+            )
+        ]
+        timer = conn.execute(
+            sa.text("SELECT fire_at FROM eec_workflow_timer WHERE run_id = :r"), {"r": run_id}
         ).scalar_one_or_none()
-        state = conn.execute(sa.text(
-            "SELECT state FROM eec_workflow_run WHERE run_id = :r"), {"r": run_id}
+        state = conn.execute(
+            sa.text("SELECT state FROM eec_workflow_run WHERE run_id = :r"), {"r": run_id}
         ).scalar_one()
     engine.dispose()
     nap = state["nodes"]["nap"]
@@ -136,15 +145,26 @@ def main() -> int:
     for row in found["log"]:  # type: ignore[attr-defined]
         print("  ", row)
     nap = found["nap"]
-    print("nap:", nap.get("status"), "deadline", nap.get("deadline"),  # type: ignore[union-attr]
-          "| timer row:", found["timer"])
+    print(
+        "nap:",
+        nap.get("status"),
+        "deadline",
+        nap.get("deadline"),  # type: ignore[union-attr]
+        "| timer row:",
+        found["timer"],
+    )
     if found["double_fold"]:
-        print(f"REPRODUCED: {found['token']} was applied by tick A and handed again to tick B, "
-              "which logged it as a stale result")
+        print(
+            f"REPRODUCED: {found['token']} was applied by tick A and handed again to tick B, "
+            "which logged it as a stale result"
+        )
     if found["lost_timer"]:
-        print("REPRODUCED: the run sleeps until", nap.get("deadline"),  # type: ignore[union-attr]
-              "but has no timer row: nothing will ever wake it (tick B read the timer row "
-              "tick A deleted)")
+        print(
+            "REPRODUCED: the run sleeps until",
+            nap.get("deadline"),  # type: ignore[union-attr]
+            "but has no timer row: nothing will ever wake it (tick B read the timer row "
+            "tick A deleted)",
+        )
     return 1 if (found["double_fold"] or found["lost_timer"]) else 0
 
 

@@ -237,7 +237,6 @@ NodeSpec = Annotated[
     | EventSetNodeSpec,
     Field(discriminator="kind"),
 ]
-PARKED_KINDS = frozenset({"sleep", "wait_signal", "approval", "event_set"})
 CHILD_KINDS = frozenset({"subworkflow", "child_scatter"})
 
 #: The signal name an approval decision for ``node`` travels under.

@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from .state import RunState
-from .status import NodeStatus, RunStatus
+from .status import RunStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +218,3 @@ class TickPayload:
     @property
     def status(self) -> RunStatus:
         return self.state.status
-
-    def node_status(self, node: str) -> NodeStatus:
-        return self.state.nodes[node].status

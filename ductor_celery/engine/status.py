@@ -41,8 +41,6 @@ OPEN_RUN_STATUSES: frozenset[RunStatus] = frozenset(RunStatus) - TERMINAL_RUN_ST
 FINISHED_NODE_STATUSES: frozenset[NodeStatus] = frozenset(
     {NodeStatus.SUCCEEDED, NodeStatus.FAILED, NodeStatus.SKIPPED, NodeStatus.CANCELLED}
 )
-#: Node statuses with something in flight.
-ACTIVE_NODE_STATUSES: frozenset[NodeStatus] = frozenset({NodeStatus.RUNNING, NodeStatus.WAITING})
 
 NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
     NodeStatus.PENDING: frozenset(
@@ -58,27 +56,3 @@ NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
     NodeStatus.SKIPPED: frozenset(),
     NodeStatus.CANCELLED: frozenset(),
 }
-
-RUN_TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
-    RunStatus.PENDING: frozenset({RunStatus.RUNNING}),
-    RunStatus.RUNNING: frozenset(
-        {
-            RunStatus.SUCCEEDED,
-            RunStatus.FAILED,
-            RunStatus.PAUSED,
-            RunStatus.CANCELLED,
-            RunStatus.TERMINATED,
-            RunStatus.CONTINUED,
-        }
-    ),
-    RunStatus.PAUSED: frozenset({RunStatus.RUNNING, RunStatus.CANCELLED, RunStatus.TERMINATED}),
-    RunStatus.SUCCEEDED: frozenset(),
-    RunStatus.FAILED: frozenset(),
-    RunStatus.CANCELLED: frozenset(),
-    RunStatus.TERMINATED: frozenset(),
-    RunStatus.CONTINUED: frozenset(),
-}
-
-
-def node_transition_allowed(old: NodeStatus, new: NodeStatus) -> bool:
-    return new in NODE_TRANSITIONS[old]

@@ -18,14 +18,15 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..engine import compute_tick
 from ..store import wakes
 from ..store.db import with_retry
-from ..store.load import RunBusy, load_on
+from ..store.load import LoadedRun, RunBusy, load_on
 from ..store.outbox import OutboxRow
 from ..store.ticks import (
+    TickClaim,
     VersionConflict,
     WorkflowIdTaken,
     commit_on,
@@ -66,13 +67,29 @@ TICK_STATS = TickStats()
 Prelude = Callable[["Connection"], bool]
 
 
+class Keeper(Protocol):
+    """The step worker running an eager tick, which may run one of its new attempts itself
+    (runtime/inline.py)."""
+
+    def choose(self, loaded: LoadedRun, payload: TickPayload) -> TickClaim | None:
+        """Before the commit: the new attempt to claim in it, if any."""
+
+    def committed(self) -> None:
+        """After the commit: the attempt last chosen is this worker's to run."""
+
+
 class PreludeRefused(Exception):
     """The prelude wrote nothing (the attempt was closed or leased): no tick was run, and the
     caller takes its ordinary path."""
 
 
 def run_tick(
-    rt: Runtime, run_id: str, *, eager: bool = False, prelude: Prelude | None = None
+    rt: Runtime,
+    run_id: str,
+    *,
+    eager: bool = False,
+    prelude: Prelude | None = None,
+    keep: Keeper | None = None,
 ) -> str:
     """One tick of one run. Returns "missing", "noop", "committed" or "conflict"; with
     ``eager``, "busy" when another tick holds the run's lock (the caller then wakes the
@@ -87,6 +104,11 @@ def run_tick(
     writer of the run row. It is committed even when the run is busy ("busy": the write alone);
     it is rolled back with the tick on a conflict and written again by the recomputed tick;
     "conflict" (given up) means it was not written.
+
+    ``keep`` (eager ticks only): may choose one of the tick's new attempts, which the commit
+    then inserts as claimed by the step worker running the tick, with no step message: that
+    worker runs it next (``ductor_inline_steps``, runtime/inline.py). If it dies first, the
+    claimed attempt is retried by its step timeout, as after any worker lost mid-step.
     """
     engine = rt.engine()
     if not eager:
@@ -95,7 +117,8 @@ def run_tick(
     for _ in range(MAX_CONFLICT_RETRIES):
         try:
             outcome, payload, outbox = with_retry(
-                functools.partial(_load_compute_commit, rt, run_id, eager, prelude), what="tick"
+                functools.partial(_load_compute_commit, rt, run_id, eager, prelude, keep),
+                what="tick",
             )
         except VersionConflict as conflict:
             TICK_STATS.conflicts += 1
@@ -112,6 +135,8 @@ def run_tick(
         rt.failpoint(
             "eager_after_commit_before_dispatch" if eager else "after_commit_before_dispatch"
         )
+        if keep is not None:
+            keep.committed()
         if outbox:
             rt.dispatcher.send(outbox)
             # Off the critical path: deleted in batches by a background thread. A row this
@@ -127,7 +152,11 @@ class _Rejected(Exception):
 
 
 def _load_compute_commit(
-    rt: Runtime, run_id: str, eager: bool = False, prelude: Prelude | None = None
+    rt: Runtime,
+    run_id: str,
+    eager: bool = False,
+    prelude: Prelude | None = None,
+    keep: Keeper | None = None,
 ) -> tuple[str, TickPayload | None, list[OutboxRow]]:
     engine = rt.engine()
     config = rt.settings.engine_config()
@@ -152,7 +181,8 @@ def _load_compute_commit(
                 refresh_stale_timer(conn, loaded, payload.next_wake_at)
                 return "noop", payload, []
             rt.failpoint("before_commit")
-            return "committed", payload, commit_on(conn, loaded, payload)
+            claim = None if keep is None else keep.choose(loaded, payload)
+            return "committed", payload, commit_on(conn, loaded, payload, claim)
     except WorkflowIdTaken:
         # A redrive reopening the run while another run of its workflow id is open (the client
         # checked, but a start raced it): refuse the redrive, keep the run as it is.

@@ -30,6 +30,7 @@ class Runtime:
         self.settings = settings
         self.dispatcher = Dispatcher(app, settings.steps_queue, settings.coord_queue)
         self._specs: dict[str, WorkflowSpec] = {}
+        self._steps: dict[str, Step] = {}
         self._specs_lock = threading.Lock()
         self._schema_ready = False
         self.failpoint = failpoint
@@ -96,7 +97,10 @@ class Runtime:
         rt = self
 
         def run(task: Any, token: str) -> str:
-            return execute_attempt(rt, step, token, hostname=task.request.hostname)
+            request = task.request
+            return execute_attempt(
+                rt, step, token, hostname=request.hostname, queue=_delivered_from(request)
+            )
 
         # Celery compiles a signature checker named after the task function with exec
         # (celery.utils.functional.head_from_fun), when the app is finalized: a name that is
@@ -122,4 +126,18 @@ class Runtime:
             shared=False,
         )(run)
         step.task = task
+        self._steps[step.name] = step
         return task
+
+    def step_named(self, name: str) -> Step | None:
+        """The step registered under a task name in this process (inline steps run only
+        what this worker could have run from a message)."""
+        return self._steps.get(name)
+
+
+def _delivered_from(request: Any) -> str | None:
+    """The queue a step message came from: its routing key, which is the queue's name for
+    the queues ductor declares (a message run eagerly or by hand has none)."""
+    info = getattr(request, "delivery_info", None) or {}
+    key = info.get("routing_key")
+    return key if isinstance(key, str) and key else None

@@ -20,7 +20,8 @@ from ..store import attempts, wakes
 from ..store.db import ValuesRefused, with_retry
 from ..store.outbox import OutboxRow
 from . import batch
-from .coordinator import PreludeRefused, run_tick
+from .coordinator import Keeper, PreludeRefused, run_tick
+from .inline import InlineChain, TaskEvents
 from .outbox_janitor import sent_outbox
 
 if TYPE_CHECKING:
@@ -252,17 +253,22 @@ def _invalid(problem: str) -> _Outcome:
     return _Outcome("failed", error=error, retryable=False)
 
 
-def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = None) -> str:
+def execute_attempt(
+    rt: Runtime, step: Step, token: str, hostname: str | None = None, queue: str | None = None
+) -> str:
     """Claim, run, record, wake. Returns what happened (for logs and tests).
 
     Whatever the step does (raises anything, returns anything), its attempt's outcome is
     written before this returns: an attempt left open keeps its node waiting for the whole
     step timeout. ``KeyboardInterrupt`` and ``SystemExit`` are re-raised once it is written,
     as Celery's tracer does, so the process still stops or is replaced.
+
+    ``queue``: the queue the message came from. A step the tick then starts on that same
+    queue may run here next, claimed in the tick's commit, with no message (runtime/inline.py).
     """
     engine = rt.engine()
+    chain = InlineChain.start(rt, queue, lambda: worker_identity(hostname))
     me = worker_identity(hostname)
-    limit = rt.settings.max_payload_bytes
     claimed = with_retry(
         lambda: attempts.claim(engine, token, me, step=step.name), what="claim attempt"
     )
@@ -279,14 +285,35 @@ def execute_attempt(rt: Runtime, step: Step, token: str, hostname: str | None = 
     if claimed is None:
         log.info("attempt %s already claimed or closed; message ignored", token)
         return "duplicate"
+    outcome = _run_claimed(rt, engine, step, claimed, me, chain)
+    while chain is not None and (kept := chain.pop()) is not None:
+        next_claimed, next_step, next_me = kept
+        events = TaskEvents(rt.app, hostname, next_claimed)
+        events.started()
+        events.finished(_run_claimed(rt, engine, next_step, next_claimed, next_me, chain))
+    return outcome
+
+
+def _run_claimed(
+    rt: Runtime,
+    engine: Any,
+    step: Step,
+    claimed: attempts.ClaimedAttempt,
+    me: str,
+    chain: InlineChain | None,
+) -> str:
+    """Run a claimed attempt and make sure a tick folds its outcome; the outcome."""
+    limit = rt.settings.max_payload_bytes
     if batch.is_batch(claimed.args, BATCH_ARG):
         result, interrupt = _run_batch(engine, step, claimed, me, limit)
     else:
         read_input = _input_reader(engine, claimed.run_id)
         ctx = _context(engine, claimed, claimed.branch, read_input, limit)
-        result, interrupt = _run(step, ctx, claimed.args, token, limit)
+        result, interrupt = _run(step, ctx, claimed.args, claimed.token, limit)
+    # A process about to stop takes no next step (it would be left claimed until its timeout).
+    keep = None if interrupt is not None else chain
     try:
-        outcome = _record_and_advance(rt, engine, step, token, claimed.run_id, result)
+        outcome = _record_and_advance(rt, engine, step, claimed.token, claimed.run_id, result, keep)
     finally:
         if interrupt is not None:
             raise interrupt
@@ -372,7 +399,13 @@ def _run_batch(
 
 
 def _record_and_advance(
-    rt: Runtime, engine: Any, step: Step, token: str, run_id: str, result: _Outcome
+    rt: Runtime,
+    engine: Any,
+    step: Step,
+    token: str,
+    run_id: str,
+    result: _Outcome,
+    keep: Keeper | None = None,
 ) -> str:
     """Write the outcome, then make sure a tick folds it.
 
@@ -380,10 +413,13 @@ def _record_and_advance(
     eager tick's own transaction (one commit for both; ``run_tick``'s prelude). Anything
     unusual (the attempt closed meanwhile, values the database refuses, a tick that fails)
     falls back to the ordinary path: write the outcome alone, then tick or wake.
+
+    ``keep``: handed to the eager tick (runtime/inline.py), which may claim one of the steps
+    it starts for this worker to run next.
     """
     if rt.settings.eager_ticks and step.concurrency is None and attempts.finishes_in_tick(engine):
         try:
-            tick = run_tick(rt, run_id, eager=True, prelude=_prelude(token, result))
+            tick = run_tick(rt, run_id, eager=True, prelude=_prelude(token, result), keep=keep)
         except PreludeRefused:
             tick = None
         except Exception as exc:  # noqa: BLE001 - the ordinary path below still writes it
@@ -395,7 +431,7 @@ def _record_and_advance(
             _wake_coordinator(rt, engine, run_id)
             return result.outcome
     outcome = _record(rt, engine, step, token, result)
-    _advance_run(rt, engine, run_id)
+    _advance_run(rt, engine, run_id, keep)
     return outcome
 
 
@@ -411,7 +447,7 @@ def _prelude(token: str, result: _Outcome) -> Callable[[Any], bool]:
     )
 
 
-def _advance_run(rt: Runtime, engine: Any, run_id: str) -> None:
+def _advance_run(rt: Runtime, engine: Any, run_id: str, keep: Keeper | None = None) -> None:
     """Make sure a tick folds the outcome just written.
 
     Eager (``ductor_eager_ticks``): run the run's tick here and now, if no other tick holds the
@@ -421,7 +457,7 @@ def _advance_run(rt: Runtime, engine: Any, run_id: str) -> None:
     """
     if rt.settings.eager_ticks:
         try:
-            if run_tick(rt, run_id, eager=True) in ("committed", "noop", "missing"):
+            if run_tick(rt, run_id, eager=True, keep=keep) in ("committed", "noop", "missing"):
                 return
         except Exception as exc:  # noqa: BLE001 - the coordinator can always do it instead
             log.warning("eager tick of run %s failed (%s); waking the coordinator", run_id, exc)

@@ -74,17 +74,6 @@ def _exists(table: sa.Table, *where: Any) -> Any:
     return sa.exists(sa.select(sa.literal(1)).select_from(table).where(*where))
 
 
-def load_tick(
-    engine: Engine,
-    run_id: str,
-    spec_for: Callable[[str], WorkflowSpec],
-    config: EngineConfig,
-) -> tuple[LoadedRun, WorkflowSpec, TickInputs] | None:
-    """Read everything one tick needs on a connection of its own. None: no such run."""
-    with engine.connect() as conn:
-        return load_on(conn, run_id, lambda spec_hash, _conn: spec_for(spec_hash), config)
-
-
 class RunBusy(Exception):
     """Another tick holds the run's lock (only raised when asked not to wait for it)."""
 

@@ -56,7 +56,3 @@ def current_revision(engine: Engine) -> str | None:
 
 def head_revision(url: str) -> str | None:
     return ScriptDirectory.from_config(alembic_config(url)).get_current_head()
-
-
-def is_up_to_date(url: str) -> bool:
-    return current_revision(get_engine(url)) == head_revision(url)

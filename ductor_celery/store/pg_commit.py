@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import functools
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Connection
 
 from ..engine import TickPayload
 from .schema import dumps_json
+
+if TYPE_CHECKING:
+    from .ticks import TickClaim
 
 #: Run-row columns holding JSON (cast from the text ``dumps_json`` makes).
 _JSON_RUN_COLUMNS = frozenset({"state", "output", "error"})
@@ -58,13 +61,15 @@ WITH run_update AS (
 ), attempts AS (
     INSERT INTO eec_workflow_step_attempt
         (token, run_id, node, branch, generation, attempt, step, queue, args, timeout,
-         created_at, folded)
+         created_at, folded, claimed_at, claimed_by)
     SELECT a.token, %(run_id)s, a.node, a.branch, a.generation, a.attempt, a.step, a.queue,
-           a.args::jsonb, a.timeout, %(now)s, false
+           a.args::jsonb, a.timeout, %(now)s, false,
+           CASE WHEN a.claimed_by IS NULL THEN NULL ELSE %(now)s END, a.claimed_by
     FROM unnest(%(a_token)s::varchar[], %(a_node)s::varchar[], %(a_branch)s::int[],
                 %(a_generation)s::int[], %(a_attempt)s::int[], %(a_step)s::varchar[],
-                %(a_queue)s::varchar[], %(a_args)s::text[], %(a_timeout)s::float8[])
-         AS a(token, node, branch, generation, attempt, step, queue, args, timeout)
+                %(a_queue)s::varchar[], %(a_args)s::text[], %(a_timeout)s::float8[],
+                %(a_claimed_by)s::varchar[])
+         AS a(token, node, branch, generation, attempt, step, queue, args, timeout, claimed_by)
     WHERE EXISTS (SELECT 1 FROM run_update)
 ), transitions AS (
     INSERT INTO eec_workflow_transition (run_id, seq, node, from_status, to_status, reason, at)
@@ -98,8 +103,10 @@ def commit(
     transitions: list[dict[str, Any]],
     outbox: list[dict[str, Any]],
     now: datetime,
+    claim: TickClaim | None = None,
 ) -> tuple[bool, list[int]]:
-    """Run the five writes; (whether the run update matched, the outbox ids in row order)."""
+    """Run the five writes; (whether the run update matched, the outbox ids in row order).
+    ``claim``: that new attempt is inserted claimed by its worker (runtime/inline.py)."""
     columns = tuple(sorted(run_values))
     params: dict[str, Any] = {
         "run_id": run_id,
@@ -121,6 +128,9 @@ def commit(
         a_queue=[a.queue for a in new],
         a_args=[dumps_json(a.args) for a in new],
         a_timeout=[float(a.timeout) for a in new],
+        a_claimed_by=[
+            claim.worker if claim is not None and a.token == claim.token else None for a in new
+        ],
         t_seq=[t["seq"] for t in transitions],
         t_node=[t["node"] for t in transitions],
         t_from=[t["from_status"] for t in transitions],

@@ -1,12 +1,13 @@
 """The coordinator's side of the store: commit a tick's payload (``load.py`` reads the run).
 
-``commit_tick`` is the only code that updates ``eec_workflow_run`` after its insert, and it
+``commit_on`` is the only code that updates ``eec_workflow_run`` after its insert, and it
 always does so ``WHERE record_version = :expected``.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -40,14 +41,17 @@ from .schema import (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class TickClaim:
+    """One of the tick's new attempts, claimed in the tick's own commit by the step worker
+    running the tick, which runs it next (runtime/inline.py): it gets no outbox row."""
+
+    token: str
+    worker: str
+
+
 class VersionConflict(Exception):
     """Someone else committed this run (or an attempt changed) since we loaded it."""
-
-
-def commit_tick(engine: Engine, loaded: LoadedRun, payload: TickPayload) -> list[OutboxRow]:
-    """Write the payload in one transaction, or raise VersionConflict and write nothing."""
-    with engine.begin() as conn:
-        return commit_on(conn, loaded, payload)
 
 
 class WorkflowIdTaken(Exception):
@@ -55,18 +59,22 @@ class WorkflowIdTaken(Exception):
     raced the client's check): the database's unique index refused it; roll back."""
 
 
-def commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list[OutboxRow]:
+def commit_on(
+    conn: Connection, loaded: LoadedRun, payload: TickPayload, claim: TickClaim | None = None
+) -> list[OutboxRow]:
     """Write the payload in the caller's transaction; ``VersionConflict`` and
-    ``WorkflowIdTaken`` mean roll it back."""
+    ``WorkflowIdTaken`` mean roll it back. ``claim``: a new attempt inserted as claimed."""
     try:
-        return _commit_on(conn, loaded, payload)
+        return _commit_on(conn, loaded, payload, claim)
     except IntegrityError as exc:
         if payload.reopened:
             raise WorkflowIdTaken(loaded.workflow_id) from exc
         raise
 
 
-def _commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> list[OutboxRow]:
+def _commit_on(
+    conn: Connection, loaded: LoadedRun, payload: TickPayload, claim: TickClaim | None
+) -> list[OutboxRow]:
     now = loaded.now
     state = payload.state
     finished = state.status in TERMINAL_RUN_STATUSES
@@ -84,9 +92,9 @@ def _commit_on(conn: Connection, loaded: LoadedRun, payload: TickPayload) -> lis
     if payload.successor is not None:
         values["continued_to"] = payload.successor.run_id
     if is_postgres(conn.engine) and pg_commit.eligible(payload):
-        outbox = _commit_in_one_statement(conn, loaded, payload, values, now)
+        outbox = _commit_in_one_statement(conn, loaded, payload, values, now, claim)
     else:
-        outbox = _commit_core(conn, loaded, payload, values, now)
+        outbox = _commit_core(conn, loaded, payload, values, now, claim)
 
     for applied in payload.applied_signals:
         res = conn.execute(
@@ -167,9 +175,13 @@ def _transition_rows(loaded: LoadedRun, payload: TickPayload) -> list[dict[str, 
     ]
 
 
+def _unsent(claim: TickClaim | None) -> set[str]:
+    return set() if claim is None else {claim.token}
+
+
 def _outbox_intents(payload: TickPayload, waiting: set[str]) -> list[dict[str, Any]]:
     # A step message for an attempt still waiting for its lease is not sent: the release that
-    # hands it a slot sends it.
+    # hands it a slot sends it. Nor is one for the attempt the tick's worker claimed.
     return [
         wakeup_intent(d.run_id)
         if d.kind == "wakeup"
@@ -185,9 +197,10 @@ def _commit_in_one_statement(
     payload: TickPayload,
     values: dict[str, Any],
     now: datetime,
+    claim: TickClaim | None,
 ) -> list[OutboxRow]:
     """The common tick's writes in one round trip (store/pg_commit.py)."""
-    intents = _outbox_intents(payload, set())
+    intents = _outbox_intents(payload, _unsent(claim))
     matched, ids = pg_commit.commit(
         conn,
         run_id=loaded.run_id,
@@ -197,6 +210,7 @@ def _commit_in_one_statement(
         transitions=_transition_rows(loaded, payload),
         outbox=intents,
         now=now,
+        claim=claim,
     )
     if not matched:
         raise VersionConflict(loaded.run_id)
@@ -219,6 +233,7 @@ def _commit_core(
     payload: TickPayload,
     values: dict[str, Any],
     now: datetime,
+    claim: TickClaim | None,
 ) -> list[OutboxRow]:
     """The run update and the writes that come with it, one statement each, in the order
     the lease rules need (every key locked before an attempt row is touched)."""
@@ -260,11 +275,11 @@ def _commit_core(
 
     waiting: set[str] = set()
     if payload.new_attempts:
-        waiting = _insert_attempts(conn, loaded, payload, prior, now)
+        waiting = _insert_attempts(conn, loaded, payload, prior, now, claim)
 
     if payload.transitions:
         conn.execute(sa.insert(workflow_transition), _transition_rows(loaded, payload))
-    outbox = insert_outbox(conn, _outbox_intents(payload, waiting), now)
+    outbox = insert_outbox(conn, _outbox_intents(payload, waiting | _unsent(claim)), now)
     if released_keys:
         outbox.extend(leases.release(conn, closed_tokens, now))
 
@@ -509,7 +524,12 @@ def _lease_keys(payload: TickPayload, prior: dict[str, Any]) -> list[tuple[Any, 
 
 
 def _insert_attempts(
-    conn: Connection, loaded: LoadedRun, payload: TickPayload, prior: dict[str, Any], now: datetime
+    conn: Connection,
+    loaded: LoadedRun,
+    payload: TickPayload,
+    prior: dict[str, Any],
+    now: datetime,
+    claim: TickClaim | None = None,
 ) -> set[str]:
     """Insert the tick's new attempts and ask for their leases (the caller holds the keys'
     locks). Returns the tokens that wait for a lease. A retry copies its first attempt's
@@ -520,6 +540,7 @@ def _insert_attempts(
         source = prior.get(a.args_from) if a.args_from else None
         args = (source.args if source is not None else {}) if a.args_from else a.args
         limit = (a.lease_limit or 1) if lease_key else None
+        claimed_by = claim.worker if claim is not None and claim.token == a.token else None
         rows.append(
             {
                 "token": a.token,
@@ -536,6 +557,8 @@ def _insert_attempts(
                 "folded": False,
                 "lease_key": lease_key,
                 "lease_limit": limit,
+                "claimed_at": None if claimed_by is None else now,
+                "claimed_by": claimed_by,
             }
         )
         if lease_key:

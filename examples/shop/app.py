@@ -1,9 +1,10 @@
-"""The shop example: an order workflow on PostgreSQL and Redis with real Celery workers.
+r"""The shop example: an order workflow on PostgreSQL and Redis with real Celery workers.
 
-    ductor -A examples.shop.app migrate
-    celery -A examples.shop.app worker -Q ductor-steps -c 4
-    celery -A examples.shop.app worker -Q ductor-coord -c 1
-    ductor -A examples.shop.app start order --input '{"order": {"id": 7, "total": 1250, "items": ["mug"]}}' --wait
+ductor -A examples.shop.app migrate
+celery -A examples.shop.app worker -Q ductor-steps -c 4
+celery -A examples.shop.app worker -Q ductor-coord -c 1
+ductor -A examples.shop.app start order --wait \
+    --input '{"order": {"id": 7, "total": 1250, "items": ["mug"]}}'
 """
 
 from __future__ import annotations
@@ -36,8 +37,13 @@ def reserve(ctx: StepContext, order: dict[str, Any]) -> dict[str, Any]:
 
 @ductor.step(
     name="shop.charge",
-    retry=RetryPolicy(max_attempts=5, initial_interval=1.0, backoff=2.0, max_interval=30.0,
-                      non_retryable=(ValueError,)),
+    retry=RetryPolicy(
+        max_attempts=5,
+        initial_interval=1.0,
+        backoff=2.0,
+        max_interval=30.0,
+        non_retryable=(ValueError,),
+    ),
     timeout=30.0,
 )
 def charge(ctx: StepContext, amount: int) -> dict[str, Any]:
@@ -73,8 +79,13 @@ order.step("reserve", reserve, args={"order": "$.input.order"})
 order.step("charge", charge, after=["reserve"], args={"amount": "$.input.order.total"})
 order.step("pack", pack, after=["reserve"], args={"items": "$.input.order.items"})
 order.scatter("pick", pick, over="$.input.order.items", after=["reserve"], max_parallel=8)
-order.step("gift_wrap", gift_wrap, after=["pack"], args={"boxes": "$.nodes.pack.output.boxes"},
-           when="$.input.order.gift")
+order.step(
+    "gift_wrap",
+    gift_wrap,
+    after=["pack"],
+    args={"boxes": "$.nodes.pack.output.boxes"},
+    when="$.input.order.gift",
+)
 order.step(
     "ship",
     ship,

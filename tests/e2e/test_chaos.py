@@ -34,8 +34,18 @@ def chaos_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("chaos")
     report = out / "report.json"
     proc = subprocess.run(
-        [sys.executable, str(CHAOS / "run.py"), "--minutes", str(MINUTES), "--seed", str(SEED),
-         "--report", str(report), "--workdir", str(out / "work")],
+        [
+            sys.executable,
+            str(CHAOS / "run.py"),
+            "--minutes",
+            str(MINUTES),
+            "--seed",
+            str(SEED),
+            "--report",
+            str(report),
+            "--workdir",
+            str(out / "work"),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -43,8 +53,10 @@ def chaos_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         check=False,
     )
     if not report.exists():
-        pytest.fail(f"scripts/chaos wrote no report (exit {proc.returncode}):\n"
-                    f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        pytest.fail(
+            f"scripts/chaos wrote no report (exit {proc.returncode}):\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     data: dict[str, Any] = json.loads(report.read_text())
     data["_exit"] = proc.returncode
     data["_stdout"] = proc.stdout

@@ -87,9 +87,7 @@ def test_cancelling_the_parent_applies_the_parent_close_policy(
 
 def test_child_run_scatter_gathers_child_outputs_with_tolerated_failures(ductor: Any) -> None:
     groups = [[1, 2], [3], [4, 5, 6], [], [7]]
-    parent = ductor.start(
-        "e2e_child_scatter", input={"groups": groups, "refuse": [3]}
-    )
+    parent = ductor.start("e2e_child_scatter", input={"groups": groups, "refuse": [3]})
     view = ductor.wait(parent.run_id, timeout=90)
     assert view.status == RunStatus.SUCCEEDED, view.error
     out = view.output
@@ -110,5 +108,7 @@ def test_one_child_failure_too_many_fails_the_child_scatter(ductor: Any) -> None
     # children still open when the scatter failed were closed by the default policy
     for kid in _children(ductor, parent.run_id):
         assert ductor.wait(kid.run_id, timeout=30).status in (
-            RunStatus.FAILED, RunStatus.TERMINATED, RunStatus.SUCCEEDED,
+            RunStatus.FAILED,
+            RunStatus.TERMINATED,
+            RunStatus.SUCCEEDED,
         )

@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 import pytest
-
 from cluster import TESTS_DIR
 
 pytestmark = pytest.mark.e2e
@@ -19,7 +18,12 @@ pytestmark = pytest.mark.e2e
 def _run(cluster: Any, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(cluster.env)
     return subprocess.run(
-        list(args), cwd=TESTS_DIR, env=env, capture_output=True, text=True, timeout=120,
+        list(args),
+        cwd=TESTS_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
         check=False,
     )
 
@@ -31,8 +35,16 @@ def _ductor(cluster: Any, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_start_wait_show_and_runs(shared_cluster: Any) -> None:
     started = _ductor(
-        shared_cluster, "start", "diamond", "--input", '{"x": 2}', "--workflow-id", "cli-1",
-        "--wait", "--timeout", "60",
+        shared_cluster,
+        "start",
+        "diamond",
+        "--input",
+        '{"x": 2}',
+        "--workflow-id",
+        "cli-1",
+        "--wait",
+        "--timeout",
+        "60",
     )
     assert started.returncode == 0, started.stderr
     handle = json.loads(started.stdout.splitlines()[0])
@@ -127,12 +139,21 @@ def test_signal_approve_and_controls_from_the_command_line(shared_cluster: Any) 
             break
         time.sleep(0.1)  # the pause is applied by the coordinator, not by the client
     assert resumed is not None and resumed.returncode == 0, resumed.stderr
-    approved = _ductor(shared_cluster, "approve", "cli-kyc", "review", "--by", "ops",
-                       "--comment", "fine")
+    approved = _ductor(
+        shared_cluster, "approve", "cli-kyc", "review", "--by", "ops", "--comment", "fine"
+    )
     assert approved.returncode == 0, approved.stderr
     for event in ("id_ok", "address_ok"):
-        sent = _ductor(shared_cluster, "signal", "cli-kyc", event, "--payload", '{"ok": true}',
-                       "--idempotency-key", event)
+        sent = _ductor(
+            shared_cluster,
+            "signal",
+            "cli-kyc",
+            event,
+            "--payload",
+            '{"ok": true}',
+            "--idempotency-key",
+            event,
+        )
         assert sent.returncode == 0 and "signal_id" in sent.stdout
     bad = _ductor(shared_cluster, "signal", "cli-kyc", "x", "--payload", "{nope")
     assert bad.returncode == 1 and "--payload is not valid JSON" in bad.stderr

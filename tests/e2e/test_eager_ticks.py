@@ -24,11 +24,14 @@ def _wait_for_file(path: Path, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["inline-off", "inline-on"])
 def test_a_step_worker_killed_after_its_eager_commit_and_before_dispatch_loses_nothing(
-    cluster_factory: Any, client_for: Any, tmp_path: Path
+    cluster_factory: Any, client_for: Any, tmp_path: Path, inline: bool
 ) -> None:
     fired = tmp_path / "eager-failpoint-fired"
-    cluster = cluster_factory(E2E_EAGER="1")
+    cluster = cluster_factory(
+        E2E_EAGER="1", E2E_INLINE="50" if inline else "0", E2E_ECHO_TIMEOUT="3"
+    )
     cluster.start_coordinator()
     cluster.start_steps(
         concurrency=1,
@@ -38,15 +41,23 @@ def test_a_step_worker_killed_after_its_eager_commit_and_before_dispatch_loses_n
     ductor = client_for(cluster)
     handle = ductor.start("chain10", input={"value": 5})
     _wait_for_file(fired)
-    # The pool child died between its eager tick's commit and sending the next step: the
-    # outbox row is what is left, and the sweeper relays it.
     view = ductor.wait(handle.run_id, timeout=60)
     assert view.status == RunStatus.SUCCEEDED, cluster.logs()
     assert view.output == 5
-    assert cluster.executions(handle.run_id) == 10
+    assert cluster.executions(handle.run_id) == 10  # no step ran twice
     attempts = cluster.attempts(handle.run_id)
-    assert all(a.outcome == "succeeded" and a.folded for a in attempts)
-    assert len(attempts) == 10
+    assert all(a.folded for a in attempts)
+    if not inline:
+        # The pool child died between its eager tick's commit and sending the next step: the
+        # outbox row is what is left, and the sweeper relays it.
+        assert [a.outcome for a in attempts] == ["succeeded"] * 10
+        return
+    # Inline: that commit claimed the next step for the dying child itself (no outbox row, no
+    # message). Claimed and never run, it is retried after its 3 s timeout, as after any
+    # worker lost mid-step; the attempt that never ran is the only extra row.
+    assert sorted(a.outcome for a in attempts) == ["succeeded"] * 10 + ["timed_out"]
+    [lost] = [a for a in attempts if a.outcome == "timed_out"]
+    assert lost.claimed_at is not None
 
 
 def test_eager_ticks_advance_a_chain_with_the_coordinator_gone(

@@ -9,7 +9,6 @@ import sys
 from typing import Any
 
 import pytest
-
 from cluster import ROOT_DIR
 
 pytestmark = pytest.mark.e2e
@@ -18,8 +17,13 @@ pytestmark = pytest.mark.e2e
 def _ductor(cluster: Any, *args: str) -> subprocess.CompletedProcess[str]:
     exe = os.path.join(os.path.dirname(sys.executable), "ductor")
     return subprocess.run(
-        [exe, "-A", "examples.shop.app", *args], cwd=ROOT_DIR, env=cluster.env,
-        capture_output=True, text=True, timeout=120, check=False,
+        [exe, "-A", "examples.shop.app", *args],
+        cwd=ROOT_DIR,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 
@@ -33,16 +37,25 @@ def test_the_shop_example_runs_as_its_readme_says(cluster_factory: Any, pg_serve
     cluster.start_steps(concurrency=2)
     cluster.start_coordinator()
     order = {"order": {"id": 7, "total": 1250, "items": ["mug", "lamp"], "gift": True}}
-    result = _ductor(cluster, "start", "order", "--wait", "--timeout", "60",
-                     "--input", json.dumps(order))
+    result = _ductor(
+        cluster, "start", "order", "--wait", "--timeout", "60", "--input", json.dumps(order)
+    )
     assert result.returncode == 0, result.stderr + cluster.logs()
     view = json.loads(result.stdout.splitlines()[1])
     assert view["status"] == "succeeded"
     assert view["output"]["tracking"].startswith("TRK-")
     assert view["nodes"]["gift_wrap"]["output"] == "1 boxes wrapped"
     assert view["output"]["picked"] == ["picked mug (#0)", "picked lamp (#1)"]
-    no_items = _ductor(cluster, "start", "order", "--wait", "--timeout", "60",
-                       "--input", json.dumps({"order": {"id": 8, "total": 5, "items": []}}))
+    no_items = _ductor(
+        cluster,
+        "start",
+        "order",
+        "--wait",
+        "--timeout",
+        "60",
+        "--input",
+        json.dumps({"order": {"id": 8, "total": 5, "items": []}}),
+    )
     assert no_items.returncode == 2  # the run failed: reserve raised NonRetryableError
     failed = json.loads(no_items.stdout.splitlines()[1])
     assert failed["status"] == "failed" and failed["nodes"]["reserve"]["attempts"] == 1

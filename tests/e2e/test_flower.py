@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from cluster import TESTS_DIR
 from servers import free_port
 
@@ -32,8 +31,16 @@ def test_flower_lists_step_and_tick_tasks_by_name(
     port = free_port()
     log = open(tmp_path / "flower.log", "wb")  # noqa: SIM115
     flower = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "e2e_app", "flower", f"--port={port}",
-         "--address=127.0.0.1"],
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "e2e_app",
+            "flower",
+            f"--port={port}",
+            "--address=127.0.0.1",
+        ],
         cwd=TESTS_DIR,
         env={**shared_cluster.env, "FLOWER_UNAUTHENTICATED_API": "true"},
         stdout=log,
@@ -58,15 +65,42 @@ def test_flower_lists_step_and_tick_tasks_by_name(
         while True:
             tasks = _get(f"{base}/api/tasks?limit=500")
             names = {t.get("name") for t in tasks.values()}
-            mine = [t for t in tasks.values() if handle.run_id in (t.get("kwargs") or "")
-                    or handle.run_id in (t.get("args") or "")]
+            mine = [
+                t
+                for t in tasks.values()
+                if handle.run_id in (t.get("kwargs") or "")
+                or handle.run_id in (t.get("args") or "")
+            ]
+            # The last step's task-succeeded event is sent after the run's commit, which is
+            # what ``wait`` returns on: wait for the events, then look at them.
+            done = all(t["state"] == "SUCCESS" for t in mine if t["name"] != "ductor.tick")
             if {"e2e.add", "e2e.mul", "e2e.collect", "ductor.tick"} <= names and len(mine) >= 4:
-                break
+                if done:
+                    break
             assert time.monotonic() < deadline, names
             time.sleep(0.5)
         steps = [t for t in mine if t["name"] != "ductor.tick"]
         assert {t["state"] for t in steps} == {"SUCCESS"}
         assert all(handle.run_id not in t["name"] for t in tasks.values())  # names are labels
+
+        # A chain runs most of its steps inline (no message of their own, runtime/inline.py):
+        # each attempt still shows as a task of its own, under its token and step name.
+        chain = ductor.start("chain10", input={"value": 3})
+        assert ductor.wait(chain.run_id, timeout=30).output == 3
+        tokens = {a.token for a in shared_cluster.attempts(chain.run_id)}
+        assert len(tokens) == 10
+        deadline = time.monotonic() + 20
+        while True:
+            tasks = _get(f"{base}/api/tasks?limit=1000")
+            shown = {u: t for u, t in tasks.items() if u in tokens}
+            if len(shown) == 10 and all(t["state"] == "SUCCESS" for t in shown.values()):
+                break
+            assert time.monotonic() < deadline, sorted(
+                (t.get("name"), t.get("state")) for t in shown.values()
+            )
+            time.sleep(0.5)
+        assert {t["name"] for t in shown.values()} == {"e2e.echo"}
+        assert all(chain.run_id in (t.get("kwargs") or "") for t in shown.values())
     finally:
         os.killpg(flower.pid, signal.SIGTERM)
         flower.wait(15)

@@ -112,7 +112,9 @@ def test_tolerated_failures_leave_errors_in_their_places(ductor: Any, workflow: 
 
 def test_one_failure_too_many_fails_the_tolerant_scatter(ductor: Any) -> None:
     view = ductor.wait(
-        ductor.start("scatter_tolerant", input={"items": list(range(20)), "refuse": [1, 2, 3]}).run_id,
+        ductor.start(
+            "scatter_tolerant", input={"items": list(range(20)), "refuse": [1, 2, 3]}
+        ).run_id,
         timeout=60,
     )
     assert view.status == RunStatus.FAILED

@@ -24,8 +24,11 @@ def test_diamond_runs_with_the_right_outputs(ductor: Any, shared_cluster: Any) -
     assert view.status == RunStatus.SUCCEEDED, view.error
     assert view.output == {"join": {"left": 10, "right": 15}, "start": 5}
     assert {n: v.status for n, v in view.nodes.items()} == {
-        "start": "succeeded", "left": "succeeded", "right": "succeeded",
-        "extra": "succeeded", "join": "succeeded",
+        "start": "succeeded",
+        "left": "succeeded",
+        "right": "succeeded",
+        "extra": "succeeded",
+        "join": "succeeded",
     }
     assert view.nodes["extra"].output == 101
     assert view.context == {"collected": ["left", "right"]}
@@ -116,10 +119,13 @@ def test_fifty_duplicate_wakeups_leave_the_run_as_one_would(
     )
     assert shared_cluster.record_version(handle.run_id) == version
     with shared_cluster.engine.connect() as conn:
-        assert conn.execute(
-            sa.text("SELECT count(*) FROM eec_workflow_transition WHERE run_id = :r"),
-            {"r": handle.run_id},
-        ).scalar_one() == transitions
+        assert (
+            conn.execute(
+                sa.text("SELECT count(*) FROM eec_workflow_transition WHERE run_id = :r"),
+                {"r": handle.run_id},
+            ).scalar_one()
+            == transitions
+        )
     assert shared_cluster.executions(handle.run_id) == 10
     assert ductor.get(handle.run_id).output == 7
 
@@ -172,6 +178,4 @@ def test_an_attempt_that_stops_heartbeating_is_retried_and_its_late_result_ignor
     assert row.heartbeat_details == {"progress": 0.1, "attempt": 1}
     time.sleep(6)  # the hung attempt wakes up and tries to record its result: refused
     assert ductor.get(handle.run_id).output == "done on attempt 2"
-    assert [a.outcome for a in shared_cluster.attempts(handle.run_id)] == [
-        "timed_out", "succeeded"
-    ]
+    assert [a.outcome for a in shared_cluster.attempts(handle.run_id)] == ["timed_out", "succeeded"]

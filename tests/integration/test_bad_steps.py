@@ -16,20 +16,16 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from celery import Celery
+from support import CONFIG, commit_tick, load_tick
 
 from ductor_celery import Ductor, RetryPolicy, StepContext
 from ductor_celery.definition import Workflow
 from ductor_celery.engine import compute_tick
 from ductor_celery.runtime import steps as steps_module
 from ductor_celery.runtime.steps import Step, execute_attempt
-from ductor_celery.settings import Settings
 from ductor_celery.store import runs
 from ductor_celery.store.db import get_engine
-from ductor_celery.store.load import load_tick
 from ductor_celery.store.schema import step_attempt
-from ductor_celery.store.ticks import commit_tick
-
-CONFIG = Settings().engine_config()
 
 
 class Stop(BaseException):

@@ -7,29 +7,18 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from support import CONFIG, FakeStep, commit_tick, load_tick, tick_once
 
-from ductor_celery.definition import RetryPolicy, Workflow
+from ductor_celery.definition import Workflow
 from ductor_celery.engine import compute_tick
-from ductor_celery.settings import Settings
 from ductor_celery.store import runs
 from ductor_celery.store.db import get_engine
-from ductor_celery.store.load import load_tick
 from ductor_celery.store.outbox import OutboxRow
-from ductor_celery.store.ticks import commit_tick
-
-CONFIG = Settings().engine_config()
-
-
-class _Step:
-    name = "s.x"
-    retry = RetryPolicy()
-    timeout = None
-    queue = None
 
 
 def _specs() -> tuple[Any, Any]:
     child = Workflow("kid")
-    child.step("a", _Step())
+    child.step("a", FakeStep())
     child.checkpoint("cp", after=["a"])
     child_spec = child.build()
     parent = Workflow("mom")
@@ -43,9 +32,7 @@ def engine(database_url: str) -> Any:
 
 
 def _tick(engine: Any, specs: dict[str, Any], run_id: str) -> list[OutboxRow]:
-    loaded, spec, inputs = load_tick(engine, run_id, specs.__getitem__, CONFIG)  # type: ignore[misc]
-    payload = compute_tick(spec, loaded.state, inputs, loaded.now)
-    return commit_tick(engine, loaded, payload) if payload.changed else []
+    return tick_once(engine, run_id, specs.__getitem__)
 
 
 def test_the_parent_commit_inserts_and_wakes_the_child_once(engine: Any) -> None:
@@ -59,8 +46,10 @@ def test_the_parent_commit_inserts_and_wakes_the_child_once(engine: Any) -> None
     assert len(kids) == 1, sent
     with engine.connect() as conn:
         row = conn.execute(
-            sa.text("SELECT workflow_id, parent_run_id, parent_node, input, state "
-                    "FROM eec_workflow_run WHERE run_id = :r"),
+            sa.text(
+                "SELECT workflow_id, parent_run_id, parent_node, input, state "
+                "FROM eec_workflow_run WHERE run_id = :r"
+            ),
             {"r": kids[0]},
         ).one()
     assert (row.workflow_id, row.parent_run_id, row.parent_node) == ("order-1/sub", "p1", "sub")
@@ -116,8 +105,10 @@ def test_cancelling_the_parent_writes_a_control_for_the_open_child(engine: Any) 
     _tick(engine, specs, kid)
     with engine.begin() as conn:
         conn.execute(
-            sa.text("INSERT INTO eec_workflow_control (run_id, kind, has_input, created_at) "
-                    "VALUES ('p3', 'terminate', false, now())")
+            sa.text(
+                "INSERT INTO eec_workflow_control (run_id, kind, has_input, created_at) "
+                "VALUES ('p3', 'terminate', false, now())"
+            )
         )
     sent = _tick(engine, specs, "p3")
     assert kid in [r.run_id for r in sent if r.kind == "wakeup"]
@@ -186,8 +177,10 @@ def test_a_control_for_a_child_that_continues_as_new_moves_to_its_successor(
     with engine.begin() as conn:
         for kind in ("continue_as_new", "terminate"):
             conn.execute(
-                sa.text("INSERT INTO eec_workflow_control (run_id, kind, has_input, created_at) "
-                        "VALUES ('k1', :k, false, now())"),
+                sa.text(
+                    "INSERT INTO eec_workflow_control (run_id, kind, has_input, created_at) "
+                    "VALUES ('k1', :k, false, now())"
+                ),
                 {"k": kind},
             )
     specs = {child.spec_hash: child}
@@ -196,8 +189,10 @@ def test_a_control_for_a_child_that_continues_as_new_moves_to_its_successor(
         _tick(engine, specs, "k1")
     with engine.connect() as conn:
         rows = conn.execute(
-            sa.text("SELECT run_id, kind, handled_at IS NOT NULL AS handled "
-                    "FROM eec_workflow_control ORDER BY id")
+            sa.text(
+                "SELECT run_id, kind, handled_at IS NOT NULL AS handled "
+                "FROM eec_workflow_control ORDER BY id"
+            )
         ).all()
         succ = conn.execute(
             sa.text("SELECT continued_to FROM eec_workflow_run WHERE run_id = 'k1'")

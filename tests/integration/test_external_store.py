@@ -6,16 +6,15 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from support import tick_once
 
 from ductor_celery import InvalidOperation
 from ductor_celery.client import Client
 from ductor_celery.definition import Workflow
-from ductor_celery.engine import NodeStatus, RunStatus, compute_tick
+from ductor_celery.engine import NodeStatus, RunStatus
 from ductor_celery.settings import Settings
 from ductor_celery.store import external, runs
 from ductor_celery.store.db import get_engine
-from ductor_celery.store.load import load_tick
-from ductor_celery.store.ticks import commit_tick
 
 
 def _spec() -> Any:
@@ -38,10 +37,7 @@ def setup(database_url: str) -> tuple[Client, Any, Any, list[str]]:
 
 
 def _tick(engine: Any, spec: Any, run_id: str) -> None:
-    loaded, _, inputs = load_tick(engine, run_id, lambda _h: spec, Settings().engine_config())  # type: ignore[misc]
-    payload = compute_tick(spec, loaded.state, inputs, loaded.now)
-    if payload.changed:
-        commit_tick(engine, loaded, payload)
+    tick_once(engine, run_id, lambda _h: spec)
 
 
 def test_two_decisions_for_one_wait_the_second_is_refused(setup: Any) -> None:

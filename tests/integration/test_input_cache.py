@@ -7,17 +7,18 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
+from support import load_tick
 
 from ductor_celery.definition import Workflow
 from ductor_celery.engine import EngineConfig
-from ductor_celery.store import load, runs
+from ductor_celery.store import runs
 from ductor_celery.store.db import get_engine
 
 SPEC = Workflow("w").wait_signal("s", signal="go").build()
 
 
 def _load(url: str, run_id: str) -> Any:
-    found = load.load_tick(get_engine(url), run_id, lambda _h: SPEC, EngineConfig())
+    found = load_tick(get_engine(url), run_id, lambda _h: SPEC, EngineConfig())
     assert found is not None
     return found[2].input
 

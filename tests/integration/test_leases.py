@@ -16,19 +16,17 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from support import CONFIG, commit_tick, load_tick
 
 from ductor_celery import ConcurrencyLimit, RetryPolicy
 from ductor_celery.definition import Workflow
 from ductor_celery.engine import RunStatus, compute_tick
 from ductor_celery.runtime.steps import Step
-from ductor_celery.settings import Settings
 from ductor_celery.store import attempts, external, runs, sweep
 from ductor_celery.store.db import get_engine
-from ductor_celery.store.load import load_tick
 from ductor_celery.store.outbox import OutboxRow
-from ductor_celery.store.ticks import VersionConflict, commit_tick
+from ductor_celery.store.ticks import VersionConflict
 
-CONFIG = Settings().engine_config()
 KEY = "lease.work|acme"
 
 

@@ -66,20 +66,19 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from support import CONFIG, commit_tick, load_tick
 
 from ductor_celery import ConcurrencyLimit, RetryPolicy
 from ductor_celery.definition import Workflow
 from ductor_celery.engine import compute_tick
 from ductor_celery.engine.status import RunStatus
 from ductor_celery.runtime.steps import Step
-from ductor_celery.settings import Settings
 from ductor_celery.store import attempts, external, runs, sweep
 from ductor_celery.store.db import get_engine
-from ductor_celery.store.load import _checks, load_tick
+from ductor_celery.store.load import _checks
 from ductor_celery.store.outbox import OutboxRow
-from ductor_celery.store.ticks import VersionConflict, commit_tick
+from ductor_celery.store.ticks import VersionConflict
 
-CONFIG = Settings().engine_config()
 STEP_NAME = "lease.stateful"
 TIMEOUT = 300.0  # the step timeout (start-to-close), in seconds of the virtual clock
 RETRY_AFTER = 30.0  # every retry's back-off

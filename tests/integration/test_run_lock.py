@@ -243,11 +243,11 @@ def test_a_conflict_rolls_the_prelude_back_with_the_tick_and_the_retry_writes_it
     real_commit = coordinator.commit_on
     calls: list[int] = []
 
-    def commit_once_conflicting(conn: Any, loaded: Any, payload: Any) -> Any:
+    def commit_once_conflicting(conn: Any, loaded: Any, payload: Any, claim: Any = None) -> Any:
         calls.append(1)
         if len(calls) == 1:
             raise coordinator.VersionConflict(run_id)
-        return real_commit(conn, loaded, payload)
+        return real_commit(conn, loaded, payload, claim)
 
     monkeypatch.setattr(coordinator, "commit_on", commit_once_conflicting)
     written: list[bool] = []

@@ -8,17 +8,14 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from support import CONFIG, commit_tick, load_tick, tick_once
 
 from ductor_celery.definition import Workflow
 from ductor_celery.engine import AttemptResult, RunStatus, compute_tick
-from ductor_celery.settings import Settings
 from ductor_celery.store import attempts, runs, sweep
 from ductor_celery.store.db import get_engine
-from ductor_celery.store.load import load_tick
 from ductor_celery.store.outbox import OutboxRow, delete_outbox
-from ductor_celery.store.ticks import VersionConflict, commit_tick
-
-CONFIG = Settings().engine_config()
+from ductor_celery.store.ticks import VersionConflict
 
 
 def _spec() -> Any:
@@ -44,9 +41,7 @@ def _start(engine: Any, spec: Any, run_id: str = "r1") -> str:
 
 
 def _tick(engine: Any, spec: Any, run_id: str) -> list[OutboxRow]:
-    loaded, spec2, inputs = load_tick(engine, run_id, lambda _h: spec, CONFIG)  # type: ignore[misc]
-    payload = compute_tick(spec2, loaded.state, inputs, loaded.now)
-    return commit_tick(engine, loaded, payload) if payload.changed else []
+    return tick_once(engine, run_id, lambda _h: spec)
 
 
 def test_a_commit_against_a_moved_version_writes_nothing(engine: Any) -> None:

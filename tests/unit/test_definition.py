@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from support import FakeStep
 
 from ductor_celery.definition import RetryPolicy, RetrySpec, Workflow
 from ductor_celery.definition.builder import StepLike
@@ -15,17 +15,6 @@ from ductor_celery.definition.paths import Scope, is_path, iter_paths, parse_pat
 from ductor_celery.definition.retry import backoff_delay
 from ductor_celery.errors import DefinitionError
 from ductor_celery.limits import MAX_BACKOFF
-
-
-@dataclass
-class FakeStep:
-    """Satisfies the StepLike protocol the builder expects of ``@ductor.step`` objects."""
-
-    name: str
-    retry: RetryPolicy = RetryPolicy()
-    timeout: float | None = None
-    queue: str | None = None
-
 
 KNOWN = {"s": FakeStep("s"), "t": FakeStep("t", timeout=12.0, queue="q-t")}
 
@@ -123,9 +112,7 @@ def test_workflow_without_nodes() -> None:
     assert "'empty'" in msg and "no nodes" in msg
 
 
-@pytest.mark.parametrize(
-    ("name", "version"), [("", 1), ("w", 0), ("w", True), ("w", "1")]
-)
+@pytest.mark.parametrize(("name", "version"), [("", 1), ("w", 0), ("w", True), ("w", "1")])
 def test_bad_workflow_name_or_version(name: str, version: Any) -> None:
     with pytest.raises(DefinitionError):
         Workflow(name, version=version)
@@ -288,8 +275,13 @@ def test_spec_hash_differs_for_different_specs() -> None:
     other_retry = (
         Workflow("order", version=2)
         .step("reserve", "s", args={"order": "$.input.order"}, retry=RetryPolicy(max_attempts=4))
-        .step("charge", "t", after=["reserve"], args={"amount": "$.input.order.total"},
-              when="$.input.order.total")
+        .step(
+            "charge",
+            "t",
+            after=["reserve"],
+            args={"amount": "$.input.order.total"},
+            when="$.input.order.total",
+        )
         .step("notify", "s", after="charge", args={"r": "$.nodes.reserve.output.id"})
         .output({"charge": "$.nodes.charge.output", "fixed": [1, "two"]})
         .build(resolver)

@@ -48,8 +48,9 @@ def test_a_redriven_node_gets_the_outputs_it_reads() -> None:
     s1 = compute_tick(spec, RunState.initial(["a", "b"]), TickInputs(run_id="r"), NOW).state
     a_ok = AttemptResult(token="r:a:1", node="a", outcome="succeeded", output={"big": 42})
     s2 = compute_tick(spec, s1, TickInputs(run_id="r", results=(a_ok,)), NOW).state
-    b_fail = AttemptResult(token="r:b:1", node="b", outcome="failed", retryable=False,
-                           error={"message": "no"})
+    b_fail = AttemptResult(
+        token="r:b:1", node="b", outcome="failed", retryable=False, error={"message": "no"}
+    )
     s3 = compute_tick(spec, s2, TickInputs(run_id="r", results=(b_fail,)), NOW).state
     assert s3.status == RunStatus.FAILED
     # The loader must fetch a's output although b is failed (a redrive makes it pending).
@@ -58,8 +59,7 @@ def test_a_redriven_node_gets_the_outputs_it_reads() -> None:
     p = compute_tick(
         spec,
         s3,
-        TickInputs(run_id="r", outputs={"a": {"big": 42}},
-                   control=ControlIn(id=2, kind="redrive")),
+        TickInputs(run_id="r", outputs={"a": {"big": 42}}, control=ControlIn(id=2, kind="redrive")),
         NOW,
     )
     assert [(a.node, a.args) for a in p.new_attempts] == [("b", {"y": {"big": 42}})]

@@ -6,8 +6,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from support import FakeStep
 
-from ductor_celery.definition import RetryPolicy, Workflow
+from ductor_celery.definition import Workflow
 from ductor_celery.engine import RunState, RunStatus, TickInputs, compute_tick
 from ductor_celery.engine.children import child_run_id
 from ductor_celery.engine.inputs import ChildSnapshot, ControlIn
@@ -16,16 +17,9 @@ from ductor_celery.errors import DefinitionError
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
-class _Step:
-    name = "s.x"
-    retry = RetryPolicy()
-    timeout = None
-    queue = None
-
-
 def _child() -> Any:
     wf = Workflow("child")
-    wf.step("a", _Step())
+    wf.step("a", FakeStep())
     wf.checkpoint("printed", after=["a"])
     return wf.build()
 
@@ -33,8 +27,9 @@ def _child() -> Any:
 def _parent(policy: str = "terminate", until: str | None = None) -> Any:
     child = _child()
     wf = Workflow("parent")
-    wf.subworkflow("sub", workflow="child", input={"id": "$.input.id"}, until=until,
-                   parent_close=policy)
+    wf.subworkflow(
+        "sub", workflow="child", input={"id": "$.input.id"}, until=until, parent_close=policy
+    )
     wf.output("$.nodes.sub.output")
     return wf.build(None, {"child": child}.get)
 
@@ -101,16 +96,18 @@ def test_a_checkpoint_node_snapshots_the_context_and_flags_the_commit() -> None:
     s0 = _tick(spec, RunState()).state
     from ductor_celery.engine import AttemptResult
 
-    done = AttemptResult(token="p:a:1", node="a", outcome="succeeded", output=1,
-                         patch={"label": "L7"})
+    done = AttemptResult(
+        token="p:a:1", node="a", outcome="succeeded", output=1, patch={"label": "L7"}
+    )
     p = _tick(spec, s0, results=(done,))
     assert p.checkpoint_reached
     assert p.state.nodes["printed"].output_value == {"label": "L7"}
     assert p.state.nodes["printed"].status == "succeeded"
 
 
-@pytest.mark.parametrize(("policy", "kind"), [("terminate", "terminate"), ("cancel", "cancel"),
-                                               ("abandon", None)])
+@pytest.mark.parametrize(
+    ("policy", "kind"), [("terminate", "terminate"), ("cancel", "cancel"), ("abandon", None)]
+)
 def test_closing_the_parent_applies_the_policy(policy: str, kind: str | None) -> None:
     spec = _parent(policy)
     s0 = _tick(spec, RunState()).state
@@ -125,8 +122,12 @@ def test_a_child_that_finished_already_gets_no_control() -> None:
     spec = _parent()
     s0 = _tick(spec, RunState()).state
     child = s0.nodes["sub"].child_run
-    p = _tick(spec, s0, control=ControlIn(id=1, kind="terminate"),
-              children={child: ChildSnapshot(child, "failed")})
+    p = _tick(
+        spec,
+        s0,
+        control=ControlIn(id=1, kind="terminate"),
+        children={child: ChildSnapshot(child, "failed")},
+    )
     assert p.child_controls == []
 
 
@@ -161,8 +162,15 @@ def test_child_definitions_are_checked_at_register() -> None:
 
 def _fan(tolerated: int | None = None) -> Any:
     wf = Workflow("fan")
-    wf.scatter("kids", workflow="child", over="$.input.items", as_child_runs=True,
-               input={"id": "$.item"}, max_parallel=2, tolerated_failures=tolerated)
+    wf.scatter(
+        "kids",
+        workflow="child",
+        over="$.input.items",
+        as_child_runs=True,
+        input={"id": "$.item"},
+        max_parallel=2,
+        tolerated_failures=tolerated,
+    )
     wf.output("$.nodes.kids.output")
     return wf.build(None, {"child": _child()}.get)
 
@@ -178,7 +186,8 @@ def test_child_run_scatter_keeps_at_most_max_parallel_children_open() -> None:
     p = _fan_tick(spec, RunState())
     assert p.state.nodes["kids"].status == "waiting"
     assert [(c.input, c.workflow_id_suffix) for c in p.child_starts] == [
-        ({"id": 10}, "/kids[0]"), ({"id": 11}, "/kids[1]"),
+        ({"id": 10}, "/kids[0]"),
+        ({"id": 11}, "/kids[1]"),
     ]
     first = p.child_starts[0].run_id
     p2 = _fan_tick(spec, p.state, children={first: ChildSnapshot(first, "succeeded", output=1)})
@@ -248,11 +257,13 @@ def test_a_waiting_parent_polls_its_children_as_a_backstop() -> None:
     assert s0.nodes["sub"].deadline is not None
     poll = s0.nodes["sub"].deadline
     running = ChildSnapshot(child, "running")
-    early = compute_tick(spec, s0, TickInputs(run_id="p", input={"id": 7},
-                                              children={child: running}), T0)
+    early = compute_tick(
+        spec, s0, TickInputs(run_id="p", input={"id": 7}, children={child: running}), T0
+    )
     assert not early.changed
-    late = compute_tick(spec, s0, TickInputs(run_id="p", input={"id": 7},
-                                             children={child: running}), poll)
+    late = compute_tick(
+        spec, s0, TickInputs(run_id="p", input={"id": 7}, children={child: running}), poll
+    )
     assert late.changed and late.state.nodes["sub"].status == "waiting", "never a wait timeout"
     assert late.next_wake_at is not None and late.next_wake_at > poll
 
@@ -264,8 +275,9 @@ def test_a_gathering_child_scatter_keeps_a_timer() -> None:
         sc = state.nodes["kids"].scatter
         if sc.gathering:
             break
-        snaps = {b.token: ChildSnapshot(b.token, "succeeded", output=i)
-                 for i, b in sc.branches.items()}
+        snaps = {
+            b.token: ChildSnapshot(b.token, "succeeded", output=i) for i, b in sc.branches.items()
+        }
         p = _fan_tick(spec, state, children=snaps)
         state = p.state
     assert state.nodes["kids"].scatter.gathering
@@ -276,7 +288,8 @@ def test_continue_as_new_with_new_input_closes_the_children() -> None:
     spec = _parent()
     s0 = _tick(spec, RunState()).state
     child = s0.nodes["sub"].child_run
-    p = _tick(spec, s0, control=ControlIn(id=1, kind="continue_as_new", input={"id": 8},
-                                          has_input=True))
+    p = _tick(
+        spec, s0, control=ControlIn(id=1, kind="continue_as_new", input={"id": 8}, has_input=True)
+    )
     assert p.successor is not None
     assert [(c.run_id, c.kind) for c in p.child_controls] == [(child, "terminate")]

@@ -8,17 +8,17 @@ way the store does.
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import event as note
 from hypothesis import strategies as st
+from support import CFG, NOW, RUN, RUN_STARTED, at, err, iso, ok, pure_tick, summary
 
 from ductor_celery.definition import RetryPolicy, Workflow, WorkflowSpec
 from ductor_celery.definition.spec import approval_signal
@@ -34,25 +34,12 @@ from ductor_celery.engine import (
     SignalIn,
     TickInputs,
     TickPayload,
-    compute_tick,
 )
 from ductor_celery.engine.inputs import AppliedSignal, HandledControl
 from ductor_celery.engine.status import FINISHED_NODE_STATUSES, TERMINAL_RUN_STATUSES
 from ductor_celery.engine.tick import describe
 
-RUN = "r1"
-NOW = datetime(2024, 1, 1, 12, 0, tzinfo=UTC)
-CFG = EngineConfig(resend_unclaimed_after=30.0, default_step_timeout=300.0)
-RUN_STARTED = (None, "pending", "running", "started")
 APPLIED = "applied"
-
-
-def at(seconds: float) -> datetime:
-    return NOW + timedelta(seconds=seconds)
-
-
-def iso(seconds: float) -> str:
-    return at(seconds).isoformat()
 
 
 def roundtrip(state: RunState) -> RunState:
@@ -75,8 +62,6 @@ def tick(
     run_id: str = RUN,
 ) -> TickPayload:
     """compute_tick, asserting the input state is untouched and the output survives JSON."""
-    before = copy.deepcopy(state)
-    before_json = copy.deepcopy(state.to_json())
     inputs = TickInputs(
         run_id=run_id,
         input=input,
@@ -87,10 +72,7 @@ def tick(
         control=control,
         received=dict(received or {}),
     )
-    payload = compute_tick(spec, state, inputs, now)
-    assert state == before
-    assert state.to_json() == before_json
-    assert payload.state is not state
+    payload = pure_tick(spec, state, inputs, now)
     assert roundtrip(payload.state) == payload.state
     assert not any("refused" in tr.reason for tr in payload.transitions), payload.transitions
     applied = [a.id for a in payload.applied_signals]
@@ -104,43 +86,12 @@ def chain(spec: WorkflowSpec, payload: TickPayload, **kw: Any) -> TickPayload:
     return tick(spec, roundtrip(payload.state), **kw)
 
 
-def ok(token: str, output: Any = None) -> AttemptResult:
-    return AttemptResult(token=token, node=token.split(":")[1], outcome="succeeded", output=output)
-
-
-def err(token: str, message: str = "boom", retryable: bool = True) -> AttemptResult:
-    return AttemptResult(
-        token=token,
-        node=token.split(":")[1],
-        outcome="failed",
-        error={"type": "RuntimeError", "message": message},
-        retryable=retryable,
-    )
-
-
 def decision(approved: bool, by: str = "alice", comment: str | None = "ok") -> dict[str, Any]:
     return {"approved": approved, "by": by, "comment": comment, "at": iso(0)}
 
 
 def control(kind: str, id: int = 1, reason: str | None = None, **kw: Any) -> ControlIn:
     return ControlIn(id=id, kind=kind, reason=reason, **kw)
-
-
-def summary(**overrides: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "status": "running",
-        "nodes": {},
-        "new_attempts": [],
-        "closed": [],
-        "folded": [],
-        "dispatches": [],
-        "transitions": [],
-        "next_wake_at": None,
-        "output": None,
-        "error": None,
-    }
-    base.update(overrides)
-    return base
 
 
 def statuses(p: TickPayload) -> dict[str, str]:

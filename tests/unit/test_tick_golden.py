@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import pytest
+from support import CFG, NOW, RUN, RUN_STARTED, at, err, iso, ok, pure_tick, summary
 
 from ductor_celery.definition import RetryPolicy, Workflow, WorkflowSpec
 from ductor_celery.engine import (
@@ -23,22 +24,9 @@ from ductor_celery.engine import (
     RunStatus,
     TickInputs,
     TickPayload,
-    compute_tick,
     needed_outputs,
 )
 from ductor_celery.engine.tick import describe
-
-RUN = "r1"
-NOW = datetime(2024, 1, 1, 12, 0, tzinfo=UTC)
-CFG = EngineConfig(resend_unclaimed_after=30.0, default_step_timeout=300.0)
-
-
-def at(seconds: float) -> datetime:
-    return NOW + timedelta(seconds=seconds)
-
-
-def iso(seconds: float) -> str:
-    return at(seconds).isoformat()
 
 
 def tick(
@@ -53,8 +41,6 @@ def tick(
     config: EngineConfig = CFG,
 ) -> TickPayload:
     """compute_tick, asserting on every call that the input state is left untouched."""
-    before = copy.deepcopy(state)
-    before_json = copy.deepcopy(state.to_json())
     inputs = TickInputs(
         run_id=RUN,
         input=input,
@@ -63,47 +49,11 @@ def tick(
         outputs=dict(outputs or {}),
         config=config,
     )
-    payload = compute_tick(spec, state, inputs, now)
-    assert state == before
-    assert state.to_json() == before_json
-    assert payload.state is not state
-    return payload
-
-
-def ok(token: str, output: Any = None, patch: dict[str, Any] | None = None) -> AttemptResult:
-    return AttemptResult(token=token, node=token.split(":")[1], outcome="succeeded",
-                         output=output, patch=patch)
-
-
-def err(token: str, message: str = "boom", retryable: bool = True) -> AttemptResult:
-    return AttemptResult(token=token, node=token.split(":")[1], outcome="failed",
-                         error={"type": "RuntimeError", "message": message},
-                         retryable=retryable)
-
-
-def summary(**overrides: Any) -> dict[str, Any]:
-    """The describe() of a tick that did nothing, with ``overrides`` applied."""
-    base: dict[str, Any] = {
-        "status": "running",
-        "nodes": {},
-        "new_attempts": [],
-        "closed": [],
-        "folded": [],
-        "dispatches": [],
-        "transitions": [],
-        "next_wake_at": None,
-        "output": None,
-        "error": None,
-    }
-    base.update(overrides)
-    return base
+    return pure_tick(spec, state, inputs, now)
 
 
 def started(node: str, attempt: int = 1) -> tuple[str, str, str, str]:
     return (node, "pending", "running", f"attempt {attempt} dispatched")
-
-
-RUN_STARTED = (None, "pending", "running", "started")
 
 
 def nodes_of(payload: TickPayload) -> dict[str, dict[str, Any]]:
@@ -118,8 +68,12 @@ def fan_in() -> WorkflowSpec:
         Workflow("fan_in")
         .step("a", "step_a", args={"x": "$.input.x", "lit": [1, {"k": "$.input.k"}]})
         .step("b", "step_b", timeout=20)
-        .step("c", "step_c", after=["a", "b"],
-              args={"from_a": "$.nodes.a.output.id", "from_b": "$.nodes.b.output"})
+        .step(
+            "c",
+            "step_c",
+            after=["a", "b"],
+            args={"from_a": "$.nodes.a.output.id", "from_b": "$.nodes.b.output"},
+        )
         .output({"a": "$.nodes.a.output", "c": "$.nodes.c.output", "x": "$.input.x"})
         .build()
     )
@@ -137,18 +91,41 @@ def test_first_tick_starts_roots_and_the_run() -> None:
     )
     assert p.changed is True
     assert p.new_attempts == [
-        NewAttempt(token="r1:a:1", node="a", step="step_a", queue=None, generation=1, attempt=1,
-                   args={"x": 1, "lit": [1, {"k": "kv"}]}, args_from=None, timeout=300.0),
-        NewAttempt(token="r1:b:1", node="b", step="step_b", queue=None, generation=1, attempt=1,
-                   args={}, args_from=None, timeout=20.0),
+        NewAttempt(
+            token="r1:a:1",
+            node="a",
+            step="step_a",
+            queue=None,
+            generation=1,
+            attempt=1,
+            args={"x": 1, "lit": [1, {"k": "kv"}]},
+            args_from=None,
+            timeout=300.0,
+        ),
+        NewAttempt(
+            token="r1:b:1",
+            node="b",
+            step="step_b",
+            queue=None,
+            generation=1,
+            attempt=1,
+            args={},
+            args_from=None,
+            timeout=20.0,
+        ),
     ]
     assert p.dispatches == [
         Dispatch("step", RUN, "a", "r1:a:1", "step_a", None),
         Dispatch("step", RUN, "b", "r1:b:1", "step_b", None),
     ]
     assert nodes_of(p)["a"] == {
-        "status": "running", "generation": 1, "attempt": 1, "token": "r1:a:1",
-        "check_at": iso(30), "resend_at": iso(30), "started_at": iso(0),
+        "status": "running",
+        "generation": 1,
+        "attempt": 1,
+        "token": "r1:a:1",
+        "check_at": iso(30),
+        "resend_at": iso(30),
+        "started_at": iso(0),
     }
     assert p.state.transitions == 3
 
@@ -187,13 +164,23 @@ def test_success_folds_output_and_starts_dependants_with_resolved_args() -> None
         next_wake_at=iso(30),
     )
     assert nodes_of(p2)["b"] == {
-        "status": "succeeded", "generation": 1, "attempt": 1, "output_token": "r1:b:1",
-        "started_at": iso(0), "finished_at": iso(5),
+        "status": "succeeded",
+        "generation": 1,
+        "attempt": 1,
+        "output_token": "r1:b:1",
+        "started_at": iso(0),
+        "finished_at": iso(5),
     }
     # The loader reads b's output (c is pending and reads it), a's is folded in the same tick.
     assert needed_outputs(spec, p2.state) == {"b": "r1:b:1"}
-    p3 = tick(spec, p2.state, input={"x": 1}, now=at(7), results=[ok("r1:a:1", {"id": 7})],
-              outputs={"b": "B"})
+    p3 = tick(
+        spec,
+        p2.state,
+        input={"x": 1},
+        now=at(7),
+        results=[ok("r1:a:1", {"id": 7})],
+        outputs={"b": "B"},
+    )
     assert describe(p3) == summary(
         nodes={"a": "succeeded", "b": "succeeded", "c": "running"},
         folded=["r1:a:1"],
@@ -205,8 +192,14 @@ def test_success_folds_output_and_starts_dependants_with_resolved_args() -> None
     assert p3.new_attempts[0].args == {"from_a": 7, "from_b": "B"}
     # c running: nothing pending reads a or b any more, but the run output reads a.
     assert needed_outputs(spec, p3.state) == {"a": "r1:a:1"}
-    p4 = tick(spec, p3.state, input={"x": 1}, now=at(9), results=[ok("r1:c:1", ["C"])],
-              outputs={"a": {"id": 7}})
+    p4 = tick(
+        spec,
+        p3.state,
+        input={"x": 1},
+        now=at(9),
+        results=[ok("r1:c:1", ["C"])],
+        outputs={"a": {"id": 7}},
+    )
     assert describe(p4) == summary(
         status="succeeded",
         nodes={"a": "succeeded", "b": "succeeded", "c": "succeeded"},
@@ -274,8 +267,14 @@ def test_when_falsy_skips_and_all_skipped_dependencies_skip() -> None:
     spec = skip_graph()
     p1 = tick(spec, RunState(), input={"go": False})
     assert describe(p1) == summary(
-        nodes={"a": "skipped", "b": "skipped", "c": "running", "j": "pending",
-               "n": "running", "off": "skipped"},
+        nodes={
+            "a": "skipped",
+            "b": "skipped",
+            "c": "running",
+            "j": "pending",
+            "n": "running",
+            "off": "skipped",
+        },
         new_attempts=["r1:c:1", "r1:n:1"],
         dispatches=["r1:c:1", "r1:n:1"],
         transitions=[
@@ -289,8 +288,9 @@ def test_when_falsy_skips_and_all_skipped_dependencies_skip() -> None:
         next_wake_at=iso(30),
     )
     assert nodes_of(p1)["a"] == {"status": "skipped", "finished_at": iso(0)}
-    p2 = tick(spec, p1.state, input={"go": False}, now=at(4),
-              results=[ok("r1:c:1", "C"), ok("r1:n:1")])
+    p2 = tick(
+        spec, p1.state, input={"go": False}, now=at(4), results=[ok("r1:c:1", "C"), ok("r1:n:1")]
+    )
     assert describe(p2)["nodes"]["j"] == "running"
     assert p2.new_attempts[0].token == "r1:j:1"
     p3 = tick(spec, p2.state, input={"go": False}, now=at(6), results=[ok("r1:j:1", "J")])
@@ -301,8 +301,14 @@ def test_when_falsy_skips_and_all_skipped_dependencies_skip() -> None:
 def test_when_truthy_runs_and_missing_input_is_falsy() -> None:
     spec = skip_graph()
     p = tick(spec, RunState(), input={"go": {"nonempty": 1}})
-    assert describe(p)["nodes"] == {"a": "running", "b": "pending", "c": "running",
-                                    "j": "pending", "n": "skipped", "off": "skipped"}
+    assert describe(p)["nodes"] == {
+        "a": "running",
+        "b": "pending",
+        "c": "running",
+        "j": "pending",
+        "n": "skipped",
+        "off": "skipped",
+    }
     p = tick(spec, RunState(), input=None)
     assert describe(p)["nodes"]["a"] == "skipped" and describe(p)["nodes"]["n"] == "running"
 
@@ -358,8 +364,12 @@ def test_retryable_failure_schedules_a_retry_that_fires_with_a_new_token() -> No
         next_wake_at=iso(7),
     )
     assert nodes_of(p2)["a"] == {
-        "status": "running", "generation": 1, "attempt": 1, "retry_at": iso(7),
-        "error": {"type": "RuntimeError", "message": "boom"}, "started_at": iso(0),
+        "status": "running",
+        "generation": 1,
+        "attempt": 1,
+        "retry_at": iso(7),
+        "error": {"type": "RuntimeError", "message": "boom"},
+        "started_at": iso(0),
     }
     # Before the timer: a no-op.
     early = tick(spec, p2.state, input={"v": 1}, now=at(6.999))
@@ -374,8 +384,17 @@ def test_retryable_failure_schedules_a_retry_that_fires_with_a_new_token() -> No
         next_wake_at=iso(37),
     )
     assert p3.new_attempts == [
-        NewAttempt(token="r1:a:2", node="a", step="s", queue=None, generation=2, attempt=2,
-                   args={}, args_from="r1:a:1", timeout=300.0)
+        NewAttempt(
+            token="r1:a:2",
+            node="a",
+            step="s",
+            queue=None,
+            generation=2,
+            attempt=2,
+            args={},
+            args_from="r1:a:1",
+            timeout=300.0,
+        )
     ]
     assert p3.state.nodes["a"].retry_at is None
     assert p3.state.nodes["a"].token == "r1:a:2"
@@ -433,8 +452,9 @@ def test_non_retryable_failure_fails_node_and_run_and_cancels_in_flight() -> Non
         error={"type": "RuntimeError", "message": "bad", "node": "a"},
     )
     assert p.closed == [
-        ClosedAttempt("r1:b:1", "cancelled",
-                      {"type": "Cancelled", "message": "run failed: node 'a' failed"})
+        ClosedAttempt(
+            "r1:b:1", "cancelled", {"type": "Cancelled", "message": "run failed: node 'a' failed"}
+        )
     ]
     assert nodes_of(p)["c"] == {"status": "pending"}  # never started: stays pending
 
@@ -621,27 +641,43 @@ def test_a_resend_is_not_sent_when_the_run_fails_in_the_same_tick() -> None:
         .build()
     )
     s = tick(spec, RunState()).state
-    p = tick(spec, s, now=at(30), checks=[
-        AttemptCheck("r1:lost:1", claimed_at=None, finished=False),  # would be re-sent
-        AttemptCheck("r1:slow:1", claimed_at=at(1), finished=False),  # timed out, budget spent
-    ])
+    p = tick(
+        spec,
+        s,
+        now=at(30),
+        checks=[
+            AttemptCheck("r1:lost:1", claimed_at=None, finished=False),  # would be re-sent
+            AttemptCheck("r1:slow:1", claimed_at=at(1), finished=False),  # timed out, budget spent
+        ],
+    )
     assert describe(p) == summary(
         status="failed",
         nodes={"lost": "cancelled", "slow": "failed"},
         closed=[("r1:slow:1", "timed_out"), ("r1:lost:1", "cancelled")],
         transitions=[
             ("lost", "running", "running", "attempt 1 unclaimed: re-sent"),
-            ("slow", "running", "failed",
-             "attempt 1 failed (1 attempts used): attempt 1 did not finish within 10s of its "
-             "start (worker lost or step too slow)"),
+            (
+                "slow",
+                "running",
+                "failed",
+                "attempt 1 failed (1 attempts used): attempt 1 did not finish within 10s of its "
+                "start (worker lost or step too slow)",
+            ),
             ("lost", "running", "cancelled", "run failed: node 'slow' failed"),
-            (None, "running", "failed",
-             "node 'slow' failed: attempt 1 did not finish within 10s of its start "
-             "(worker lost or step too slow)"),
+            (
+                None,
+                "running",
+                "failed",
+                "node 'slow' failed: attempt 1 did not finish within 10s of its start "
+                "(worker lost or step too slow)",
+            ),
         ],
-        error={"type": "StepTimeout", "node": "slow",
-               "message": "attempt 1 did not finish within 10s of its start "
-                          "(worker lost or step too slow)"},
+        error={
+            "type": "StepTimeout",
+            "node": "slow",
+            "message": "attempt 1 did not finish within 10s of its start "
+            "(worker lost or step too slow)",
+        },
     )
 
 
@@ -668,11 +704,15 @@ def test_claimed_attempt_moves_its_check_to_the_deadline_then_times_out_and_retr
     assert describe(p2) == summary(
         nodes={"a": "running"},
         closed=[("r1:a:1", "timed_out")],
-        transitions=[(
-            "a", "running", "running",
-            "attempt 1 failed: attempt 1 did not finish within 100s of its start "
-            "(worker lost or step too slow); retry in 1s",
-        )],
+        transitions=[
+            (
+                "a",
+                "running",
+                "running",
+                "attempt 1 failed: attempt 1 did not finish within 100s of its start "
+                "(worker lost or step too slow); retry in 1s",
+            )
+        ],
         next_wake_at=iso(111),
     )
     assert p2.closed[0].error["type"] == "StepTimeout"
@@ -721,7 +761,9 @@ def test_input_state_is_never_mutated_even_by_a_busy_tick() -> None:
     s.nodes["b"].error = {"type": "Old", "message": "old"}
     frozen = copy.deepcopy(s)
     p = tick(
-        spec, s, now=at(40),
+        spec,
+        s,
+        now=at(40),
         results=[ok("r1:a:1", "A", patch={"deep": {"list": [3]}, "other": 1})],
         checks=[AttemptCheck("r1:b:1", claimed_at=None, finished=False)],
     )
@@ -740,8 +782,13 @@ def test_terminal_run_folds_late_results_and_changes_nothing_else(status: RunSta
     spec = fan_in()
     s = tick(spec, RunState(), input={"x": 1}).state
     s.status = status
-    p = tick(spec, s, now=at(500), results=[ok("r1:a:1", "late"), err("r1:b:1")],
-             checks=[AttemptCheck("r1:a:1", None, False)])
+    p = tick(
+        spec,
+        s,
+        now=at(500),
+        results=[ok("r1:a:1", "late"), err("r1:b:1")],
+        checks=[AttemptCheck("r1:a:1", None, False)],
+    )
     assert describe(p) == summary(
         status=status.value,
         nodes={"a": "running", "b": "running", "c": "pending"},
@@ -758,8 +805,10 @@ def test_terminal_run_folds_late_results_and_changes_nothing_else(status: RunSta
 @pytest.mark.parametrize(
     ("result", "message"),
     [
-        (ok("r1:a:1", "out", patch=["not", "a", "dict"]),  # type: ignore[arg-type]
-         "context patch must be a mapping, got list"),
+        (
+            ok("r1:a:1", "out", patch=["not", "a", "dict"]),  # type: ignore[arg-type]
+            "context patch must be a mapping, got list",
+        ),
         (ok("r1:a:1", "x" * 200), "over ductor_max_payload_bytes=100"),
         (ok("r1:a:1", None, patch={"k": "y" * 200}), "over ductor_max_payload_bytes=100"),
         (ok("r1:a:1", {1, 2}), "not JSON-serializable"),
@@ -826,15 +875,27 @@ def test_run_output_resolves_literals_inputs_context_and_node_outputs() -> None:
         Workflow("w")
         .step("a", "s")
         .step("b", "s", after=["a"])
-        .output({"a": "$.nodes.a.output.v", "b": "$.nodes.b.output", "ctx": "$.context.c",
-                 "in": ["$.input.id", "lit"], "neg": "!$.nodes.b.output"})
+        .output(
+            {
+                "a": "$.nodes.a.output.v",
+                "b": "$.nodes.b.output",
+                "ctx": "$.context.c",
+                "in": ["$.input.id", "lit"],
+                "neg": "!$.nodes.b.output",
+            }
+        )
         .build()
     )
     s = tick(spec, RunState(), input={"id": 9}).state
     s = tick(spec, s, input={"id": 9}, results=[ok("r1:a:1", {"v": "A"})]).state
     assert needed_outputs(spec, s) == {"a": "r1:a:1"}
-    p = tick(spec, s, input={"id": 9}, results=[ok("r1:b:1", 0, patch={"c": "C"})],
-             outputs={"a": {"v": "A"}})
+    p = tick(
+        spec,
+        s,
+        input={"id": 9},
+        results=[ok("r1:b:1", 0, patch={"c": "C"})],
+        outputs={"a": {"v": "A"}},
+    )
     assert p.status == RunStatus.SUCCEEDED
     assert p.output == {"a": "A", "b": 0, "ctx": "C", "in": [9, "lit"], "neg": True}
     assert p.next_wake_at is None
@@ -846,8 +907,13 @@ def test_needed_outputs_lists_succeeded_nodes_that_pending_nodes_read() -> None:
         .step("a", "s")
         .step("f", "s")
         .step("k", "s")
-        .step("b", "s", after=["a", "f", "k"], when="$.nodes.k.output",
-              args={"a": "$.nodes.a.output", "f": "$.nodes.f.output"})
+        .step(
+            "b",
+            "s",
+            after=["a", "f", "k"],
+            when="$.nodes.k.output",
+            args={"a": "$.nodes.a.output", "f": "$.nodes.f.output"},
+        )
         .step("c", "s", after=["b"])
         .output("$.nodes.c.output")
         .build()
@@ -897,9 +963,13 @@ def test_a_run_output_nested_past_the_limit_fails_the_run_and_stores_no_output()
 
 
 def test_a_run_output_over_the_payload_limit_fails_the_run_as_too_large() -> None:
-    spec = Workflow("w").step("a", "s").step("b", "s").output(
-        ["$.nodes.a.output", "$.nodes.b.output"]
-    ).build()
+    spec = (
+        Workflow("w")
+        .step("a", "s")
+        .step("b", "s")
+        .output(["$.nodes.a.output", "$.nodes.b.output"])
+        .build()
+    )
     config = EngineConfig(max_payload_bytes=100)
     first = tick(spec, RunState(), config=config)
     halves = [ok("r1:a:1", output="x" * 60), ok("r1:b:1", output="y" * 60)]

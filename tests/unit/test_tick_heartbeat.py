@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from support import FakeStep
+
 from ductor_celery.definition import RetryPolicy, Workflow
 from ductor_celery.definition.spec import StepNodeSpec
 from ductor_celery.engine import AttemptCheck, RunState, TickInputs, compute_tick
@@ -11,17 +13,17 @@ from ductor_celery.engine import AttemptCheck, RunState, TickInputs, compute_tic
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
-class _Step:
-    name = "s.beat"
-    retry = RetryPolicy(max_attempts=3, initial_interval=1.0)
-    timeout = 300.0
-    heartbeat_timeout = 10.0
-    queue = None
+STEP = FakeStep(
+    "s.beat",
+    RetryPolicy(max_attempts=3, initial_interval=1.0),
+    timeout=300.0,
+    heartbeat_timeout=10.0,
+)
 
 
 def _spec() -> object:
     wf = Workflow("hb")
-    wf.step("a", _Step())
+    wf.step("a", STEP)
     return wf.build()
 
 

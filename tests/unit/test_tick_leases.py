@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from ductor_celery.definition import RetryPolicy, Workflow
+from support import FakeStep
+
+from ductor_celery.definition import Workflow
 from ductor_celery.definition.paths import Scope
 from ductor_celery.definition.retry import ConcurrencyLimit
 from ductor_celery.engine import AttemptCheck, RunState, TickInputs, compute_tick
@@ -14,18 +16,15 @@ from ductor_celery.engine.advance import lease_key_for
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
-class _Limited:
-    name = "s.partner"
-    retry = RetryPolicy()
-    timeout = 60.0
-    queue = None
-    concurrency = ConcurrencyLimit(key="$.input.customer", limit=2)
+LIMITED = FakeStep(
+    "s.partner", timeout=60.0, concurrency=ConcurrencyLimit(key="$.input.customer", limit=2)
+)
 
 
 def _spec() -> object:
     wf = Workflow("lim")
-    wf.step("call", _Limited())
-    wf.scatter("each", _Limited(), over="$.input.items", after=["call"])
+    wf.step("call", LIMITED)
+    wf.scatter("each", LIMITED, over="$.input.items", after=["call"])
     return wf.build()
 
 
@@ -54,14 +53,18 @@ def test_an_attempt_waiting_for_a_lease_is_not_re_sent() -> None:
     later = T0 + timedelta(seconds=61)
     waiting = AttemptCheck("r:call:1", claimed_at=None, finished=False, lease_waiting=True)
     p = compute_tick(
-        spec, s0, TickInputs(run_id="r", input={"customer": "a"}, checks={"r:call:1": waiting}),
+        spec,
+        s0,
+        TickInputs(run_id="r", input={"customer": "a"}, checks={"r:call:1": waiting}),
         later,
     )
     assert p.dispatches == [] and p.transitions == []
     assert p.state.nodes["call"].check_at == later + timedelta(seconds=60)
     lost = AttemptCheck("r:call:1", claimed_at=None, finished=False)
     p2 = compute_tick(
-        spec, s0, TickInputs(run_id="r", input={"customer": "a"}, checks={"r:call:1": lost}),
+        spec,
+        s0,
+        TickInputs(run_id="r", input={"customer": "a"}, checks={"r:call:1": lost}),
         later,
     )
     assert [d.kind for d in p2.dispatches] == ["step"], "an unclaimed, unleased one is re-sent"

@@ -15,34 +15,29 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import FakeStep
 
 from ductor_celery.definition import RetryPolicy, Workflow
+from ductor_celery.definition.spec import BATCH_ARG
 from ductor_celery.engine import AttemptResult, RunState, RunStatus, TickInputs, compute_tick
 from ductor_celery.engine.inputs import ControlIn, NewAttempt
-from ductor_celery.definition.spec import BATCH_ARG
 from ductor_celery.engine.scatter import assemble, assemble_batched
-from ductor_celery.runtime.batch import ItemOutcome, run_batch
 from ductor_celery.errors import DefinitionError
+from ductor_celery.runtime.batch import ItemOutcome, run_batch
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
-class _Step:
-    def __init__(self, name: str, attempts: int = 1) -> None:
-        self.name = name
-        self.retry = RetryPolicy(max_attempts=attempts, initial_interval=1.0)
-        self.timeout = 300.0
-        self.queue = None
+def _step(name: str, attempts: int = 1) -> FakeStep:
+    return FakeStep(name, RetryPolicy(max_attempts=attempts, initial_interval=1.0), timeout=300.0)
 
 
-def _spec(
-    max_parallel: int = 3, attempts: int = 1, then: bool = True, **policy: Any
-) -> Any:
+def _spec(max_parallel: int = 3, attempts: int = 1, then: bool = True, **policy: Any) -> Any:
     wf = Workflow("fan")
-    wf.step("prep", _Step("s.prep"), args={"n": "$.input.n"})
+    wf.step("prep", _step("s.prep"), args={"n": "$.input.n"})
     wf.scatter(
         "each",
-        _Step("s.each", attempts),
+        _step("s.each", attempts),
         over="$.nodes.prep.output",
         args={"scale": "$.input.scale"},
         max_parallel=max_parallel,
@@ -50,7 +45,7 @@ def _spec(
         **policy,
     )
     if then:
-        wf.step("total", _Step("s.total"), args={"parts": "$.nodes.each.output"}, after=["each"])
+        wf.step("total", _step("s.total"), args={"parts": "$.nodes.each.output"}, after=["each"])
     wf.output({"parts": "$.nodes.each.output"})
     return wf.build()
 
@@ -98,7 +93,9 @@ class _Sim:
             out[node] = assemble(sc, finals)
         return out
 
-    def _batch_attempts(self, node: str, base: int, branch: int | None = None) -> dict[int, list[Any]]:
+    def _batch_attempts(
+        self, node: str, base: int, branch: int | None = None
+    ) -> dict[int, list[Any]]:
         """Finished attempts per batch, oldest first, as the store's gather reads them."""
         found: dict[int, list[Any]] = {}
         for a in sorted(self.attempts.values(), key=lambda a: a.generation):
@@ -111,7 +108,9 @@ class _Sim:
             found.setdefault(a.branch, []).append((outcome == "succeeded", output, value))
         return found
 
-    def tick(self, results: tuple[AttemptResult, ...] = (), control: ControlIn | None = None) -> Any:
+    def tick(
+        self, results: tuple[AttemptResult, ...] = (), control: ControlIn | None = None
+    ) -> Any:
         outputs = {}
         prep = self.state.nodes.get("prep")
         if prep is not None and prep.output_token:
@@ -138,9 +137,7 @@ class _Sim:
             self.attempts[a.token] = a
             self.open.append(a.token)
         self.state = p.state
-        in_flight = sum(
-            1 for t in self.open if self.attempts[t].node == "each"
-        )
+        in_flight = sum(1 for t in self.open if self.attempts[t].node == "each")
         self.max_in_flight = max(self.max_in_flight, in_flight)
         return p
 
@@ -282,7 +279,9 @@ def test_a_failing_branch_in_flight_with_others_revokes_and_closes_them() -> Non
     first = tokens[0]
     sim.open.remove(first)
     sim.finished[first] = ("failed", {"type": "Boom", "message": "no"})
-    failed = AttemptResult(token=first, node="each", outcome="failed", error={"message": "no"}, branch=0)
+    failed = AttemptResult(
+        token=first, node="each", outcome="failed", error={"message": "no"}, branch=0
+    )
     p = sim.tick((failed,))
     assert sorted(c.token for c in p.closed) == sorted(tokens[b] for b in (1, 2, 3))
     assert {d.token for d in p.dispatches if d.kind == "revoke"} == {tokens[b] for b in (1, 2, 3)}
@@ -346,23 +345,25 @@ def test_a_burst_of_results_is_folded_in_one_tick() -> None:
 
 def test_scatter_definitions_are_checked() -> None:
     wf = Workflow("bad")
-    wf.scatter("x", _Step("s.x"), over="$.context.items")
+    wf.scatter("x", _step("s.x"), over="$.context.items")
     with pytest.raises(DefinitionError, match="must be a path to a list under"):
         wf.build()
     wf = Workflow("bad")
-    wf.scatter("x", _Step("s.x"), over="$.input.items", tolerated_failures=1, tolerated_failure_ratio=0.5)
+    wf.scatter(
+        "x", _step("s.x"), over="$.input.items", tolerated_failures=1, tolerated_failure_ratio=0.5
+    )
     with pytest.raises(DefinitionError, match="not both"):
         wf.build()
     wf = Workflow("bad")
-    wf.scatter("x", _Step("s.x"), over="$.input.items", max_parallel=0)
+    wf.scatter("x", _step("s.x"), over="$.input.items", max_parallel=0)
     with pytest.raises(DefinitionError, match="max_parallel"):
         wf.build()
     wf = Workflow("bad")
-    wf.step("y", _Step("s.y"), args={"i": "$.item"})
+    wf.step("y", _step("s.y"), args={"i": "$.item"})
     with pytest.raises(DefinitionError, match="only valid inside a scatter"):
         wf.build()
     wf = Workflow("bad")
-    wf.scatter("x", _Step("s.x"), over="$.input.items", args={"item": 1})
+    wf.scatter("x", _step("s.x"), over="$.input.items", args={"item": 1})
     with pytest.raises(DefinitionError, match="also given in args"):
         wf.build()
 
@@ -415,11 +416,20 @@ def test_automatic_continue_as_new_waits_for_a_running_scatter() -> None:
     original = sim.tick
 
     def tick(results: tuple[AttemptResult, ...] = (), control: ControlIn | None = None) -> Any:
-        outputs = {"prep": sim.items} if sim.state.nodes.get("prep") and sim.state.nodes[
-            "prep"].output_token else {}
+        outputs = (
+            {"prep": sim.items}
+            if sim.state.nodes.get("prep") and sim.state.nodes["prep"].output_token
+            else {}
+        )
         outputs.update(sim._gathered(finished=True))
-        inputs = TickInputs(run_id="r", input={"n": 10, "scale": 10}, results=results,
-                            outputs=outputs, gathered=sim._gathered(), config=low)
+        inputs = TickInputs(
+            run_id="r",
+            input={"n": 10, "scale": 10},
+            results=results,
+            outputs=outputs,
+            gathered=sim._gathered(),
+            config=low,
+        )
         p = compute_tick(sim.spec, sim.state, inputs, sim.now)
         for c in p.closed:
             sim.open.remove(c.token)
@@ -466,28 +476,33 @@ def test_a_batched_scatter_gathers_every_item_in_order_with_batches_in_flight_bo
     assert p.output == {"parts": [{"item": i, "x": 10} for i in items]}
     batches = [a for a in sim.attempts.values() if a.node == "each"]
     assert len(batches) == 5
-    assert [len(a.args[BATCH_ARG]["items"]) for a in sorted(batches, key=lambda a: a.branch)] == [
-        5, 5, 5, 5, 3
-    ]
+    sizes = [len(a.args[BATCH_ARG]["items"]) for a in sorted(batches, key=lambda a: a.branch)]
+    assert sizes == [5, 5, 5, 5, 3]
     assert sim.max_in_flight == 2
     assert _items_run(sim) == {i: [1] for i in items}
 
 
 def test_a_failing_item_is_retried_without_rerunning_its_neighbours() -> None:
-    sim = _Sim(_spec(max_parallel=4, attempts=3, batch_size=4), list(range(8)), lambda i, a: i != 5 or a == 3)
+    sim = _Sim(
+        _spec(max_parallel=4, attempts=3, batch_size=4),
+        list(range(8)),
+        lambda i, a: i != 5 or a == 3,
+    )
     p = sim.until_done()
     assert p.state.status == RunStatus.SUCCEEDED
     assert p.output["parts"][5] == {"item": 5, "x": 10}
     runs = _items_run(sim)
     assert runs[5] == [1, 2, 3]
     assert all(runs[i] == [1] for i in range(8) if i != 5)
-    assert len([a for a in sim.attempts.values() if a.node == "each"]) == 2 + 2  # 2 batches, 2 retries
+    each = [a for a in sim.attempts.values() if a.node == "each"]
+    assert len(each) == 2 + 2  # 2 batches, 2 retries
 
 
 @pytest.mark.parametrize(("bad", "ok"), [({1, 3}, True), ({1, 3, 6}, False)])
 def test_batched_tolerances_count_items_not_batches(bad: set[int], ok: bool) -> None:
     sim = _Sim(
-        _spec(max_parallel=3, batch_size=5, tolerated_failures=2), list(range(10)),
+        _spec(max_parallel=3, batch_size=5, tolerated_failures=2),
+        list(range(10)),
         lambda i, _a: i not in bad,
     )
     p = sim.until_done()
@@ -508,7 +523,8 @@ def test_batched_tolerances_count_items_not_batches(bad: set[int], ok: bool) -> 
 
 def test_an_item_that_fails_for_good_is_not_retried_with_its_flaky_neighbour() -> None:
     sim = _Sim(
-        _spec(max_parallel=1, attempts=3, batch_size=4, tolerated_failures=1), list(range(4)),
+        _spec(max_parallel=1, attempts=3, batch_size=4, tolerated_failures=1),
+        list(range(4)),
         lambda i, a: i != 0 and (i != 2 or a > 1),
     )
     sim.final = {0}
@@ -529,7 +545,10 @@ def test_a_batch_result_of_the_wrong_shape_fails_the_batch_without_retry() -> No
     bad = AttemptResult(token=token, node="each", outcome="succeeded", output=[1, 2], branch=0)
     p = sim.tick((bad,))
     assert p.state.status == RunStatus.FAILED
-    assert "must be a list of 3 item outputs, got a list of 2" in p.state.nodes["each"].error["message"]
+    assert (
+        "must be a list of 3 item outputs, got a list of 2"
+        in p.state.nodes["each"].error["message"]
+    )
     assert p.new_attempts == []
 
 
@@ -549,19 +568,21 @@ def test_batched_scatter_definitions_are_checked() -> None:
     from ductor_celery import ConcurrencyLimit
 
     wf = Workflow("bad")
-    wf.scatter("x", _Step("s.x"), over="$.input.items", batch_size=0)
+    wf.scatter("x", _step("s.x"), over="$.input.items", batch_size=0)
     with pytest.raises(DefinitionError, match="batch_size"):
         wf.build()
     with pytest.raises(DefinitionError, match="batch_size"):
-        Workflow("bad").scatter("x", workflow="child", over="$.input.items", as_child_runs=True, batch_size=5)
-    step = _Step("s.x")
-    step.concurrency = ConcurrencyLimit(key="$.item.customer", limit=2)  # type: ignore[attr-defined]
+        Workflow("bad").scatter(
+            "x", workflow="child", over="$.input.items", as_child_runs=True, batch_size=5
+        )
+    step = _step("s.x")
+    step.concurrency = ConcurrencyLimit(key="$.item.customer", limit=2)
     wf = Workflow("bad")
     wf.scatter("x", step, over="$.input.items", batch_size=10)
     with pytest.raises(DefinitionError, match="cannot read"):
         wf.build()
     wf = Workflow("bad")
-    wf.scatter("x", _Step("s.x"), over="$.input.items", args={BATCH_ARG: 1}, batch_size=2)
+    wf.scatter("x", _step("s.x"), over="$.input.items", args={BATCH_ARG: 1}, batch_size=2)
     with pytest.raises(DefinitionError, match="reserved"):
         wf.build()
 
@@ -584,8 +605,13 @@ def test_an_unbatched_scatter_spec_is_stored_as_before() -> None:
     flaky=st.sets(st.integers(min_value=0, max_value=29), max_size=8),
 )
 def test_batched_scatter_invariants_hold_for_any_mix_of_outcomes(
-    n: int, batch: int, max_parallel: int, attempts: int, tolerated: int | None,
-    bad: set[int], flaky: set[int],
+    n: int,
+    batch: int,
+    max_parallel: int,
+    attempts: int,
+    tolerated: int | None,
+    bad: set[int],
+    flaky: set[int],
 ) -> None:
     policy: dict[str, Any] = {"batch_size": batch}
     if tolerated is not None:

@@ -74,8 +74,9 @@ class Dag:
                 args={"deps": {d: f"$.nodes.{d}.output" for d in n.after}, "x": "$.input.x"},
                 when=n.when,
                 continue_on_failure=n.continue_on_failure,
-                retry=RetryPolicy(max_attempts=n.max_attempts, initial_interval=1.0,
-                                  backoff=2.0, max_interval=8.0),
+                retry=RetryPolicy(
+                    max_attempts=n.max_attempts, initial_interval=1.0, backoff=2.0, max_interval=8.0
+                ),
                 timeout=n.timeout,
             )
         wf.output({n.id: f"$.nodes.{n.id}.output" for n in self.nodes})
@@ -161,7 +162,9 @@ class TickMachine(RuleBasedStateMachine):
 
     def retry_due(self) -> bool:
         return any(
-            ns.status == NodeStatus.RUNNING and ns.token is None and ns.retry_at is not None
+            ns.status == NodeStatus.RUNNING
+            and ns.token is None
+            and ns.retry_at is not None
             and ns.retry_at <= self.now
             for ns in self.state.nodes.values()
         )
@@ -215,8 +218,10 @@ class TickMachine(RuleBasedStateMachine):
             assert "refused transition" not in tr.reason, tr
             if tr.node is not None and tr.from_status != tr.to_status:
                 assert NodeStatus(tr.to_status) in NODE_TRANSITIONS[NodeStatus(tr.from_status)], tr
-            if tr.node is not None and tr.to_status == NodeStatus.SUCCEEDED and (
-                tr.from_status != tr.to_status
+            if (
+                tr.node is not None
+                and tr.to_status == NodeStatus.SUCCEEDED
+                and (tr.from_status != tr.to_status)
             ):
                 self.successes[tr.node] = self.successes.get(tr.node, 0) + 1
                 assert self.successes[tr.node] == 1, f"{tr.node} succeeded twice"
@@ -317,9 +322,9 @@ class TickMachine(RuleBasedStateMachine):
             }
         elif state.status == RunStatus.FAILED:
             assert p.error is not None and p.error["node"] in fatal
-            assert not any(
-                ns.status == NodeStatus.RUNNING for ns in state.nodes.values()
-            ), "a failed run keeps nothing in flight"
+            assert not any(ns.status == NodeStatus.RUNNING for ns in state.nodes.values()), (
+                "a failed run keeps nothing in flight"
+            )
         if state.status in TERMINAL_RUN_STATUSES:
             assert p.next_wake_at is None
             return
@@ -352,8 +357,12 @@ class TickMachine(RuleBasedStateMachine):
         assert p.transitions[0].node is None and p.transitions[0].to_status == RunStatus.RUNNING
 
     @precondition(lambda self: bool(self.awaited()) and not self.terminal())
-    @rule(data=st.data(), outcome=st.sampled_from(["ok", "ok", "retryable", "fatal"]),
-          patch=st.booleans(), wait=st.sampled_from([0, 0, 1, 3, 8]))
+    @rule(
+        data=st.data(),
+        outcome=st.sampled_from(["ok", "ok", "retryable", "fatal"]),
+        patch=st.booleans(),
+        wait=st.sampled_from([0, 0, 1, 3, 8]),
+    )
     def deliver(self, data: st.DataObject, outcome: str, patch: bool, wait: int) -> None:
         node, token = data.draw(st.sampled_from(self.awaited()), label="awaited")
         ns = self.state.nodes[node]
@@ -361,13 +370,22 @@ class TickMachine(RuleBasedStateMachine):
         self.now += timedelta(seconds=wait)
         if outcome == "ok":
             output = {"node": node, "token": token}
-            result = AttemptResult(token, node, "succeeded", output=output,
-                                   patch={f"seen_{node}": token} if patch else None)
+            result = AttemptResult(
+                token,
+                node,
+                "succeeded",
+                output=output,
+                patch={f"seen_{node}": token} if patch else None,
+            )
             self.outputs[token] = output
         else:
-            result = AttemptResult(token, node, "failed",
-                                   error={"type": "Boom", "message": f"{token} failed"},
-                                   retryable=outcome == "retryable")
+            result = AttemptResult(
+                token,
+                node,
+                "failed",
+                error={"type": "Boom", "message": f"{token} failed"},
+                retryable=outcome == "retryable",
+            )
         self.delivered.append(result)
         context_before = dict(self.state.context)
         p = self.tick((result,))
@@ -405,8 +423,9 @@ class TickMachine(RuleBasedStateMachine):
         )
         token = f"{RUN}:{node}:{generation}"
         assert token != self.state.nodes[node].token
-        result = AttemptResult(token, node, "succeeded" if ok else "failed",
-                               output="stale", retryable=False)
+        result = AttemptResult(
+            token, node, "succeeded" if ok else "failed", output="stale", retryable=False
+        )
         before = self.state
         p = self.tick((result,))
         assert p.state.nodes == before.nodes
@@ -415,8 +434,9 @@ class TickMachine(RuleBasedStateMachine):
 
     @rule(
         seconds=st.sampled_from([1, 2, 5, 15, 30, 61, 130, 301, 900]),
-        claims=st.lists(st.sampled_from(["unclaimed", "recent", "long_ago", "finished"]),
-                        min_size=7, max_size=7),
+        claims=st.lists(
+            st.sampled_from(["unclaimed", "recent", "long_ago", "finished"]), min_size=7, max_size=7
+        ),
         report=st.booleans(),
     )
     def advance_time(self, seconds: int, claims: list[str], report: bool) -> None:
@@ -460,14 +480,12 @@ class TickMachine(RuleBasedStateMachine):
                 if resend_due:
                     assert new.resends == old.resends + 1
                     assert new.resend_at == self.now + timedelta(
-                        seconds=CONFIG.resend_unclaimed_after * 2 ** new.resends
+                        seconds=CONFIG.resend_unclaimed_after * 2**new.resends
                     )
                 else:
                     assert new.resends == old.resends and new.resend_at == old.resend_at
                 timeout = self.graph.nodes[node].timeout or CONFIG.default_step_timeout
-                assert new.check_at == min(
-                    new.resend_at, self.now + timedelta(seconds=timeout)
-                )
+                assert new.check_at == min(new.resend_at, self.now + timedelta(seconds=timeout))
             elif kind == "finished":
                 assert new == old
             else:

@@ -1,0 +1,179 @@
+"""Inline steps: the next step of a run, run by the step worker that has just ticked it.
+
+With eager ticks, the step worker that writes an attempt's outcome also runs the tick that
+folds it. When that tick starts a step for the queue this worker's message came from,
+publishing it only for a worker (often this one) to take it off the broker again costs a
+publish, a hop, a claim and the consumer's bookkeeping: about half of a step. Instead the tick
+inserts that one attempt already claimed by this worker, with no outbox row and no message
+(``run_tick(keep=...)``, ``store.ticks.TickClaim``), and the worker runs it right away, as if
+its message had just arrived and been claimed (``ductor_inline_steps``; docs/architecture.md,
+"Inline steps"):
+
+- The claim is part of the tick's commit: the attempt is this worker's exactly as after a
+  claim from a message. A worker that dies before or while running it leaves a claimed, open
+  attempt, which the step's timeout (or heartbeat timeout) retries under a new token: what
+  happens to a worker killed mid-step after a message.
+- At most ``ductor_inline_steps`` attempts follow one message, and none is chosen once
+  ``INLINE_BUDGET_S`` has passed since that message started: then the next step goes through
+  the broker, so the messages waiting for this process are not held back for long.
+- Only a step this process has registered, routed to the queue the message came from, with
+  no concurrency limit (a lease is handed on through the broker path) and not a retry (whose
+  arguments the store copies from the earlier attempt).
+- With task events on, each inline attempt sends ``task-started`` (with its name and
+  arguments) and ``task-succeeded`` under its own token, so Flower lists it as a task.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..store.attempts import ClaimedAttempt
+from ..store.schema import dumps_json
+from ..store.ticks import TickClaim
+
+if TYPE_CHECKING:
+    from ..engine import TickPayload
+    from ..store.load import LoadedRun
+    from .runtime import Runtime
+    from .steps import Step
+
+log = logging.getLogger("ductor_celery.step")
+
+#: No inline attempt starts later than this after the message that began the chain.
+INLINE_BUDGET_S = 5.0
+
+
+@dataclass
+class InlineChain:
+    """The attempts one step message's worker runs after its own, one at a time."""
+
+    rt: Runtime
+    #: The queue the message came from: only steps routed there are run inline.
+    queue: str
+    #: Makes this worker's claim identity (one per claim, as for a message's claim).
+    identity: Callable[[], str]
+    left: int
+    deadline: float
+    _chosen: tuple[ClaimedAttempt, Step, str] | None = None
+    _kept: tuple[ClaimedAttempt, Step, str] | None = None
+
+    @classmethod
+    def start(
+        cls, rt: Runtime, queue: str | None, identity: Callable[[], str]
+    ) -> InlineChain | None:
+        """A chain for a message delivered from ``queue``; None when inline steps are off."""
+        limit = rt.settings.inline_steps
+        if not queue or limit <= 0 or not rt.settings.eager_ticks:
+            return None
+        return cls(rt, queue, identity, limit, time.monotonic() + INLINE_BUDGET_S)
+
+    def choose(self, loaded: LoadedRun, payload: TickPayload) -> TickClaim | None:
+        """``Keeper.choose``: the first of the tick's new attempts this worker may run."""
+        self._chosen = None
+        if self._kept is not None or self.left <= 0 or time.monotonic() > self.deadline:
+            return None
+        new = {a.token: a for a in payload.new_attempts}
+        for dispatch in payload.dispatches:
+            attempt = new.get(dispatch.token) if dispatch.kind == "step" else None
+            if attempt is None or attempt.args_from is not None or attempt.lease_key is not None:
+                continue
+            if (attempt.queue or self.rt.settings.steps_queue) != self.queue:
+                continue
+            step = self.rt.step_named(attempt.step)
+            if step is None or step.concurrency is not None:
+                continue
+            worker = self.identity()
+            # The values as a claim would read them back: JSON, and no object the tick shares.
+            args, context = json.loads(dumps_json([attempt.args, payload.state.context]))
+            claimed = ClaimedAttempt(
+                token=attempt.token,
+                run_id=loaded.run_id,
+                workflow_id=loaded.workflow_id,
+                node=attempt.node,
+                branch=attempt.branch,
+                generation=attempt.generation,
+                attempt=attempt.attempt,
+                step=attempt.step,
+                args=dict(args or {}),
+                context=dict(context or {}),
+            )
+            self._chosen = (claimed, step, worker)
+            return TickClaim(attempt.token, worker)
+        return None
+
+    def committed(self) -> None:
+        """``Keeper.committed``: the attempt chosen for the commit is now this worker's."""
+        if self._chosen is not None:
+            self._kept, self._chosen = self._chosen, None
+            self.left -= 1
+
+    def pop(self) -> tuple[ClaimedAttempt, Step, str] | None:
+        """The attempt to run next (claimed by the worker identity returned with it)."""
+        kept, self._kept = self._kept, None
+        return kept
+
+
+class TaskEvents:
+    """Celery task events for an attempt that has no message of its own (Flower's view).
+
+    Sent only when the app sends task events (``worker_send_task_events``, which ``Ductor``
+    turns on unless the user configured it), over one event dispatcher per process and
+    thread; an event that cannot be sent is dropped: events are a view, never the truth.
+    """
+
+    def __init__(self, app: Any, hostname: str | None, claimed: ClaimedAttempt) -> None:
+        self.app = app
+        self.hostname = hostname
+        self.claimed = claimed
+        self.enabled = bool(app.conf.get("worker_send_task_events"))
+        self.started_at = 0.0
+
+    def started(self) -> None:
+        self.started_at = time.monotonic()
+        if self.enabled:
+            claimed = self.claimed
+            self._send(
+                "task-started",
+                name=claimed.step,
+                args=repr([claimed.token]),
+                kwargs=repr({"run_id": claimed.run_id, "node": claimed.node}),
+                root_id=claimed.token,
+                retries=0,
+            )
+
+    def finished(self, outcome: str) -> None:
+        if self.enabled:
+            self._send(
+                "task-succeeded",
+                result=repr(outcome),
+                runtime=time.monotonic() - self.started_at,
+            )
+
+    def _send(self, kind: str, **fields: Any) -> None:
+        try:
+            _dispatcher(self.app, self.hostname).send(kind, uuid=self.claimed.token, **fields)
+        except Exception as exc:  # noqa: BLE001 - a view: never fail the attempt for it
+            _local.__dict__.pop("dispatcher", None)
+            log.debug("task event for %s not sent: %s", self.claimed.token, exc)
+
+
+_local = threading.local()
+
+
+def _dispatcher(app: Any, hostname: str | None) -> Any:
+    """This thread's event dispatcher (a forked child makes its own: the key has the pid)."""
+    key = (os.getpid(), id(app), hostname)
+    found = getattr(_local, "dispatcher", None)
+    if found is None or found[0] != key:
+        dispatcher = app.events.Dispatcher(
+            app.connection_for_write(), hostname=hostname, buffer_while_offline=False
+        )
+        _local.dispatcher = found = (key, dispatcher)
+    return found[1]

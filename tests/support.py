@@ -1,0 +1,145 @@
+"""Helpers the test tiers share: a step stand-in, the pure tick's fixtures, and one store tick.
+
+Importable as ``support`` from every test (``tests/`` is on ``sys.path``, as for ``servers``
+and ``cluster``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+from ductor_celery.definition import RetryPolicy, WorkflowSpec
+from ductor_celery.definition.retry import ConcurrencyLimit
+from ductor_celery.engine import (
+    AttemptResult,
+    EngineConfig,
+    RunState,
+    TickInputs,
+    TickPayload,
+    compute_tick,
+)
+from ductor_celery.settings import Settings
+from ductor_celery.store.load import LoadedRun, load_on
+from ductor_celery.store.outbox import OutboxRow
+from ductor_celery.store.ticks import commit_on
+
+# -- a step -------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeStep:
+    """Stands in for a ``@ductor.step`` object: what the workflow builder reads of one (the
+    ``StepLike`` protocol, plus the optional ``heartbeat_timeout`` and ``concurrency``)."""
+
+    name: str = "s.x"
+    retry: RetryPolicy = RetryPolicy()
+    timeout: float | None = None
+    queue: str | None = None
+    heartbeat_timeout: float | None = None
+    concurrency: ConcurrencyLimit | None = None
+
+
+# -- the pure tick ------------------------------------------------------------------------------
+
+RUN = "r1"
+NOW = datetime(2024, 1, 1, 12, 0, tzinfo=UTC)
+CFG = EngineConfig(resend_unclaimed_after=30.0, default_step_timeout=300.0)
+#: The run's own transition on its first tick.
+RUN_STARTED = (None, "pending", "running", "started")
+
+
+def at(seconds: float) -> datetime:
+    return NOW + timedelta(seconds=seconds)
+
+
+def iso(seconds: float) -> str:
+    return at(seconds).isoformat()
+
+
+def pure_tick(
+    spec: WorkflowSpec, state: RunState, inputs: TickInputs, now: datetime
+) -> TickPayload:
+    """compute_tick, asserting that the input state is left untouched."""
+    before = copy.deepcopy(state)
+    before_json = copy.deepcopy(state.to_json())
+    payload = compute_tick(spec, state, inputs, now)
+    assert state == before
+    assert state.to_json() == before_json
+    assert payload.state is not state
+    return payload
+
+
+def ok(token: str, output: Any = None, patch: dict[str, Any] | None = None) -> AttemptResult:
+    """A succeeded attempt of the node named in ``token`` (``run:node:generation``)."""
+    return AttemptResult(
+        token=token, node=token.split(":")[1], outcome="succeeded", output=output, patch=patch
+    )
+
+
+def err(token: str, message: str = "boom", retryable: bool = True) -> AttemptResult:
+    """A failed attempt of the node named in ``token``."""
+    return AttemptResult(
+        token=token,
+        node=token.split(":")[1],
+        outcome="failed",
+        error={"type": "RuntimeError", "message": message},
+        retryable=retryable,
+    )
+
+
+def summary(**overrides: Any) -> dict[str, Any]:
+    """The describe() of a tick that did nothing, with ``overrides`` applied."""
+    base: dict[str, Any] = {
+        "status": "running",
+        "nodes": {},
+        "new_attempts": [],
+        "closed": [],
+        "folded": [],
+        "dispatches": [],
+        "transitions": [],
+        "next_wake_at": None,
+        "output": None,
+        "error": None,
+    }
+    base.update(overrides)
+    return base
+
+
+# -- a tick against the store -------------------------------------------------------------------
+# The coordinator (runtime/coordinator.py) loads and commits on one connection, in one
+# transaction, holding the run's lock; these play it by hand, a transaction each.
+
+#: The engine settings of a default ``Settings()``.
+CONFIG = Settings().engine_config()
+
+
+def load_tick(
+    engine: Engine,
+    run_id: str,
+    spec_for: Callable[[str], WorkflowSpec],
+    config: EngineConfig,
+) -> tuple[LoadedRun, WorkflowSpec, TickInputs] | None:
+    """Read everything one tick needs on a connection of its own. None: no such run."""
+    with engine.connect() as conn:
+        return load_on(conn, run_id, lambda spec_hash, _conn: spec_for(spec_hash), config)
+
+
+def commit_tick(engine: Engine, loaded: LoadedRun, payload: TickPayload) -> list[OutboxRow]:
+    """Write the payload in one transaction, or raise VersionConflict and write nothing."""
+    with engine.begin() as conn:
+        return commit_on(conn, loaded, payload)
+
+
+def tick_once(
+    engine: Engine, run_id: str, spec_for: Callable[[str], WorkflowSpec]
+) -> list[OutboxRow]:
+    """Load, compute and (if anything changed) commit one tick: the outbox rows it wrote."""
+    loaded, spec, inputs = load_tick(engine, run_id, spec_for, CONFIG)  # type: ignore[misc]
+    payload = compute_tick(spec, loaded.state, inputs, loaded.now)
+    return commit_tick(engine, loaded, payload) if payload.changed else []
