@@ -448,8 +448,8 @@ class Harness:
         result = checker.report()
         attempts_in_window = int(
             self.scalar(
-                "SELECT count(*) FROM eec_workflow_step_attempt WHERE created_at >= to_timestamp(:a)"
-                " AND created_at < to_timestamp(:b)",
+                "SELECT count(*) FROM eec_workflow_step_attempt"
+                " WHERE created_at >= to_timestamp(:a) AND created_at < to_timestamp(:b)",
                 a=t0_wall,
                 b=t0_wall + window,
             )

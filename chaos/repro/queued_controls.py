@@ -66,8 +66,8 @@ def reproduce(url: str) -> dict[str, object]:
         left = (
             conn.execute(
                 sa.text(
-                    "SELECT kind FROM eec_workflow_control WHERE run_id = :r AND handled_at IS NULL "
-                    "ORDER BY id"
+                    "SELECT kind FROM eec_workflow_control"
+                    " WHERE run_id = :r AND handled_at IS NULL ORDER BY id"
                 ),
                 {"r": run_id},
             )
