@@ -28,6 +28,7 @@ consumes; the production commands log at WARNING). ``BENCH_EXPERIMENTS``: comma-
 what-ifs (``no-events``, ``no-sweeper``, ``no-pre-ping``, ``no-prepare``), never on in the
 default figures.
 
+``BENCH_INLINE`` (a count; unset: the package default) sets ``ductor_inline_steps``.
 ``BENCH_EAGER`` (``1``/``0``; unset: the package default) sets ``ductor_eager_ticks``: run.py
 measures the ductor phases once per mode. ``BENCH_BATCH_SIZE`` (default 100): the batch size
 of ``bench_scatter_batched``, registered only when ``Workflow.scatter`` accepts ``batch_size``
@@ -83,6 +84,8 @@ if "no-sweeper" in EXPERIMENTS:
 if os.environ.get("BENCH_EAGER", "") != "":
     # Read by Ductor(app) below, so it must be set first.
     app.conf.update(ductor_eager_ticks=os.environ["BENCH_EAGER"] not in ("0", "false", "off"))
+if os.environ.get("BENCH_INLINE", "") != "":
+    app.conf.update(ductor_inline_steps=int(os.environ["BENCH_INLINE"]))
 ductor = Ductor(app)
 
 

@@ -270,7 +270,12 @@ class Bench:
         self.ductor_workers = []
         self.mode = mode
         tag = f"eager-{mode}{suffix}"
-        extra = {"BENCH_EAGER": "1" if mode == "on" else "0", **(env or {})}
+        extra = {
+            "BENCH_EAGER": "0" if mode == "off" else "1",
+            # "on": eager ticks without inline steps; "inline": both (the package default).
+            "BENCH_INLINE": "50" if mode == "inline" else "0",
+            **(env or {}),
+        }
         self.timers_dir = None
         if timers and not self.args.no_timers:
             # One directory per mode: a phase reads only its own workers' records.
@@ -287,7 +292,10 @@ class Bench:
             w.wait_ready()
         log(f"ductor workers (eager ticks {mode}) ready in {time.monotonic() - t0:.1f}s:")
         for w in self.ductor_workers:
-            log(f"    {w.command}  [BENCH_EAGER={extra['BENCH_EAGER']}]")
+            log(
+                f"    {w.command}  [BENCH_EAGER={extra['BENCH_EAGER']}"
+                f" BENCH_INLINE={extra['BENCH_INLINE']}]"
+            )
         self.results["workers"].setdefault("ductor_steps", self.steps_w.command)
         self.results["workers"].setdefault("ductor_coordinator", self.coord_w.command)
 
@@ -1471,7 +1479,7 @@ def print_ticks(res: dict[str, Any]) -> None:
             f"{ts['busy_eager_ticks']:>12}{ts['recomputes']:>12}{pct_text:>13}"
         )
         print(f"  {'':<42}outcomes: {ts['outcomes']}")
-    eager_on = [ts for name, ts in entries if "eager on" in name]
+    eager_on = [ts for name, ts in entries if "eager on" in name or "eager inline" in name]
     if eager_on and not any(ts["eager_ticks"] for ts in eager_on):
         print(
             "  NOTE: eager ticks were on, yet no tick ran in a step worker: the step-worker "
@@ -1678,16 +1686,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--eager-modes",
         nargs="+",
-        choices=["on", "off"],
-        default=["off", "on"],
-        help="ductor_eager_ticks values to measure latency and throughput with, in order\n"
-        "(the ductor workers restart between modes; the scatter phases run in the last)",
+        choices=["off", "on", "inline"],
+        default=["off", "on", "inline"],
+        help="off: ductor_eager_ticks off; on: eager ticks, ductor_inline_steps=0; inline: both\n"
+        "on (the package default). Measured in order (the ductor workers restart between\n"
+        "modes; the scatter phases run in the last)",
     )
     p.add_argument(
         "--two-coord-modes",
         nargs="*",
-        choices=["on", "off"],
-        default=["off", "on"],
+        choices=["off", "on", "inline"],
+        default=["off", "inline"],
         help="modes whose throughput phase also runs with a second coordinator process\n"
         "(none given: never)",
     )
