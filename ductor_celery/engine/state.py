@@ -10,9 +10,11 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from .status import NodeStatus, RunStatus
+
+_T = TypeVar("_T")
 
 _DATETIME_FIELDS = (
     "check_at",
@@ -25,17 +27,35 @@ _DATETIME_FIELDS = (
 )
 
 
+_FIELD_NAMES: dict[tuple[type, tuple[str, ...]], tuple[str, ...]] = {}
+
+
+def _field_names(cls: type, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """A dataclass's field names, looked up once per class (every tick dumps every node)."""
+    names = _FIELD_NAMES.get((cls, skip))
+    if names is None:
+        names = _FIELD_NAMES[(cls, skip)] = tuple(f.name for f in fields(cls) if f.name not in skip)
+    return names
+
+
 def _dump(obj: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """A dataclass as JSON: datetimes as ISO strings, unset (None or 0) fields left out."""
     out: dict[str, Any] = {}
-    for f in fields(obj):
-        if f.name in skip:
-            continue
-        value = getattr(obj, f.name)
+    for name in _field_names(type(obj), skip):
+        value = getattr(obj, name)
         if value is None or (value == 0 and not isinstance(value, dict)):
             continue
-        out[f.name] = value.isoformat() if isinstance(value, datetime) else value
+        out[name] = value.isoformat() if isinstance(value, datetime) else value
     return out
+
+
+def _shallow_copy(obj: _T) -> _T:
+    """``copy.copy`` of a slotted dataclass without its reduce protocol (several times faster)."""
+    cls = type(obj)
+    twin = cls.__new__(cls)
+    for name in _field_names(cls):
+        object.__setattr__(twin, name, getattr(obj, name))
+    return twin
 
 
 def _dates(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +148,7 @@ class ScatterState:
             succeeded=self.succeeded,
             failed=self.failed,
             gathering=self.gathering,
-            branches={i: copy.copy(b) for i, b in self.branches.items()},
+            branches={i: _shallow_copy(b) for i, b in self.branches.items()},
             errors=dict(self.errors),
             batch=self.batch,
         )
@@ -194,7 +214,7 @@ class NodeState:
         return cls(**kwargs)
 
     def copy(self) -> NodeState:
-        twin = copy.copy(self)
+        twin = _shallow_copy(self)
         if self.scatter is not None:
             twin.scatter = self.scatter.copy()
         return twin

@@ -20,7 +20,8 @@ its message had just arrived and been claimed (``ductor_inline_steps``; docs/arc
   no concurrency limit (a lease is handed on through the broker path) and not a retry (whose
   arguments the store copies from the earlier attempt).
 - With task events on, each inline attempt sends ``task-started`` (with its name and
-  arguments) and ``task-succeeded`` under its own token, so Flower lists it as a task.
+  arguments) and ``task-succeeded`` under its own token, so Flower lists it as a task: one
+  broker message per attempt (``TaskEvents``).
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ class InlineChain:
             self._kept, self._chosen = self._chosen, None
             self.left -= 1
 
+    @property
+    def kept(self) -> tuple[ClaimedAttempt, Step, str] | None:
+        return self._kept
+
     def pop(self) -> tuple[ClaimedAttempt, Step, str] | None:
         """The attempt to run next (claimed by the worker identity returned with it)."""
         kept, self._kept = self._kept, None
@@ -125,7 +130,10 @@ class TaskEvents:
 
     Sent only when the app sends task events (``worker_send_task_events``, which ``Ductor``
     turns on unless the user configured it), over one event dispatcher per process and
-    thread; an event that cannot be sent is dropped: events are a view, never the truth.
+    thread. One broker message per attempt: ``task-started`` goes out at once, together with
+    the previous attempt's ``task-succeeded`` (Celery's batched ``task.multi`` events, which
+    Flower and every event receiver read); the chain's last one goes out with ``flush``. An
+    event that cannot be sent is dropped: events are a view, never the truth.
     """
 
     def __init__(self, app: Any, hostname: str | None, claimed: ClaimedAttempt) -> None:
@@ -147,6 +155,7 @@ class TaskEvents:
                 root_id=claimed.token,
                 retries=0,
             )
+            flush_events(self.app, self.hostname)
 
     def finished(self, outcome: str) -> None:
         if self.enabled:
@@ -164,16 +173,37 @@ class TaskEvents:
             log.debug("task event for %s not sent: %s", self.claimed.token, exc)
 
 
+def flush_events(app: Any, hostname: str | None) -> None:
+    """Publish the task events buffered so far (at the end of a chain, and with each start)."""
+    found = getattr(_local, "dispatcher", None)
+    if found is None or found[0] != _key(app, hostname):
+        return
+    try:
+        found[1].flush()
+    except Exception as exc:  # noqa: BLE001 - a view: never fail the attempt for it
+        _local.__dict__.pop("dispatcher", None)
+        log.debug("task events not sent: %s", exc)
+
+
 _local = threading.local()
 
 
+def _key(app: Any, hostname: str | None) -> tuple[int, int, str | None]:
+    return (os.getpid(), id(app), hostname)
+
+
 def _dispatcher(app: Any, hostname: str | None) -> Any:
-    """This thread's event dispatcher (a forked child makes its own: the key has the pid)."""
-    key = (os.getpid(), id(app), hostname)
+    """This thread's event dispatcher (a forked child makes its own: the key has the pid).
+    Task events are buffered until ``flush``."""
+    key = _key(app, hostname)
     found = getattr(_local, "dispatcher", None)
     if found is None or found[0] != key:
         dispatcher = app.events.Dispatcher(
-            app.connection_for_write(), hostname=hostname, buffer_while_offline=False
+            app.connection_for_write(),
+            hostname=hostname,
+            buffer_while_offline=False,
+            buffer_group=["task"],
+            buffer_limit=64,
         )
         _local.dispatcher = found = (key, dispatcher)
     return found[1]

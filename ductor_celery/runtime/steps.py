@@ -21,7 +21,7 @@ from ..store.db import ValuesRefused, with_retry
 from ..store.outbox import OutboxRow
 from . import batch
 from .coordinator import Keeper, PreludeRefused, run_tick
-from .inline import InlineChain, TaskEvents
+from .inline import InlineChain, TaskEvents, flush_events
 from .outbox_janitor import sent_outbox
 
 if TYPE_CHECKING:
@@ -286,11 +286,16 @@ def execute_attempt(
         log.info("attempt %s already claimed or closed; message ignored", token)
         return "duplicate"
     outcome = _run_claimed(rt, engine, step, claimed, me, chain)
-    while chain is not None and (kept := chain.pop()) is not None:
-        next_claimed, next_step, next_me = kept
-        events = TaskEvents(rt.app, hostname, next_claimed)
-        events.started()
-        events.finished(_run_claimed(rt, engine, next_step, next_claimed, next_me, chain))
+    if chain is None or chain.kept is None:
+        return outcome
+    try:
+        while (kept := chain.pop()) is not None:
+            next_claimed, next_step, next_me = kept
+            events = TaskEvents(rt.app, hostname, next_claimed)
+            events.started()
+            events.finished(_run_claimed(rt, engine, next_step, next_claimed, next_me, chain))
+    finally:
+        flush_events(rt.app, hostname)
     return outcome
 
 
