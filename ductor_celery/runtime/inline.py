@@ -26,14 +26,17 @@ its message had just arrived and been claimed (``ductor_inline_steps``; docs/arc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from celery._state import pop_current_task, push_current_task
 
 from ..store.attempts import ClaimedAttempt
 from ..store.schema import dumps_json
@@ -123,6 +126,36 @@ class InlineChain:
         """The attempt to run next (claimed by the worker identity returned with it)."""
         kept, self._kept = self._kept, None
         return kept
+
+
+@contextlib.contextmanager
+def as_current_task(
+    step: Step, claimed: ClaimedAttempt, hostname: str | None, queue: str
+) -> Iterator[None]:
+    """Inside an inline attempt, Celery's current task is the attempt's own step task and its
+    request carries the attempt's token as id, as when a message delivers it: code that reads
+    ``celery.current_task.request.id``, and the task id and name in Celery's task log format,
+    name this attempt, not the one whose message started the chain."""
+    task = step.task
+    if task is None:  # a Step not registered on an app (a direct test call)
+        yield
+        return
+    task.push_request(
+        id=claimed.token,
+        task=task.name,
+        args=[claimed.token],
+        kwargs={},
+        hostname=hostname,
+        delivery_info={"routing_key": queue},
+        root_id=claimed.token,
+        retries=0,
+    )
+    push_current_task(task)
+    try:
+        yield
+    finally:
+        pop_current_task()
+        task.pop_request()
 
 
 class TaskEvents:

@@ -21,7 +21,7 @@ from ..store.db import ValuesRefused, with_retry
 from ..store.outbox import OutboxRow
 from . import batch
 from .coordinator import Keeper, PreludeRefused, run_tick
-from .inline import InlineChain, TaskEvents, flush_events
+from .inline import InlineChain, TaskEvents, as_current_task, flush_events
 from .outbox_janitor import sent_outbox
 
 if TYPE_CHECKING:
@@ -293,7 +293,9 @@ def execute_attempt(
             next_claimed, next_step, next_me = kept
             events = TaskEvents(rt.app, hostname, next_claimed)
             events.started()
-            events.finished(_run_claimed(rt, engine, next_step, next_claimed, next_me, chain))
+            with as_current_task(next_step, next_claimed, hostname, chain.queue):
+                next_outcome = _run_claimed(rt, engine, next_step, next_claimed, next_me, chain)
+            events.finished(next_outcome)
     finally:
         flush_events(rt.app, hostname)
     return outcome

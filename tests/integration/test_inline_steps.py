@@ -8,14 +8,17 @@ the message came from. The dispatcher records what would have gone to the broker
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from celery import Celery
+from celery import Celery, current_task
+from celery._state import pop_current_task, push_current_task
 
 from ductor_celery import ConcurrencyLimit, Ductor, RetryPolicy, StepContext
 from ductor_celery.definition import Workflow
@@ -100,6 +103,20 @@ def _deliver(ductor: Ductor, row: OutboxRow, queue: str | None = QUEUE) -> str:
     return execute_attempt(ductor.runtime, step, row.payload["token"], "w1@host", queue=queue)
 
 
+@contextlib.contextmanager
+def _as_message(ductor: Ductor, row: OutboxRow) -> Iterator[None]:
+    """What Celery's tracer sets around a task delivered by a message."""
+    step = ductor.runtime.step_named(row.task)
+    assert step is not None
+    step.task.push_request(id=row.payload["token"])
+    push_current_task(step.task)
+    try:
+        yield
+    finally:
+        pop_current_task()
+        step.task.pop_request()
+
+
 def _run(ductor: Ductor, run_id: str) -> Any:
     with ductor.runtime.engine().connect() as conn:
         return conn.execute(sa.select(workflow_run).where(workflow_run.c.run_id == run_id)).one()
@@ -131,10 +148,17 @@ def _outbox(ductor: Ductor) -> list[Any]:
 
 def test_a_chain_runs_to_the_end_from_one_message(url: str) -> None:
     ductor, recorder = _ductor(url)
-    _chain(ductor, 6, _add_one(ductor))
+    task_ids: list[str | None] = []
+
+    def add_one(ctx: StepContext, value: int = 0) -> int:
+        task_ids.append(current_task.request.id if current_task else None)
+        return value + 1
+
+    _chain(ductor, 6, ductor.step(name="inline.add")(add_one))
     run_id, first = _start(ductor, "chain", recorder)
 
-    assert _deliver(ductor, first) == "succeeded"
+    with _as_message(ductor, first):
+        assert _deliver(ductor, first) == "succeeded"
 
     run = _run(ductor, run_id)
     assert run.status == "succeeded" and run.output == 6
@@ -143,6 +167,9 @@ def test_a_chain_runs_to_the_end_from_one_message(url: str) -> None:
     assert [r.node for r in rows] == [f"s{i}" for i in range(6)]
     assert all(r.outcome == "succeeded" and r.claimed_at is not None for r in rows)
     assert {r.claimed_by.split(":")[1] for r in rows} == {str(os.getpid())}
+    # Celery's current task is each attempt's own, with its token as the task id, as when a
+    # message delivers it (user code and Celery's task log format read it).
+    assert task_ids == [r.token for r in rows]
     assert _outbox(ductor) == []  # each kept row marked sent once claimed
 
 
