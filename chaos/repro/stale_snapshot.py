@@ -75,8 +75,8 @@ def reproduce(url: str) -> dict[str, object]:
     # Tick A folds s1 and then holds the run's lock for 1.5 s before it commits.
     original = coordinator.commit_on
 
-    def slow_commit(conn, loaded, payload):  # type: ignore[no-untyped-def]
-        out = original(conn, loaded, payload)
+    def slow_commit(conn, loaded, payload, claim=None):  # type: ignore[no-untyped-def]
+        out = original(conn, loaded, payload, claim)
         if threading.current_thread().name == "tick-A":
             time.sleep(1.5)
         return out
