@@ -76,8 +76,11 @@ def _ready(sender: Any = None, **_: Any) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _token() -> str | None:
-    """The attempt token: ductor sends each step message with the token as its task id."""
+def _token(ctx: StepContext) -> str | None:
+    """The attempt token this execution runs under: Celery's current task id, which is the
+    attempt's token whether a message delivered it or the worker ran it inline, right after
+    the step of the message (``ductor_inline_steps``: runtime/inline.py pushes the attempt's
+    own request). The checker's ``claimed_once`` says so loudly if that ever stops holding."""
     try:
         request = current_task.request
         return str(request.id) if request is not None and request.id else None
@@ -99,7 +102,7 @@ def execute(
     nonce = uuid.uuid4().hex
     ledger.begin(
         nonce=nonce,
-        token=_token(),
+        token=_token(ctx),
         run_id=ctx.run_id,
         workflow_id=ctx.workflow_id,
         node=ctx.node,

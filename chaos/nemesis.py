@@ -15,7 +15,9 @@ everything back at the end of the window (SIGCONT, restart, servers up).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import pickle
 import random
 import signal
 import threading
@@ -44,6 +46,7 @@ KINDS: dict[str, tuple[float, str]] = {
     "pg_terminate": (3.0, "pg"),  # pg_terminate_backend of random connections
     "dup_steps": (3.0, "broker"),  # copies of real step messages, shuffled, some late
     "dup_ticks": (3.0, "broker"),  # copies of tick messages, shuffled, some late
+    "forged": (2.0, "broker"),  # forged and truncated step and tick messages: dropped, no effect
 }
 
 REDIS_OUTAGE_S = 20.0
@@ -153,6 +156,8 @@ def _shape(rng: random.Random, kind: str, step_timeout: float) -> tuple[float, i
         return 0.0, rng.randint(1, 6)  # connections to terminate
     if kind in ("dup_steps", "dup_ticks"):
         return 0.0, rng.randint(5, 40)  # messages to copy
+    if kind == "forged":
+        return 0.0, rng.randint(5, 30)  # messages to forge
     return 0.0, 0
 
 
@@ -187,6 +192,7 @@ class Nemesis:
         steps_queue: str,
         coord_queue: str,
         seed: int,
+        publish: Callable[[str, str | bytes, str, dict[str, Any] | None], None] | None = None,
     ) -> None:
         self.schedule = schedule
         self.workers = workers
@@ -196,6 +202,8 @@ class Nemesis:
         self.send_task = send_task
         self.steps_queue = steps_queue
         self.coord_queue = coord_queue
+        #: Publishes a raw message on a queue: (queue, body, content type, headers).
+        self.publish = publish
         self.rng = random.Random(seed ^ 0x5EED)
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
@@ -407,6 +415,38 @@ class Nemesis:
         )
         fault.detail.update(messages=sent, distinct=len(set(picks)))
 
+    def _do_forged(self, fault: Fault) -> None:
+        """Messages nobody issued, put straight on the queues: each must be logged and dropped
+        by the worker that takes it, and change nothing (the checker still passes); the
+        envelopes that would kill or wedge a Celery 5.7 worker before any task code runs
+        included (runtime/poison.py drops those)."""
+        if self.redis_down or self.pg_down:
+            fault.result = "skipped: broker or database down"
+            return
+        attempts = self._recent(
+            "SELECT token, step FROM eec_workflow_step_attempt ORDER BY created_at DESC LIMIT %s",
+            100,
+        )
+        runs = self._recent(
+            "SELECT run_id, workflow_id FROM eec_workflow_run ORDER BY updated_at DESC LIMIT %s",
+            50,
+        )
+        menu = forged_messages(self.rng, attempts, runs, self.steps_queue, self.coord_queue)
+        if self.publish is None:
+            menu = [m for m in menu if m[0] == "task"]
+        shapes: dict[str, int] = {}
+        for _ in range(fault.param):
+            how, what, queue, name_or_body, args_or_type, extra = self.rng.choice(menu)
+            if how == "task":
+                self.send_task(
+                    name_or_body, args=args_or_type, kwargs=extra, queue=queue, serializer="json"
+                )
+            else:
+                assert self.publish is not None
+                self.publish(queue, name_or_body, args_or_type, extra)
+            shapes[what] = shapes.get(what, 0) + 1
+        fault.detail.update(messages=fault.param, shapes=shapes)
+
     def _publish(self, messages: list[tuple[str, list[Any], dict[str, Any]]]) -> int:
         """Send copies shuffled; some of them (a random tail) a moment later, out of order."""
         copies = [m for m in messages for _ in range(self.rng.randint(1, 3))]
@@ -457,3 +497,133 @@ class Nemesis:
             if fault.result == "done":
                 entry["injected"] += 1
         return by_kind
+
+
+def _headers(rng: random.Random, task: Any, **extra: Any) -> dict[str, Any]:
+    """Celery's protocol-2 headers for a message nobody sent through Celery."""
+    task_id = f"forged-{rng.getrandbits(48):012x}"
+    headers = {
+        "lang": "py",
+        "task": task,
+        "id": task_id,
+        "root_id": task_id,
+        "parent_id": None,
+        "group": None,
+        "retries": 0,
+        "timelimit": [None, None],
+        "eta": None,
+        "expires": None,
+        "argsrepr": "forged",
+        "kwargsrepr": "{}",
+        "origin": "nemesis",
+    }
+    headers.update(extra)
+    return headers
+
+
+def forged_messages(
+    rng: random.Random,
+    attempts: list[tuple[Any, ...]],
+    runs: list[tuple[Any, ...]],
+    steps_queue: str,
+    coord_queue: str,
+) -> list[tuple[str, str, str, Any, Any, Any]]:
+    """The menu of forged messages, built from recent rows: ("task", shape, queue, task name,
+    args, kwargs) sent with ``send_task``, or ("raw", shape, queue, body, content type,
+    headers) published as they are."""
+    token, step = rng.choice(attempts) if attempts else ("no-such-token", "chaos.work")
+    steps = sorted({s for _, s in attempts}) or [step]
+    other = next((s for s in steps if s != step), None)
+    run_id, workflow_id = rng.choice(runs) if runs else ("no-such-run", "no-such-workflow")
+    body = json.dumps(
+        [[token], {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}]
+    )
+    menu: list[tuple[str, str, str, Any, Any, Any]] = [
+        ("task", "unknown token", steps_queue, step, [f"{token}:forged"], None),
+        ("task", "token not a string", steps_queue, step, [rng.choice([5, None, True])], None),
+        ("task", "token a container", steps_queue, step, [rng.choice([[token], {"t": 1}])], None),
+        ("task", "token with NUL", steps_queue, step, [f"{token}\x00"], None),
+        ("task", "no token", steps_queue, step, [], None),
+        ("task", "one argument too many", steps_queue, step, [token, "extra"], None),
+        ("task", "unknown keyword", steps_queue, step, [token], {"forged": True}),
+        ("task", "unregistered step", steps_queue, "chaos.no_such_step", [token], None),
+        ("task", "unknown run", coord_queue, "ductor.tick", [f"no-such-run-{rng.random()}"], None),
+        ("task", "workflow id as run id", coord_queue, "ductor.tick", [workflow_id], None),
+        ("task", "run id not a string", coord_queue, "ductor.tick", [rng.choice([5, None])], None),
+        ("task", "no run id", coord_queue, "ductor.tick", [], None),
+        ("task", "a tick with two run ids", coord_queue, "ductor.tick", [run_id, run_id], None),
+        ("task", "a step message on the coordinator", coord_queue, step, [f"{token}:forged"], None),
+        ("raw", "garbage JSON", steps_queue, "{not json", "application/json", _headers(rng, step)),
+        (
+            "raw",
+            "truncated JSON",
+            rng.choice([steps_queue, coord_queue]),
+            body[: rng.randint(1, len(body) - 1)],
+            "application/json",
+            _headers(rng, step),
+        ),
+        (
+            "raw",
+            "pickle",
+            steps_queue,
+            pickle.dumps([[token], {}, {}]),
+            "application/x-python-serialize",
+            _headers(rng, step),
+        ),
+        (
+            "raw",
+            "no headers",
+            rng.choice([steps_queue, coord_queue]),
+            body,
+            "application/json",
+            None,
+        ),
+        (
+            "raw",
+            "unknown task",
+            coord_queue,
+            body,
+            "application/json",
+            _headers(rng, "ductor.no_such_task"),
+        ),
+        ("raw", "bad ETA", steps_queue, body, "application/json", _headers(rng, step, eta="never")),
+        # Envelopes that escape Celery 5.7's own per-message handling (the worker would exit,
+        # or reconnect forever): runtime/poison.py drops them on ductor's queues.
+        (
+            "raw",
+            "body not an [args, kwargs, embed] triple",
+            rng.choice([steps_queue, coord_queue]),
+            json.dumps(rng.choice(["a string", {"args": [token]}, [[token]], None])),
+            "application/json",
+            _headers(rng, step),
+        ),
+        ("raw", "empty body", steps_queue, "", "application/json", _headers(rng, step)),
+        (
+            "raw",
+            "binary body",
+            steps_queue,
+            b"\x00\xffnot a task",
+            "application/data",
+            _headers(rng, step),
+        ),
+        (
+            "raw",
+            "headers without an id",
+            rng.choice([steps_queue, coord_queue]),
+            body,
+            "application/json",
+            {k: v for k, v in _headers(rng, step).items() if k != "id"},
+        ),
+        (
+            "raw",
+            "timelimit not a pair",
+            steps_queue,
+            body,
+            "application/json",
+            _headers(rng, step, timelimit=5),
+        ),
+        ("raw", "task name a list", coord_queue, body, "application/json", _headers(rng, [step])),
+    ]
+    if other is not None:
+        menu.append(("task", "another step's token", steps_queue, other, [token], None))
+    return menu

@@ -277,6 +277,22 @@ class Harness:
             {" ".join(["celery", "-A", "app", "worker", *w.args]) for w in self.workers.values()}
         )
 
+    def publish_raw(
+        self, queue: str, body: str | bytes, content_type: str, headers: dict[str, Any] | None
+    ) -> None:
+        """A message as it is, straight on a queue (the nemesis's forged ones)."""
+        with self.app.app.producer_or_acquire() as producer:
+            producer.publish(
+                body,
+                exchange="",  # the default exchange: the routing key names the queue
+                routing_key=queue,
+                content_type=content_type,
+                content_encoding="binary" if isinstance(body, bytes) else "utf-8",
+                headers=headers,
+                serializer=None,
+                retry=False,
+            )
+
     def supervise(self, t0: float) -> None:
         """Restart workers that exited on their own, as systemd or Kubernetes would (the
         nemesis restarts the ones it kills itself)."""
@@ -379,6 +395,7 @@ class Harness:
             STEPS_QUEUE,
             COORD_QUEUE,
             args.seed,
+            publish=self.publish_raw,
         )
         t0 = time.monotonic()
         t0_wall = time.time()

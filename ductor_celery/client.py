@@ -19,6 +19,7 @@ from sqlalchemy.engine import Engine
 
 from . import limits
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
+from .engine.kinds import CONTROL_ALLOWED, ControlKind, statuses_allowing
 from .engine.payloads import check_json
 from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
 from .errors import (
@@ -38,15 +39,17 @@ log = logging.getLogger("ductor_celery.client")
 
 T = TypeVar("T")
 
-_OPEN = frozenset({RunStatus.PENDING, RunStatus.RUNNING, RunStatus.PAUSED})
-CONTROL_ALLOWED: dict[str, frozenset[RunStatus]] = {
-    "pause": frozenset({RunStatus.RUNNING, RunStatus.PENDING}),
-    "resume": frozenset({RunStatus.PAUSED}),
-    "cancel": _OPEN,
-    "terminate": _OPEN,
-    "redrive": frozenset({RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.TERMINATED}),
-    "continue_as_new": frozenset({RunStatus.RUNNING, RunStatus.PAUSED, RunStatus.PENDING}),
-}
+
+def check_control(run_id: str, status: RunStatus, kind: ControlKind) -> None:
+    """Refuse a control the run's status does not allow (``CONTROL_ALLOWED``, the table the
+    coordinator applies controls by), saying in which statuses it is allowed."""
+    if kind in CONTROL_ALLOWED[status]:
+        return
+    allowed = sorted(statuses_allowing(kind))
+    raise InvalidOperation(
+        f"cannot {kind.replace('_', '-')} run {run_id}: it is {status.value} "
+        f"(allowed when {', '.join(s.value for s in allowed)})"
+    )
 
 
 def check_payload(value: Any, what: str, limit: int) -> Any:
@@ -350,7 +353,7 @@ class Client:
     def control(
         self,
         target: str,
-        kind: str,
+        kind: ControlKind,
         *,
         reason: str | None = None,
         input: Any = None,
@@ -358,6 +361,7 @@ class Client:
         requested_by: str | None = None,
     ) -> None:
         """Queue an operator control after checking it makes sense for the run's state."""
+        kind = ControlKind(kind)  # a caller's plain string too ("pause"); ValueError if unknown
         check_target(target)
         check_text(reason, "reason", self.settings.max_payload_bytes)
         if requested_by is not None:
@@ -365,13 +369,8 @@ class Client:
         if has_input:
             input = check_payload(input, "continue-as-new input", self.settings.max_payload_bytes)
         row = self._row(target)
-        allowed = CONTROL_ALLOWED[kind]
-        if row.status not in allowed:
-            raise InvalidOperation(
-                f"cannot {kind.replace('_', '-')} run {row.run_id}: it is {row.status.value} "
-                f"(allowed when {', '.join(s.value for s in sorted(allowed))})"
-            )
-        if kind == "redrive":
+        check_control(row.run_id, row.status, kind)
+        if kind == ControlKind.REDRIVE:
             other = self._read(runs.open_run_id, self.engine, row.workflow_id)
             if other is not None:
                 raise InvalidOperation(
@@ -518,7 +517,7 @@ class Client:
         shows in the row (it is marked handled in the commit that reopens the run).
         """
         redrive_pending = self._read(
-            external.has_unhandled_control, self.engine, run_id, ("redrive",)
+            external.has_unhandled_control, self.engine, run_id, (ControlKind.REDRIVE,)
         )
         row = self._follow(target, self._row(run_id))
         return row, row.status in TERMINAL_RUN_STATUSES and not redrive_pending

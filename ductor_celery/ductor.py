@@ -12,6 +12,7 @@ from .definition.checks import check_step_options, not_a_function
 from .definition.checks import step_name as checked_step_name
 from .definition.retry import ConcurrencyLimit, RetryPolicy
 from .definition.spec import WorkflowSpec
+from .engine.kinds import ControlKind
 from .errors import DefinitionError
 from .runtime.runtime import Runtime
 from .runtime.steps import Step
@@ -184,19 +185,19 @@ class Ductor:
         self.client.decide(target, node, approved=False, by=by, comment=comment)
 
     def pause(self, target: str, reason: str | None = None) -> None:
-        self.client.control(target, "pause", reason=reason)
+        self.client.control(target, ControlKind.PAUSE, reason=reason)
 
     def resume(self, target: str) -> None:
-        self.client.control(target, "resume")
+        self.client.control(target, ControlKind.RESUME)
 
     def cancel(self, target: str, reason: str | None = None) -> None:
-        self.client.control(target, "cancel", reason=reason)
+        self.client.control(target, ControlKind.CANCEL, reason=reason)
 
     def terminate(self, target: str, reason: str | None = None) -> None:
-        self.client.control(target, "terminate", reason=reason)
+        self.client.control(target, ControlKind.TERMINATE, reason=reason)
 
     def redrive(self, target: str) -> None:
-        self.client.control(target, "redrive")
+        self.client.control(target, ControlKind.REDRIVE)
 
     def continue_as_new(self, target: str, input: Any = None) -> None:
         """Close the run as ``continued`` and start its successor with the same workflow id.
@@ -204,7 +205,9 @@ class Ductor:
         Without ``input`` the successor carries the context and every finished node forward;
         with ``input`` it starts the workflow from the top with that input.
         """
-        self.client.control(target, "continue_as_new", input=input, has_input=input is not None)
+        self.client.control(
+            target, ControlKind.CONTINUE_AS_NEW, input=input, has_input=input is not None
+        )
 
     def local_workers(self, concurrency: int = 4) -> Any:
         """Run a coordinator and step consumers as threads in this process (a context manager)."""

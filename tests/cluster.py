@@ -113,7 +113,6 @@ class Cluster:
             **os.environ,
             "DUCTOR_DATABASE_URL": database_url,
             "E2E_BROKER_URL": broker_url,
-            "SHOP_BROKER_URL": broker_url,
             "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
             **env,
         }

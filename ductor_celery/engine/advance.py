@@ -1,39 +1,25 @@
 """Phase 1: advance nodes. Fold finished attempts, check in-flight ones, fire due retries.
 
-An attempt lives in a *slot*: the node itself for a step node, or one in-flight branch of a
-scatter. Both keep the same bookkeeping (token, attempt number, check and retry times), so
-every rule here (re-send, time out, retry with backoff, ignore stale results) is written once.
+An attempt lives in a *slot* (``slots.py``): the node itself for a step node, or one in-flight
+branch of a scatter. Both keep the same bookkeeping (token, attempt number, check and retry
+times), so every rule here (re-send, time out, retry with backoff, ignore stale results) is
+written once.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-from ..definition.paths import Scope, resolve
 from ..definition.retry import backoff_delay
-from ..definition.spec import AttemptNodeSpec
 from . import scatter
 from .context import TickContext
-from .inputs import AttemptResult, ClosedAttempt, Dispatch, EngineConfig, NewAttempt
+from .inputs import AttemptResult, ClosedAttempt, Dispatch
+from .kinds import DispatchKind
 from .payloads import json_problem
+from .slots import Slot, first_limit, slots, start_attempt
 from .state import BranchState, NodeState
 from .status import NodeStatus
-
-Slot = NodeState | BranchState
-
-
-def slots(ns: NodeState) -> Iterator[tuple[int | None, Slot]]:
-    """The attempt slots of a running node: (branch, slot); branch is None for a step node."""
-    if ns.status != NodeStatus.RUNNING:
-        return
-    if ns.scatter is not None:
-        yield from list(ns.scatter.branches.items())
-    elif ns.token is not None or ns.retry_at is not None:
-        yield None, ns
 
 
 def fold_results(t: TickContext) -> None:
@@ -169,7 +155,7 @@ def _check_slot(t: TickContext, node: str, slot: Slot, branch: int | None) -> No
         # step timeout (the sweeper re-sends a granted message that got lost).
         slot.resends = 0
         slot.resend_at = None
-        slot.check_at = t.now + timedelta(seconds=_first_limit(spec, cfg))
+        slot.check_at = t.now + timedelta(seconds=first_limit(spec, cfg))
         t.payload.changed = True
         return
     if check.claimed_at is None:
@@ -181,12 +167,14 @@ def _check_slot(t: TickContext, node: str, slot: Slot, branch: int | None) -> No
             slot.resends += 1
             resend_at = t.now + timedelta(seconds=cfg.resend_unclaimed_after * 2**slot.resends)
             t.payload.dispatches.append(
-                Dispatch("step", t.inputs.run_id, node, slot.token, spec.step, spec.queue)
+                Dispatch(
+                    DispatchKind.STEP, t.inputs.run_id, node, slot.token, spec.step, spec.queue
+                )
             )
             status = t.nodes[node].status
             t.record(node, status, status, f"{where} {slot.attempt} unclaimed: re-sent")
         slot.resend_at = resend_at
-        slot.check_at = min(resend_at, t.now + timedelta(seconds=_first_limit(spec, cfg)))
+        slot.check_at = min(resend_at, t.now + timedelta(seconds=first_limit(spec, cfg)))
         t.payload.changed = True
         return
     deadline = check.claimed_at + timedelta(seconds=timeout)
@@ -209,12 +197,6 @@ def _check_slot(t: TickContext, node: str, slot: Slot, branch: int | None) -> No
     attempt_failed(t, node, slot, branch, error, True)
 
 
-def _first_limit(spec: AttemptNodeSpec, cfg: EngineConfig) -> float:
-    """The shortest time after a claim at which the attempt may have to be declared lost."""
-    timeout = spec.timeout or cfg.default_step_timeout
-    return min(timeout, spec.heartbeat_timeout or timeout)
-
-
 def fire_retries(t: TickContext) -> None:
     for node, ns in t.nodes.items():
         for branch, slot in slots(ns):
@@ -232,71 +214,3 @@ def fire_retries(t: TickContext) -> None:
                 )
                 where = "attempt" if branch is None else f"branch {branch} attempt"
                 t.record(node, ns.status, ns.status, f"{where} {slot.attempt} dispatched (retry)")
-
-
-def lease_key_for(spec: AttemptNodeSpec, scope: Scope) -> str | None:
-    """The lease key of an attempt: the step's name and its resolved concurrency key.
-
-    A key that resolves to something other than a string is keyed by its canonical JSON; a
-    very long one by its hash (the column holds 500 characters).
-    """
-    if spec.concurrency is None:
-        return None
-    value = resolve(spec.concurrency.key, scope)
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
-    key = f"{spec.step}|{text}"
-    if len(key) > 500:
-        key = f"{spec.step[:300]}|sha256:{hashlib.sha256(text.encode()).hexdigest()}"
-    return key
-
-
-def start_attempt(
-    t: TickContext,
-    node: str,
-    args: dict[str, Any] | None,
-    args_from: str | None = None,
-    lease_key: str | None = None,
-    branch: int | None = None,
-    slot: Slot | None = None,
-) -> None:
-    """Insert a new attempt under a new generation and queue its message.
-
-    Generations count per node across all its branches, so every token is unique. A retry
-    (``args_from``) keeps its first attempt's arguments and lease key: the store copies both
-    from that attempt's row.
-    """
-    ns = t.nodes[node]
-    slot = ns if slot is None else slot
-    spec = t.attempt_spec(node)
-    ns.generation += 1
-    slot.generation = ns.generation
-    slot.attempt += 1
-    slot.token = t.token_for(node, ns.generation)
-    cfg = t.inputs.config
-    # First look at the re-send time or after one step timeout, whichever comes first.
-    slot.resend_at = t.now + timedelta(seconds=cfg.resend_unclaimed_after)
-    slot.check_at = min(slot.resend_at, t.now + timedelta(seconds=_first_limit(spec, cfg)))
-    slot.resends = 0
-    slot.claimed_at = None
-    if ns.started_at is None:
-        ns.started_at = t.now
-    t.payload.new_attempts.append(
-        NewAttempt(
-            token=slot.token,
-            node=node,
-            step=spec.step,
-            queue=spec.queue,
-            generation=ns.generation,
-            attempt=slot.attempt,
-            args=args or {},
-            args_from=args_from,
-            timeout=spec.timeout or t.inputs.config.default_step_timeout,
-            lease_key=lease_key,
-            lease_limit=spec.concurrency.limit if spec.concurrency is not None else None,
-            branch=branch,
-        )
-    )
-    t.payload.dispatches.append(
-        Dispatch("step", t.inputs.run_id, node, slot.token, spec.step, spec.queue)
-    )
-    t.payload.changed = True

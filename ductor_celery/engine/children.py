@@ -18,8 +18,9 @@ from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec
 from ..limits import MAX_ID_LENGTH
 from .context import TickContext
 from .inputs import ChildControl, ChildSnapshot, ChildStart
+from .kinds import ControlKind
 from .payloads import refusal
-from .status import NodeStatus
+from .status import OPEN_RUN_STATUSES, NodeStatus
 
 #: Child statuses that end the parent's wait with a failure.
 FAILED_CHILD = frozenset({"failed", "cancelled", "terminated", "missing"})
@@ -174,11 +175,13 @@ def close_child(t: TickContext, node_id: str, child: str, reason: str) -> None:
     spec = t.spec.graph.nodes[node_id]
     assert isinstance(spec, SubworkflowNodeSpec | ChildScatterNodeSpec)
     snap = t.inputs.children.get(child)
-    if snap is not None and snap.status not in ("pending", "running", "paused"):
+    if snap is not None and snap.status not in OPEN_RUN_STATUSES:
         return  # finished already
     if spec.parent_close == "abandon":
         return
     t.payload.child_controls.append(
-        ChildControl(child, spec.parent_close, f"parent run {t.inputs.run_id}: {reason}")
+        ChildControl(
+            child, ControlKind(spec.parent_close), f"parent run {t.inputs.run_id}: {reason}"
+        )
     )
     t.payload.changed = True

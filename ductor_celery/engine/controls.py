@@ -4,67 +4,70 @@ from __future__ import annotations
 
 import hashlib
 
-from .advance import slots
 from .context import TickContext
-from .inputs import ControlIn, HandledControl, SuccessorRun
+from .inputs import HandledControl, SuccessorRun
+from .kinds import CONTROL_ALLOWED, CONTROL_APPLIED, ControlKind, control_rejected
 from .schedule import close_in_flight
+from .slots import slots
 from .state import NodeState, RunState
 from .status import NodeStatus, RunStatus
 
-OPEN = (RunStatus.PENDING, RunStatus.RUNNING, RunStatus.PAUSED)
-REDRIVABLE = (RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.TERMINATED)
+#: Why a control is rejected, by kind, when ``CONTROL_ALLOWED`` says the run's status does not
+#: allow it (the run moved on between the client's check and this tick).
+_REFUSED: dict[ControlKind, str] = {
+    ControlKind.PAUSE: "run is {status}, only a running run can be paused",
+    ControlKind.RESUME: "run is {status}, only a paused run can be resumed",
+    ControlKind.CANCEL: "run is already {status}",
+    ControlKind.TERMINATE: "run is already {status}",
+    ControlKind.REDRIVE: (
+        "run is {status}; only failed, cancelled or terminated runs can be redriven"
+    ),
+    ControlKind.CONTINUE_AS_NEW: (
+        "run is {status}, only a running or paused run can continue as new"
+    ),
+}
 
 
 def apply_control(t: TickContext) -> None:
     control = t.inputs.control
     if control is None:
         return
-    problem = _problem(t.payload.state.status, control)
+    status = t.payload.state.status
+    problem = control_problem(status, control.kind)
     if problem is not None:
-        t.payload.handled_control = HandledControl(control.id, f"rejected: {problem}")
-        t.record(
-            None,
-            t.payload.state.status,
-            t.payload.state.status,
-            f"{control.kind} rejected: {problem}",
-        )
+        t.payload.handled_control = HandledControl(control.id, control_rejected(problem))
+        t.record(None, status, status, f"{control.kind} rejected: {problem}")
         return
-    t.payload.handled_control = HandledControl(control.id, "applied")
-    reason = f"{control.kind}" + (f": {control.reason}" if control.reason else "")
+    kind = ControlKind(control.kind)  # a known kind: control_problem rejects the others
+    t.payload.handled_control = HandledControl(control.id, CONTROL_APPLIED)
+    reason = f"{kind}" + (f": {control.reason}" if control.reason else "")
     state = t.payload.state
-    if control.kind == "pause":
+    if kind == ControlKind.PAUSE:
         t.move_run(RunStatus.PAUSED, reason)
-    elif control.kind == "resume":
+    elif kind == ControlKind.RESUME:
         t.move_run(RunStatus.RUNNING, reason)
-    elif control.kind in ("cancel", "terminate"):
+    elif kind in (ControlKind.CANCEL, ControlKind.TERMINATE):
         revoke_and_close(t, reason)
         state.continue_pending = None
-        t.payload.error = {"type": control.kind.capitalize(), "message": reason}
+        t.payload.error = {"type": kind.capitalize(), "message": reason}
         t.move_run(
-            RunStatus.CANCELLED if control.kind == "cancel" else RunStatus.TERMINATED, reason
+            RunStatus.CANCELLED if kind == ControlKind.CANCEL else RunStatus.TERMINATED, reason
         )
-    elif control.kind == "redrive":
+    elif kind == ControlKind.REDRIVE:
         _redrive(t, reason)
-    elif control.kind == "continue_as_new":
+    elif kind == ControlKind.CONTINUE_AS_NEW:
         state.continue_pending = {"input": control.input, "has_input": control.has_input}
         t.record(None, state.status, state.status, f"{reason}: draining attempts in flight")
 
 
-def _problem(status: RunStatus, control: ControlIn) -> str | None:
-    kind = control.kind
-    if kind == "pause" and status not in (RunStatus.PENDING, RunStatus.RUNNING):
-        return f"run is {status.value}, only a running run can be paused"
-    if kind == "resume" and status != RunStatus.PAUSED:
-        return f"run is {status.value}, only a paused run can be resumed"
-    if kind in ("cancel", "terminate") and status not in OPEN:
-        return f"run is already {status.value}"
-    if kind == "redrive" and status not in REDRIVABLE:
-        return f"run is {status.value}; only failed, cancelled or terminated runs can be redriven"
-    if kind == "continue_as_new" and status not in OPEN:
-        return f"run is {status.value}, only a running or paused run can continue as new"
-    if kind not in ("pause", "resume", "cancel", "terminate", "redrive", "continue_as_new"):
+def control_problem(status: RunStatus, kind: ControlKind | str) -> str | None:
+    """Why a run in ``status`` rejects a control of ``kind``; ``None`` if it accepts it."""
+    known = ControlKind.parse(kind)
+    if not isinstance(known, ControlKind):
         return f"unknown control {kind!r}"
-    return None
+    if known in CONTROL_ALLOWED[status]:
+        return None
+    return _REFUSED[known].format(status=status.value)
 
 
 def revoke_and_close(t: TickContext, reason: str) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from .kinds import ControlKind, ControlResult, DispatchKind
 from .state import RunState
 from .status import RunStatus
 
@@ -62,7 +63,9 @@ class ControlIn:
     """The oldest unhandled operator control of the run."""
 
     id: int
-    kind: str  # pause | resume | cancel | terminate | redrive | continue_as_new
+    #: A str only for a kind this version does not know (a row written by a newer ductor):
+    #: the tick rejects it as unknown.
+    kind: ControlKind | str
     reason: str | None = None
     input: Any = None
     has_input: bool = False
@@ -133,7 +136,7 @@ class ClosedAttempt:
 class Dispatch:
     """A message to send after commit. ``step`` dispatches carry the attempt token."""
 
-    kind: str  # "step" | "revoke" | "wakeup"
+    kind: DispatchKind
     run_id: str
     node: str
     token: str
@@ -158,7 +161,7 @@ class AppliedSignal:
 @dataclass(frozen=True, slots=True)
 class HandledControl:
     id: int
-    result: str  # "applied" | "rejected: <why>"
+    result: ControlResult  # CONTROL_APPLIED, or control_rejected(why)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +192,7 @@ class ChildControl:
     """A control for a child run (its parent closed): cancel or terminate."""
 
     run_id: str
-    kind: str
+    kind: ControlKind
     reason: str
 
 

@@ -18,12 +18,14 @@ from typing import Any
 
 from ..definition.paths import Scope, resolve
 from ..definition.spec import BATCH_ARG, ChildScatterNodeSpec, ScatterNodeSpec
-from . import advance, children
+from . import children
 from .context import TickContext
 from .inputs import ClosedAttempt, Dispatch
+from .kinds import DispatchKind
 from .payloads import refusal
+from .slots import Slot, lease_key_for, start_attempt
 from .state import BranchState, ScatterState
-from .status import NodeStatus
+from .status import OPEN_RUN_STATUSES, NodeStatus
 
 AnyScatter = ScatterNodeSpec | ChildScatterNodeSpec
 
@@ -103,7 +105,9 @@ def drive_scatters(t: TickContext) -> bool:
         if ns.status == _active_status(spec) and sc.next >= sc.total and not sc.branches:
             sc.gathering = True
             # The gather is read by the next load: wake the run now rather than at a timer.
-            t.payload.dispatches.append(Dispatch("wakeup", t.inputs.run_id, node_id, "", "", None))
+            t.payload.dispatches.append(
+                Dispatch(DispatchKind.WAKEUP, t.inputs.run_id, node_id, "", "", None)
+            )
             t.record(
                 node_id,
                 ns.status,
@@ -118,7 +122,7 @@ def _fold_children(t: TickContext, node_id: str, sc: ScatterState) -> None:
     """Count the child runs in flight that have finished, by their snapshots."""
     for index, branch in sorted(sc.branches.items()):
         snap = t.inputs.children.get(branch.token or "")
-        if snap is None or snap.status in ("pending", "running", "paused"):
+        if snap is None or snap.status in OPEN_RUN_STATUSES:
             continue
         if snap.status == "succeeded":
             branch_succeeded(t, node_id, index)
@@ -169,11 +173,11 @@ def _fill(t: TickContext, node_id: str, spec: AnyScatter, items: list[Any], scop
             continue
         branch = BranchState()
         sc.branches[index] = branch
-        advance.start_attempt(
+        start_attempt(
             t,
             node_id,
             args,
-            lease_key=advance.lease_key_for(spec, item_scope),
+            lease_key=lease_key_for(spec, item_scope),
             branch=index,
             slot=branch,
         )
@@ -215,12 +219,12 @@ def _start_batch(
     sc.branches[branch] = slot
     batch_args = {BATCH_ARG: {"base": sc.base, "first": span.start, "items": per_item}}
     first = next(i for i, a in zip(span, per_item, strict=True) if a is not None)
-    advance.start_attempt(
+    start_attempt(
         t,
         node_id,
         batch_args,
         # One lease for the batch: the builder refuses keys that read $.item when batched.
-        lease_key=advance.lease_key_for(spec, _item_scope(scope, items[first])),
+        lease_key=lease_key_for(spec, _item_scope(scope, items[first])),
         branch=branch,
         slot=slot,
     )
@@ -346,15 +350,13 @@ def close_branches(t: TickContext, node_id: str, reason: str, *, revoke: bool) -
     sc.gathering = False
 
 
-def close_slot(
-    t: TickContext, node_id: str, slot: advance.Slot, reason: str, *, revoke: bool
-) -> None:
+def close_slot(t: TickContext, node_id: str, slot: Slot, reason: str, *, revoke: bool) -> None:
     """Close the attempt a slot waits on, whatever state it is in, and clear the slot."""
     p = t.payload
     token = slot.token
     if token is not None:
         # Never send an attempt that is closed (a send queued earlier in this tick).
-        p.dispatches = [d for d in p.dispatches if d.token != token or d.kind != "step"]
+        p.dispatches = [d for d in p.dispatches if d.token != token or d.kind != DispatchKind.STEP]
         created = any(a.token == token for a in p.new_attempts)
         if created:
             # Started in this very tick: there is no row to close yet, so never insert it.
@@ -368,7 +370,7 @@ def close_slot(
             if revoke:
                 spec = t.attempt_spec(node_id)
                 p.dispatches.append(
-                    Dispatch("revoke", t.inputs.run_id, node_id, token, spec.step, None)
+                    Dispatch(DispatchKind.REVOKE, t.inputs.run_id, node_id, token, spec.step, None)
                 )
     slot.token = None
     slot.check_at = None

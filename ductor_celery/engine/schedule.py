@@ -13,12 +13,12 @@ from ..definition.spec import (
     StepNodeSpec,
     SubworkflowNodeSpec,
 )
-from .advance import lease_key_for, slots, start_attempt
 from .children import close_child, start_subworkflow
 from .context import TickContext
 from .external import park_node
 from .payloads import refusal
 from .scatter import close_branches, close_slot, start_scatter
+from .slots import lease_key_for, slots, start_attempt
 from .status import FINISHED_NODE_STATUSES, NodeStatus, RunStatus
 
 

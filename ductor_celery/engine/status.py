@@ -1,4 +1,8 @@
-"""Run and node statuses, their groups, and the allowed node transitions."""
+"""Run and node statuses, their groups, and the allowed node transitions.
+
+The groups are the one spelling of "open" and "terminal" everywhere: the engine, the client,
+the store's queries and the schema's partial index (``store/schema.py``, ``OPEN_STATUSES_SQL``).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ from enum import StrEnum
 
 
 class RunStatus(StrEnum):
+    """The status of a run (``eec_workflow_run.status``, stored as its value)."""
+
     PENDING = "pending"  #: inserted by a client, not ticked yet
     RUNNING = "running"  #: the coordinator is driving it
     PAUSED = "paused"  #: nothing new is dispatched until resumed
@@ -17,6 +23,8 @@ class RunStatus(StrEnum):
 
 
 class NodeStatus(StrEnum):
+    """The status of a node within one run (kept in the run's state)."""
+
     PENDING = "pending"  #: not reached yet
     RUNNING = "running"  #: an attempt is in flight or a retry timer is pending
     WAITING = "waiting"  #: parked on external input (signal, approval, timer, child)
@@ -26,6 +34,8 @@ class NodeStatus(StrEnum):
     CANCELLED = "cancelled"  #: the run ended while this node was in flight
 
 
+#: Run statuses a run never leaves by itself: only a redrive reopens a failed, cancelled or
+#: terminated run. A tick of a terminal run applies its control, if any, and nothing else.
 TERMINAL_RUN_STATUSES: frozenset[RunStatus] = frozenset(
     {
         RunStatus.SUCCEEDED,
@@ -35,6 +45,8 @@ TERMINAL_RUN_STATUSES: frozenset[RunStatus] = frozenset(
         RunStatus.CONTINUED,
     }
 )
+#: Run statuses of a run still in progress: pending, running, paused. At most one run per
+#: workflow id is open (a partial unique index), and only an open run takes signals.
 OPEN_RUN_STATUSES: frozenset[RunStatus] = frozenset(RunStatus) - TERMINAL_RUN_STATUSES
 
 #: Node statuses after which the node never changes again within one run generation.
@@ -42,6 +54,7 @@ FINISHED_NODE_STATUSES: frozenset[NodeStatus] = frozenset(
     {NodeStatus.SUCCEEDED, NodeStatus.FAILED, NodeStatus.SKIPPED, NodeStatus.CANCELLED}
 )
 
+#: The statuses a node may move to from each status (``TickContext.move_node`` checks it).
 NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
     NodeStatus.PENDING: frozenset(
         # failed: the node cannot start (its resolved arguments are too large)

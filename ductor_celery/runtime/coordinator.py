@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from ..engine import compute_tick
+from ..engine.kinds import control_rejected
 from ..store import wakes
 from ..store.db import with_retry
 from ..store.load import LoadedRun, RunBusy, load_on
@@ -189,6 +190,8 @@ def _load_compute_commit(
         if payload is None or payload.handled_control is None:
             raise
         reject_control(
-            engine, payload.handled_control.id, "rejected: another run of this workflow id is open"
+            engine,
+            payload.handled_control.id,
+            control_rejected("another run of this workflow id is open"),
         )
         raise _Rejected() from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..engine.kinds import DispatchKind
 from ..store.outbox import OutboxRow
 from .failpoints import failpoint
 
@@ -30,7 +31,7 @@ class Dispatcher:
                     # Fault tests: die with part of a tick's messages sent (the sweeper sends
                     # the rest from the outbox).
                     failpoint("mid_dispatch")
-                if row.kind == "step":
+                if row.kind == DispatchKind.STEP:
                     token = row.payload["token"]
                     self.app.send_task(
                         row.task,
@@ -43,11 +44,11 @@ class Dispatcher:
                         argsrepr=repr([token]),
                         kwargsrepr=repr({"run_id": row.run_id, "node": row.payload.get("node")}),
                     )
-                elif row.kind == "revoke":
+                elif row.kind == DispatchKind.REVOKE:
                     # Drops the message if it is still queued; a step already running finishes,
                     # but its attempt is closed, so its outcome is discarded.
                     self.app.control.revoke(row.payload["token"])
-                elif row.kind == "wakeup":
+                elif row.kind == DispatchKind.WAKEUP:
                     self._wake(row.run_id, producer)
                 else:  # written by a newer version of ductor: leave a trace, do not crash
                     log.error("unknown outbox kind %r for run %s", row.kind, row.run_id)

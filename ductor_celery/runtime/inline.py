@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery._state import pop_current_task, push_current_task
 
+from ..engine.kinds import DispatchKind
 from ..store.attempts import ClaimedAttempt
 from ..store.schema import dumps_json
 from ..store.ticks import TickClaim
@@ -85,7 +86,7 @@ class InlineChain:
             return None
         new = {a.token: a for a in payload.new_attempts}
         for dispatch in payload.dispatches:
-            attempt = new.get(dispatch.token) if dispatch.kind == "step" else None
+            attempt = new.get(dispatch.token) if dispatch.kind == DispatchKind.STEP else None
             if attempt is None or attempt.args_from is not None or attempt.lease_key is not None:
                 continue
             if (attempt.queue or self.rt.settings.steps_queue) != self.queue:

@@ -16,6 +16,7 @@ from ..store.db import get_engine
 from .coordinator import run_tick
 from .dispatch import TICK_TASK_NAME, Dispatcher
 from .failpoints import failpoint
+from .poison import PoisonGuard
 from .steps import Step, execute_attempt
 from .sweeper import SweeperBootstep
 
@@ -38,6 +39,8 @@ class Runtime:
         self.tick_task = self._register_tick_task()
         if SweeperBootstep not in app.steps["worker"]:
             app.steps["worker"].add(SweeperBootstep)
+        if PoisonGuard not in app.steps["consumer"]:
+            app.steps["consumer"].add(PoisonGuard)
 
     def engine(self) -> Engine:
         engine = get_engine(self.settings.database_url)
@@ -89,6 +92,10 @@ class Runtime:
             shared=False,
         )
         def tick(run_id: str) -> str:
+            problem = _id_problem(run_id, RUN_ID_CHARS)
+            if problem is not None:
+                log.warning("tick message with a run id that %s dropped: %.200r", problem, run_id)
+                return "malformed"
             return run_tick(rt, run_id)
 
         return tick
@@ -97,6 +104,10 @@ class Runtime:
         rt = self
 
         def run(task: Any, token: str) -> str:
+            problem = _id_problem(token, TOKEN_CHARS)
+            if problem is not None:
+                log.warning("step message with a token that %s dropped: %.200r", problem, token)
+                return "malformed"
             request = task.request
             return execute_attempt(
                 rt, step, token, hostname=request.hostname, queue=_delivered_from(request)
@@ -129,10 +140,33 @@ class Runtime:
         self._steps[step.name] = step
         return task
 
+    def ductor_queues(self) -> set[str]:
+        """The queues ductor's own messages travel on (PoisonGuard looks after these)."""
+        return {self.settings.steps_queue, self.settings.coord_queue} | {
+            s.queue for s in self._steps.values() if s.queue
+        }
+
     def step_named(self, name: str) -> Step | None:
         """The step registered under a task name in this process (inline steps run only
         what this worker could have run from a message)."""
         return self._steps.get(name)
+
+
+#: The widest token and run id the tables hold (a longer one names nothing).
+TOKEN_CHARS = 300
+RUN_ID_CHARS = 64
+
+
+def _id_problem(value: Any, limit: int) -> str | None:
+    """Why a message's token or run id cannot name a row, or None: checked before any query,
+    so a forged message is one warning line, not a database error's traceback."""
+    if not isinstance(value, str):
+        return f"is not a string ({type(value).__name__})"
+    if not value or len(value) > limit:
+        return f"has {len(value)} characters (1 to {limit})"
+    if "\x00" in value or any("\ud800" <= ch <= "\udfff" for ch in value):
+        return "holds a NUL or a lone surrogate"
+    return None
 
 
 def _delivered_from(request: Any) -> str | None:

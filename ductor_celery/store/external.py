@@ -12,11 +12,10 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 
+from ..engine.kinds import ControlKind
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from ..errors import InvalidOperation
 from .schema import workflow_control, workflow_run, workflow_signal
-
-OPEN_STATUSES = frozenset(s.value for s in OPEN_RUN_STATUSES)
 
 #: First key of the advisory locks that order one workflow id's signals ("ductor" in ASCII-ish).
 SIGNAL_LOCK_NAMESPACE = 0x0D0C
@@ -82,7 +81,7 @@ def _open_successor(conn: Connection, run_id: str) -> str:
                 workflow_run.c.run_id == run_id
             )
         ).one()
-        if run.status in OPEN_STATUSES:
+        if run.status in OPEN_RUN_STATUSES:
             return run_id
         if run.status != RunStatus.CONTINUED.value or not run.continued_to:
             raise InvalidOperation(f"cannot signal run {run_id}: it is {run.status}")
@@ -108,7 +107,7 @@ def insert_control(
     engine: Engine,
     *,
     run_id: str,
-    kind: str,
+    kind: ControlKind,
     reason: str | None = None,
     requested_by: str | None = None,
     input: Any = None,
@@ -144,7 +143,7 @@ def signal_payloads(engine: Engine, ids: list[int]) -> dict[int, Any]:
         )
 
 
-def has_unhandled_control(engine: Engine, run_id: str, kinds: tuple[str, ...]) -> bool:
+def has_unhandled_control(engine: Engine, run_id: str, kinds: tuple[ControlKind, ...]) -> bool:
     with engine.connect() as conn:
         return (
             conn.execute(

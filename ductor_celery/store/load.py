@@ -29,7 +29,8 @@ from ..engine import (
     TickInputs,
     needed_outputs,
 )
-from ..engine.advance import slots
+from ..engine.kinds import ControlKind
+from ..engine.slots import slots
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..engine.tick import ACTIVE, read_nodes
 from .composed import ImmutableCache, child_output, children_of, gather_any, outputs_cache
@@ -318,7 +319,7 @@ def _control(conn: Connection, run_id: str) -> ControlIn | None:
         return None
     return ControlIn(
         id=row.id,
-        kind=row.kind,
+        kind=ControlKind.parse(row.kind),
         reason=row.reason,
         input=row.input,
         has_input=bool(row.has_input),

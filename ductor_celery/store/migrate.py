@@ -1,7 +1,16 @@
-"""Create or upgrade the ``eec_`` schema with the migrations shipped inside the package."""
+"""Create or upgrade the ``eec_`` schema with ductor's own Alembic migrations.
+
+The migrations live at the top of the repository in the standard Alembic layout
+(``alembic/``, with ``alembic.ini`` next to it), so ``alembic upgrade head`` works from a
+checkout. The wheel carries the same files inside the package as ``ductor_celery/_alembic/``
+(``setup.py`` maps that package onto the top-level directory at build time): installed, the
+package finds them there; in a checkout or an editable install, in ``alembic/``.
+"""
 
 from __future__ import annotations
 
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from alembic import command
@@ -24,10 +33,24 @@ def include_object(
     return True
 
 
+def script_location() -> str:
+    """The migration scripts: the wheel's copy inside the package, else the checkout's."""
+    if (resources.files("ductor_celery") / "_alembic" / "env.py").is_file():
+        return "ductor_celery:_alembic"  # an Alembic package resource: an installed wheel
+    root = Path(__file__).resolve().parents[2]
+    # alembic.ini as well: installed, the directory above the package is site-packages, whose
+    # "alembic" is the Alembic library itself.
+    if (root / "alembic.ini").is_file() and (root / "alembic" / "env.py").is_file():
+        return str(root / "alembic")
+    raise RuntimeError(
+        "ductor's migrations are missing: neither ductor_celery/_alembic/ (installed) nor "
+        f"alembic/ next to alembic.ini in {root} (a checkout) has an env.py"
+    )
+
+
 def alembic_config(url: str) -> Config:
     cfg = Config()
-    # A package resource, so it works from an installed wheel as well as a checkout.
-    cfg.set_main_option("script_location", "ductor_celery:_migrations")
+    cfg.set_main_option("script_location", script_location().replace("%", "%%"))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
 

@@ -14,6 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from ..engine.kinds import DispatchKind
 from .schema import workflow_outbox
 
 
@@ -21,7 +22,9 @@ from .schema import workflow_outbox
 class OutboxRow:
     id: int
     run_id: str
-    kind: str  # "step" | "revoke" | "wakeup"
+    #: A str only for a kind this version does not know (a row written by a newer ductor,
+    #: read back by the sweeper): the dispatcher logs it and drops the row.
+    kind: DispatchKind | str
     task: str
     queue: str | None
     payload: dict[str, Any]
@@ -55,7 +58,7 @@ def _insert_statement() -> Any:
 def step_intent(run_id: str, token: str, node: str, step: str, queue: str | None) -> dict[str, Any]:
     return {
         "run_id": run_id,
-        "kind": "step",
+        "kind": DispatchKind.STEP,
         "task": step,
         "queue": queue,
         "payload": {"token": token, "run_id": run_id, "node": node},
@@ -65,7 +68,7 @@ def step_intent(run_id: str, token: str, node: str, step: str, queue: str | None
 def wakeup_intent(run_id: str) -> dict[str, Any]:
     return {
         "run_id": run_id,
-        "kind": "wakeup",
+        "kind": DispatchKind.WAKEUP,
         "task": "ductor.tick",
         "queue": None,
         "payload": {"run_id": run_id},

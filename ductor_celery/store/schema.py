@@ -15,6 +15,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 
+from ..engine.status import OPEN_RUN_STATUSES, RunStatus
+
 metadata = sa.MetaData()
 
 # A JSON string, or a number written with a positive exponent (json.dumps prints floats from
@@ -70,7 +72,13 @@ class JsonText(sa.types.TypeDecorator[Any]):
 Json = sa.JSON().with_variant(JSONB(), "postgresql").with_variant(JsonText(), "sqlite")
 Ts = sa.DateTime(timezone=True)
 
-OPEN_STATUSES_SQL = "status IN ('pending', 'running', 'paused')"
+#: The predicate of the partial unique index on open runs' workflow ids, made from
+#: ``OPEN_RUN_STATUSES`` in the enum's order. Migration 0001 created the index with this very
+#: text (tests/integration/test_open_run_index.py checks the migrated databases against it): a
+#: change to the open statuses changes the index, and needs a migration of its own.
+OPEN_STATUSES_SQL = "status IN ({})".format(
+    ", ".join(f"'{s.value}'" for s in RunStatus if s in OPEN_RUN_STATUSES)
+)
 
 workflow_definition = sa.Table(
     "eec_workflow_definition",
@@ -204,6 +212,7 @@ workflow_outbox = sa.Table(
         autoincrement=True,
     ),
     sa.Column("run_id", sa.String(64), nullable=False),
+    # a DispatchKind value (engine/kinds.py)
     sa.Column("kind", sa.String(20), nullable=False),
     sa.Column("task", sa.String(200), nullable=False),
     sa.Column("queue", sa.String(200), nullable=True),
@@ -270,7 +279,8 @@ workflow_control = sa.Table(
         autoincrement=True,
     ),
     sa.Column("run_id", sa.String(64), nullable=False),
-    # pause | resume | cancel | terminate | redrive | continue_as_new
+    # a ControlKind value (engine/kinds.py): pause, resume, cancel, terminate, redrive,
+    # continue_as_new
     sa.Column("kind", sa.String(20), nullable=False),
     sa.Column("reason", sa.Text, nullable=True),
     sa.Column("requested_by", sa.String(200), nullable=True),
@@ -278,7 +288,8 @@ workflow_control = sa.Table(
     sa.Column("has_input", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("created_at", Ts, nullable=False, server_default=sa.func.now()),
     sa.Column("handled_at", Ts, nullable=True),
-    # "applied", or "rejected: <why>" when the run's state no longer allowed it
+    # a ControlResult (engine/kinds.py): "applied", or "rejected: <why>" when the run's state
+    # no longer allowed it
     sa.Column("result", sa.Text, nullable=True),
     sa.Index(
         "eec_workflow_control_unhandled",

@@ -10,6 +10,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from ..engine.kinds import DispatchKind
 from ..engine.status import RunStatus
 from . import leases
 from .db import is_postgres
@@ -171,7 +172,12 @@ def relay_stale_outbox(
             query = query.with_for_update(skip_locked=True)
         rows = [
             OutboxRow(
-                id=r.id, run_id=r.run_id, kind=r.kind, task=r.task, queue=r.queue, payload=r.payload
+                id=r.id,
+                run_id=r.run_id,
+                kind=DispatchKind.parse(r.kind),
+                task=r.task,
+                queue=r.queue,
+                payload=r.payload,
             )
             for r in conn.execute(query)
         ]

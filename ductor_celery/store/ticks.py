@@ -22,6 +22,7 @@ from ..engine import (
     TickPayload,
 )
 from ..engine.children import child_workflow_id
+from ..engine.kinds import DispatchKind
 from ..engine.status import TERMINAL_RUN_STATUSES
 from . import leases, pg_commit
 from .db import is_postgres
@@ -184,10 +185,10 @@ def _outbox_intents(payload: TickPayload, waiting: set[str]) -> list[dict[str, A
     # hands it a slot sends it. Nor is one for the attempt the tick's worker claimed.
     return [
         wakeup_intent(d.run_id)
-        if d.kind == "wakeup"
+        if d.kind == DispatchKind.WAKEUP
         else step_intent(d.run_id, d.token, d.node, d.step, d.queue) | {"kind": d.kind}
         for d in payload.dispatches
-        if not (d.kind == "step" and d.token in waiting)
+        if not (d.kind == DispatchKind.STEP and d.token in waiting)
     ]
 
 

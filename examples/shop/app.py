@@ -1,5 +1,7 @@
 r"""The shop example: an order workflow on PostgreSQL and Redis with real Celery workers.
 
+From the repository root, where its configuration (celeryconfig.py) sits:
+
 ductor -A examples.shop.app migrate
 celery -A examples.shop.app worker -Q ductor-steps -c 4
 celery -A examples.shop.app worker -Q ductor-coord -c 1
@@ -23,7 +25,9 @@ from ductor_celery import (
 )
 
 app = Celery("shop")
-app.config_from_object("examples.shop.celeryconfig")
+# The repository's production-style configuration (celeryconfig.py at the top): the broker
+# and the database from CELERY_BROKER_URL and DUCTOR_DATABASE_URL, loopback defaults.
+app.config_from_object("celeryconfig")
 ductor = Ductor(app)
 
 

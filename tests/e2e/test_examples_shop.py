@@ -28,7 +28,9 @@ def _ductor(cluster: Any, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_shop_example_runs_as_its_readme_says(cluster_factory: Any, pg_server: Any) -> None:
+    # From the repository root, configured by its celeryconfig.py through the environment.
     cluster = cluster_factory(app="examples.shop.app", cwd=ROOT_DIR)
+    cluster.env["CELERY_BROKER_URL"] = cluster.broker_url
     # A blank database: the README's first command creates the schema.
     pg_server.create_database("shop_example")
     cluster.env["DUCTOR_DATABASE_URL"] = pg_server.url("shop_example")

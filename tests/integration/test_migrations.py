@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -16,6 +20,7 @@ from ductor_celery.store.migrate import (
     downgrade,
     head_revision,
     include_object,
+    script_location,
     upgrade,
 )
 from ductor_celery.store.schema import metadata
@@ -124,3 +129,105 @@ def test_sqlite_0005_turns_json_columns_into_text_keeping_rows_and_indexes(tmp_p
     assert all(isinstance(columns[c], sa.Text) for c in ("state", "input", "output", "error"))
     assert spec == '{"nodes": []}'
     assert _diff(url) == []
+
+
+# --- alembic/ at the top of the checkout and `ductor migrate` build one schema ---------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _shape(url: str) -> dict[str, Any]:
+    """Every table's columns, keys, indexes and constraints, and the recorded revision."""
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            inspector = sa.inspect(conn)
+            shape: dict[str, Any] = {
+                table: {
+                    "columns": [
+                        (c["name"], str(c["type"]), c["nullable"], c.get("default"))
+                        for c in inspector.get_columns(table)
+                    ],
+                    "primary_key": inspector.get_pk_constraint(table),
+                    "foreign_keys": sorted(map(repr, inspector.get_foreign_keys(table))),
+                    "indexes": sorted(map(repr, inspector.get_indexes(table))),
+                    "unique": sorted(map(repr, inspector.get_unique_constraints(table))),
+                    "checks": sorted(map(repr, inspector.get_check_constraints(table))),
+                }
+                for table in sorted(inspector.get_table_names())
+            }
+            shape["revision"] = conn.execute(
+                sa.text("SELECT version_num FROM eec_alembic_version")
+            ).scalar_one()
+        return shape
+    finally:
+        engine.dispose()
+
+
+def _pg_dump_schema(pg_server: Any, dbname: str) -> list[str]:
+    """``pg_dump --schema-only``, without its comments and per-dump random lines."""
+    result = subprocess.run(
+        [
+            str(pg_server.bindir / "pg_dump"),
+            "--schema-only",
+            "--no-owner",
+            pg_server.conninfo(dbname),
+        ],
+        env={**os.environ, "LC_ALL": "C"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return [
+        line
+        for line in result.stdout.splitlines()
+        if line.strip() and not line.startswith(("--", "\\restrict", "\\unrestrict"))
+    ]
+
+
+def test_alembic_upgrade_head_from_the_checkout_builds_what_ductor_migrate_builds(
+    pg_server: Any, tmp_path: Path
+) -> None:
+    assert (ROOT / "alembic.ini").is_file() and not (ROOT / "alembic" / "__init__.py").exists()
+    assert script_location() == str(ROOT / "alembic")  # a checkout runs alembic/ itself
+    pg_server.create_database("mig_alembic_ini")
+    pg_server.create_database("mig_ductor_cli")
+    env = {k: v for k, v in os.environ.items() if k != "DUCTOR_DATABASE_URL"}
+    # As a developer would, from the repository root: `python -m alembic` puts the root first on
+    # sys.path, so this also shows that alembic/ (no __init__.py) does not shadow the library.
+    alembic = subprocess.run(
+        [sys.executable, "-m", "alembic", "-c", "alembic.ini"]
+        + ["-x", f"url={pg_server.url('mig_alembic_ini')}", "upgrade", "head"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert alembic.returncode == 0, alembic.stdout + alembic.stderr
+    assert "Running upgrade  -> 0001" in alembic.stderr
+    # And as an operator would: the console script, from a directory outside the checkout.
+    ductor = subprocess.run(
+        [str(Path(sys.executable).parent / "ductor"), "migrate"]
+        + ["--database-url", pg_server.url("mig_ductor_cli")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert ductor.returncode == 0, ductor.stdout + ductor.stderr
+
+    by_alembic = _shape(pg_server.url("mig_alembic_ini"))
+    by_ductor = _shape(pg_server.url("mig_ductor_cli"))
+    assert by_alembic == by_ductor
+    assert by_ductor["revision"] == head_revision(pg_server.url("mig_ductor_cli"))
+    assert {"eec_alembic_version", "eec_workflow_run"} <= set(by_ductor)
+    assert "alembic_version" not in by_ductor
+    assert _pg_dump_schema(pg_server, "mig_alembic_ini") == _pg_dump_schema(
+        pg_server, "mig_ductor_cli"
+    )
+    assert _diff(pg_server.url("mig_alembic_ini")) == []

@@ -11,7 +11,7 @@ from ductor_celery.definition import Workflow
 from ductor_celery.definition.paths import Scope
 from ductor_celery.definition.retry import ConcurrencyLimit
 from ductor_celery.engine import AttemptCheck, RunState, TickInputs, compute_tick
-from ductor_celery.engine.advance import lease_key_for
+from ductor_celery.engine.slots import lease_key_for
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

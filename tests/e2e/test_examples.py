@@ -1,4 +1,5 @@
-"""Every example runs, as a user would run it."""
+"""Every example runs, as a user would run it: the quickstart here, the shop example (real
+workers, PostgreSQL, Redis) in test_examples_shop.py."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import pytest
+from cluster import ROOT_DIR
+
+# A whole program in a process of its own, as a user starts it (its workers are threads).
+pytestmark = pytest.mark.e2e
 
 
 def test_quickstart_runs_on_the_embedded_default(tmp_path: Path) -> None:
@@ -19,7 +24,7 @@ def test_quickstart_runs_on_the_embedded_default(tmp_path: Path) -> None:
     env.pop("E2E_BROKER_URL", None)
     result = subprocess.run(
         [sys.executable, "-m", "examples.quickstart"],
-        cwd=ROOT,
+        cwd=ROOT_DIR,
         env=env,
         capture_output=True,
         text=True,

@@ -1,0 +1,93 @@
+"""The engine's closed vocabulary besides statuses: what a dispatch asks for, which operator
+controls exist, which of them each run status allows, and what a handled control records.
+
+Every value is stored as its string in the database (``eec_workflow_outbox.kind``,
+``eec_workflow_control.kind`` and ``.result``), the same strings as before these enums existed:
+no migration. A row may hold a kind this version does not know (written by a newer ductor):
+``parse`` keeps it as the raw string, and whoever acts on it logs or rejects it, never crashes.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import NewType, Self
+
+from .status import RunStatus
+
+
+class StoredKind(StrEnum):
+    """A kind stored as its value. Has no members itself: the kinds below subclass it."""
+
+    @classmethod
+    def parse(cls, value: str) -> Self | str:
+        """The member a stored value names, or the value itself if this version does not know
+        it (the caller logs or rejects it)."""
+        try:
+            return cls(value)
+        except ValueError:
+            return value
+
+
+class DispatchKind(StoredKind):
+    """What a dispatch intent (``Dispatch``, an outbox row) asks the dispatcher to do."""
+
+    STEP = "step"  #: send the step message of an attempt (its token is the task id)
+    REVOKE = "revoke"  #: drop a closed attempt's message if it is still queued
+    WAKEUP = "wakeup"  #: send a run a ``ductor.tick`` (the run itself, a parent, a child)
+
+
+class ControlKind(StoredKind):
+    """An operator control, queued by a client (or a parent closing its child runs) and
+    applied by the coordinator, one per tick."""
+
+    PAUSE = "pause"  #: dispatch nothing new until resumed; attempts in flight finish
+    RESUME = "resume"  #: a paused run goes on
+    CANCEL = "cancel"  #: close the run as cancelled, revoking and closing what is in flight
+    TERMINATE = "terminate"  #: as cancel, and the run ends as terminated
+    REDRIVE = "redrive"  #: reopen a failed, cancelled or terminated run: unfinished nodes rerun
+    CONTINUE_AS_NEW = "continue_as_new"  #: close the run once drained, in favour of a successor
+
+
+#: Allowed in every open run.
+_WHILE_OPEN = frozenset({ControlKind.CANCEL, ControlKind.TERMINATE, ControlKind.CONTINUE_AS_NEW})
+#: Allowed in a finished run that can be reopened.
+_REDRIVE = frozenset({ControlKind.REDRIVE})
+
+#: Which controls a run in each status accepts: the one table both the client (refusing a
+#: control up front with ``InvalidOperation``) and the coordinator (rejecting one whose run
+#: moved on before it was applied) read.
+CONTROL_ALLOWED: dict[RunStatus, frozenset[ControlKind]] = {
+    RunStatus.PENDING: _WHILE_OPEN | {ControlKind.PAUSE},
+    RunStatus.RUNNING: _WHILE_OPEN | {ControlKind.PAUSE},
+    RunStatus.PAUSED: _WHILE_OPEN | {ControlKind.RESUME},
+    RunStatus.SUCCEEDED: frozenset(),
+    RunStatus.FAILED: _REDRIVE,
+    RunStatus.CANCELLED: _REDRIVE,
+    RunStatus.TERMINATED: _REDRIVE,
+    RunStatus.CONTINUED: frozenset(),  # its successor is the run to control
+}
+
+
+def statuses_allowing(kind: ControlKind) -> frozenset[RunStatus]:
+    """The run statuses in which ``kind`` is allowed (``CONTROL_ALLOWED`` read the other way)."""
+    return frozenset(s for s, kinds in CONTROL_ALLOWED.items() if kind in kinds)
+
+
+#: What a handled control row records (``eec_workflow_control.result``): ``CONTROL_APPLIED``,
+#: or ``"rejected: <why>"`` made by ``control_rejected`` and read by ``rejection_of``.
+ControlResult = NewType("ControlResult", str)
+
+CONTROL_APPLIED = ControlResult("applied")
+_REJECTED = "rejected: "
+
+
+def control_rejected(why: str) -> ControlResult:
+    """The result of a control the run's state did not allow."""
+    return ControlResult(f"{_REJECTED}{why}")
+
+
+def rejection_of(result: str | None) -> str | None:
+    """Why a handled control was rejected; ``None`` if it was applied (or is not handled)."""
+    if result is not None and result.startswith(_REJECTED):
+        return result[len(_REJECTED) :]
+    return None

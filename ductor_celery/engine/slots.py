@@ -1,0 +1,107 @@
+"""Attempt slots, shared by step nodes (``advance``) and scatter branches (``scatter``).
+
+An attempt lives in a *slot*: the node itself for a step node, or one in-flight branch of a
+scatter. Both phases start attempts here, so neither imports the other's starting code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+from ..definition.paths import Scope, resolve
+from ..definition.spec import AttemptNodeSpec
+from .context import TickContext
+from .inputs import Dispatch, EngineConfig, NewAttempt
+from .kinds import DispatchKind
+from .state import BranchState, NodeState
+from .status import NodeStatus
+
+Slot = NodeState | BranchState
+
+
+def slots(ns: NodeState) -> Iterator[tuple[int | None, Slot]]:
+    """The attempt slots of a running node: (branch, slot); branch is None for a step node."""
+    if ns.status != NodeStatus.RUNNING:
+        return
+    if ns.scatter is not None:
+        yield from list(ns.scatter.branches.items())
+    elif ns.token is not None or ns.retry_at is not None:
+        yield None, ns
+
+
+def first_limit(spec: AttemptNodeSpec, cfg: EngineConfig) -> float:
+    """The shortest time after a claim at which the attempt may have to be declared lost."""
+    timeout = spec.timeout or cfg.default_step_timeout
+    return min(timeout, spec.heartbeat_timeout or timeout)
+
+
+def lease_key_for(spec: AttemptNodeSpec, scope: Scope) -> str | None:
+    """The lease key of an attempt: the step's name and its resolved concurrency key.
+
+    A key that resolves to something other than a string is keyed by its canonical JSON; a
+    very long one by its hash (the column holds 500 characters).
+    """
+    if spec.concurrency is None:
+        return None
+    value = resolve(spec.concurrency.key, scope)
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+    key = f"{spec.step}|{text}"
+    if len(key) > 500:
+        key = f"{spec.step[:300]}|sha256:{hashlib.sha256(text.encode()).hexdigest()}"
+    return key
+
+
+def start_attempt(
+    t: TickContext,
+    node: str,
+    args: dict[str, Any] | None,
+    args_from: str | None = None,
+    lease_key: str | None = None,
+    branch: int | None = None,
+    slot: Slot | None = None,
+) -> None:
+    """Insert a new attempt under a new generation and queue its message.
+
+    Generations count per node across all its branches, so every token is unique. A retry
+    (``args_from``) keeps its first attempt's arguments and lease key: the store copies both
+    from that attempt's row.
+    """
+    ns = t.nodes[node]
+    slot = ns if slot is None else slot
+    spec = t.attempt_spec(node)
+    ns.generation += 1
+    slot.generation = ns.generation
+    slot.attempt += 1
+    slot.token = t.token_for(node, ns.generation)
+    cfg = t.inputs.config
+    # First look at the re-send time or after one step timeout, whichever comes first.
+    slot.resend_at = t.now + timedelta(seconds=cfg.resend_unclaimed_after)
+    slot.check_at = min(slot.resend_at, t.now + timedelta(seconds=first_limit(spec, cfg)))
+    slot.resends = 0
+    slot.claimed_at = None
+    if ns.started_at is None:
+        ns.started_at = t.now
+    t.payload.new_attempts.append(
+        NewAttempt(
+            token=slot.token,
+            node=node,
+            step=spec.step,
+            queue=spec.queue,
+            generation=ns.generation,
+            attempt=slot.attempt,
+            args=args or {},
+            args_from=args_from,
+            timeout=spec.timeout or t.inputs.config.default_step_timeout,
+            lease_key=lease_key,
+            lease_limit=spec.concurrency.limit if spec.concurrency is not None else None,
+            branch=branch,
+        )
+    )
+    t.payload.dispatches.append(
+        Dispatch(DispatchKind.STEP, t.inputs.run_id, node, slot.token, spec.step, spec.queue)
+    )
+    t.payload.changed = True
