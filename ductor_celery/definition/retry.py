@@ -33,6 +33,10 @@ class RetryPolicy:
     backoff: float = 2.0
     max_interval: float = 60.0
     non_retryable: tuple[type[BaseException], ...] = ()
+    #: Each backoff is spread by up to this fraction either way (0.1: +-10%), so many runs
+    #: failing together do not retry in lockstep. The spread of an attempt is fixed by its
+    #: token (the tick stays a pure function of its inputs).
+    jitter: float = 0.0
 
     def __post_init__(self) -> None:
         # Checked here, where the user wrote them: a nan or an infinite interval accepted now
@@ -51,6 +55,10 @@ class RetryPolicy:
             raise DefinitionError(
                 f"RetryPolicy.backoff must be a number between 1 and {MAX_BACKOFF:g}, "
                 f"got {show(backoff)}"
+            )
+        if not (is_number(self.jitter) and 0 <= self.jitter <= 1):
+            raise DefinitionError(
+                f"RetryPolicy.jitter must be a fraction between 0 and 1, got {show(self.jitter)}"
             )
         if not isinstance(self.non_retryable, tuple | list):  # e.g. a bare ValueError
             raise DefinitionError(
@@ -72,18 +80,25 @@ class RetryPolicy:
             backoff=self.backoff,
             max_interval=self.max_interval,
             non_retryable=tuple(f"{e.__module__}.{e.__qualname__}" for e in self.non_retryable),
+            jitter=float(self.jitter),
         )
 
 
-def backoff_delay(retry: RetrySpec, failed_attempt: int) -> float:
-    """Seconds to wait after attempt number ``failed_attempt`` (1-based) failed."""
+def backoff_delay(retry: RetrySpec, failed_attempt: int, spread: float = 0.5) -> float:
+    """Seconds to wait after attempt number ``failed_attempt`` (1-based) failed.
+
+    ``spread`` (0 to 1, 0.5 the middle) places the delay within the policy's jitter: with
+    ``jitter=0.1``, 0 gives 90% of the backoff and 1 gives 110%."""
     exponent = max(failed_attempt - 1, 0)
     # Cap the exponent so a large attempt count cannot overflow the float.
     try:
         delay = retry.initial_interval * retry.backoff ** min(exponent, 64)
     except OverflowError:  # a huge backoff overflows even under the cap
         delay = float("inf") if retry.initial_interval > 0 else 0.0
-    return float(min(delay, retry.max_interval))
+    delay = float(min(delay, retry.max_interval))
+    if retry.jitter and delay > 0:
+        delay *= 1 + retry.jitter * (2 * min(max(spread, 0.0), 1.0) - 1)
+    return delay
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,16 @@ class RetrySpec(BaseModel):
     backoff: float = Field(default=2.0, ge=1, le=MAX_BACKOFF, allow_inf_nan=False)
     max_interval: Seconds = 60.0
     non_retryable: tuple[str, ...] = ()
+    jitter: float = Field(default=0.0, ge=0, le=1, allow_inf_nan=False)
+
+    @model_serializer(mode="wrap")
+    def _without_zero_jitter(self, handler: Any) -> Any:
+        # Left out when 0: a definition that does not use it keeps the hash it had before
+        # jitter existed, so runs in flight and re-registered workflows match.
+        data = handler(self)
+        if isinstance(data, dict) and not data.get("jitter"):
+            data.pop("jitter", None)
+        return data
 
 
 class ConcurrencySpec(BaseModel):

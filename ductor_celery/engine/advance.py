@@ -8,6 +8,7 @@ written once.
 
 from __future__ import annotations
 
+import hashlib
 from datetime import timedelta
 from typing import Any
 
@@ -101,6 +102,14 @@ def _clear(slot: Slot) -> None:
     slot.claimed_at = None
 
 
+def _spread(token: str | None) -> float:
+    """Where in its jitter an attempt's retry falls: fixed by the failed attempt's token (a
+    uniform fraction of its hash), so recomputing a tick gives the same retry time."""
+    if token is None:
+        return 0.5
+    return int.from_bytes(hashlib.sha256(token.encode()).digest()[:8], "big") / 2**64
+
+
 def attempt_failed(
     t: TickContext,
     node: str,
@@ -111,12 +120,13 @@ def attempt_failed(
 ) -> None:
     """One attempt failed: schedule a durable retry timer, or give the node (or branch) up."""
     spec = t.attempt_spec(node)
+    failed_token = slot.token
     _clear(slot)
     slot.error = error
     message = str(error.get("message", ""))
     where = "attempt" if branch is None else f"branch {branch} attempt"
     if retryable and slot.attempt < spec.retry.max_attempts:
-        delay = backoff_delay(spec.retry, slot.attempt)
+        delay = backoff_delay(spec.retry, slot.attempt, _spread(failed_token))
         slot.retry_at = t.now + timedelta(seconds=delay)
         t.move_node(
             node,

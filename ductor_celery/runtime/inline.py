@@ -108,6 +108,7 @@ class InlineChain:
                 step=attempt.step,
                 args=dict(args or {}),
                 context=dict(context or {}),
+                spec_hash=loaded.spec_hash,
             )
             self._chosen = (claimed, step, worker)
             return TickClaim(attempt.token, worker)

@@ -135,13 +135,30 @@ class _ReadOnly(Mapping[str, Any]):
         return repr(self._data)
 
 
-def _is_non_retryable(step: Step, exc: BaseException) -> bool:
-    try:
-        return isinstance(exc, NonRetryableError) or (
-            bool(step.retry.non_retryable) and isinstance(exc, step.retry.non_retryable)
-        )
-    except Exception:  # noqa: BLE001 - a class's __instancecheck__ is user code too
-        return False
+def _is_non_retryable(exc: BaseException, non_retryable: frozenset[str]) -> bool:
+    """``NonRetryableError``, or an exception whose class or one of its bases is listed (by
+    qualified name, as the definition stores them) in the node's retry policy."""
+    if isinstance(exc, NonRetryableError):
+        return True
+    return bool(non_retryable) and any(
+        f"{cls.__module__}.{cls.__qualname__}" in non_retryable for cls in type(exc).__mro__
+    )
+
+
+def _non_retryable_of(rt: Runtime, step: Step, claimed: attempts.ClaimedAttempt) -> frozenset[str]:
+    """The exceptions that fail this attempt's node without retry: its retry policy as the
+    run's pinned definition stores it, which is the node's own ``retry=`` when it has one (in
+    every respect: its ``non_retryable`` replaces the step's), else the step's."""
+    if claimed.spec_hash is not None:
+        try:
+            node = rt.spec_for(claimed.spec_hash).graph.nodes.get(claimed.node)
+        except Exception as exc:  # noqa: BLE001 - the step's own policy is the fallback
+            log.warning("attempt %s: definition not readable (%s)", claimed.token, exc)
+            node = None
+        retry = getattr(node, "retry", None)
+        if retry is not None:
+            return frozenset(retry.non_retryable)
+    return frozenset(f"{e.__module__}.{e.__qualname__}" for e in step.retry.non_retryable)
 
 
 def worker_identity(hostname: str | None) -> str:
@@ -311,12 +328,13 @@ def _run_claimed(
 ) -> str:
     """Run a claimed attempt and make sure a tick folds its outcome; the outcome."""
     limit = rt.settings.max_payload_bytes
+    non_retryable = _non_retryable_of(rt, step, claimed)
     if batch.is_batch(claimed.args, BATCH_ARG):
-        result, interrupt = _run_batch(engine, step, claimed, me, limit)
+        result, interrupt = _run_batch(engine, step, claimed, me, limit, non_retryable)
     else:
         read_input = _input_reader(engine, claimed.run_id)
         ctx = _context(engine, claimed, claimed.branch, read_input, limit)
-        result, interrupt = _run(step, ctx, claimed.args, claimed.token, limit)
+        result, interrupt = _run(step, ctx, claimed.args, claimed.token, limit, non_retryable)
     # A process about to stop takes no next step (it would be left claimed until its timeout).
     keep = None if interrupt is not None else chain
     try:
@@ -354,7 +372,12 @@ def _context(
 
 
 def _run_batch(
-    engine: Any, step: Step, claimed: attempts.ClaimedAttempt, me: str, limit: int
+    engine: Any,
+    step: Step,
+    claimed: attempts.ClaimedAttempt,
+    me: str,
+    limit: int,
+    non_retryable: frozenset[str],
 ) -> tuple[_Outcome, BaseException | None]:
     """A batch attempt (runtime/batch.py): the step once per item without a recorded output;
     each item gets its own context (``ctx.branch`` is the item's index) and the same checks
@@ -374,7 +397,7 @@ def _run_batch(
 
     def call(index: int, args: dict[str, Any]) -> tuple[batch.ItemOutcome, BaseException | None]:
         ctx = _context(engine, claimed, index, read_input, limit)
-        item, interrupt = _run(step, ctx, args, token, limit)
+        item, interrupt = _run(step, ctx, args, token, limit, non_retryable)
         return (
             batch.ItemOutcome(
                 item.outcome == "succeeded", item.output, item.patch, item.error, item.retryable
@@ -479,14 +502,19 @@ def _wake_coordinator(rt: Runtime, engine: Any, run_id: str) -> None:
 
 
 def _run(
-    step: Step, ctx: StepContext, args: dict[str, Any], token: str, limit: int
+    step: Step,
+    ctx: StepContext,
+    args: dict[str, Any],
+    token: str,
+    limit: int,
+    non_retryable: frozenset[str] = frozenset(),
 ) -> tuple[_Outcome, BaseException | None]:
     """Call the step: its outcome, and the interrupt to re-raise once that is written."""
     try:
         value = step.fn(ctx, **args)
     except BaseException as exc:  # noqa: BLE001 - a step's failure is data, not a crash
         failed = _Outcome(
-            "failed", error=_error_of(exc), retryable=not _is_non_retryable(step, exc)
+            "failed", error=_error_of(exc), retryable=not _is_non_retryable(exc, non_retryable)
         )
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             return failed, exc

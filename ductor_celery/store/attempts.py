@@ -33,6 +33,8 @@ class ClaimedAttempt:
     step: str
     args: dict[str, Any]
     context: dict[str, Any]
+    #: The run's pinned definition: the worker reads the node's retry policy from it.
+    spec_hash: str | None = None
 
 
 def _now(engine: Engine) -> Any:
@@ -88,6 +90,7 @@ def claim(
                 sa.select(
                     workflow_run.c.workflow_id,
                     workflow_run.c.state["context"].label("context"),
+                    workflow_run.c.spec_hash,
                 ).where(workflow_run.c.run_id == row.run_id)
             ).one()
         )
@@ -133,6 +136,7 @@ def _claimed(
         step=row.step,
         args=dict(row.args or {}),
         context=dict(run.context or {}),
+        spec_hash=run.spec_hash,
     )
 
 
@@ -159,6 +163,7 @@ def _pg_claim_statement(check_step: bool) -> Any:
     claimed = update.returning(
         *_CLAIM_COLUMNS,
         workflow_run.c.workflow_id,
+        workflow_run.c.spec_hash,
         workflow_run.c.state["context"].label("context"),
     ).cte("claimed")
     return (
