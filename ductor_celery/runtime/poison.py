@@ -63,9 +63,6 @@ class PoisonGuard(bootsteps.StartStopStep):  # type: ignore[misc]
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
-    def __init__(self, c: Any, **kwargs: Any) -> None:
-        super().__init__(c, **kwargs)
-
     def start(self, c: Any) -> None:
         if getattr(c, "_ductor_poison_guard", False):
             return
@@ -76,21 +73,20 @@ class PoisonGuard(bootsteps.StartStopStep):  # type: ignore[misc]
         original: Callable[..., Callable[[Any], Any]] = c.create_task_handler
 
         def create_task_handler(*args: Any, **kwargs: Any) -> Callable[[Any], Any]:
-            return guarded(c, rt.ductor_queues, original(*args, **kwargs))
+            # Once per consumer loop, not per message: the steps are registered by then.
+            return guarded(c, frozenset(rt.ductor_queues()), original(*args, **kwargs))
 
         c.create_task_handler = create_task_handler
 
 
-def guarded(
-    c: Any, queues: Callable[[], set[str]], handler: Callable[[Any], Any]
-) -> Callable[[Any], Any]:
+def guarded(c: Any, queues: frozenset[str], handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``handler``, with malformed messages on ductor's queues dropped instead of raised."""
     # kombu's Redis transport counts KeyError as a connection error: a header lookup failing on
     # a forged message must not look like a lost broker.
     connection_errors = tuple(e for e in c.connection_errors if e is not KeyError)
 
     def on_task_received(message: Any) -> Any:
-        if _queue_of(message) not in queues():
+        if _queue_of(message) not in queues:
             return handler(message)
         problem = envelope_problem(message)
         if problem is None:

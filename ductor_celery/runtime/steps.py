@@ -328,7 +328,8 @@ def _run_claimed(
 ) -> str:
     """Run a claimed attempt and make sure a tick folds its outcome; the outcome."""
     limit = rt.settings.max_payload_bytes
-    non_retryable = _non_retryable_of(rt, step, claimed)
+    # Read only when the step raises: most attempts succeed.
+    non_retryable = functools.cache(lambda: _non_retryable_of(rt, step, claimed))
     if batch.is_batch(claimed.args, BATCH_ARG):
         result, interrupt = _run_batch(engine, step, claimed, me, limit, non_retryable)
     else:
@@ -377,7 +378,7 @@ def _run_batch(
     claimed: attempts.ClaimedAttempt,
     me: str,
     limit: int,
-    non_retryable: frozenset[str],
+    non_retryable: Callable[[], frozenset[str]],
 ) -> tuple[_Outcome, BaseException | None]:
     """A batch attempt (runtime/batch.py): the step once per item without a recorded output;
     each item gets its own context (``ctx.branch`` is the item's index) and the same checks
@@ -507,14 +508,14 @@ def _run(
     args: dict[str, Any],
     token: str,
     limit: int,
-    non_retryable: frozenset[str] = frozenset(),
+    non_retryable: Callable[[], frozenset[str]] = frozenset,
 ) -> tuple[_Outcome, BaseException | None]:
     """Call the step: its outcome, and the interrupt to re-raise once that is written."""
     try:
         value = step.fn(ctx, **args)
     except BaseException as exc:  # noqa: BLE001 - a step's failure is data, not a crash
         failed = _Outcome(
-            "failed", error=_error_of(exc), retryable=not _is_non_retryable(exc, non_retryable)
+            "failed", error=_error_of(exc), retryable=not _is_non_retryable(exc, non_retryable())
         )
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             return failed, exc
