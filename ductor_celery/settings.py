@@ -30,6 +30,10 @@ class Settings:
     #: With eager ticks, a step worker runs up to this many of a run's next steps itself, one
     #: after another, instead of sending each through the broker (runtime/inline.py); 0: off.
     inline_steps: int = 50
+    #: Each ductor worker serves Prometheus metrics on this port (runtime/metrics.py); None: off.
+    metrics_port: int | None = None
+    #: The address it binds: every interface, as Prometheus exporters do (no run data in it).
+    metrics_host: str = "0.0.0.0"
 
     @property
     def embedded(self) -> bool:
@@ -72,6 +76,8 @@ class Settings:
             outbox_grace=get("outbox_grace", defaults.outbox_grace, float),
             eager_ticks=get("eager_ticks", defaults.eager_ticks, _flag),
             inline_steps=get("inline_steps", defaults.inline_steps, _count("inline_steps")),
+            metrics_port=get("metrics_port", defaults.metrics_port, _port("metrics_port")),
+            metrics_host=get("metrics_host", defaults.metrics_host, str),
         )
 
 
@@ -101,6 +107,18 @@ def _count(key: str) -> Callable[[Any], int]:
             ) from None
         if number < 0:
             raise ValueError(f"ductor_{key} must be a whole number, 0 or more; got {value!r}")
+        return number
+
+    return parse
+
+
+def _port(key: str) -> Callable[[Any], int]:
+    """A TCP port setting, 1..65535 (0, "any free port", would leave nothing to scrape)."""
+
+    def parse(value: Any) -> int:
+        number = _count(key)(value)
+        if not 1 <= number <= 65535:
+            raise ValueError(f"ductor_{key} must be a port number, 1 to 65535; got {value!r}")
         return number
 
     return parse

@@ -27,6 +27,9 @@ app.conf.update(
     # Fault tests run with eager ticks on and off (E2E_EAGER=1/0); the default is ductor's.
     ductor_eager_ticks=os.environ.get("E2E_EAGER", "1"),
     ductor_inline_steps=os.environ.get("E2E_INLINE", "50"),
+    # Metrics tests give each worker its own port; unset: no metrics (the default).
+    ductor_metrics_port=os.environ.get("E2E_METRICS_PORT") or None,
+    ductor_metrics_host="127.0.0.1",
 )
 ductor = Ductor(app)
 

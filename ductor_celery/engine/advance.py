@@ -189,12 +189,14 @@ def _check_slot(t: TickContext, node: str, slot: Slot, branch: int | None) -> No
         return
     deadline = check.claimed_at + timedelta(seconds=timeout)
     why = f"did not finish within {timeout:g}s of its start (worker lost or step too slow)"
+    silent = False
     if spec.heartbeat_timeout is not None:
         last_sign = max(check.claimed_at, check.heartbeat_at or check.claimed_at)
         silent_until = last_sign + timedelta(seconds=spec.heartbeat_timeout)
         if silent_until < deadline:
             deadline = silent_until
             why = f"sent no heartbeat for {spec.heartbeat_timeout:g}s (worker lost)"
+            silent = True
     if deadline > t.now:
         if slot.claimed_at != check.claimed_at or slot.check_at != deadline:
             slot.claimed_at = check.claimed_at
@@ -203,7 +205,9 @@ def _check_slot(t: TickContext, node: str, slot: Slot, branch: int | None) -> No
             t.payload.changed = True
         return
     error = {"type": "StepTimeout", "message": f"{where} {slot.attempt} {why}"}
-    t.payload.closed.append(ClosedAttempt(slot.token, "timed_out", error))
+    t.payload.closed.append(
+        ClosedAttempt(slot.token, "timed_out", error, step=spec.step, lost=silent)
+    )
     attempt_failed(t, node, slot, branch, error, True)
 
 

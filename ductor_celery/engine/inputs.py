@@ -130,6 +130,10 @@ class ClosedAttempt:
     token: str
     outcome: str  # "timed_out" | "cancelled"
     error: dict[str, Any]
+    #: For metrics only (not compared): the attempt's step, and whether it timed out because
+    #: its worker went silent (no heartbeat) rather than ran too long.
+    step: str | None = field(default=None, compare=False)
+    lost: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

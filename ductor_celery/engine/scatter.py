@@ -364,11 +364,10 @@ def close_slot(t: TickContext, node_id: str, slot: Slot, reason: str, *, revoke:
         elif not any(r.token == token for r in t.inputs.results):
             # An attempt whose result is loaded has finished already: it is folded instead
             # (closing it would conflict on every recompute).
-            p.closed.append(
-                ClosedAttempt(token, "cancelled", {"type": "Cancelled", "message": reason})
-            )
+            spec = t.attempt_spec(node_id)
+            error = {"type": "Cancelled", "message": reason}
+            p.closed.append(ClosedAttempt(token, "cancelled", error, step=spec.step))
             if revoke:
-                spec = t.attempt_spec(node_id)
                 p.dispatches.append(
                     Dispatch(DispatchKind.REVOKE, t.inputs.run_id, node_id, token, spec.step, None)
                 )

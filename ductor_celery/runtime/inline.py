@@ -109,6 +109,7 @@ class InlineChain:
                 args=dict(args or {}),
                 context=dict(context or {}),
                 spec_hash=loaded.spec_hash,
+                queued_s=0.0,  # claimed in the commit that creates it
             )
             self._chosen = (claimed, step, worker)
             return TickClaim(attempt.token, worker)

@@ -16,6 +16,7 @@ from ..store.db import get_engine
 from .coordinator import run_tick
 from .dispatch import TICK_TASK_NAME, Dispatcher
 from .failpoints import failpoint
+from .metrics import MetricsBootstep
 from .poison import PoisonGuard
 from .steps import Step, execute_attempt
 from .sweeper import SweeperBootstep
@@ -39,6 +40,8 @@ class Runtime:
         self.tick_task = self._register_tick_task()
         if SweeperBootstep not in app.steps["worker"]:
             app.steps["worker"].add(SweeperBootstep)
+        if MetricsBootstep not in app.steps["worker"]:
+            app.steps["worker"].add(MetricsBootstep)
         if PoisonGuard not in app.steps["consumer"]:
             app.steps["consumer"].add(PoisonGuard)
 

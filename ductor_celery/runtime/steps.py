@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 import socket
+import time
 import traceback
 import uuid
 from collections.abc import Callable, Mapping
@@ -19,7 +20,7 @@ from ..errors import NonRetryableError
 from ..store import attempts, wakes
 from ..store.db import ValuesRefused, with_retry
 from ..store.outbox import OutboxRow
-from . import batch
+from . import batch, metrics
 from .coordinator import Keeper, PreludeRefused, run_tick
 from .inline import InlineChain, TaskEvents, as_current_task, flush_events
 from .outbox_janitor import sent_outbox
@@ -330,16 +331,21 @@ def _run_claimed(
     limit = rt.settings.max_payload_bytes
     # Read only when the step raises: most attempts succeed.
     non_retryable = functools.cache(lambda: _non_retryable_of(rt, step, claimed))
+    metrics.record_claim(step.name, claimed.queued_s)
+    began = time.perf_counter()
     if batch.is_batch(claimed.args, BATCH_ARG):
         result, interrupt = _run_batch(engine, step, claimed, me, limit, non_retryable)
     else:
         read_input = _input_reader(engine, claimed.run_id)
         ctx = _context(engine, claimed, claimed.branch, read_input, limit)
         result, interrupt = _run(step, ctx, claimed.args, claimed.token, limit, non_retryable)
+    ran_s = time.perf_counter() - began
     # A process about to stop takes no next step (it would be left claimed until its timeout).
     keep = None if interrupt is not None else chain
     try:
         outcome = _record_and_advance(rt, engine, step, claimed.token, claimed.run_id, result, keep)
+        if outcome != "closed":  # a closed attempt was counted by the tick that closed it
+            metrics.record_attempt(step.name, outcome, ran_s)
     finally:
         if interrupt is not None:
             raise interrupt

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from celery import bootsteps
 
 from ..store import sweep
+from . import metrics
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -101,7 +102,7 @@ class Sweeper:
                 leased.granted,
                 leased.extended,
             )
-        return {
+        actions = {
             "timers": len(due),
             "outbox": relayed,
             "lost_wakeups": len(lost),
@@ -109,6 +110,8 @@ class Sweeper:
             "leases_granted": leased.granted,
             "leases_extended": leased.extended,
         }
+        metrics.record_sweep(actions)
+        return actions
 
     def _throttle(self, run_ids: list[str], window: float) -> list[str]:
         """Drop runs woken for the same reason within ``window`` seconds."""

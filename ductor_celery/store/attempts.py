@@ -35,6 +35,8 @@ class ClaimedAttempt:
     context: dict[str, Any]
     #: The run's pinned definition: the worker reads the node's retry policy from it.
     spec_hash: str | None = None
+    #: Seconds from the attempt's insert to its claim, on the database's clock (metrics).
+    queued_s: float | None = None
 
 
 def _now(engine: Engine) -> Any:
@@ -137,7 +139,15 @@ def _claimed(
         args=dict(row.args or {}),
         context=dict(run.context or {}),
         spec_hash=run.spec_hash,
+        queued_s=_seconds_between(row.created_at, row.claimed_at),
     )
+
+
+def _seconds_between(start: Any, end: Any) -> float | None:
+    began, ended = aware(start), aware(end)
+    if began is None or ended is None:
+        return None
+    return (ended - began).total_seconds()
 
 
 @functools.cache
@@ -197,6 +207,8 @@ _CLAIM_COLUMNS = (
     step_attempt.c.attempt,
     step_attempt.c.step,
     step_attempt.c.args,
+    step_attempt.c.created_at,
+    step_attempt.c.claimed_at,
 )
 
 

@@ -69,6 +69,8 @@ class LoadedRun:
     parent_run_id: str | None = None
     #: When the run's timer row fires (None: no row), so a commit can leave a good one alone.
     timer_at: datetime | None = None
+    #: When the run was inserted (its duration, for metrics).
+    created_at: datetime | None = None
 
 
 def _exists(table: sa.Table, *where: Any) -> Any:
@@ -119,6 +121,7 @@ def load_on(
         now=now,
         parent_run_id=row.parent_run_id,
         timer_at=aware(row.timer_at),
+        created_at=aware(row.created_at),
     )
     spec = spec_for(row.spec_hash, conn)
     if "results" in row._fields:
@@ -195,6 +198,7 @@ def _run_row_statement(postgres: bool, skip_locked: bool, with_input: bool) -> A
         workflow_run.c.state,
         (workflow_run.c.input if with_input else sa.literal(None)).label("input"),
         workflow_run.c.parent_run_id,
+        workflow_run.c.created_at,
         now_col.label("now"),
         # The version as the statement's snapshot saw it (a subquery is never re-read after
         # waiting for a lock, the locked row is): differs from record_version exactly when
