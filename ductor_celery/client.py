@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.engine import Engine
 
-from . import limits
+from . import limits, tracing
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
 from .engine.kinds import CONTROL_ALLOWED, ControlKind, statuses_allowing
 from .engine.payloads import check_json
@@ -191,9 +191,15 @@ class Client:
             with_retry(
                 functools.partial(runs.save_definition, engine, needed), what="save definition"
             )
+        traceparent = tracing.start_run(run_id, spec.name)
         actual, created = with_retry(
             lambda: runs.insert_run(
-                engine, run_id=run_id, workflow_id=workflow_id or run_id, spec=spec, input=value
+                engine,
+                run_id=run_id,
+                workflow_id=workflow_id or run_id,
+                spec=spec,
+                input=value,
+                trace_context=traceparent,
             ),
             what="insert run",
         )

@@ -370,3 +370,29 @@ batched.scatter(
 )
 batched.output("$.nodes.each.output")
 ductor.register(batched)
+
+# -- traces (tests/e2e/test_tracing.py) --------------------------------------------------------
+
+if os.environ.get("E2E_TRACE_FILE"):
+    # Set up in the worker's main process, before the pool forks: each child exports its own
+    # spans synchronously to the same file (one JSON line per span, appended).
+    from tracing_export import install_file_exporter
+
+    install_file_exporter(os.environ["E2E_TRACE_FILE"])
+
+
+@ductor.step(name="e2e.traced")
+def traced(ctx: StepContext, value: Any = None) -> Any:
+    """Opens a span of its own: it must nest under the attempt's span."""
+    from opentelemetry import trace
+
+    with trace.get_tracer("e2e").start_as_current_span("user.work") as span:
+        span.set_attribute("user.value", str(value))
+    return value
+
+
+traced_wf = Workflow("traced")
+traced_wf.step("a", traced, args={"value": "$.input.value"})
+traced_wf.step("b", echo, after=["a"], args={"value": "$.nodes.a.output"})
+traced_wf.output("$.nodes.b.output")
+ductor.register(traced_wf)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from ..store.ticks import (
     refresh_stale_timer,
     reject_control,
 )
-from . import metrics
+from . import observe
 from .outbox_janitor import sent_outbox
 
 if TYPE_CHECKING:
@@ -114,7 +113,7 @@ def run_tick(
     claimed attempt is retried by its step timeout, as after any worker lost mid-step.
     """
     engine = rt.engine()
-    started = time.perf_counter()
+    observe.tick_started()
     if not eager:
         # Before the load: a result committed after this point wakes the run again.
         with_retry(functools.partial(wakes.clear_wake, engine, run_id), what="clear wake-up")
@@ -126,7 +125,7 @@ def run_tick(
             )
         except VersionConflict as conflict:
             TICK_STATS.conflicts += 1
-            metrics.record_conflict()
+            observe.tick_conflict()
             log.debug("run %s: %s; recomputing", run_id, conflict)
             continue
         except RunBusy:
@@ -136,7 +135,7 @@ def run_tick(
             continue
         TICK_STATS.count(outcome)
         if outcome != "committed":  # "busy" too, when a prelude's write was committed alone
-            metrics.record_tick(outcome, time.perf_counter() - started)
+            observe.tick_ended(outcome)
             return outcome
         rt.failpoint(
             "eager_after_commit_before_dispatch" if eager else "after_commit_before_dispatch"
@@ -148,7 +147,7 @@ def run_tick(
             # Off the critical path: deleted in batches by a background thread. A row this
             # process dies before deleting is sent again by the sweeper (harmless: by token).
             sent_outbox(engine).add([r.id for r in outbox])
-        metrics.record_tick("committed", time.perf_counter() - started)
+        observe.tick_ended("committed")
         return "committed"
     log.error("run %s: gave up after %d conflicting ticks", run_id, MAX_CONFLICT_RETRIES)
     return "conflict"
@@ -189,7 +188,7 @@ def _load_compute_commit(
                 return "noop", payload, []
             rt.failpoint("before_commit")
             claim = None if keep is None else keep.choose(loaded, payload)
-            metrics.record_computed(loaded, payload)
+            observe.tick_computed(loaded, payload)
             return "committed", payload, commit_on(conn, loaded, payload, claim)
     except WorkflowIdTaken:
         # A redrive reopening the run while another run of its workflow id is open (the client

@@ -110,6 +110,8 @@ class InlineChain:
                 context=dict(context or {}),
                 spec_hash=loaded.spec_hash,
                 queued_s=0.0,  # claimed in the commit that creates it
+                workflow=loaded.workflow,
+                trace_context=loaded.trace_context,
             )
             self._chosen = (claimed, step, worker)
             return TickClaim(attempt.token, worker)

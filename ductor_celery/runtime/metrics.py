@@ -112,8 +112,6 @@ class _Metrics:
 
 _metrics: _Metrics | None = None
 _lock = threading.Lock()
-#: A committed tick's counts wait here until run_tick knows the commit went through.
-_pending = threading.local()
 
 
 def _get() -> _Metrics | None:
@@ -164,33 +162,24 @@ def record_claim(step: str, queued_seconds: float | None) -> None:
     m.schedule_to_start.labels(step).observe(max(0.0, queued_seconds))
 
 
-def record_computed(loaded: LoadedRun, payload: TickPayload) -> None:
-    """A tick computed a change; counted by ``record_tick`` once (and if) it commits."""
-    if _get() is None:
-        return
-    _pending.value = _TickCounts.of(loaded, payload)
-
-
 def record_conflict() -> None:
     m = _get()
     if m is not None:
         m.ticks.labels("conflict").inc()
 
 
-def record_tick(outcome: str, seconds: float) -> None:
-    """A tick ended: ``committed`` (its counts from ``record_computed`` are now true),
-    ``noop``, or anything else (busy, missing, given up: not a computed tick)."""
+def record_tick(
+    outcome: str, seconds: float, computed: tuple[LoadedRun, TickPayload] | None
+) -> None:
+    """A tick ended (runtime/observe.py): ``committed`` with what it computed, ``noop``, or
+    anything else (busy, missing, given up: not a computed tick, not counted)."""
     m = _get()
-    if m is None:
-        return
-    counts: _TickCounts | None = getattr(_pending, "value", None)
-    _pending.value = None
-    if outcome not in ("committed", "noop"):
+    if m is None or outcome not in ("committed", "noop"):
         return
     m.ticks.labels(outcome).inc()
     m.tick_duration.observe(seconds)
-    if outcome == "committed" and counts is not None:
-        counts.emit(m)
+    if outcome == "committed" and computed is not None:
+        _TickCounts.of(*computed).emit(m)
 
 
 def record_sweep(actions: dict[str, int]) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .. import tracing
 from ..definition.retry import ConcurrencyLimit, RetryPolicy
 from ..definition.spec import BATCH_ARG
 from ..engine.payloads import json_problem, storable_text
@@ -333,12 +334,22 @@ def _run_claimed(
     non_retryable = functools.cache(lambda: _non_retryable_of(rt, step, claimed))
     metrics.record_claim(step.name, claimed.queued_s)
     began = time.perf_counter()
-    if batch.is_batch(claimed.args, BATCH_ARG):
-        result, interrupt = _run_batch(engine, step, claimed, me, limit, non_retryable)
-    else:
-        read_input = _input_reader(engine, claimed.run_id)
-        ctx = _context(engine, claimed, claimed.branch, read_input, limit)
-        result, interrupt = _run(step, ctx, claimed.args, claimed.token, limit, non_retryable)
+    # The attempt's span is current while the step runs: the user's own spans nest under it.
+    with tracing.attempt_span(
+        claimed.trace_context,
+        claimed.run_id,
+        claimed.workflow,
+        claimed.node,
+        claimed.attempt,
+        step.name,
+    ) as span:
+        if batch.is_batch(claimed.args, BATCH_ARG):
+            result, interrupt = _run_batch(engine, step, claimed, me, limit, non_retryable)
+        else:
+            read_input = _input_reader(engine, claimed.run_id)
+            ctx = _context(engine, claimed, claimed.branch, read_input, limit)
+            result, interrupt = _run(step, ctx, claimed.args, claimed.token, limit, non_retryable)
+        tracing.mark_outcome(span, result.outcome, result.error)
     ran_s = time.perf_counter() - began
     # A process about to stop takes no next step (it would be left claimed until its timeout).
     keep = None if interrupt is not None else chain

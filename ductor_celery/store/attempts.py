@@ -37,6 +37,9 @@ class ClaimedAttempt:
     spec_hash: str | None = None
     #: Seconds from the attempt's insert to its claim, on the database's clock (metrics).
     queued_s: float | None = None
+    #: The run's workflow name and W3C traceparent (ductor_celery/tracing.py).
+    workflow: str = ""
+    trace_context: str | None = None
 
 
 def _now(engine: Engine) -> Any:
@@ -93,6 +96,8 @@ def claim(
                     workflow_run.c.workflow_id,
                     workflow_run.c.state["context"].label("context"),
                     workflow_run.c.spec_hash,
+                    workflow_run.c.workflow,
+                    workflow_run.c.trace_context,
                 ).where(workflow_run.c.run_id == row.run_id)
             ).one()
         )
@@ -140,6 +145,8 @@ def _claimed(
         context=dict(run.context or {}),
         spec_hash=run.spec_hash,
         queued_s=_seconds_between(row.created_at, row.claimed_at),
+        workflow=run.workflow,
+        trace_context=run.trace_context,
     )
 
 
@@ -175,6 +182,8 @@ def _pg_claim_statement(check_step: bool) -> Any:
         workflow_run.c.workflow_id,
         workflow_run.c.spec_hash,
         workflow_run.c.state["context"].label("context"),
+        workflow_run.c.workflow,
+        workflow_run.c.trace_context,
     ).cte("claimed")
     return (
         sa.select(step_attempt.c.step.label("attempt_step"), *claimed.c)

@@ -71,6 +71,8 @@ class LoadedRun:
     timer_at: datetime | None = None
     #: When the run was inserted (its duration, for metrics).
     created_at: datetime | None = None
+    #: The run's W3C traceparent (ductor_celery/tracing.py); None: not traced.
+    trace_context: str | None = None
 
 
 def _exists(table: sa.Table, *where: Any) -> Any:
@@ -122,6 +124,7 @@ def load_on(
         parent_run_id=row.parent_run_id,
         timer_at=aware(row.timer_at),
         created_at=aware(row.created_at),
+        trace_context=row.trace_context,
     )
     spec = spec_for(row.spec_hash, conn)
     if "results" in row._fields:
@@ -199,6 +202,7 @@ def _run_row_statement(postgres: bool, skip_locked: bool, with_input: bool) -> A
         (workflow_run.c.input if with_input else sa.literal(None)).label("input"),
         workflow_run.c.parent_run_id,
         workflow_run.c.created_at,
+        workflow_run.c.trace_context,
         now_col.label("now"),
         # The version as the statement's snapshot saw it (a subquery is never re-read after
         # waiting for a lock, the locked row is): differs from record_version exactly when

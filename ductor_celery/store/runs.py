@@ -166,6 +166,7 @@ def insert_run(
     spec: WorkflowSpec,
     input: Any,
     parent_run_id: str | None = None,
+    trace_context: str | None = None,
 ) -> tuple[str, bool]:
     """Insert a pending run. Returns (run_id, created); an open run of the same workflow id wins."""
     state = RunState.initial(spec.graph.order)
@@ -182,6 +183,7 @@ def insert_run(
                         state=state,
                         input=input,
                         parent_run_id=parent_run_id,
+                        trace_context=trace_context,
                     )
                 )
             )

@@ -121,6 +121,9 @@ workflow_run = sa.Table(
     sa.Column("created_at", Ts, nullable=False, server_default=sa.func.now()),
     sa.Column("updated_at", Ts, nullable=False, server_default=sa.func.now()),
     sa.Column("finished_at", Ts, nullable=True),
+    # W3C traceparent of the span that started the run (ductor_celery/tracing.py): its ticks
+    # and attempts join that trace. NULL when tracing was off at start.
+    sa.Column("trace_context", sa.String(200), nullable=True),
     # One open run per workflow id: starting twice returns the open run.
     sa.Index(
         "eec_workflow_run_open_workflow_id",

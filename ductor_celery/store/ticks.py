@@ -349,6 +349,7 @@ def _insert_successor(
                 input=successor.input,
                 parent_run_id=run.parent_run_id,
                 continued_from=loaded.run_id,
+                trace_context=loaded.trace_context,  # the same trace, docs/tracing.md
                 created_at=now,
                 updated_at=now,
             )
@@ -432,6 +433,7 @@ def _children(
                     input=child.input,
                     parent_run_id=loaded.run_id,
                     parent_node=child.node,
+                    trace_context=loaded.trace_context,
                     created_at=now,
                     updated_at=now,
                 )

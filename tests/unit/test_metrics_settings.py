@@ -34,7 +34,7 @@ def test_recording_with_metrics_off_creates_nothing(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("DUCTOR_METRICS_ON", raising=False)
     metrics.record_attempt("s", "succeeded", 0.1)
     metrics.record_claim("s", 0.1)
-    metrics.record_tick("committed", 0.001)
+    metrics.record_tick("committed", 0.001, None)
     metrics.record_sweep({"timers": 1})
     assert metrics._metrics is None
 
