@@ -179,27 +179,58 @@ def start(
 @ductor.command()
 @click.option("--status", default=None, help="Only runs with this status.")
 @click.option("--workflow", default=None, help="Only runs of this workflow.")
+@click.option("--workflow-id", default=None, help="Only runs of this workflow id.")
+@click.option("--since", default=None, help="Started at or after: ISO 8601 or an age (2h, 7d).")
+@click.option("--until", default=None, help="Started before: ISO 8601 or an age (30m).")
+@click.option("--cursor", default=None, help="The next-page cursor a previous listing printed.")
 # A plain int: the client checks the range, so --limit 0 is one line and exit 1 like every
 # other bad value (click's IntRange would print its usage text and exit 2).
 @click.option("--limit", default=50, type=int, show_default=True, help=f"1..{MAX_LIST_LIMIT} runs.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.pass_context
 def runs(
-    ctx: click.Context, status: str | None, workflow: str | None, limit: int, as_json: bool
+    ctx: click.Context,
+    status: str | None,
+    workflow: str | None,
+    workflow_id: str | None,
+    since: str | None,
+    until: str | None,
+    cursor: str | None,
+    limit: int,
+    as_json: bool,
 ) -> None:
-    """List runs, newest first."""
+    """List runs, newest first, a page at a time; prints the cursor of the next page."""
+    from datetime import UTC
+
+    from .web.timeparse import parse_time
+
+    now = datetime.now(UTC)
+    start = None if since is None else _call(parse_time, since, "--since", now)
+    end = None if until is None else _call(parse_time, until, "--until", now)
     d = _load_ductor(ctx)
-    views = _call(d.list_runs, status=status, workflow=workflow, limit=limit)
+    page = _call(
+        d.list_runs,
+        status=status,
+        workflow=workflow,
+        workflow_id=workflow_id,
+        since=start,
+        until=end,
+        cursor=cursor,
+        limit=limit,
+    )
     if as_json:
-        for view in views:
+        for view in page:
             click.echo(view.model_dump_json(exclude={"nodes", "context", "input", "output"}))
+        # stdout stays one run per line; the cursor goes beside it.
+        if page.next_cursor is not None:
+            click.echo(f"next cursor: {page.next_cursor}", err=True)
         return
     from rich.table import Table
 
-    table = Table(title=f"{len(views)} runs")
+    table = Table(title=f"{len(page)} runs")
     for column in ("run id", "workflow id", "workflow", "status", "created", "took"):
         table.add_column(column)
-    for v in views:
+    for v in page:
         table.add_row(
             v.run_id,
             v.workflow_id,
@@ -209,6 +240,8 @@ def runs(
             _duration(v.created_at, v.finished_at),
         )
     _console().print(table)
+    if page.next_cursor is not None:
+        click.echo(f"next cursor: {page.next_cursor}  (more runs: add --cursor {page.next_cursor})")
 
 
 _COLORS = {
