@@ -474,5 +474,36 @@ for _kind, _reason in (
     ductor.add_command(_control(_kind, _reason))
 
 
+@ductor.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8080, type=int, show_default=True, help="Port to listen on.")
+@click.option(
+    "--token",
+    default=None,
+    help="Allow actions to whoever gives this token (default: ductor_web_token; "
+    "without one the console is read-only).",
+)
+@click.option("--flower-url", default=None, help="Flower's URL: attempts link to their task.")
+@click.pass_context
+def web(
+    ctx: click.Context, host: str, port: int, token: str | None, flower_url: str | None
+) -> None:
+    """Serve the web console: runs, live graphs, actions, a JSON API and /metrics."""
+    if not 0 < port < 65536:
+        _fail(f"--port must be between 1 and 65535, got {port}")
+    if token is not None and not token.strip():
+        _fail("--token must not be empty")
+    d = _load_ductor(ctx)
+    from .web import create_app
+
+    app = _call(create_app, d, token=token, flower_url=flower_url)
+    console = app.state.console
+    mode = "read-only (no token)" if console.read_only else "actions need the token"
+    click.echo(f"ductor console on http://{host}:{port}/ ({mode})", err=True)
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
 def main() -> None:
     ductor(obj=None)
