@@ -476,7 +476,7 @@ class Client:
         where, after = check_list_filter(status, workflow, limit, since, until, cursor, workflow_id)
         rows, key = self._read(runs.list_runs, self.engine, limit=limit, where=where, after=after)
         return RunPage(
-            runs=tuple(self._view(r) for r in rows),
+            runs=[self._view(r) for r in rows],
             next_cursor=runs.encode_cursor(key) if key is not None else None,
         )
 

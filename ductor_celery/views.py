@@ -64,7 +64,7 @@ class RunPage(Sequence[RunView]):
     ``None`` on the last page; pass it as ``cursor=`` to read the page after this one.
     """
 
-    runs: tuple[RunView, ...]
+    runs: list[RunView]
     next_cursor: str | None = None
 
     @overload
@@ -86,7 +86,7 @@ class RunPage(Sequence[RunView]):
         if isinstance(other, RunPage):
             return self.runs == other.runs and self.next_cursor == other.next_cursor
         if isinstance(other, list | tuple):
-            return list(self.runs) == list(other)
+            return self.runs == list(other)
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]  # equal to a list, which has no hash

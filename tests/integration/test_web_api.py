@@ -15,7 +15,7 @@ from celery import Celery
 from starlette.testclient import TestClient
 from support import tick_once
 
-from ductor_celery import Ductor, StepContext, Workflow
+from ductor_celery import ConcurrencyLimit, Ductor, StepContext, Workflow
 from ductor_celery.store import attempts
 from ductor_celery.web import create_app
 
@@ -40,6 +40,14 @@ class World:
         flow.step("b", echo, after=["review"], args={"value": "$.nodes.a.output"})
         flow.output("$.nodes.b.output")
         self.d.register(flow)
+
+        @self.d.step(name="web.limited", concurrency=ConcurrencyLimit(key="$.input.k", limit=1))
+        def limited(ctx: StepContext, value: Any = None) -> Any:
+            return value
+
+        narrow = Workflow("web_narrow")
+        narrow.scatter("each", limited, over="$.input.items", item_arg="value")
+        self.d.register(narrow)
         fan = Workflow("web_fan")
         fan.scatter("each", echo, over="$.input.items", item_arg="value", max_parallel=64)
         self.d.register(fan)
@@ -366,6 +374,12 @@ def test_metrics_read_open_runs_and_backlog_from_the_database(
     backlog = re.search(r"^ductor_outbox_backlog (\S+)$", text, re.M)
     assert backlog is not None and float(backlog.group(1)) >= 1  # nobody sent them here
     assert "# TYPE ductor_lease_waiters gauge" in text
+    narrow = world.d.start("web_narrow", input={"items": [1, 2, 3], "k": "c1"}).run_id
+    tick_once(world.engine, narrow, world.d.runtime.spec_for)
+    text = api.get("/metrics").text
+    assert 'ductor_lease_waiters{step="web.limited"} 2.0' in text  # one holds the slot
+    html = api.get(f"/runs/{narrow}").text
+    assert html.count("waiting for a slot") == 2
 
 
 def test_the_live_json_matches_the_run_view(world: World, api: TestClient) -> None:

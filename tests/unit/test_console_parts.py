@@ -142,7 +142,7 @@ def test_json_bodies_are_strict() -> None:
 
 
 def test_a_run_page_behaves_like_the_list_it_replaces() -> None:
-    views = tuple(
+    views = list(
         RunView(
             run_id=f"r{i}",
             workflow_id=f"r{i}",
@@ -164,5 +164,6 @@ def test_a_run_page_behaves_like_the_list_it_replaces() -> None:
         ]
     )
     assert list(page) == list(views) and page == list(views) and views[1] in page
-    assert RunPage(runs=()) == [] and not RunPage(runs=())
+    assert RunPage(runs=[]) == [] and not RunPage(runs=[])
+    assert page.runs == views and page == tuple(views)
     assert page.next_cursor == "abc"
