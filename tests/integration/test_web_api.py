@@ -48,6 +48,12 @@ class World:
         narrow = Workflow("web_narrow")
         narrow.scatter("each", limited, over="$.input.items", item_arg="value")
         self.d.register(narrow)
+        child = Workflow("web_child")
+        child.approval("ok")
+        self.d.register(child)
+        parent = Workflow("web_parent")
+        parent.subworkflow("kid", workflow="web_child")
+        self.d.register(parent)
         fan = Workflow("web_fan")
         fan.scatter("each", echo, over="$.input.items", item_arg="value", max_parallel=64)
         self.d.register(fan)
@@ -391,3 +397,26 @@ def test_the_live_json_matches_the_run_view(world: World, api: TestClient) -> No
         n: v["status"] for n, v in view["nodes"].items()
     }
     assert json.dumps(live)  # plain JSON
+
+
+def test_the_run_page_links_parent_children_predecessor_and_successor(
+    world: World, api: TestClient
+) -> None:
+    parent = world.d.start("web_parent").run_id
+    tick_once(world.engine, parent, world.d.runtime.spec_for)
+    [child] = [v for v in world.d.list_runs(workflow="web_child")]
+    assert child.parent_run_id == parent
+    page = api.get(f"/runs/{parent}").text
+    assert f'href="/runs/{child.run_id}" data-link="child"' in page
+    assert f'href="/runs/{parent}" data-link="parent"' in api.get(f"/runs/{child.run_id}").text
+    first = _waiting_run(world, "loop-1")
+    world.d.continue_as_new(first)
+    tick_once(world.engine, first, world.d.runtime.spec_for)
+    successor = world.d.get(first).continued_to
+    assert successor is not None
+    assert f'href="/runs/{successor}" data-link="successor"' in api.get(f"/runs/{first}").text
+    assert f'href="/runs/{first}" data-link="predecessor"' in api.get(f"/runs/{successor}").text
+    # A workflow id in the URL: the page of its newest run.
+    moved = api.get("/runs/loop-1", follow_redirects=False)
+    assert moved.status_code == 303 and moved.headers["location"] == f"/runs/{successor}"
+    assert api.get("/runs/nope").status_code == 404
