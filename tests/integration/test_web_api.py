@@ -420,3 +420,23 @@ def test_the_run_page_links_parent_children_predecessor_and_successor(
     moved = api.get("/runs/loop-1", follow_redirects=False)
     assert moved.status_code == 303 and moved.headers["location"] == f"/runs/{successor}"
     assert api.get("/runs/nope").status_code == 404
+
+
+def test_the_console_works_on_the_embedded_sqlite_database(tmp_path: Any) -> None:
+    from ductor_celery.store.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path}/console.sqlite3"
+    upgrade(url)
+    world = World(url)
+    run_id = _waiting_run(world)
+    with TestClient(create_app(world.d, token=TOKEN)) as client:
+        assert f'data-run-id="{run_id}"' in client.get("/", params={"since": "1h"}).text
+        page = client.get(f"/runs/{run_id}?node=a").text
+        assert 'data-node="review" data-status="waiting"' in page and "data-attempt=" in page
+        approved = client.post(
+            f"/api/runs/{run_id}/approve", json={"node": "review"}, headers=_auth()
+        )
+        assert approved.status_code == 200
+        world.drive(run_id)
+        assert client.get(f"/api/runs/{run_id}").json()["status"] == "succeeded"
+        assert 'ductor_runs{status="running"' not in client.get("/metrics").text
