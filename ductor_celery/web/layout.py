@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..definition.spec import WorkflowSpec
 
-BOX_W = 190
+BOX_W = 250
 BOX_H = 58
 GAP_X = 36
 GAP_Y = 56
@@ -54,6 +54,8 @@ class Edge:
 class Layout:
     width: float
     height: float
+    box_w: float
+    box_h: float
     boxes: tuple[Box, ...]
     edges: tuple[Edge, ...]
 
@@ -136,6 +138,8 @@ def layout(nodes: Sequence[GraphNode]) -> Layout:
             )
     height = 2 * MARGIN + len(layers) * BOX_H + max(len(layers) - 1, 0) * GAP_Y
     return Layout(
+        box_w=BOX_W,
+        box_h=BOX_H,
         width=max(width, BOX_W + 2 * MARGIN),
         height=max(height, BOX_H + 2 * MARGIN),
         boxes=tuple(boxes[n.id] for n in nodes),

@@ -37,7 +37,8 @@
       if (label) label.textContent = n.label;
       var bar = g.querySelector(".progress");
       if (bar && n.scatter && n.scatter.total) {
-        bar.setAttribute("width", String((188 * n.scatter.done) / n.scatter.total));
+        var full = parseFloat(bar.getAttribute("data-full"));
+        bar.setAttribute("width", String((full * n.scatter.done) / n.scatter.total));
       }
     }
     var row = byAttr("data-row-node", id);
