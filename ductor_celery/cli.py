@@ -494,15 +494,19 @@ def web(
     if token is not None and not token.strip():
         _fail("--token must not be empty")
     d = _load_ductor(ctx)
-    from .web import create_app
+    from .web.app import create_app, run
 
     app = _call(create_app, d, token=token, flower_url=flower_url)
     console = app.state.console
-    mode = "read-only (no token)" if console.read_only else "actions need the token"
+    mode = "read-only: no token" if console.read_only else "actions need the token"
     click.echo(f"ductor console on http://{host}:{port}/ ({mode})", err=True)
-    import uvicorn
-
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        click.echo(
+            f"warning: bound to {host}: anyone who reaches it can read every run's input, "
+            "context and output (only actions need the token)",
+            err=True,
+        )
+    run(app, host=host, port=port)
 
 
 def main() -> None:

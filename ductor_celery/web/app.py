@@ -65,6 +65,13 @@ def create_app(
     return app
 
 
+def run(app: Starlette, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
+    """Serve a console app with uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
 def serve(
     ductor: Ductor,
     *,
@@ -74,7 +81,4 @@ def serve(
     flower_url: str | None = None,
 ) -> None:
     """Run the console until interrupted."""
-    import uvicorn
-
-    app = create_app(ductor, token=token, flower_url=flower_url)
-    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+    run(create_app(ductor, token=token, flower_url=flower_url), host=host, port=port)
