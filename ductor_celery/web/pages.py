@@ -21,7 +21,7 @@ from ..store import console as reads
 from ..store import runs
 from .actions import ACTIONS, parse_json, run_action
 from .api import query_params
-from .auth import READ_ONLY, Forbidden, check_form, csrf_token, fingerprint, logged_in, same
+from .auth import READ_ONLY, check_form, csrf_token, fingerprint, logged_in, same
 from .console import Console, message_of, status_of
 from .live import run_live
 from .params import LIST_PARAMS, BadRequest, list_query
@@ -292,6 +292,3 @@ def _safe_next_value(value: str | None) -> str:
 
 def _safe_next(request: Request) -> str:
     return _safe_next_value(request.query_params.get("next"))
-
-
-__all__ = ["Forbidden", "routes"]
