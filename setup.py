@@ -20,5 +20,10 @@ MIGRATIONS = ["ductor_celery._alembic", "ductor_celery._alembic.versions"]
 setup(
     packages=[*PACKAGES, *MIGRATIONS],
     package_dir={"ductor_celery._alembic": "alembic"},
-    package_data={"ductor_celery": ["py.typed"], "ductor_celery._alembic": ["script.py.mako"]},
+    package_data={
+        "ductor_celery": ["py.typed"],
+        "ductor_celery._alembic": ["script.py.mako"],
+        # The console's templates and assets: it must work with no internet access.
+        "ductor_celery.web": ["templates/*.html", "static/*.css", "static/*.js"],
+    },
 )

@@ -18,7 +18,7 @@ from .errors import (
     WorkflowNotFound,
 )
 from .runtime.steps import Step, StepContext
-from .views import NodeView, RunHandle, RunView
+from .views import NodeView, RunHandle, RunPage, RunView
 
 __all__ = [
     "ConcurrencyLimit",
@@ -34,6 +34,7 @@ __all__ = [
     "RetryPolicy",
     "RunHandle",
     "RunNotFound",
+    "RunPage",
     "RunStatus",
     "RunView",
     "Step",

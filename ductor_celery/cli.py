@@ -179,27 +179,58 @@ def start(
 @ductor.command()
 @click.option("--status", default=None, help="Only runs with this status.")
 @click.option("--workflow", default=None, help="Only runs of this workflow.")
+@click.option("--workflow-id", default=None, help="Only runs of this workflow id.")
+@click.option("--since", default=None, help="Started at or after: ISO 8601 or an age (2h, 7d).")
+@click.option("--until", default=None, help="Started before: ISO 8601 or an age (30m).")
+@click.option("--cursor", default=None, help="The next-page cursor a previous listing printed.")
 # A plain int: the client checks the range, so --limit 0 is one line and exit 1 like every
 # other bad value (click's IntRange would print its usage text and exit 2).
 @click.option("--limit", default=50, type=int, show_default=True, help=f"1..{MAX_LIST_LIMIT} runs.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.pass_context
 def runs(
-    ctx: click.Context, status: str | None, workflow: str | None, limit: int, as_json: bool
+    ctx: click.Context,
+    status: str | None,
+    workflow: str | None,
+    workflow_id: str | None,
+    since: str | None,
+    until: str | None,
+    cursor: str | None,
+    limit: int,
+    as_json: bool,
 ) -> None:
-    """List runs, newest first."""
+    """List runs, newest first, a page at a time; prints the cursor of the next page."""
+    from datetime import UTC
+
+    from .web.timeparse import parse_time
+
+    now = datetime.now(UTC)
+    start = None if since is None else _call(parse_time, since, "--since", now)
+    end = None if until is None else _call(parse_time, until, "--until", now)
     d = _load_ductor(ctx)
-    views = _call(d.list_runs, status=status, workflow=workflow, limit=limit)
+    page = _call(
+        d.list_runs,
+        status=status,
+        workflow=workflow,
+        workflow_id=workflow_id,
+        since=start,
+        until=end,
+        cursor=cursor,
+        limit=limit,
+    )
     if as_json:
-        for view in views:
+        for view in page:
             click.echo(view.model_dump_json(exclude={"nodes", "context", "input", "output"}))
+        # stdout stays one run per line; the cursor goes beside it.
+        if page.next_cursor is not None:
+            click.echo(f"next cursor: {page.next_cursor}", err=True)
         return
     from rich.table import Table
 
-    table = Table(title=f"{len(views)} runs")
+    table = Table(title=f"{len(page)} runs")
     for column in ("run id", "workflow id", "workflow", "status", "created", "took"):
         table.add_column(column)
-    for v in views:
+    for v in page:
         table.add_row(
             v.run_id,
             v.workflow_id,
@@ -209,6 +240,8 @@ def runs(
             _duration(v.created_at, v.finished_at),
         )
     _console().print(table)
+    if page.next_cursor is not None:
+        click.echo(f"next cursor: {page.next_cursor}  (more runs: add --cursor {page.next_cursor})")
 
 
 _COLORS = {
@@ -439,6 +472,41 @@ for _kind, _reason in (
     ("continue_as_new", False),
 ):
     ductor.add_command(_control(_kind, _reason))
+
+
+@ductor.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8080, type=int, show_default=True, help="Port to listen on.")
+@click.option(
+    "--token",
+    default=None,
+    help="Allow actions to whoever gives this token (default: ductor_web_token; "
+    "without one the console is read-only).",
+)
+@click.option("--flower-url", default=None, help="Flower's URL: attempts link to their task.")
+@click.pass_context
+def web(
+    ctx: click.Context, host: str, port: int, token: str | None, flower_url: str | None
+) -> None:
+    """Serve the web console: runs, live graphs, actions, a JSON API and /metrics."""
+    if not 0 < port < 65536:
+        _fail(f"--port must be between 1 and 65535, got {port}")
+    if token is not None and not token.strip():
+        _fail("--token must not be empty")
+    d = _load_ductor(ctx)
+    from .web.app import create_app, run
+
+    app = _call(create_app, d, token=token, flower_url=flower_url)
+    console = app.state.console
+    mode = "read-only: no token" if console.read_only else "actions need the token"
+    click.echo(f"ductor console on http://{host}:{port}/ ({mode})", err=True)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        click.echo(
+            f"warning: bound to {host}: anyone who reaches it can read every run's input, "
+            "context and output (only actions need the token)",
+            err=True,
+        )
+    run(app, host=host, port=port)
 
 
 def main() -> None:

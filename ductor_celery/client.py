@@ -33,7 +33,7 @@ from .settings import Settings
 from .store import external, finishes, runs
 from .store.db import get_engine, with_retry
 from .store.runs import RunRow
-from .views import NodeView, RunHandle, RunView
+from .views import NodeView, RunHandle, RunPage, RunView
 
 log = logging.getLogger("ductor_celery.client")
 
@@ -136,6 +136,55 @@ def check_list_args(status: Any, workflow: Any, limit: Any) -> str | None:
     except ValueError:
         known = ", ".join(s.value for s in RunStatus)
         raise ValueError(f"unknown run status {status!r} (one of: {known})") from None
+
+
+def check_time(value: Any, what: str) -> datetime | None:
+    """A bound of ``list_runs``: ``None``, an aware datetime, or an ISO 8601 string with
+    its offset (``2026-01-02T03:04:05Z``); a time without a zone is refused, not guessed."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError(
+                f"{what} {limits.show(value)} is not an ISO 8601 time (2026-01-02T03:04:05Z)"
+            ) from None
+    if not isinstance(value, datetime):
+        raise TypeError(
+            f"{what} must be a datetime or an ISO 8601 string, got {type(value).__name__}"
+        )
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"{what} {value.isoformat()} has no time zone (give an aware datetime)")
+    return value
+
+
+def check_list_filter(
+    status: Any,
+    workflow: Any,
+    limit: Any,
+    since: Any,
+    until: Any,
+    cursor: Any,
+    workflow_id: Any,
+) -> tuple[runs.RunFilter, runs.RunKey | None]:
+    """Every argument of ``list_runs``, checked before any query: the filter and the key
+    to continue after."""
+    status_value = check_list_args(status, workflow, limit)
+    if workflow_id is not None:
+        check_id(workflow_id, "workflow_id")
+    start, end = check_time(since, "since"), check_time(until, "until")
+    if start is not None and end is not None and start > end:
+        raise ValueError(f"since ({start.isoformat()}) is after until ({end.isoformat()})")
+    after = None
+    if cursor is not None:
+        if not isinstance(cursor, str):
+            raise TypeError(f"cursor must be a string or None, got {type(cursor).__name__}")
+        after = runs.decode_cursor(cursor)
+    where = runs.RunFilter(
+        status=status_value, workflow=workflow, workflow_id=workflow_id, since=start, until=end
+    )
+    return where, after
 
 
 def decision_key(run_id: str, node: str, started: str) -> str:
@@ -419,13 +468,23 @@ class Client:
         return self._view(self._row(target))
 
     def list_runs(
-        self, status: str | None = None, workflow: str | None = None, limit: int = 50
-    ) -> list[RunView]:
-        status = check_list_args(status, workflow, limit)
-        rows = self._read(
-            runs.list_runs, self.engine, status=status, workflow=workflow, limit=limit
+        self,
+        status: str | None = None,
+        workflow: str | None = None,
+        limit: int = 50,
+        since: datetime | str | None = None,
+        until: datetime | str | None = None,
+        cursor: str | None = None,
+        workflow_id: str | None = None,
+    ) -> RunPage:
+        """Runs newest first, one page of at most ``limit``: ``since`` (inclusive) and
+        ``until`` (exclusive) bound ``created_at``; ``cursor`` is a page's ``next_cursor``."""
+        where, after = check_list_filter(status, workflow, limit, since, until, cursor, workflow_id)
+        rows, key = self._read(runs.list_runs, self.engine, limit=limit, where=where, after=after)
+        return RunPage(
+            runs=[self._view(r) for r in rows],
+            next_cursor=runs.encode_cursor(key) if key is not None else None,
         )
-        return [self._view(r) for r in rows]
 
     def _view(self, row: RunRow) -> RunView:
         tokens = [ns.output_token for ns in row.state.nodes.values() if ns.output_token]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, overload
 
 from .client import Client
@@ -18,7 +19,7 @@ from .runtime.runtime import Runtime
 from .runtime.steps import Step
 from .settings import Settings
 from .store import migrate
-from .views import RunHandle, RunView
+from .views import RunHandle, RunPage, RunView
 
 log = logging.getLogger("ductor_celery")
 
@@ -164,9 +165,25 @@ class Ductor:
         return self.client.wait(target, timeout=timeout)
 
     def list_runs(
-        self, status: str | None = None, workflow: str | None = None, limit: int = 50
-    ) -> list[RunView]:
-        return self.client.list_runs(status=status, workflow=workflow, limit=limit)
+        self,
+        status: str | None = None,
+        workflow: str | None = None,
+        limit: int = 50,
+        since: datetime | str | None = None,
+        until: datetime | str | None = None,
+        cursor: str | None = None,
+        workflow_id: str | None = None,
+    ) -> RunPage:
+        """One page of runs, newest first; iterate it like a list, ``next_cursor`` for more."""
+        return self.client.list_runs(
+            status=status,
+            workflow=workflow,
+            limit=limit,
+            since=since,
+            until=until,
+            cursor=cursor,
+            workflow_id=workflow_id,
+        )
 
     def signal(
         self, target: str, name: str, payload: Any = None, idempotency_key: str | None = None

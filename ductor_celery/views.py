@@ -1,10 +1,11 @@
-"""What readers get: RunHandle, RunView and NodeView, frozen."""
+"""What readers get: RunHandle, RunView, NodeView and RunPage, frozen."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, overload
 
 from pydantic import BaseModel, ConfigDict
 
@@ -52,3 +53,40 @@ class RunView(BaseModel):
         from .engine.status import TERMINAL_RUN_STATUSES
 
         return self.status in TERMINAL_RUN_STATUSES
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RunPage(Sequence[RunView]):
+    """One page of ``list_runs``: its runs, newest first, and the cursor of the next page.
+
+    It is a sequence of its runs, so code written when ``list_runs`` returned a list keeps
+    working (iterate it, index it, ``len()`` it, compare it with a list). ``next_cursor`` is
+    ``None`` on the last page; pass it as ``cursor=`` to read the page after this one.
+    """
+
+    runs: list[RunView]
+    next_cursor: str | None = None
+
+    @overload
+    def __getitem__(self, index: int) -> RunView: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[RunView]: ...
+
+    def __getitem__(self, index: int | slice) -> RunView | Sequence[RunView]:
+        return self.runs[index]
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def __iter__(self) -> Iterator[RunView]:
+        return iter(self.runs)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RunPage):
+            return self.runs == other.runs and self.next_cursor == other.next_cursor
+        if isinstance(other, list | tuple):
+            return self.runs == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to a list, which has no hash

@@ -5,14 +5,18 @@ Clients insert a run's first row and then only read; the coordinator owns every 
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
+from .. import limits
 from ..definition.spec import ChildScatterNodeSpec, WorkflowSpec
 from ..engine.state import NodeState, RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
@@ -234,18 +238,121 @@ def find_run(engine: Engine, target: str) -> RunRow | None:
     return RunRow.from_row(row) if row is not None else None
 
 
+@dataclass(frozen=True, slots=True)
+class RunFilter:
+    """What ``list_runs`` and ``count_by_status`` select: every field ``None`` means "any".
+    ``since`` is inclusive, ``until`` exclusive, both on ``created_at``."""
+
+    status: str | None = None
+    workflow: str | None = None
+    workflow_id: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+
+#: The position of a run in the newest-first order: (created_at, run_id).
+RunKey = tuple[datetime, str]
+
+
+def _created(conn: Connection) -> Any:
+    """``created_at`` as the list orders and compares it.
+
+    SQLite keeps timestamps as text whose format depends on who wrote them (its own
+    ``CURRENT_TIMESTAMP`` has no fraction, SQLAlchemy writes microseconds): compared as text,
+    equal times would differ. There both sides go through one ``strftime`` format instead.
+    """
+    if conn.dialect.name == "sqlite":
+        return sa.func.strftime("%Y-%m-%d %H:%M:%f", workflow_run.c.created_at)
+    return workflow_run.c.created_at
+
+
+def _at(conn: Connection, value: datetime) -> Any:
+    """A datetime bound for comparison with ``_created`` (UTC on SQLite, as stored)."""
+    if conn.dialect.name == "sqlite":
+        utc = value.astimezone(UTC).replace(tzinfo=None)
+        return sa.func.strftime("%Y-%m-%d %H:%M:%f", sa.literal(utc.isoformat(sep=" ")))
+    return value
+
+
+def _filtered(conn: Connection, query: Any, where: RunFilter) -> Any:
+    if where.status is not None:
+        query = query.where(workflow_run.c.status == where.status)
+    if where.workflow is not None:
+        query = query.where(workflow_run.c.workflow == where.workflow)
+    if where.workflow_id is not None:
+        query = query.where(workflow_run.c.workflow_id == where.workflow_id)
+    if where.since is not None:
+        query = query.where(_created(conn) >= _at(conn, where.since))
+    if where.until is not None:
+        query = query.where(_created(conn) < _at(conn, where.until))
+    return query
+
+
 def list_runs(
-    engine: Engine, *, status: str | None = None, workflow: str | None = None, limit: int = 50
-) -> list[RunRow]:
-    query = sa.select(*RUN_COLUMNS)
-    if status is not None:
-        query = query.where(workflow_run.c.status == status)
-    if workflow is not None:
-        query = query.where(workflow_run.c.workflow == workflow)
-    query = query.order_by(workflow_run.c.created_at.desc(), workflow_run.c.run_id.desc())
+    engine: Engine,
+    *,
+    status: str | None = None,
+    workflow: str | None = None,
+    limit: int = 50,
+    where: RunFilter | None = None,
+    after: RunKey | None = None,
+) -> tuple[list[RunRow], RunKey | None]:
+    """Runs newest first (``created_at``, then ``run_id``, both descending), at most ``limit``,
+    strictly after the key ``after``; and the key to continue from, or ``None`` when no run
+    is left. Keyset pagination: a page costs the same however deep it is, and runs started
+    meanwhile never shift the pages after the first."""
+    where = where or RunFilter(status=status, workflow=workflow)
     with engine.connect() as conn:
-        rows = conn.execute(query.limit(limit)).all()
-    return [RunRow.from_row(r) for r in rows]
+        query = _filtered(conn, sa.select(*RUN_COLUMNS), where)
+        created = _created(conn)
+        if after is not None:
+            query = query.where(
+                sa.tuple_(created, workflow_run.c.run_id)
+                < sa.tuple_(_at(conn, after[0]), sa.literal(after[1]))
+            )
+        query = query.order_by(created.desc(), workflow_run.c.run_id.desc())
+        rows = conn.execute(query.limit(limit + 1)).all()
+    found = [RunRow.from_row(r) for r in rows[:limit]]
+    more = len(rows) > limit and found
+    return found, (found[-1].created_at, found[-1].run_id) if more else None
+
+
+def encode_cursor(key: RunKey) -> str:
+    """The opaque cursor of a page's position: URL-safe, no padding."""
+    text = json.dumps([key[0].isoformat(), key[1]], separators=(",", ":"))
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> RunKey:
+    """The position a cursor from ``encode_cursor`` names; ValueError for anything else."""
+    problem = f"cursor {cursor[:40]!r} is not a cursor that list_runs returned"
+    if len(cursor) > 1000:
+        raise ValueError(f"{problem} (it is {len(cursor)} characters long)")
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        at, run_id = json.loads(text)
+        created = datetime.fromisoformat(at)
+    except (ValueError, TypeError, UnicodeDecodeError, binascii.Error):
+        raise ValueError(problem) from None
+    if created.tzinfo is None or not isinstance(run_id, str) or limits.id_problem(run_id):
+        raise ValueError(problem)
+    return created, run_id
+
+
+def count_by_status(engine: Engine, where: RunFilter) -> dict[str, int]:
+    """How many runs match ``where`` in each status (``where.status`` is ignored)."""
+    with engine.connect() as conn:
+        query = _filtered(
+            conn,
+            sa.select(workflow_run.c.status, sa.func.count()).group_by(workflow_run.c.status),
+            RunFilter(
+                workflow=where.workflow,
+                workflow_id=where.workflow_id,
+                since=where.since,
+                until=where.until,
+            ),
+        )
+        return {status: int(n) for status, n in conn.execute(query).all()}
 
 
 def attempt_outputs(engine: Engine, tokens: list[str]) -> dict[str, Any]:

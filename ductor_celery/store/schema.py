@@ -141,6 +141,8 @@ workflow_run = sa.Table(
     ),
     sa.Index("eec_workflow_run_workflow_created", "workflow", "created_at"),
     sa.Index("eec_workflow_run_status_created", "status", "created_at"),
+    # The runs list's order and keyset cursor (store/runs.py, list_runs).
+    sa.Index("eec_workflow_run_created_run_id", "created_at", "run_id"),
 )
 
 step_attempt = sa.Table(

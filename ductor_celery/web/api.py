@@ -1,0 +1,96 @@
+"""The JSON API beside the pages: runs, one run, the actions (bearer token), ``/metrics``."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..client import check_target
+from ..store import runs
+from .actions import ACTIONS, parse_json, run_action
+from .auth import check_bearer
+from .console import Console, message_of, status_of
+from .live import run_live
+from .metrics import exposition, registry_for
+from .params import BadRequest, list_query
+
+
+def error(exc: BaseException) -> JSONResponse:
+    return JSONResponse({"error": message_of(exc)}, status_code=status_of(exc))
+
+
+def query_params(request: Request) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for key, value in request.query_params.multi_items():
+        found.setdefault(key, []).append(value)
+    return found
+
+
+def routes(console: Console) -> list[Route]:
+    d = console.ductor
+    registry = registry_for(lambda: console.engine)
+
+    def list_runs(request: Request) -> Response:
+        try:
+            kwargs = list_query(query_params(request), datetime.now(UTC), strict=True)
+            page = d.list_runs(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - status_of re-raises what is not ours
+            return error(exc)
+        return JSONResponse(
+            {"runs": [v.model_dump(mode="json") for v in page], "next_cursor": page.next_cursor}
+        )
+
+    def get_run(request: Request) -> Response:
+        try:
+            view = d.get(request.path_params["run_id"])
+        except Exception as exc:  # noqa: BLE001
+            return error(exc)
+        return JSONResponse(view.model_dump(mode="json"))
+
+    def live(request: Request) -> Response:
+        """The run page's poll: one read of the run row."""
+        try:
+            run_id = check_target(request.path_params["run_id"])
+            row = runs.find_run(console.engine, run_id)
+            if row is None or row.run_id != run_id:
+                return JSONResponse({"error": f"no run {run_id!r}"}, status_code=404)
+            spec = d.client.definition_of(run_id)
+        except Exception as exc:  # noqa: BLE001
+            return error(exc)
+        return JSONResponse(run_live(row, spec.graph.order))
+
+    async def act(request: Request) -> Response:
+        run_id, action = request.path_params["run_id"], request.path_params["action"]
+        try:
+            check_bearer(request, console.token)  # first: a read-only console refuses all
+            if action not in ACTIONS:
+                raise BadRequest(f"unknown action {action!r} (one of: {', '.join(ACTIONS)})")
+            raw = await console.body(request)
+            body: Any = None
+            if raw.strip():
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise BadRequest("the body is not UTF-8 text") from None
+                body = parse_json(text, "the body")
+            await run_in_threadpool(run_action, d, run_id, action, body)
+            view = await run_in_threadpool(d.get, run_id)
+        except Exception as exc:  # noqa: BLE001
+            return error(exc)
+        return JSONResponse(view.model_dump(mode="json"))
+
+    def metrics(request: Request) -> Response:
+        return Response(exposition(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return [
+        Route("/api/runs", list_runs, methods=["GET"]),
+        Route("/api/runs/{run_id}", get_run, methods=["GET"]),
+        Route("/api/runs/{run_id}/{action}", act, methods=["POST"]),
+        Route("/runs/{run_id}/live", live, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]

@@ -1,0 +1,294 @@
+"""The console's HTML pages: the runs list, a run, logging in, and the forms' actions."""
+
+from __future__ import annotations
+
+import inspect
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from ..client import check_target
+from ..definition.spec import ApprovalNodeSpec
+from ..engine.kinds import CONTROL_ALLOWED
+from ..engine.status import OPEN_RUN_STATUSES, TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
+from ..errors import RunNotFound
+from ..store import console as reads
+from ..store import runs
+from .actions import ACTIONS, parse_json, run_action
+from .api import query_params
+from .auth import READ_ONLY, check_form, csrf_token, fingerprint, logged_in, same
+from .console import Console, message_of, status_of
+from .live import run_live
+from .params import LIST_PARAMS, BadRequest, list_query
+
+#: Attempt rows the run page shows at most (the newest; a scatter has one per branch).
+ATTEMPTS_SHOWN = 50
+#: Controls offered as buttons, in this order, when the run's status allows them.
+CONTROL_BUTTONS = ("pause", "resume", "cancel", "terminate", "redrive")
+
+
+def _page(console: Console, request: Request, name: str, status: int = 200, **ctx: Any) -> Response:
+    html = console.render(
+        name,
+        request=request,
+        csrf=csrf_token(request),
+        logged_in=logged_in(request, console.token),
+        flash=request.session.pop("flash", None),
+        **ctx,
+    )
+    return HTMLResponse(html, status_code=status)
+
+
+def _error_page(console: Console, request: Request, exc: BaseException) -> Response:
+    code = status_of(exc)
+    return _page(console, request, "error.html", code, code=code, message=message_of(exc))
+
+
+# -- the runs list ------------------------------------------------------------------------------
+
+
+def runs_context(console: Console, request: Request) -> tuple[int, dict[str, Any]]:
+    params = query_params(request)
+    raw = {k: (params.get(k) or [""])[-1] for k in LIST_PARAMS}
+    ctx: dict[str, Any] = {
+        "query": raw,
+        "statuses": [s.value for s in RunStatus],
+        "runs": [],
+        "counts": {},
+        "next_url": None,
+        "error": None,
+        "first_page": True,
+        "first_url": "/",
+        "status_url": None,
+    }
+    try:
+        kwargs = list_query(params, datetime.now(UTC), strict=False)
+        page = console.ductor.list_runs(**kwargs)
+        where = runs.RunFilter(
+            workflow=kwargs["workflow"],
+            workflow_id=kwargs["workflow_id"],
+            since=kwargs["since"],
+            until=kwargs["until"],
+        )
+        ctx["counts"] = runs.count_by_status(console.engine, where)
+        ctx["workflows"] = reads.workflow_names(console.engine)
+    except (BadRequest, ValueError, TypeError) as exc:
+        ctx["error"] = message_of(exc)
+        ctx["workflows"] = []
+        return 400, ctx
+    ctx["runs"] = list(page)
+    if page.next_cursor is not None:
+        kept = {k: v for k, v in raw.items() if v and k != "cursor"}
+        ctx["next_url"] = "/?" + urlencode({**kept, "cursor": page.next_cursor})
+    ctx["first_page"] = not raw["cursor"]
+    kept = {k: v for k, v in raw.items() if v and k != "cursor"}
+    ctx["first_url"] = "/?" + urlencode(kept) if kept else "/"
+    ctx["status_url"] = lambda status: (
+        "/?"
+        + urlencode(
+            {
+                **{k: v for k, v in raw.items() if v and k not in ("cursor", "status")},
+                "status": status,
+            }
+        )
+    )
+    return 200, ctx
+
+
+# -- a run ------------------------------------------------------------------------------------
+
+
+def _forms(console: Console, view: Any, spec: Any) -> dict[str, Any]:
+    """Which actions the page offers: the controls the run's status allows, a decision form
+    per waiting approval, a signal form while the run is open."""
+    allowed = {str(k) for k in CONTROL_ALLOWED[view.status]}
+    approvals = [
+        node_id
+        for node_id, node in spec.graph.nodes.items()
+        if isinstance(node, ApprovalNodeSpec)
+        and view.nodes.get(node_id) is not None
+        and view.nodes[node_id].status == NodeStatus.WAITING
+    ]
+    from_node = "from_node" in inspect.signature(console.ductor.redrive).parameters
+    return {
+        "controls": [c for c in CONTROL_BUTTONS if c in allowed],
+        "approvals": approvals,
+        "can_signal": view.status in OPEN_RUN_STATUSES,
+        "redrive_from_node": from_node,
+    }
+
+
+def run_context(console: Console, run_id: str, node: str | None) -> dict[str, Any]:
+    """Everything the run page and its panels show. Raises RunNotFound for an unknown id."""
+    d, engine = console.ductor, console.engine
+    check_target(run_id)
+    view = d.get(run_id)
+    if view.run_id != run_id:  # a workflow id: the page of its newest run has its own URL
+        raise _Moved(view.run_id)
+    row = runs.find_run(engine, run_id)
+    if row is None:
+        raise RunNotFound(f"no run {run_id!r}")
+    spec = d.client.definition_of(run_id)
+    if node is not None and node not in spec.graph.nodes:
+        node = None
+    attempts, attempt_count = reads.recent_attempts(engine, run_id, node, ATTEMPTS_SHOWN)
+    signals, signal_count = reads.signals_of(engine, run_id)
+    children, child_count = reads.children_of(engine, run_id)
+    return {
+        "view": view,
+        "spec": spec,
+        "live": run_live(row, spec.graph.order),
+        "layout": console.layout_of(spec),
+        "selected": node,
+        "attempts": attempts,
+        "attempt_count": attempt_count,
+        "transitions": runs.transitions_of(engine, run_id, 200),
+        "signals": signals,
+        "signal_count": signal_count,
+        "controls": reads.controls_of(engine, run_id),
+        "children": children,
+        "child_count": child_count,
+        "terminal": view.status in TERMINAL_RUN_STATUSES,
+        "forms": _forms(console, view, spec),
+    }
+
+
+class _Moved(Exception):
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+
+
+def _node_param(request: Request) -> str | None:
+    node = request.query_params.get("node") or None
+    return node if node is None or len(node) <= 200 else None
+
+
+# -- the routes -------------------------------------------------------------------------------
+
+
+def routes(console: Console) -> list[Route]:
+    def runs_page(request: Request) -> Response:
+        status, ctx = runs_context(console, request)
+        if request.headers.get("x-ductor-fragment") == "rows":
+            html = console.render("_rows.html", **ctx)
+            return HTMLResponse(html, status_code=status)
+        return _page(console, request, "runs.html", status, **ctx)
+
+    def run_page(request: Request) -> Response:
+        run_id = request.path_params["run_id"]
+        try:
+            ctx = run_context(console, run_id, _node_param(request))
+        except _Moved as moved:
+            return RedirectResponse(f"/runs/{quote(moved.run_id, safe='')}", status_code=303)
+        except Exception as exc:  # noqa: BLE001 - status_of re-raises what is not ours
+            return _error_page(console, request, exc)
+        return _page(console, request, "run.html", **ctx)
+
+    def panels(request: Request) -> Response:
+        """The parts of the run page that change, for the page's own refresh."""
+        try:
+            ctx = run_context(console, request.path_params["run_id"], _node_param(request))
+        except _Moved:
+            return HTMLResponse("", status_code=404)
+        except Exception as exc:  # noqa: BLE001
+            return HTMLResponse(message_of(exc), status_code=status_of(exc))
+        html = console.render(
+            "_fragment.html",
+            request=request,
+            csrf=csrf_token(request),
+            logged_in=logged_in(request, console.token),
+            **ctx,
+        )
+        return HTMLResponse(html)
+
+    async def act(request: Request) -> Response:
+        run_id, action = request.path_params["run_id"], request.path_params["action"]
+        try:
+            form = await console.form(request)
+            check_form(request, console.token, form)
+            if action not in ACTIONS:
+                raise BadRequest(f"unknown action {action!r}")
+            body = _form_body(action, form)
+            await run_in_threadpool(run_action, console.ductor, run_id, action, body)
+        except Exception as exc:  # noqa: BLE001
+            code = status_of(exc)
+            try:
+                ctx = await run_in_threadpool(run_context, console, run_id, None)
+            except Exception as inner:  # noqa: BLE001
+                return _error_page(console, request, inner)
+            return _page(console, request, "run.html", code, action_error=message_of(exc), **ctx)
+        request.session["flash"] = _done(action, body)
+        return RedirectResponse(f"/runs/{quote(run_id, safe='')}", status_code=303)
+
+    def login_page(request: Request) -> Response:
+        return _page(console, request, "login.html", next=_safe_next(request), problem=None)
+
+    async def login(request: Request) -> Response:
+        try:
+            form = await console.form(request)
+        except Exception as exc:  # noqa: BLE001
+            return _error_page(console, request, exc)
+        nxt = _safe_next_value(form.get("next"))
+        expected = request.session.get("csrf")
+        if console.token is None:
+            return _page(console, request, "login.html", 403, next=nxt, problem=READ_ONLY)
+        if not isinstance(expected, str) or not same(form.get("csrf_token", ""), expected):
+            problem = "the form's CSRF token is missing or stale: reload the page"
+            return _page(console, request, "login.html", 403, next=nxt, problem=problem)
+        if not same(form.get("token", ""), console.token):
+            return _page(console, request, "login.html", 403, next=nxt, problem="wrong token")
+        request.session["auth"] = fingerprint(console.token)
+        request.session["flash"] = "logged in: actions are enabled"
+        return RedirectResponse(nxt, status_code=303)
+
+    async def logout(request: Request) -> Response:
+        try:
+            form = await console.form(request)
+            check_form(request, console.token, form)
+        except Exception as exc:  # noqa: BLE001
+            return _error_page(console, request, exc)
+        request.session.pop("auth", None)
+        return RedirectResponse("/", status_code=303)
+
+    return [
+        Route("/", runs_page, methods=["GET"]),
+        Route("/login", login_page, methods=["GET"]),
+        Route("/login", login, methods=["POST"]),
+        Route("/logout", logout, methods=["POST"]),
+        Route("/runs/{run_id}", run_page, methods=["GET"]),
+        Route("/runs/{run_id}/panels", panels, methods=["GET"]),
+        Route("/runs/{run_id}/actions/{action}", act, methods=["POST"]),
+    ]
+
+
+def _form_body(action: str, form: dict[str, str]) -> dict[str, Any]:
+    """A form's fields as the action's JSON body: empty fields are absent, JSON fields parsed."""
+    fields = {k: v for k, v in form.items() if k != "csrf_token" and v != ""}
+    for key in ("payload", "input"):
+        if key in fields:
+            fields[key] = parse_json(fields[key], key)
+    return fields
+
+
+def _done(action: str, body: dict[str, Any]) -> str:
+    if action in ("approve", "reject"):
+        return f"{action}d {body.get('node')}"
+    if action == "signal":
+        return f"signal {body.get('name')!r} sent"
+    return f"{action} requested"
+
+
+def _safe_next_value(value: str | None) -> str:
+    """Only a path of this console: never a redirect to another site."""
+    if value and value.startswith("/") and not value.startswith("//") and "\\" not in value:
+        return value
+    return "/"
+
+
+def _safe_next(request: Request) -> str:
+    return _safe_next_value(request.query_params.get("next"))

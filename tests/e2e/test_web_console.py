@@ -1,0 +1,255 @@
+"""The web console in a real headless browser: Debian's Chromium driven by Playwright, against
+``ductor -A e2e_app web`` serving a cluster of real workers.
+
+Playwright is pointed at /usr/bin/chromium (scripts/test installs the Debian package); it never
+downloads a browser of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster import ROOT_DIR, TESTS_DIR
+from playwright import sync_api
+from servers import free_port
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM = os.environ.get("DUCTOR_TEST_CHROMIUM", "/usr/bin/chromium")
+TOKEN = "console-test-token"
+SCREENSHOT = ROOT_DIR / "docs" / "console-run.png"
+
+if not os.path.exists(CHROMIUM):  # scripts/test installs it; say so rather than skip quietly
+    pytest.fail(f"no Chromium at {CHROMIUM}: run scripts/test (it installs chromium)")
+
+
+class Console:
+    """``ductor -A e2e_app web`` as a user starts it, on a free loopback port."""
+
+    def __init__(self, cluster: Any, workdir: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(workdir / f"console-{self.port}.log", "wb")  # noqa: SIM115
+        exe = os.path.join(os.path.dirname(sys.executable), "ductor")
+        self.proc = subprocess.Popen(
+            [exe, "-A", "e2e_app", "web", "--port", str(self.port), *extra],
+            cwd=TESTS_DIR,
+            env=cluster.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/api/runs?limit=1", timeout=2):  # noqa: S310
+                    return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the console did not start: {self.log()}") from None
+                time.sleep(0.1)
+
+    def log(self) -> str:
+        return (Path(self._log.name).read_text(errors="replace"))[-3000:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def console(shared_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
+    c = Console(shared_cluster, tmp_path_factory.mktemp("console"), "--token", TOKEN)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def read_only_console(
+    shared_cluster: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Console]:
+    c = Console(shared_cluster, tmp_path_factory.mktemp("console-ro"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            # As root in a container Chromium's own sandbox cannot start.
+            args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"],
+        )
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    yield page
+    context.close()
+
+
+@pytest.fixture
+def ductor(shared_cluster: Any, client_for: Any) -> Any:
+    return client_for(shared_cluster)
+
+
+def _log_in(page: Any, console: Console, next_path: str) -> None:
+    page.goto(f"{console.url}/login?next={next_path}")
+    page.fill("input[name=token]", TOKEN)
+    page.click("form[action='/login'] button[type=submit]")
+    page.wait_for_url(f"{console.url}{next_path}")
+
+
+def test_nodes_turn_from_running_to_succeeded_on_an_open_page(
+    ductor: Any, console: Console, page: Any, tmp_path: Path
+) -> None:
+    run_id = ductor.start("long_steps", input={"seconds": 2.5}).run_id
+    page.goto(f"{console.url}/runs/{run_id}")
+    page.evaluate("window.__not_reloaded = true")
+    page.wait_for_selector('[data-node="slow_a"][data-status="running"]')
+    assert page.get_attribute('[data-node="after"]', "data-status") == "pending"
+    assert page.get_attribute("[data-run-status]", "data-run-status") == "running"
+    shot = tmp_path / "console-run.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("DUCTOR_UPDATE_SCREENSHOTS") == "1":  # refresh the README's picture
+        shutil.copyfile(shot, SCREENSHOT)
+    page.wait_for_selector('[data-node="slow_a"][data-status="succeeded"]', timeout=30_000)
+    page.wait_for_selector('[data-node="after"][data-status="succeeded"]', timeout=30_000)
+    page.wait_for_selector('[data-run-status="succeeded"]', timeout=30_000)
+    assert page.evaluate("window.__not_reloaded") is True  # updated in place
+    # The panels followed too: the nodes table and the attempts of each node.
+    assert "succeeded" in page.inner_text('[data-row-node="after"]')
+    page.wait_for_function("document.querySelectorAll('[data-attempt]').length === 3")
+
+
+def test_approving_from_the_page_lets_the_run_finish(
+    ductor: Any, console: Console, page: Any
+) -> None:
+    run_id = ductor.start("approvals").run_id
+    _log_in(page, console, f"/runs/{run_id}")
+    page.wait_for_selector('[data-node="review"][data-status="waiting"]')
+    page.reload()  # the approval form is there once the node waits
+    form = page.locator('form[data-approval="review"]')
+    form.locator("input[name=by]").fill("alice")
+    form.locator("input[name=comment]").fill("looks right")
+    form.locator("button[data-action=approve]").click()
+    page.wait_for_selector("text=approved review")
+    page.wait_for_selector('[data-node="review"][data-status="succeeded"]')
+    for event in ("id_ok", "address_ok"):
+        signal = page.locator("form.signal")
+        signal.locator("input[name=name]").fill(event)
+        signal.locator("input[name=payload]").fill('{"checked": true}')
+        signal.locator("button[data-action=signal]").click()
+        page.wait_for_selector(f"text=signal '{event}' sent")
+    page.wait_for_selector('[data-run-status="succeeded"]', timeout=30_000)
+    view = ductor.get(run_id)
+    assert view.status == "succeeded"
+    assert view.output["review"]["by"] == "alice"
+    assert view.output["review"]["comment"] == "looks right"
+    # An action the run no longer allows: the client's InvalidOperation, shown on the page.
+    status = page.evaluate(
+        """async (csrf) => {
+            const r = await fetch(location.pathname + '/actions/pause', {method: 'POST',
+              headers: {'content-type': 'application/x-www-form-urlencoded'},
+              body: 'csrf_token=' + encodeURIComponent(csrf)});
+            return [r.status, await r.text()];
+        }""",
+        page.get_attribute("input[name=csrf_token]", "value"),
+    )
+    assert status[0] == 409 and "cannot pause run" in status[1]
+
+
+def test_a_read_only_console_refuses_an_action(
+    ductor: Any, read_only_console: Console, page: Any
+) -> None:
+    run_id = ductor.start("approvals").run_id
+    page.goto(f"{read_only_console.url}/runs/{run_id}")
+    page.wait_for_selector('[data-node="review"][data-status="waiting"]')
+    assert "read-only" in page.inner_text("body")
+    assert page.locator("[data-action]").count() == 0  # no buttons at all
+    answers = page.evaluate(
+        """async (token) => {
+            const api = await fetch(location.pathname.replace('/runs/', '/api/runs/')
+              + '/approve', {method: 'POST', headers: {'Authorization': 'Bearer ' + token,
+              'content-type': 'application/json'}, body: JSON.stringify({node: 'review'})});
+            const form = await fetch(location.pathname + '/actions/approve', {method: 'POST',
+              headers: {'content-type': 'application/x-www-form-urlencoded'},
+              body: 'node=review'});
+            return [api.status, form.status];
+        }""",
+        TOKEN,
+    )
+    assert answers == [403, 403]
+    assert ductor.get(run_id).nodes["review"].status == "waiting"
+    ductor.terminate(run_id)
+
+
+def test_the_runs_list_filters_and_pages(ductor: Any, console: Console, page: Any) -> None:
+    started = {ductor.start("chain10", input={"value": i}).run_id for i in range(5)}
+    for run_id in started:
+        ductor.wait(run_id, timeout=60)
+    page.goto(console.url)
+    page.select_option("select[name=status]", "succeeded")
+    page.fill("input[name=workflow]", "chain10")
+    page.fill("input[name=limit]", "2")
+    page.click("form.filters button[type=submit]")
+    page.wait_for_url(re.compile(r"workflow=chain10"))
+    seen: list[str] = []
+    for _ in range(5):
+        rows = page.locator("tr[data-run-id]")
+        ids = [rows.nth(i).get_attribute("data-run-id") for i in range(rows.count())]
+        assert 1 <= len(ids) <= 2
+        assert all(rows.nth(i).get_attribute("data-status") == "succeeded" for i in range(len(ids)))
+        seen += ids
+        if page.locator("[data-next-page]").count() == 0:
+            break
+        page.click("[data-next-page]")
+        page.wait_for_url(re.compile(r"cursor="))
+    assert sorted(seen) == sorted(started) and len(seen) == len(set(seen))
+    assert page.inner_text('[data-count="succeeded"]').endswith("5")
+    page.goto(f"{console.url}/?workflow=chain10&status=failed")
+    assert page.locator("tr[data-run-id]").count() == 0
+    page.goto(f"{console.url}/?limit=0")
+    assert "limit must be between 1 and 1000" in page.inner_text("[data-error]")
+
+
+def test_a_1000_branch_scatter_page_loads_in_under_a_second(
+    ductor: Any, console: Console, page: Any
+) -> None:
+    run_id = ductor.start("scatter", input={"items": list(range(1000))}).run_id
+    page.goto(f"{console.url}/runs/{run_id}")  # warm: the console's caches, the browser's
+    page.wait_for_selector('[data-node="squares"][data-status="running"]')
+    timings = []
+    for _ in range(3):  # the best of three: the machine is shared and noisy
+        began = time.monotonic()
+        page.goto(f"{console.url}/runs/{run_id}", wait_until="load")
+        timings.append(time.monotonic() - began)
+    assert min(timings) < 1.0, timings
+    # One element for the scatter, however many branches: never one per branch.
+    assert page.locator("[data-node]").count() == 2
+    assert page.locator("[data-attempt]").count() <= 50
+    assert page.evaluate("document.getElementsByTagName('*').length") < 3000
+    label = page.text_content('[data-node="squares"] .node-label') or ""
+    assert "/1000 done" in label
+    ductor.cancel(run_id)
