@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -12,7 +12,7 @@ from sqlalchemy.engine import Engine
 
 from ..engine.kinds import DispatchKind
 from ..engine.status import RunStatus
-from . import leases
+from . import clock, leases
 from .db import is_postgres
 from .outbox import OutboxRow, delete_outbox
 from .schema import (
@@ -32,7 +32,7 @@ def _now(engine: Engine) -> datetime:
             value = conn.execute(sa.select(sa.func.now())).scalar_one()
         assert isinstance(value, datetime)
         return value
-    return datetime.now(UTC)
+    return clock.now(engine)
 
 
 def due_timer_runs(engine: Engine, *, rewake_after: float, limit: int = 1000) -> list[str]:
