@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -259,3 +259,20 @@ def reclaim_leases(
             delete_outbox(engine, [r.id for r in done.outbox])
             result.sent += len(done.outbox)
     return result
+
+
+def timers_due_by(engine: Engine, until: datetime, limit: int = 1000) -> list[tuple[str, datetime]]:
+    """Timer rows due at or before ``until``, earliest first, as (run id, fire time): what a
+    controlled clock (``ductor_celery.testing``) fires in time order while it advances."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(workflow_timer.c.run_id, workflow_timer.c.fire_at)
+            .where(workflow_timer.c.fire_at <= until)
+            .order_by(workflow_timer.c.fire_at, workflow_timer.c.run_id)
+            .limit(limit)
+        ).all()
+    return [(r.run_id, _aware(r.fire_at)) for r in rows]
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
