@@ -45,8 +45,8 @@ from .engine.kinds import DispatchKind
 from .errors import DefinitionError, DuctorError
 from .runtime.coordinator import run_tick
 from .runtime.outbox_janitor import close_janitor, sent_outbox
-from .runtime.steps import Step, StepContext, execute_attempt
-from .store import clock, migrate, sweep
+from .runtime.steps import Step, StepContext, execute_attempt, worker_identity
+from .store import attempts, clock, migrate, sweep
 from .store.db import forget_engine, get_engine
 from .store.outbox import OutboxRow
 from .views import RunHandle, RunView
@@ -93,6 +93,9 @@ class Stub:
     name: str
     returns: Any = None
     raises: BaseException | type[BaseException] | None = None
+    #: Its attempts are claimed and never finish, as with a worker killed mid-step: the
+    #: step's timeout (or heartbeat timeout) closes them when the clock passes it.
+    hangs: bool = False
     #: The keyword arguments of each call, in order (the StepContext is in ``contexts``).
     calls: list[dict[str, Any]] = field(default_factory=list)
     contexts: list[StepContext] = field(default_factory=list)
@@ -205,18 +208,21 @@ class Harness:
         *,
         returns: Any = _NOTHING,
         raises: BaseException | type[BaseException] | None = None,
+        hangs: bool = False,
     ) -> Stub:
         """Replace a step's function inside this harness: it returns ``returns`` (default
-        ``None``) or raises ``raises`` (an exception or exception class). Its retry policy and
-        the rest of its definition stay as registered. Returns the Stub, which records calls."""
+        ``None``) or raises ``raises`` (an exception or exception class); ``hangs=True``: its
+        attempts are claimed and never finish (a worker lost mid-step), so the step's timeout
+        fires when the clock passes it. Its retry policy and the rest of its definition stay
+        as registered. Returns the Stub, which records calls."""
         name = step.name if isinstance(step, Step) else step
         if not isinstance(name, str):
             raise TypeError(f"stub() takes a step name or step, got {type(step).__name__}")
         if self._ductor.runtime.step_named(name) is None:
             known = ", ".join(sorted(self._ductor._steps)) or "none"
             raise UnknownStep(f"no step named {name!r} is registered (registered: {known})")
-        if returns is not _NOTHING and raises is not None:
-            raise ValueError("stub() takes returns= or raises=, not both")
+        if sum((returns is not _NOTHING, raises is not None, bool(hangs))) > 1:
+            raise ValueError("stub() takes one of returns=, raises= or hangs=True")
         if raises is not None and not (
             isinstance(raises, BaseException)
             or (isinstance(raises, type) and issubclass(raises, BaseException))
@@ -224,7 +230,9 @@ class Harness:
             raise TypeError(
                 f"raises= must be an exception or exception class, got {type(raises).__name__}"
             )
-        found = Stub(name, returns=None if returns is _NOTHING else returns, raises=raises)
+        found = Stub(
+            name, returns=None if returns is _NOTHING else returns, raises=raises, hangs=hangs
+        )
         self._stubs[name] = found
         return found
 
@@ -301,6 +309,13 @@ class Harness:
                 run_tick(rt, message.run_id)
             elif message.kind == "step":
                 assert message.token is not None
+                stub = self._stubs.get(message.task)
+                if stub is not None and stub.hangs:
+                    # The production claim, and then nothing: a worker that died holding it.
+                    attempts.claim(
+                        self._engine(), message.token, worker_identity("harness"), step=stub.name
+                    )
+                    continue
                 execute_attempt(rt, self._step(message.task), message.token, hostname="harness")
         # What production's janitor thread does a moment later, done now: no sent row left.
         sent_outbox(self._engine()).flush()
@@ -332,8 +347,7 @@ def harness(ductor: Ductor, *, start_at: datetime | None = None) -> Iterator[Har
     h = Harness(ductor, url, (start_at or datetime.now(UTC)).astimezone(UTC))
     saved = (ductor.settings, ductor.client.settings, rt.settings, rt.dispatcher, rt._schema_ready)
     try:
-        migrate.upgrade(url)
-        engine = get_engine(url)
+        engine = migrate.create_throwaway(url)
         clock.inject(engine, h._clock)
         settings = dataclasses.replace(rt.settings, database_url=url)
         ductor.settings = ductor.client.settings = rt.settings = settings

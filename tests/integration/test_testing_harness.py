@@ -155,6 +155,25 @@ def test_stubs_return_and_raise(tmp_path: Path) -> None:
         assert view.nodes["charge"].error["type"] == "ConnectionError"
 
 
+def test_a_step_that_hangs_times_out_and_is_retried(tmp_path: Path) -> None:
+    ductor = make_shop(tmp_path)
+    with testing.harness(ductor, start_at=T0) as h:
+        h.stub("shop.ship", hangs=True)
+        handle = h.start("paid", input={"id": 5})
+        h.signal(handle, "payment_received")
+        h.approve(handle, "review")
+        view = h.run(handle)
+        assert view.nodes["ship"].status == NodeStatus.RUNNING
+        # The default step timeout (300 s) closes the lost attempt; the retry succeeds.
+        h.unstub("shop.ship")
+        h.advance(seconds=301)
+        view = h.run(handle)
+    assert view.status == RunStatus.SUCCEEDED
+    assert view.nodes["ship"].attempts == 2
+    assert view.nodes["ship"].finished_at is not None
+    assert T0 + timedelta(seconds=300) <= view.nodes["ship"].finished_at
+
+
 def test_signals_approvals_and_timeouts(tmp_path: Path) -> None:
     ductor = make_shop(tmp_path)
     with testing.harness(ductor, start_at=T0) as h:
@@ -220,7 +239,7 @@ def test_bad_input_is_refused_clearly(tmp_path: Path) -> None:
             h.stub("shop.refund", returns=1)
         with pytest.raises(KeyError):
             h.stub("nope")
-        with pytest.raises(ValueError, match="returns= or raises=, not both"):
+        with pytest.raises(ValueError, match="one of returns=, raises= or hangs=True"):
             h.stub("shop.charge", returns=1, raises=ValueError)
         with pytest.raises(TypeError, match="exception or exception class"):
             h.stub("shop.charge", raises="boom")  # type: ignore[arg-type]
