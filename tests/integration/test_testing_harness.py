@@ -277,3 +277,21 @@ def test_everything_is_restored_and_harnesses_share_nothing(tmp_path: Path) -> N
     assert view.status == RunStatus.PENDING
     assert abs(view.created_at - datetime.now(UTC)) < timedelta(minutes=5)  # the real clock
     assert (tmp_path / "user.sqlite3").exists()
+
+
+def test_the_example_of_docs_testing_md_runs_as_written() -> None:
+    """The page's example, executed as it is printed (examples that cannot rot)."""
+    from celery import _state
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "testing.md").read_text()
+    code = page.split("```python\n", 1)[1].split("```", 1)[0]
+    previous = _state.get_current_app()
+    namespace: dict[str, Any] = {"__name__": "docs_testing_example"}
+    try:
+        exec(compile(code, "docs/testing.md", "exec"), namespace)  # noqa: S102
+        began = time.perf_counter()
+        namespace["test_an_order_ships_a_day_later_after_two_failed_charges"]()
+        elapsed = time.perf_counter() - began
+    finally:
+        previous.set_current()
+    assert elapsed < 1.0, f"{elapsed:.2f}s of wall time"
