@@ -42,6 +42,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from .engine.kinds import DispatchKind
+from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
 from .errors import DefinitionError, DuctorError
 from .runtime.coordinator import run_tick
 from .runtime.outbox_janitor import close_janitor, sent_outbox
@@ -58,6 +59,8 @@ __all__ = ["Harness", "HarnessError", "Message", "Stub", "UnknownStep", "harness
 
 #: More messages than this delivered at one instant of the clock: a loop that never parks.
 MAX_MESSAGES_PER_INSTANT = 100_000
+#: ``run()`` gives up after moving the clock to this many timers without the run parking.
+MAX_STOPS_PER_RUN = 10_000
 
 _NOTHING: Any = object()
 
@@ -169,19 +172,25 @@ class Harness:
 
     def advance(
         self,
-        seconds: float = 0.0,
+        seconds: float | timedelta = 0.0,
         *,
         minutes: float = 0.0,
         hours: float = 0.0,
         days: float = 0.0,
     ) -> datetime:
-        """Move the clock forward, firing every timer that comes due on the way, in time
-        order, each at its own time, and delivering what it sets in motion, timers it creates
-        on the way too (a chain of retries completes in one call). Returns the new time."""
-        delta = timedelta(seconds=seconds, minutes=minutes, hours=hours, days=days)
+        """Move the clock forward (by ``seconds``, a timedelta, or the keywords' sum), firing
+        every timer that comes due on the way, in time order, each at its own time, and
+        delivering what it sets in motion, timers it creates on the way too (a chain of
+        retries completes in one call). Returns the new time."""
+        if isinstance(seconds, timedelta):
+            delta = seconds + timedelta(minutes=minutes, hours=hours, days=days)
+        else:
+            delta = timedelta(seconds=seconds, minutes=minutes, hours=hours, days=days)
         if delta < timedelta(0):
             raise ValueError(f"advance() moves the clock forward only, got {delta}")
-        target = self._now + delta
+        return self._advance_to(self._now + delta)
+
+    def _advance_to(self, target: datetime) -> datetime:
         self._deliver()
         engine = self._engine()
         fired: set[tuple[str, datetime]] = set()
@@ -252,10 +261,35 @@ class Harness:
         return handle
 
     def run(self, target: RunHandle | str) -> RunView:
-        """Deliver everything due now, then the run's view (a handle, run id or workflow id):
-        it is parked or finished."""
+        """Run it until it is parked or finished, and return its view (a handle, run id or
+        workflow id).
+
+        Parked: finished, or open with no node of any run in progress (every unfinished node
+        waits for a signal, an approval, a sleep or a timeout, or for its dependencies; or the
+        run is paused or not started yet). While some node is in progress (a retry waiting
+        for its backoff, an attempt that hangs until its timeout), the clock moves on to the
+        next timer, as ``advance()`` would, so a step's retries complete here."""
+        run_id = _target(target)
         self._deliver()
-        return self._ductor.get(_target(target))
+        for _ in range(MAX_STOPS_PER_RUN):
+            view = self._ductor.get(run_id)
+            if view.status in TERMINAL_RUN_STATUSES or not self._in_progress():
+                return view
+            stop = sweep.next_timer_after(self._engine(), self._now)
+            if stop is None:
+                return view
+            self._advance_to(stop)
+        raise HarnessError(
+            f"run {run_id} did not park within {MAX_STOPS_PER_RUN} timers: a workflow that "
+            "retries or loops without end?"
+        )
+
+    def _in_progress(self) -> bool:
+        """Whether some open run has a node in progress (an attempt or a retry's backoff)."""
+        running = self._ductor.list_runs(status=RunStatus.RUNNING.value, limit=1000)
+        return any(
+            node.status == NodeStatus.RUNNING for view in running for node in view.nodes.values()
+        )
 
     def get(self, target: RunHandle | str) -> RunView:
         """The run's view as it is, delivering nothing."""

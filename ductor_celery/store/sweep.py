@@ -276,3 +276,12 @@ def timers_due_by(engine: Engine, until: datetime, limit: int = 1000) -> list[tu
 
 def _aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def next_timer_after(engine: Engine, after: datetime) -> datetime | None:
+    """The earliest timer row due later than ``after`` (the test harness's next stop)."""
+    with engine.connect() as conn:
+        value = conn.execute(
+            sa.select(sa.func.min(workflow_timer.c.fire_at)).where(workflow_timer.c.fire_at > after)
+        ).scalar_one_or_none()
+    return None if value is None else _aware(value)

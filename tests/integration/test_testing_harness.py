@@ -162,16 +162,39 @@ def test_a_step_that_hangs_times_out_and_is_retried(tmp_path: Path) -> None:
         handle = h.start("paid", input={"id": 5})
         h.signal(handle, "payment_received")
         h.approve(handle, "review")
-        view = h.run(handle)
-        assert view.nodes["ship"].status == NodeStatus.RUNNING
+        assert h.get(handle).nodes["ship"].status == NodeStatus.RUNNING
         # The default step timeout (300 s) closes the lost attempt; the retry succeeds.
         h.unstub("shop.ship")
-        h.advance(seconds=301)
         view = h.run(handle)
-    assert view.status == RunStatus.SUCCEEDED
-    assert view.nodes["ship"].attempts == 2
-    assert view.nodes["ship"].finished_at is not None
-    assert T0 + timedelta(seconds=300) <= view.nodes["ship"].finished_at
+        assert view.status == RunStatus.SUCCEEDED
+        assert view.nodes["ship"].attempts == 2
+        assert view.nodes["ship"].finished_at is not None
+        assert T0 + timedelta(seconds=300) <= view.nodes["ship"].finished_at <= h.now
+
+        # Hanging every time: each attempt times out in turn, until the policy is spent.
+        h.stub("shop.ship", hangs=True)
+        stuck = h.start("paid", input={"id": 6})
+        h.signal(stuck, "payment_received")
+        h.approve(stuck, "review")
+        view = h.run(stuck)
+    assert view.status == RunStatus.FAILED
+    assert view.nodes["ship"].attempts == 3  # RetryPolicy() default
+    assert view.nodes["ship"].error["type"] == "StepTimeout"
+
+
+def test_run_goes_through_retries_but_stops_where_the_run_is_parked(tmp_path: Path) -> None:
+    ductor = make_shop(tmp_path)
+    with testing.harness(ductor, start_at=T0) as h:
+        handle = h.start("order", input={"id": 42, "total": 99})
+        # Parked at the day's sleep: run() does not move the clock past it.
+        assert h.run(handle).nodes["cool_off"].status == NodeStatus.WAITING
+        assert h.now == T0
+        h.advance(timedelta(days=1))  # the sleep ends; the charge fails and waits 10 s
+        assert h.get(handle).nodes["charge"].status == NodeStatus.RUNNING
+        view = h.run(handle)  # the backoffs are the run's own business: it finishes
+        assert view.status == RunStatus.SUCCEEDED
+        assert view.nodes["charge"].attempts == 3
+        assert h.now == T0 + DAY + timedelta(seconds=30)
 
 
 def test_signals_approvals_and_timeouts(tmp_path: Path) -> None:
