@@ -16,6 +16,7 @@ from .errors import (
     PayloadTooLarge,
     RunNotFound,
     WorkflowNotFound,
+    WrongDatabase,
 )
 from .runtime.steps import Step, StepContext
 from .views import NodeView, RunHandle, RunView
@@ -40,4 +41,5 @@ __all__ = [
     "StepContext",
     "Workflow",
     "WorkflowNotFound",
+    "WrongDatabase",
 ]

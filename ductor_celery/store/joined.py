@@ -35,7 +35,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from ..definition.spec import WorkflowSpec
-from ..errors import DuctorError
+from ..errors import WrongDatabase
 from . import runs
 from .schema import dumps_json
 
@@ -43,10 +43,6 @@ log = logging.getLogger("ductor_celery.client")
 
 #: How long a helper thread waits for a SQLAlchemy connection's transaction to end.
 COMMIT_WAIT_S = 60.0
-
-
-class WrongDatabase(DuctorError, ValueError):
-    """The connection given to ``start()`` is not to ductor's database."""
 
 
 class Joined(Protocol):
@@ -271,14 +267,14 @@ def _is_session(value: Any) -> bool:
 
 #: Ductor's own database identity, per engine (PostgreSQL: read again once on a mismatch, as
 #: a server restart changes its start time).
-_identities: dict[int, tuple[Any, ...]] = {}
+_identities: weakref.WeakKeyDictionary[Engine, tuple[Any, ...]] = weakref.WeakKeyDictionary()
 
 
 def _check_same_database(joined: Joined, ductor_engine: Engine) -> None:
     theirs = database_identity(joined.execute, joined.dialect_name)
-    ours = _identities.get(id(ductor_engine))
+    ours = _identities.get(ductor_engine)
     if ours != theirs:
-        ours = _identities[id(ductor_engine)] = _engine_identity(ductor_engine)
+        ours = _identities[ductor_engine] = _engine_identity(ductor_engine)
     if ours != theirs:
         raise WrongDatabase(
             f"the connection is to another database ({_describe(theirs)}) than ductor's "

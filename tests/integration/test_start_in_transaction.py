@@ -19,10 +19,9 @@ import sqlalchemy as sa
 from celery import Celery
 from sqlalchemy.orm import Session
 
-from ductor_celery import Ductor, RunStatus, Workflow
+from ductor_celery import Ductor, RunStatus, Workflow, WrongDatabase
 from ductor_celery.runtime.coordinator import run_tick
 from ductor_celery.store.db import get_engine
-from ductor_celery.store.joined import WrongDatabase
 from ductor_celery.store.migrate import upgrade
 
 ORDERS = "CREATE TABLE shop_order (id varchar(64) PRIMARY KEY)"

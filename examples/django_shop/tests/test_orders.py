@@ -14,9 +14,8 @@ from orders.models import Order
 from orders.services import OutOfStock, place_order
 from shop_site.celery import ductor
 
-from ductor_celery import RunStatus
+from ductor_celery import RunStatus, WrongDatabase
 from ductor_celery.settings import normalize_url
-from ductor_celery.store.joined import WrongDatabase
 
 
 @pytest.fixture
