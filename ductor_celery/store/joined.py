@@ -113,11 +113,12 @@ def _take(target: Any) -> list[Hook]:
 
 
 def _after_session_commit(session: Any, fn: Callable[[], None]) -> None:
-    """The session's ``after_commit`` fires after the DBAPI commit; a rollback first drops it."""
+    """The session's ``after_commit`` fires after the DBAPI commit; the end of its outermost
+    transaction any other way (rollback, close) drops the hook first."""
 
     def listen() -> None:
         event.listen(session, "after_commit", _session_committed)
-        event.listen(session, "after_soft_rollback", _session_rolled_back)
+        event.listen(session, "after_transaction_end", _session_transaction_ended)
 
     _hooks_of(session, listen).append((fn, _always))
 
@@ -131,9 +132,10 @@ def _session_committed(session: Any) -> None:
         _call(fn)
 
 
-def _session_rolled_back(session: Any, previous: Any) -> None:
-    # Only the outermost transaction's end decides (a savepoint's rollback does not).
-    if previous is None or getattr(previous, "parent", None) is None:
+def _session_transaction_ended(session: Any, transaction: Any) -> None:
+    # Only the outermost transaction's end decides (a savepoint's does not). After a commit
+    # the hooks were taken already (after_commit fires first).
+    if getattr(transaction, "parent", None) is None:
         _take(session)
 
 

@@ -123,8 +123,18 @@ def test_session_commit_and_rollback(shop: Shop) -> None:
         with pytest.raises(RuntimeError), session.begin():
             shop.ductor.start("order", input={"id": "o-5"}, connection=session)
             raise RuntimeError("no")
-    assert shop.wakes == [handle.run_id]
-    assert [v.run_id for v in shop.ductor.list_runs()] == [handle.run_id]
+        # Closed without a commit: dropped too, and the session's next commit sends nothing.
+        shop.ductor.start("order", input={"id": "o-6"}, connection=session)
+        session.close()
+        with session.begin():
+            _order(session, "o-7")
+        # A savepoint rolled back inside a committed transaction: the outer commit decides.
+        with session.begin():
+            with pytest.raises(RuntimeError), session.begin_nested():
+                raise RuntimeError("inner")
+            kept = shop.ductor.start("order", input={"id": "o-8"}, connection=session)
+    assert shop.wakes == [handle.run_id, kept.run_id]
+    assert {v.run_id for v in shop.ductor.list_runs()} == {handle.run_id, kept.run_id}
 
 
 def test_an_open_workflow_id_returns_its_run_and_keeps_the_transaction_usable(

@@ -318,3 +318,26 @@ def test_the_example_of_docs_testing_md_runs_as_written() -> None:
     finally:
         previous.set_current()
     assert elapsed < 1.0, f"{elapsed:.2f}s of wall time"
+
+
+def test_child_runs_and_controls_inside_the_harness(tmp_path: Path) -> None:
+    ductor = make_shop(tmp_path)
+    parent = Workflow("parent")
+    parent.subworkflow("nap", workflow="naps")
+    parent.scatter("each", workflow="naps", over="$.input.items", as_child_runs=True)
+    ductor.register(parent)
+    with testing.harness(ductor, start_at=T0) as h:
+        handle = h.start("parent", input={"items": [1, 2]})
+        view = h.run(handle)
+        assert view.nodes["nap"].status == NodeStatus.WAITING  # its child sleeps
+        assert len(ductor.list_runs(workflow="naps")) == 3
+        h.advance(hours=2)
+        view = h.run(handle)
+        assert view.status == RunStatus.SUCCEEDED
+        assert view.nodes["nap"].finished_at == T0 + timedelta(hours=2)
+
+        # Any control on the Ductor itself is delivered by the next run() or advance().
+        other = h.start("naps")
+        ductor.cancel(other.run_id, reason="not needed")
+        assert h.get(other).status == RunStatus.RUNNING
+        assert h.run(other).status == RunStatus.CANCELLED
