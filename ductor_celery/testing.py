@@ -32,6 +32,7 @@ On exit the Ductor is as it was (settings, dispatcher, database), whatever happe
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 import tempfile
 from collections import deque
@@ -54,6 +55,8 @@ from .views import RunHandle, RunView
 
 if TYPE_CHECKING:
     from .ductor import Ductor
+
+log = logging.getLogger("ductor_celery.testing")
 
 __all__ = ["Harness", "HarnessError", "Message", "Stub", "UnknownStep", "harness"]
 
@@ -80,7 +83,7 @@ class UnknownStep(DefinitionError, KeyError, ValueError):
 class Message:
     """A message the harness's dispatcher recorded: what production would have published."""
 
-    #: "step", "wakeup" or "revoke".
+    #: "step", "wakeup" or "revoke" (another kind is recorded, and not delivered).
     kind: str
     run_id: str
     #: The step's task name (step messages), ``ductor.tick`` (wake-ups).
@@ -136,8 +139,9 @@ class _RecordingDispatcher:
                 self._put(Message("revoke", row.run_id, row.task, row.payload["token"]))
             elif row.kind == DispatchKind.WAKEUP:
                 self.wake(row.run_id)
-            else:
-                raise HarnessError(f"unknown outbox kind {row.kind!r} for run {row.run_id}")
+            else:  # as production's Dispatcher does: leave a trace, deliver nothing
+                log.error("unknown outbox kind %r for run %s", row.kind, row.run_id)
+                self._log.append(Message(str(row.kind), row.run_id, row.task))
 
     def wake(self, run_id: str) -> None:
         self._put(Message("wakeup", run_id, "ductor.tick"))
