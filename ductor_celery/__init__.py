@@ -16,6 +16,7 @@ from .errors import (
     PayloadTooLarge,
     RunNotFound,
     WorkflowNotFound,
+    WrongDatabase,
 )
 from .runtime.steps import Step, StepContext
 from .views import NodeView, RunHandle, RunPage, RunView
@@ -41,4 +42,5 @@ __all__ = [
     "StepContext",
     "Workflow",
     "WorkflowNotFound",
+    "WrongDatabase",
 ]

@@ -12,7 +12,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, TypeVar
 
 from sqlalchemy.engine import Engine
@@ -30,7 +30,7 @@ from .errors import (
     WorkflowNotFound,
 )
 from .settings import Settings
-from .store import external, finishes, runs
+from .store import clock, external, finishes, joined, runs
 from .store.db import get_engine, with_retry
 from .store.runs import RunRow
 from .views import NodeView, RunHandle, RunPage, RunView
@@ -222,7 +222,18 @@ class Client:
 
     # -- writes -----------------------------------------------------------------------------
 
-    def start(self, workflow: str, input: Any = None, workflow_id: str | None = None) -> RunHandle:
+    def start(
+        self,
+        workflow: str,
+        input: Any = None,
+        workflow_id: str | None = None,
+        *,
+        connection: Any = None,
+        using: str | None = None,
+    ) -> RunHandle:
+        """Insert a pending run and wake it. ``connection=`` (a SQLAlchemy Connection or
+        Session) or ``using=`` (a Django database alias): inserted in that transaction, woken
+        once it commits (store/joined.py)."""
         # Every argument is checked before the first query: a bad id must not reach a
         # VARCHAR(200) column (PostgreSQL raises a DataError; SQLite would store it).
         check_id(workflow, "workflow")
@@ -235,6 +246,14 @@ class Client:
         if self._remember_spec is not None:
             self._remember_spec(spec)
         run_id = uuid.uuid4().hex
+        if connection is not None or using is not None:
+            return self._start_joined(
+                joined.join(connection, using, get_engine(self.settings.database_url)),
+                spec,
+                run_id,
+                workflow_id or run_id,
+                value,
+            )
         engine = self.engine
         for needed in self._with_children(spec):
             with_retry(
@@ -255,6 +274,27 @@ class Client:
         if created:
             self._safe_wake(actual)
         return RunHandle(run_id=actual, workflow_id=workflow_id or run_id)
+
+    def _start_joined(
+        self, caller: joined.Joined, spec: WorkflowSpec, run_id: str, workflow_id: str, value: Any
+    ) -> RunHandle:
+        """The run's rows in the caller's transaction (not retried here: a transaction is the
+        caller's to retry); the wake-up once it commits."""
+        actual, created = joined.insert_run_on(
+            caller,
+            run_id=run_id,
+            workflow_id=workflow_id,
+            spec=spec,
+            definitions=self._with_children(spec),
+            input=value,
+            trace_context=tracing.start_run(run_id, spec.name),
+        )
+        if created:
+            caller.on_commit(
+                lambda: self._safe_wake(actual),
+                visible=lambda: self._read(runs.find_run, self.engine, actual) is not None,
+            )
+        return RunHandle(run_id=actual, workflow_id=workflow_id)
 
     def _definition(self, spec_hash: str) -> WorkflowSpec:
         if self._spec_by_hash is not None:
@@ -382,7 +422,7 @@ class Client:
             "approved": approved,
             "by": by,
             "comment": comment,
-            "at": datetime.now(UTC).isoformat(),
+            "at": clock.now(self.engine).isoformat(),
         }
         check_payload(decision, f"{verb} of {node!r}", self.settings.max_payload_bytes)
         # One decision per waiting episode, as a database fact: a concurrent second decision

@@ -155,8 +155,20 @@ class Ductor:
 
     # -- client -----------------------------------------------------------------------------
 
-    def start(self, workflow: str, input: Any = None, workflow_id: str | None = None) -> RunHandle:
-        return self.client.start(workflow, input=input, workflow_id=workflow_id)
+    def start(
+        self,
+        workflow: str,
+        input: Any = None,
+        workflow_id: str | None = None,
+        *,
+        connection: Any = None,
+        using: str | None = None,
+    ) -> RunHandle:
+        """Start a run. ``connection=`` (SQLAlchemy) or ``using=`` (a Django alias): inside
+        the caller's transaction on ductor's database, woken once it commits."""
+        return self.client.start(
+            workflow, input=input, workflow_id=workflow_id, connection=connection, using=using
+        )
 
     def get(self, target: str) -> RunView:
         return self.client.get(target)

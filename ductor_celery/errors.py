@@ -10,6 +10,7 @@
       PayloadTooLarge            an input or payload over ductor_max_payload_bytes
       PayloadNotSerializable     a value that cannot be stored exactly (NaN, NUL, too deep, ...)
       StoreUnavailable           the database could not be reached
+      WrongDatabase              start(connection=/using=) on another database than ductor's
     NonRetryableError            raise it inside a step to fail without retry
 
 ``TimeoutError`` (the builtin) is what ``wait()`` raises when it runs out of time.
@@ -52,6 +53,10 @@ class PayloadNotSerializable(DuctorError):
 
 class StoreUnavailable(DuctorError):
     """The database could not be reached."""
+
+
+class WrongDatabase(DuctorError, ValueError):
+    """The connection given to start() is not to ductor's database."""
 
 
 class NonRetryableError(Exception):

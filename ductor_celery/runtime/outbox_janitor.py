@@ -30,6 +30,7 @@ class SentOutbox:
         self._ids: list[int] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ductor-outbox", daemon=True)
         self._thread.start()
 
@@ -55,11 +56,18 @@ class SentOutbox:
                 log.warning("could not delete %d sent outbox rows: %s", len(batch), exc)
 
     def _loop(self) -> None:
-        while True:
+        while not self._closed:
             self._wake.wait(FLUSH_INTERVAL_S)
             self._wake.clear()
             if self._ids:
                 self.flush()
+
+    def close(self) -> None:
+        """Flush and stop the thread (a throwaway engine going away)."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join(5.0)
+        self.flush()
 
 
 _janitors: dict[tuple[int, int], SentOutbox] = {}
@@ -76,3 +84,11 @@ def sent_outbox(engine: Engine) -> SentOutbox:
             if found is None:
                 found = _janitors[key] = SentOutbox(engine)
     return found
+
+
+def close_janitor(engine: Engine) -> None:
+    """Flush and stop this process's janitor for ``engine``, if it has one."""
+    with _lock:
+        found = _janitors.pop((os.getpid(), id(engine)), None)
+    if found is not None:
+        found.close()

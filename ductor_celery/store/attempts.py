@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from . import leases
+from . import clock, leases
 from .db import autocommit, aware, is_postgres, refusing_values
 from .leases import holds_lease
 from .outbox import OutboxRow
@@ -43,7 +42,7 @@ class ClaimedAttempt:
 
 
 def _now(engine: Engine) -> Any:
-    return sa.func.now() if is_postgres(engine) else datetime.now(UTC)
+    return sa.func.now() if is_postgres(engine) else clock.now(engine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +280,7 @@ def finish(
             if is_postgres(engine)
             else None
         )
-        return True, leases.release(conn, [token], db_now or datetime.now(UTC))
+        return True, leases.release(conn, [token], db_now or clock.now(engine))
 
 
 @refusing_values()

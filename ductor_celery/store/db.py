@@ -132,6 +132,14 @@ def dispose_all() -> None:
             del _engines[key]
 
 
+def forget_engine(url: str) -> None:
+    """Dispose of this process's engine for ``url`` and drop it (a throwaway database)."""
+    with _lock:
+        engine = _engines.pop((os.getpid(), url), None)
+    if engine is not None:
+        engine.dispose()
+
+
 def is_postgres(engine: Engine) -> bool:
     return engine.dialect.name == "postgresql"
 

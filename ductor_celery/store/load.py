@@ -10,7 +10,7 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -33,6 +33,7 @@ from ..engine.kinds import ControlKind
 from ..engine.slots import slots
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..engine.tick import ACTIVE, read_nodes
+from . import clock
 from .composed import ImmutableCache, child_output, children_of, gather_any, outputs_cache
 from .db import aware, is_postgres
 from .leases import holds_lease
@@ -110,7 +111,7 @@ def load_on(
         if not wait_for_lock and _run_exists(conn, run_id):
             raise RunBusy(run_id)
         return None
-    now = aware(row.now) if row.now is not None else datetime.now(UTC)
+    now = aware(row.now) if row.now is not None else clock.now(conn.engine)
     assert now is not None
     state = RunState.from_json(row.state)
     loaded = LoadedRun(

@@ -79,3 +79,26 @@ def current_revision(engine: Engine) -> str | None:
 
 def head_revision(url: str) -> str | None:
     return ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+
+
+def create_throwaway(url: str) -> Engine:
+    """A fresh SQLite database at ``url`` with the schema at head, made fast for the test
+    harness (``ductor_celery.testing``): the tables from ``store/schema.py``'s metadata (the
+    migrations' head, as tests/integration/test_migrations.py checks) instead of replaying
+    every migration, and no fsync (the file is deleted when the harness exits)."""
+    from sqlalchemy import event
+
+    from .schema import metadata
+
+    engine = get_engine(url)
+    if engine.dialect.name != "sqlite":
+        raise ValueError("a throwaway database is a SQLite file")
+
+    @event.listens_for(engine, "connect")
+    def _no_fsync(dbapi_conn: Any, _record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA synchronous=OFF")
+        cur.close()
+
+    metadata.create_all(engine)
+    return engine

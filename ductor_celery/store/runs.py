@@ -20,6 +20,7 @@ from .. import limits
 from ..definition.spec import ChildScatterNodeSpec, WorkflowSpec
 from ..engine.state import NodeState, RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
+from . import clock
 from .composed import child_output, gather, gather_children
 from .db import aware
 from .schema import step_attempt, workflow_definition, workflow_run, workflow_transition
@@ -87,26 +88,31 @@ class RunRow:
         )
 
 
+def definition_insert(spec: WorkflowSpec) -> sa.Insert:
+    """The row of a stored spec (inserted by ``save_definition``, or in a caller's transaction
+    by ``store/joined.py``)."""
+    return sa.insert(workflow_definition).values(
+        spec_hash=spec.spec_hash,
+        name=spec.name,
+        version=spec.version,
+        spec=spec.model_dump(mode="json"),
+    )
+
+
+def definition_exists(spec_hash: str) -> sa.Select[Any]:
+    return sa.select(workflow_definition.c.spec_hash).where(
+        workflow_definition.c.spec_hash == spec_hash
+    )
+
+
 def save_definition(engine: Engine, spec: WorkflowSpec) -> None:
     """Store a spec under its hash; a second save of the same spec is a no-op."""
     with engine.begin() as conn:
-        exists = conn.execute(
-            sa.select(workflow_definition.c.spec_hash).where(
-                workflow_definition.c.spec_hash == spec.spec_hash
-            )
-        ).first()
-        if exists:
+        if conn.execute(definition_exists(spec.spec_hash)).first():
             return
         try:
             with conn.begin_nested():
-                conn.execute(
-                    sa.insert(workflow_definition).values(
-                        spec_hash=spec.spec_hash,
-                        name=spec.name,
-                        version=spec.version,
-                        spec=spec.model_dump(mode="json"),
-                    )
-                )
+                conn.execute(definition_insert(spec))
         except IntegrityError:
             pass  # saved concurrently by another client: same hash, same spec
 
@@ -162,6 +168,44 @@ def pending_run(
     }
 
 
+def run_insert(
+    *,
+    run_id: str,
+    workflow_id: str,
+    spec: WorkflowSpec,
+    input: Any,
+    parent_run_id: str | None = None,
+    created_at: datetime | None = None,
+    trace_context: str | None = None,
+) -> sa.Insert:
+    """The row of a run a client starts (``insert_run``, or ``store/joined.py`` in the
+    caller's own transaction). ``created_at``: the store's clock when one is injected
+    (store/clock.py), else the database's ``now()``."""
+    times = {} if created_at is None else {"created_at": created_at, "updated_at": created_at}
+    return sa.insert(workflow_run).values(
+        pending_run(
+            run_id=run_id,
+            workflow_id=workflow_id,
+            workflow=spec.name,
+            version=spec.version,
+            spec_hash=spec.spec_hash,
+            state=RunState.initial(spec.graph.order),
+            input=input,
+            parent_run_id=parent_run_id,
+            trace_context=trace_context,
+            **times,
+        )
+    )
+
+
+def open_run_of(workflow_id: str) -> sa.Select[Any]:
+    """The open run of a workflow id (at most one: a unique index says so)."""
+    return sa.select(workflow_run.c.run_id).where(
+        workflow_run.c.workflow_id == workflow_id,
+        workflow_run.c.status.in_([s.value for s in OPEN_RUN_STATUSES]),
+    )
+
+
 def insert_run(
     engine: Engine,
     *,
@@ -173,24 +217,18 @@ def insert_run(
     trace_context: str | None = None,
 ) -> tuple[str, bool]:
     """Insert a pending run. Returns (run_id, created); an open run of the same workflow id wins."""
-    state = RunState.initial(spec.graph.order)
+    statement = run_insert(
+        run_id=run_id,
+        workflow_id=workflow_id,
+        spec=spec,
+        input=input,
+        parent_run_id=parent_run_id,
+        created_at=clock.injected_now(engine),
+        trace_context=trace_context,
+    )
     try:
         with engine.begin() as conn:
-            conn.execute(
-                sa.insert(workflow_run).values(
-                    pending_run(
-                        run_id=run_id,
-                        workflow_id=workflow_id,
-                        workflow=spec.name,
-                        version=spec.version,
-                        spec_hash=spec.spec_hash,
-                        state=state,
-                        input=input,
-                        parent_run_id=parent_run_id,
-                        trace_context=trace_context,
-                    )
-                )
-            )
+            conn.execute(statement)
         return run_id, True
     except IntegrityError:
         with engine.connect() as conn:
@@ -214,12 +252,7 @@ def run_exists(conn: Connection, run_id: str) -> bool:
 
 def open_run_id(engine: Engine, workflow_id: str) -> str | None:
     with engine.connect() as conn:
-        return conn.execute(
-            sa.select(workflow_run.c.run_id).where(
-                workflow_run.c.workflow_id == workflow_id,
-                workflow_run.c.status.in_([s.value for s in OPEN_RUN_STATUSES]),
-            )
-        ).scalar_one_or_none()
+        return conn.execute(open_run_of(workflow_id)).scalar_one_or_none()
 
 
 def find_run(engine: Engine, target: str) -> RunRow | None:

@@ -12,7 +12,7 @@ from sqlalchemy.engine import Engine
 
 from ..engine.kinds import DispatchKind
 from ..engine.status import RunStatus
-from . import leases
+from . import clock, leases
 from .db import is_postgres
 from .outbox import OutboxRow, delete_outbox
 from .schema import (
@@ -32,7 +32,7 @@ def _now(engine: Engine) -> datetime:
             value = conn.execute(sa.select(sa.func.now())).scalar_one()
         assert isinstance(value, datetime)
         return value
-    return datetime.now(UTC)
+    return clock.now(engine)
 
 
 def due_timer_runs(engine: Engine, *, rewake_after: float, limit: int = 1000) -> list[str]:
@@ -259,3 +259,29 @@ def reclaim_leases(
             delete_outbox(engine, [r.id for r in done.outbox])
             result.sent += len(done.outbox)
     return result
+
+
+def timers_due_by(engine: Engine, until: datetime, limit: int = 1000) -> list[tuple[str, datetime]]:
+    """Timer rows due at or before ``until``, earliest first, as (run id, fire time): what a
+    controlled clock (``ductor_celery.testing``) fires in time order while it advances."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(workflow_timer.c.run_id, workflow_timer.c.fire_at)
+            .where(workflow_timer.c.fire_at <= until)
+            .order_by(workflow_timer.c.fire_at, workflow_timer.c.run_id)
+            .limit(limit)
+        ).all()
+    return [(r.run_id, _aware(r.fire_at)) for r in rows]
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def next_timer_after(engine: Engine, after: datetime) -> datetime | None:
+    """The earliest timer row due later than ``after`` (the test harness's next stop)."""
+    with engine.connect() as conn:
+        value = conn.execute(
+            sa.select(sa.func.min(workflow_timer.c.fire_at)).where(workflow_timer.c.fire_at > after)
+        ).scalar_one_or_none()
+    return None if value is None else _aware(value)
