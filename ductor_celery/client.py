@@ -12,7 +12,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy.engine import Engine
@@ -31,7 +31,7 @@ from .errors import (
 )
 from .settings import Settings
 from .store import external, finishes, runs
-from .store.db import get_engine, with_retry
+from .store.db import db_now, get_engine, with_retry
 from .store.runs import RunRow
 from .views import NodeView, RunHandle, RunView
 
@@ -138,6 +138,27 @@ def check_list_args(status: Any, workflow: Any, limit: Any) -> str | None:
         raise ValueError(f"unknown run status {status!r} (one of: {known})") from None
 
 
+def check_start_time(delay: Any, start_at: Any) -> None:
+    """``start``'s delayed start: ``delay`` (finite seconds >= 0) or ``start_at`` (an aware
+    datetime), not both."""
+    if delay is not None and start_at is not None:
+        raise ValueError("give delay= or start_at=, not both")
+    if delay is not None:
+        problem = limits.duration_problem(delay, allow_zero=True)
+        if problem is not None:
+            if not limits.is_number(delay):
+                raise TypeError(f"delay {problem}")
+            raise ValueError(f"delay {problem}")
+    if start_at is not None:
+        if not isinstance(start_at, datetime):
+            raise TypeError(f"start_at must be a datetime, got {type(start_at).__name__}")
+        if start_at.tzinfo is None or start_at.utcoffset() is None:
+            raise ValueError(
+                "start_at must be an aware datetime (with a time zone), got a naive one: "
+                "use e.g. datetime(..., tzinfo=UTC)"
+            )
+
+
 def decision_key(run_id: str, node: str, started: str) -> str:
     """The idempotency key of one decision on one waiting episode, within the column's
     MAX_ID_LENGTH (a long node id would overflow it: then a digest of it)."""
@@ -173,12 +194,21 @@ class Client:
 
     # -- writes -----------------------------------------------------------------------------
 
-    def start(self, workflow: str, input: Any = None, workflow_id: str | None = None) -> RunHandle:
+    def start(
+        self,
+        workflow: str,
+        input: Any = None,
+        workflow_id: str | None = None,
+        *,
+        delay: float | None = None,
+        start_at: datetime | None = None,
+    ) -> RunHandle:
         # Every argument is checked before the first query: a bad id must not reach a
         # VARCHAR(200) column (PostgreSQL raises a DataError; SQLite would store it).
         check_id(workflow, "workflow")
         if workflow_id is not None:
             check_id(workflow_id, "workflow_id")
+        check_start_time(delay, start_at)
         value = check_payload(
             input, f"input of workflow {workflow!r}", self.settings.max_payload_bytes
         )
@@ -191,13 +221,22 @@ class Client:
             with_retry(
                 functools.partial(runs.save_definition, engine, needed), what="save definition"
             )
+        if delay is not None:  # from the database's clock, the one the sweeper fires by
+            start_at = self._read(db_now, engine) + timedelta(seconds=delay)
+        if start_at is not None:
+            start_at = start_at.astimezone(UTC)  # SQLite keeps a datetime's wall time only
         actual, created = with_retry(
             lambda: runs.insert_run(
-                engine, run_id=run_id, workflow_id=workflow_id or run_id, spec=spec, input=value
+                engine,
+                run_id=run_id,
+                workflow_id=workflow_id or run_id,
+                spec=spec,
+                input=value,
+                start_at=start_at,
             ),
             what="insert run",
         )
-        if created:
+        if created and start_at is None:  # a delayed run is woken by its timer row
             self._safe_wake(actual)
         return RunHandle(run_id=actual, workflow_id=workflow_id or run_id)
 
@@ -469,6 +508,7 @@ class Client:
             continued_to=row.continued_to,
             created_at=row.created_at,
             finished_at=row.finished_at,
+            start_at=row.state.start_at,
         )
 
     def definition_of(self, target: str) -> WorkflowSpec:

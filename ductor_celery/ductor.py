@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, overload
 
 from .client import Client
@@ -154,8 +155,20 @@ class Ductor:
 
     # -- client -----------------------------------------------------------------------------
 
-    def start(self, workflow: str, input: Any = None, workflow_id: str | None = None) -> RunHandle:
-        return self.client.start(workflow, input=input, workflow_id=workflow_id)
+    def start(
+        self,
+        workflow: str,
+        input: Any = None,
+        workflow_id: str | None = None,
+        *,
+        delay: float | None = None,
+        start_at: datetime | None = None,
+    ) -> RunHandle:
+        """Start a run; with ``delay`` (seconds) or ``start_at`` (an aware datetime) it stays
+        ``pending`` until then (a timer row, cancellable like any open run)."""
+        return self.client.start(
+            workflow, input=input, workflow_id=workflow_id, delay=delay, start_at=start_at
+        )
 
     def get(self, target: str) -> RunView:
         return self.client.get(target)

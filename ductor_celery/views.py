@@ -46,6 +46,10 @@ class RunView(BaseModel):
     continued_to: str | None = None
     created_at: datetime
     finished_at: datetime | None = None
+    #: A delayed run's start time (``start(delay=...)`` / ``start_at=``); it is pending until then.
+    start_at: datetime | None = None
+    #: When the whole run times out, if it has a deadline.
+    deadline_at: datetime | None = None
 
     @property
     def done(self) -> bool:

@@ -18,7 +18,13 @@ from ..engine.state import NodeState, RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from .composed import child_output, gather, gather_children
 from .db import aware
-from .schema import step_attempt, workflow_definition, workflow_run, workflow_transition
+from .schema import (
+    step_attempt,
+    workflow_definition,
+    workflow_run,
+    workflow_timer,
+    workflow_transition,
+)
 
 RUN_COLUMNS = (
     workflow_run.c.run_id,
@@ -166,11 +172,18 @@ def insert_run(
     spec: WorkflowSpec,
     input: Any,
     parent_run_id: str | None = None,
+    start_at: datetime | None = None,
 ) -> tuple[str, bool]:
-    """Insert a pending run. Returns (run_id, created); an open run of the same workflow id wins."""
-    state = RunState.initial(spec.graph.order)
+    """Insert a pending run. Returns (run_id, created); an open run of the same workflow id wins.
+
+    A delayed run (``start_at``) gets its timer row in the same transaction: the sweeper wakes
+    it when it is due, so no wake-up need be sent now.
+    """
+    state = RunState.initial(spec.graph.order, start_at=start_at)
     try:
         with engine.begin() as conn:
+            if start_at is not None:
+                conn.execute(sa.insert(workflow_timer).values(run_id=run_id, fire_at=start_at))
             conn.execute(
                 sa.insert(workflow_run).values(
                     pending_run(
