@@ -15,10 +15,11 @@ from .errors import (
     PayloadNotSerializable,
     PayloadTooLarge,
     RunNotFound,
+    ScheduleNotFound,
     WorkflowNotFound,
 )
 from .runtime.steps import Step, StepContext
-from .views import NodeView, RunHandle, RunView
+from .views import NodeView, RunHandle, RunView, ScheduleView
 
 __all__ = [
     "ConcurrencyLimit",
@@ -36,6 +37,8 @@ __all__ = [
     "RunNotFound",
     "RunStatus",
     "RunView",
+    "ScheduleNotFound",
+    "ScheduleView",
     "Step",
     "StepContext",
     "Workflow",

@@ -17,9 +17,10 @@ from .engine.kinds import ControlKind
 from .errors import DefinitionError
 from .runtime.runtime import Runtime
 from .runtime.steps import Step
+from .schedules import DEFAULT_CATCHUP_WINDOW_S, Schedules
 from .settings import Settings
 from .store import migrate
-from .views import RunHandle, RunView
+from .views import RunHandle, RunView, ScheduleView
 
 log = logging.getLogger("ductor_celery")
 
@@ -41,6 +42,7 @@ class Ductor:
             get_engine=self._runtime.engine,
             spec_by_hash=self._runtime.spec_for,
         )
+        self.schedules = Schedules(self.client)
         app._ductor = self
         self._configure_app()
 
@@ -221,6 +223,53 @@ class Ductor:
         self.client.control(
             target, ControlKind.CONTINUE_AS_NEW, input=input, has_input=input is not None
         )
+
+    # -- schedules ------------------------------------------------------------------------------
+
+    def schedule(
+        self,
+        name: str,
+        *,
+        workflow: str,
+        cron: str | None = None,
+        every: float | None = None,
+        timezone: str = "UTC",
+        input: Any = None,
+        overlap: str = "skip",
+        catchup_window: float = DEFAULT_CATCHUP_WINDOW_S,
+    ) -> ScheduleView:
+        """Start ``workflow`` on a cron expression (in ``timezone``) or ``every`` N seconds,
+        fired by the coordinator's sweeper: one run per fire time, whose workflow id is
+        ``<name>@<fire time ISO 8601 UTC>``. ``overlap`` says what a fire time does while the
+        previous run is open: ``"skip"`` it, ``"buffer_one"`` (start once that run ends), or
+        ``"allow"``. Fire times missed by more than ``catchup_window`` seconds (coordinators
+        down) are not fired. Defining a schedule again with the same name replaces it."""
+        return self.schedules.schedule(
+            name,
+            workflow=workflow,
+            cron=cron,
+            every=every,
+            timezone=timezone,
+            input=input,
+            overlap=overlap,
+            catchup_window=catchup_window,
+        )
+
+    def unschedule(self, name: str) -> None:
+        self.schedules.unschedule(name)
+
+    def pause_schedule(self, name: str) -> None:
+        self.schedules.pause(name)
+
+    def resume_schedule(self, name: str) -> None:
+        self.schedules.resume(name)
+
+    def trigger_schedule(self, name: str) -> RunHandle:
+        """Start a run of the schedule now, even while it is paused."""
+        return self.schedules.trigger(name)
+
+    def list_schedules(self) -> list[ScheduleView]:
+        return self.schedules.list()
 
     def local_workers(self, concurrency: int = 4) -> Any:
         """Run a coordinator and step consumers as threads in this process (a context manager)."""

@@ -56,3 +56,25 @@ class RunView(BaseModel):
         from .engine.status import TERMINAL_RUN_STATUSES
 
         return self.status in TERMINAL_RUN_STATUSES
+
+
+class ScheduleView(BaseModel):
+    """A schedule as ``list_schedules()`` shows it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    workflow: str
+    cron: str | None = None
+    every: float | None = None
+    timezone: str = "UTC"
+    input: Any = None
+    overlap: str = "skip"
+    catchup_window: float
+    paused: bool = False
+    #: The next fire time (UTC); ``None`` while paused.
+    next_fire_at: datetime | None = None
+    #: A ``buffer_one`` fire time waiting for the previous run to end.
+    buffered_fire_at: datetime | None = None
+    #: The workflow id of the newest run the schedule started.
+    last_workflow_id: str | None = None

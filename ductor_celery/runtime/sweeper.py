@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
 
-from ..store import sweep
+from ..store import schedules, sweep
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -62,6 +62,7 @@ class Sweeper:
         engine = self.rt.engine()
         grace = self.rt.settings.outbox_grace
         due = sweep.due_timer_runs(engine, rewake_after=REWAKE_AFTER_S)
+        fired = schedules.fire_due(engine)
         relayed = sweep.relay_stale_outbox(engine, self.rt.dispatcher.send, older_than=grace)
         leased = sweep.reclaim_leases(engine, self.rt.dispatcher.send)
         # A wake-up counts as lost only well past the grace: under load the coordinator's queue
@@ -86,7 +87,14 @@ class Sweeper:
                 LOST_REWAKE_AFTER_S,
             )
         )
-        self.rt.dispatcher.wake_many(due + lost)
+        self.rt.dispatcher.wake_many(fired.started + due + lost)
+        if fired.started or fired.skipped or fired.missed:
+            log.info(
+                "sweep: schedules: %d runs started, %d fire times skipped (overlap), %d missed",
+                len(fired.started),
+                fired.skipped,
+                fired.missed,
+            )
         if due or relayed or lost:
             log.info(
                 "sweep: %d due timers, %d outbox rows re-sent, %d lost wake-ups",
@@ -102,6 +110,7 @@ class Sweeper:
                 leased.extended,
             )
         return {
+            "schedules_fired": len(fired.started),
             "timers": len(due),
             "outbox": relayed,
             "lost_wakeups": len(lost),

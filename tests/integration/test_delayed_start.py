@@ -127,7 +127,7 @@ def test_the_sweeper_starts_a_delayed_run_when_it_is_due(ductor: Ductor) -> None
         ({"delay": math.inf}, ValueError, "finite"),
         ({"delay": "60"}, TypeError, "number of seconds"),
         ({"delay": True}, TypeError, "number of seconds"),
-        ({"start_at": datetime(2099, 1, 1)}, ValueError, "aware datetime"),
+        ({"start_at": datetime(2099, 1, 1)}, ValueError, "aware datetime"),  # noqa: DTZ001
         ({"start_at": "2099-01-01T00:00:00Z"}, TypeError, "must be a datetime"),
         ({"delay": 5, "start_at": datetime(2099, 1, 1, tzinfo=UTC)}, ValueError, "not both"),
     ],
