@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, overload
 
+from . import retention
 from .client import Client
 from .definition.builder import Workflow
 from .definition.checks import check_step_options, not_a_function
@@ -270,6 +271,20 @@ class Ductor:
 
     def list_schedules(self) -> list[ScheduleView]:
         return self.schedules.list()
+
+    # -- retention ------------------------------------------------------------------------------
+
+    def prune(
+        self,
+        older_than: timedelta,
+        statuses: list[str] | None = None,
+        dry_run: bool = False,
+    ) -> int:
+        """Delete finished runs (with their attempts, transitions, signals and controls) that
+        finished more than ``older_than`` ago, in short batches; never a child of a parent
+        that stays. ``statuses``: only these finished statuses. ``dry_run``: only count.
+        Returns how many runs were (or would be) deleted."""
+        return retention.prune(self.client, older_than, statuses=statuses, dry_run=dry_run)
 
     def local_workers(self, concurrency: int = 4) -> Any:
         """Run a coordinator and step consumers as threads in this process (a context manager)."""

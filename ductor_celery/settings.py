@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ class Settings:
     #: With eager ticks, a step worker runs up to this many of a run's next steps itself, one
     #: after another, instead of sending each through the broker (runtime/inline.py); 0: off.
     inline_steps: int = 50
+    #: The sweeper prunes finished runs older than this many days (``None``: keep everything).
+    retention_days: float | None = None
 
     @property
     def embedded(self) -> bool:
@@ -72,6 +75,7 @@ class Settings:
             outbox_grace=get("outbox_grace", defaults.outbox_grace, float),
             eager_ticks=get("eager_ticks", defaults.eager_ticks, _flag),
             inline_steps=get("inline_steps", defaults.inline_steps, _count("inline_steps")),
+            retention_days=get("retention_days", defaults.retention_days, _days),
         )
 
 
@@ -85,6 +89,19 @@ def _flag(value: Any) -> bool:
     if text in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"a ductor flag setting must be true or false, got {value!r}")
+
+
+def _days(value: Any) -> float:
+    """``ductor_retention_days``: a positive number of days (a string from an env config too)."""
+    try:
+        days = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        days = math.nan
+    if not math.isfinite(days) or days <= 0:
+        raise ValueError(
+            f"ductor_retention_days must be a positive number of days (or None), got {value!r}"
+        )
+    return days
 
 
 def _count(key: str) -> Callable[[Any], int]:

@@ -14,11 +14,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
 
-from ..store import schedules, sweep
+from ..engine.status import TERMINAL_RUN_STATUSES
+from ..store import retention, schedules, sweep
+from ..store.db import db_now
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -32,6 +35,10 @@ SIGNAL_REWAKE_AFTER_S = 30.0
 LOST_WAKEUP_AFTER_S = 10.0
 #: ... and such a run is woken again at most this often.
 LOST_REWAKE_AFTER_S = 30.0
+#: With ``ductor_retention_days``, prune at most this often, and at most this many batches a
+#: time, so a backlog of old runs never holds up the sweep's other work for long.
+PRUNE_EVERY_S = 60.0
+PRUNE_BATCHES_PER_SWEEP = 10
 
 
 class Sweeper:
@@ -40,6 +47,7 @@ class Sweeper:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._recent: dict[str, tuple[float, float]] = {}
+        self._pruned_at: float | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="ductor-sweeper", daemon=True)
@@ -109,7 +117,9 @@ class Sweeper:
                 leased.granted,
                 leased.extended,
             )
+        pruned = self._prune(engine)
         return {
+            "pruned": pruned,
             "schedules_fired": len(fired.started),
             "timers": len(due),
             "outbox": relayed,
@@ -118,6 +128,25 @@ class Sweeper:
             "leases_granted": leased.granted,
             "leases_extended": leased.extended,
         }
+
+    def _prune(self, engine: Any) -> int:
+        """``ductor_retention_days``: delete finished runs older than that, a few batches at
+        most every PRUNE_EVERY_S (several coordinators skip each other's locked batches)."""
+        days = self.rt.settings.retention_days
+        now = time.monotonic()
+        if days is None or (self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY_S):
+            return 0
+        self._pruned_at = now
+        cutoff = db_now(engine) - timedelta(days=days)
+        pruned = retention.prune(
+            engine,
+            cutoff=cutoff,
+            statuses=TERMINAL_RUN_STATUSES,
+            max_batches=PRUNE_BATCHES_PER_SWEEP,
+        )
+        if pruned:
+            log.info("sweep: pruned %d runs finished before %s", pruned, cutoff.isoformat())
+        return pruned
 
     def _throttle(self, run_ids: list[str], window: float) -> list[str]:
         """Drop runs woken for the same reason within ``window`` seconds."""
