@@ -230,8 +230,8 @@ class Ductor:
     def schedule(
         self,
         name: str,
-        *,
         workflow: str,
+        *,
         cron: str | None = None,
         every: float | None = None,
         timezone: str = "UTC",

@@ -9,6 +9,7 @@ still start it.
 from __future__ import annotations
 
 import functools
+from datetime import datetime
 from typing import Any
 
 from . import limits
@@ -47,8 +48,8 @@ class Schedules:
     def schedule(
         self,
         name: str,
-        *,
         workflow: str,
+        *,
         cron: str | None = None,
         every: float | None = None,
         timezone: str = "UTC",
@@ -129,10 +130,14 @@ class Schedules:
         return RunHandle(run_id=run_id, workflow_id=workflow_id)
 
     def get(self, name: str) -> ScheduleView:
-        return view_of(self._row(name))
+        found = self._row(name)
+        now: datetime = self.client._read(db_now, self.client.engine)
+        return view_of(found, now)
 
     def list(self) -> list[ScheduleView]:
-        return [view_of(r) for r in self.client._read(rows.list_schedules, self.client.engine)]
+        found = self.client._read(rows.list_schedules, self.client.engine)
+        now: datetime = self.client._read(db_now, self.client.engine)
+        return [view_of(r, now) for r in found]
 
     def _row(self, name: str) -> rows.ScheduleRow:
         check_schedule_name(name)
@@ -142,7 +147,12 @@ class Schedules:
         return found
 
 
-def view_of(row: rows.ScheduleRow) -> ScheduleView:
+def view_of(row: rows.ScheduleRow, now: datetime) -> ScheduleView:
+    """The row as a view. A paused schedule's ``next_fire_at`` is the time it would fire next
+    if resumed at ``now`` (fire times passed while paused are never fired)."""
+    next_fire_at = row.next_fire_at
+    if row.paused:
+        next_fire_at = row.cadence.next_after(now)
     return ScheduleView(
         name=row.name,
         workflow=row.workflow,
@@ -153,7 +163,7 @@ def view_of(row: rows.ScheduleRow) -> ScheduleView:
         overlap=row.overlap,
         catchup_window=row.catchup_window,
         paused=row.paused,
-        next_fire_at=None if row.paused else row.next_fire_at,
+        next_fire_at=next_fire_at,
         buffered_fire_at=row.buffered_fire_at,
         last_workflow_id=row.last_workflow_id,
     )

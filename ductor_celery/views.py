@@ -72,7 +72,7 @@ class ScheduleView(BaseModel):
     overlap: str = "skip"
     catchup_window: float
     paused: bool = False
-    #: The next fire time (UTC); ``None`` while paused.
+    #: The next fire time (UTC); while paused, the one it would fire next if resumed now.
     next_fire_at: datetime | None = None
     #: A ``buffer_one`` fire time waiting for the previous run to end.
     buffered_fire_at: datetime | None = None

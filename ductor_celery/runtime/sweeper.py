@@ -70,7 +70,7 @@ class Sweeper:
         engine = self.rt.engine()
         grace = self.rt.settings.outbox_grace
         due = sweep.due_timer_runs(engine, rewake_after=REWAKE_AFTER_S)
-        fired = schedules.fire_due(engine)
+        fired = self._fire_schedules(engine)
         relayed = sweep.relay_stale_outbox(engine, self.rt.dispatcher.send, older_than=grace)
         leased = sweep.reclaim_leases(engine, self.rt.dispatcher.send)
         # A wake-up counts as lost only well past the grace: under load the coordinator's queue
@@ -117,7 +117,11 @@ class Sweeper:
                 leased.granted,
                 leased.extended,
             )
-        pruned = self._prune(engine)
+        try:
+            pruned = self._prune(engine)
+        except Exception:  # noqa: BLE001 - retention must never stop the sweep's other work
+            log.exception("sweep: prune failed; trying again in %.0fs", PRUNE_EVERY_S)
+            pruned = 0
         return {
             "pruned": pruned,
             "schedules_fired": len(fired.started),
@@ -128,6 +132,15 @@ class Sweeper:
             "leases_granted": leased.granted,
             "leases_extended": leased.extended,
         }
+
+    def _fire_schedules(self, engine: Any) -> schedules.FireResult:
+        """Start the runs of due fire times; a failure here (a schema not migrated yet, a bad
+        row) is logged and leaves the rest of the sweep alone."""
+        try:
+            return schedules.fire_due(engine)
+        except Exception:  # noqa: BLE001
+            log.exception("sweep: firing schedules failed; retrying next sweep")
+            return schedules.FireResult()
 
     def _prune(self, engine: Any) -> int:
         """``ductor_retention_days``: delete finished runs older than that, a few batches at
