@@ -193,4 +193,7 @@ class SweeperBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
             self.sweeper.stop()
             self.sweeper = None
 
-    shutdown = stop
+    # A cold stop (``local_workers()`` leaving, a second Ctrl-C) calls terminate, whose
+    # default acts on ``self.obj``, which this step does not use: the sweeper thread would
+    # outlive its worker, and go on firing schedules for it.
+    shutdown = terminate = stop

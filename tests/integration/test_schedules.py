@@ -260,3 +260,13 @@ def test_a_fired_run_runs_the_workflow_with_the_schedules_input(ductor: Ductor) 
     assert _fire_time(view.workflow_id).tzinfo is not None
     assert run_tick(ductor.runtime, run_id) == "committed"
     assert ductor.get(run_id).status == RunStatus.RUNNING
+
+
+def test_the_sweeper_stops_with_local_workers(tmp_path: Path) -> None:
+    """Or a schedule would go on firing from a thread whose workers are gone."""
+    url = f"sqlite:///{tmp_path}/stop.sqlite3"
+    upgrade(url)
+    d = _make(url, "stops")
+    with d.local_workers():
+        assert any(t.name == "ductor-sweeper" for t in threading.enumerate())
+    assert not any(t.name == "ductor-sweeper" for t in threading.enumerate())
