@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import IntegrityError
 
 from ..definition.spec import WorkflowSpec
 from ..engine.fire_times import Cadence, DueFires, due_fires, fire_id
@@ -150,9 +151,16 @@ class FireResult:
     buffered: int = 0
 
 
-def fire_due(engine: Engine, *, limit: int = 100) -> FireResult:
+#: The catch-up window is at least this: the sweeper fires a little after each fire time.
+MIN_CATCHUP_WINDOW_S = 10.0
+
+
+def fire_due(
+    engine: Engine, *, limit: int = 100, min_window: float = MIN_CATCHUP_WINDOW_S
+) -> FireResult:
     """Start the runs of every due fire time of every unpaused schedule, one short
-    transaction per schedule."""
+    transaction per schedule. ``min_window``: the least catch-up window, whatever a schedule
+    says (a sweep comes some time after a fire time; that fire time is not "missed")."""
     now = db_now(engine)
     result = FireResult()
     with engine.connect() as conn:
@@ -169,7 +177,7 @@ def fire_due(engine: Engine, *, limit: int = 100) -> FireResult:
             row = conn.execute(query).one_or_none()
             if row is None:
                 continue  # another sweeper holds it, or has just handled it
-            _fire(conn, ScheduleRow.from_row(row), now, result)
+            _fire(conn, ScheduleRow.from_row(row), now, result, min_window)
     return result
 
 
@@ -187,11 +195,14 @@ def _due(now: datetime) -> sa.Select[Any]:
     )
 
 
-def _fire(conn: Connection, s: ScheduleRow, now: datetime, result: FireResult) -> None:
+def _fire(
+    conn: Connection, s: ScheduleRow, now: datetime, result: FireResult, min_window: float
+) -> None:
     """Handle one locked schedule row: its buffered start, then its due fire times by the
     overlap policy; advance the row in the same transaction."""
+    window = max(s.catchup_window, min_window)
     if s.next_fire_at <= now:
-        due = due_fires(s.cadence, s.next_fire_at, now, s.catchup_window)
+        due = due_fires(s.cadence, s.next_fire_at, now, window)
     else:
         due = DueFires(fires=(), missed=0, next_fire_at=s.next_fire_at)
     if due.missed:
@@ -199,7 +210,7 @@ def _fire(conn: Connection, s: ScheduleRow, now: datetime, result: FireResult) -
             "schedule %r: %d fire times missed by more than the catch-up window (%gs)",
             s.name,
             due.missed,
-            s.catchup_window,
+            window,
         )
     result.missed += due.missed
     starter = _Starter(conn, s)
@@ -257,7 +268,15 @@ class _Starter:
             )
             return None
         run_id = uuid.uuid4().hex
-        insert_run_on(self.conn, run_id, workflow_id, self._spec, self.s.input)
+        try:
+            with self.conn.begin_nested():
+                insert_run_on(self.conn, run_id, workflow_id, self._spec, self.s.input)
+        except IntegrityError:
+            # An open run took the id meanwhile (someone started "<name>@<time>" by hand):
+            # that is the fire time's run. Without the savepoint the schedule's transaction
+            # would fail on every sweep from now on.
+            self.last = workflow_id
+            return None
         self.last = workflow_id
         self.started.append(run_id)
         return run_id

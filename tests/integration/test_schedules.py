@@ -270,3 +270,30 @@ def test_the_sweeper_stops_with_local_workers(tmp_path: Path) -> None:
     with d.local_workers():
         assert any(t.name == "ductor-sweeper" for t in threading.enumerate())
     assert not any(t.name == "ductor-sweeper" for t in threading.enumerate())
+
+
+def test_a_zero_catchup_window_still_fires_the_fire_time_just_passed(ductor: Ductor) -> None:
+    ductor.schedule("now", workflow="report", every=60, catchup_window=0)
+    engine = ductor.runtime.engine()
+    minute = datetime.fromtimestamp(db_now(engine).timestamp() // 60 * 60, UTC)
+    _set_next(ductor, "now", minute - timedelta(minutes=5))
+    result = schedules.fire_due(engine, min_window=65)
+    fires = [_fire_time(i) for i in _runs(ductor, "now")]
+    assert fires in ([minute - timedelta(minutes=1)], [minute]), "the one(s) within 65 s"
+    assert len(result.started) == 1 and result.missed >= 4
+
+
+def test_an_open_run_started_by_hand_under_the_fire_id_is_that_fire_times_run(
+    ductor: Ductor,
+) -> None:
+    ductor.schedule("hand", workflow="report", every=3600, catchup_window=7200)
+    engine = ductor.runtime.engine()
+    hour = datetime.fromtimestamp(db_now(engine).timestamp() // 3600 * 3600, UTC)
+    taken = ductor.start("report", workflow_id=f"hand@{hour.isoformat()}")
+    _set_next(ductor, "hand", hour)
+    result = schedules.fire_due(engine)
+    assert result.started == []
+    assert _runs(ductor, "hand") == [f"hand@{hour.isoformat()}"]
+    (view,) = ductor.list_schedules()
+    assert view.last_workflow_id == taken.workflow_id and view.next_fire_at is not None
+    assert view.next_fire_at > hour
