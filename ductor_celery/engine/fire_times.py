@@ -80,9 +80,13 @@ def check_cadence(cron: object, every: object, timezone: object) -> Cadence:
         raise ValueError(f"bad cron expression {limits.show(cron)}")
     cadence = Cadence(cron=cron, every=None, timezone=timezone)
     try:
-        cadence.next_after(EPOCH)  # a date that never comes ("0 0 30 2 *")
-    except (CroniterBadDateError, ValueError, OverflowError):
+        first = [cadence.next_after(EPOCH) for _ in range(5)]  # "0 0 30 2 *" never comes
+    except (CroniterBadDateError, ValueError, OverflowError, KeyError, IndexError):
         raise ValueError(f"cron expression {cron!r} never fires") from None
+    if len(set(first)) != 1:
+        # croniter's random fields ("R") give another time at every call: a fire time must
+        # be the same whoever computes it.
+        raise ValueError(f"cron expression {cron!r} is random (R): give fixed times")
     return cadence
 
 

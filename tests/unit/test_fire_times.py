@@ -80,6 +80,7 @@ def test_fire_ids_name_the_fire_time_in_utc() -> None:
     [
         ("*/0 * * * *", None, "UTC", "bad cron"),
         ("", None, "UTC", "bad cron"),
+        ("R R * * *", None, "UTC", "random"),
         (5, None, "UTC", "cron must be a string"),
         ("0 2 * * *", None, "", "unknown time zone"),
         ("0 2 * * *", None, 3, "timezone must be a string"),
