@@ -221,10 +221,7 @@ class Client:
             with_retry(
                 functools.partial(runs.save_definition, engine, needed), what="save definition"
             )
-        if delay is not None:  # from the database's clock, the one the sweeper fires by
-            start_at = self._read(db_now, engine) + timedelta(seconds=delay)
-        if start_at is not None:
-            start_at = start_at.astimezone(UTC)  # SQLite keeps a datetime's wall time only
+        start_at, due_now = self._start_time(engine, delay, start_at)
         actual, created = with_retry(
             lambda: runs.insert_run(
                 engine,
@@ -236,9 +233,22 @@ class Client:
             ),
             what="insert run",
         )
-        if created and start_at is None:  # a delayed run is woken by its timer row
+        if created and due_now:  # a delayed run is woken by its timer row when it is due
             self._safe_wake(actual)
         return RunHandle(run_id=actual, workflow_id=workflow_id or run_id)
+
+    def _start_time(
+        self, engine: Engine, delay: float | None, start_at: datetime | None
+    ) -> tuple[datetime | None, bool]:
+        """A delayed start's time in UTC (from the database's clock, the one the sweeper fires
+        timers by), and whether it is due already (then the run is woken at once)."""
+        if delay is None and start_at is None:
+            return None, True
+        now = self._read(db_now, engine)
+        when = now + timedelta(seconds=delay) if delay is not None else start_at
+        assert when is not None
+        when = when.astimezone(UTC)  # SQLite keeps a datetime's wall time only
+        return when, when <= now
 
     def _definition(self, spec_hash: str) -> WorkflowSpec:
         if self._spec_by_hash is not None:

@@ -140,3 +140,10 @@ def test_bad_delays_are_refused_and_write_nothing(
     with pytest.raises(error, match=words):
         ductor.start("report", input=1, **kwargs)
     assert _run_count(ductor) == before
+
+
+def test_a_start_time_already_passed_starts_at_once(ductor: Ductor) -> None:
+    with ductor.local_workers():
+        handle = ductor.start("report", input=3, start_at=datetime.now(UTC) - timedelta(hours=1))
+        view = ductor.wait(handle.run_id, timeout=30)
+    assert view.status == RunStatus.SUCCEEDED and view.output == 3
