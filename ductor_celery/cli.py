@@ -574,7 +574,9 @@ def schedule_group() -> None:
 @click.option("--workflow", required=True, help="The workflow each fire time starts.")
 @click.option("--cron", default=None, help='A cron expression, e.g. "0 2 * * *".')
 @click.option("--every", default=None, help="Or a period: 300, 90s, 15m, 2h, 1d (>= 1s).")
-@click.option("--timezone", default="UTC", show_default=True, help="The cron's IANA time zone.")
+@click.option(
+    "--timezone", "--tz", default="UTC", show_default=True, help="The cron's IANA time zone."
+)
 @click.option("--input", "input_json", default=None, help="The runs' input, as JSON.")
 @click.option(
     "--overlap",
