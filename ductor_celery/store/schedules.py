@@ -156,12 +156,17 @@ MIN_CATCHUP_WINDOW_S = 10.0
 
 
 def fire_due(
-    engine: Engine, *, limit: int = 100, min_window: float = MIN_CATCHUP_WINDOW_S
+    engine: Engine,
+    *,
+    limit: int = 100,
+    min_window: float = MIN_CATCHUP_WINDOW_S,
+    now: datetime | None = None,
 ) -> FireResult:
     """Start the runs of every due fire time of every unpaused schedule, one short
     transaction per schedule. ``min_window``: the least catch-up window, whatever a schedule
-    says (a sweep comes some time after a fire time; that fire time is not "missed")."""
-    now = db_now(engine)
+    says (a sweep comes some time after a fire time; that fire time is not "missed").
+    ``now``: the database's clock unless given (a test harness with a controlled clock)."""
+    now = db_now(engine) if now is None else now
     result = FireResult()
     with engine.connect() as conn:
         names = list(
