@@ -15,11 +15,12 @@ from .errors import (
     PayloadNotSerializable,
     PayloadTooLarge,
     RunNotFound,
+    ScheduleNotFound,
     WorkflowNotFound,
     WrongDatabase,
 )
 from .runtime.steps import Step, StepContext
-from .views import NodeView, RunHandle, RunPage, RunView
+from .views import NodeView, RunHandle, RunPage, RunView, ScheduleView
 
 __all__ = [
     "ConcurrencyLimit",
@@ -38,6 +39,8 @@ __all__ = [
     "RunPage",
     "RunStatus",
     "RunView",
+    "ScheduleNotFound",
+    "ScheduleView",
     "Step",
     "StepContext",
     "Workflow",

@@ -151,6 +151,7 @@ def migrate(ctx: click.Context, database_url: str | None) -> None:
 @click.option("--workflow-id", default=None, help="Business key; an open run with it is reused.")
 @click.option("--wait", "wait_", is_flag=True, help="Wait for the run to finish; print it.")
 @click.option("--timeout", default=None, type=float, help="With --wait: give up after seconds.")
+@click.option("--delay", default=None, type=float, help="Start in this many seconds (pending).")
 @click.pass_context
 def start(
     ctx: click.Context,
@@ -159,6 +160,7 @@ def start(
     workflow_id: str | None,
     wait_: bool,
     timeout: float | None,
+    delay: float | None,
 ) -> None:
     """Start a run of WORKFLOW; prints {"run_id", "workflow_id"} (then the run, with --wait)."""
     value = _parse_json(input_json, "--input")
@@ -167,7 +169,7 @@ def start(
 
         _call(check_timeout, timeout)  # before the run starts, not after
     d = _load_ductor(ctx)
-    handle = _call(d.start, workflow, input=value, workflow_id=workflow_id)
+    handle = _call(d.start, workflow, input=value, workflow_id=workflow_id, delay=delay)
     click.echo(json.dumps({"run_id": handle.run_id, "workflow_id": handle.workflow_id}))
     if wait_:
         view = _call(d.wait, handle.run_id, timeout=timeout)
@@ -438,14 +440,21 @@ ductor.add_command(_decision(False))
 def _control(kind: str, with_reason: bool) -> click.Command:
     name = kind.replace("_", "-")
 
-    @click.command(name=name, help=f"{name.capitalize()} TARGET (run id or workflow id).")
-    @click.argument("target")
+    @click.command(
+        name=name,
+        help=f"{name.capitalize()} TARGET (run id or workflow id), or every run matching "
+        "--workflow/--status/--since/--limit (the count first; acts only with --yes).",
+    )
+    @click.argument("target", required=False)
+    @_bulk_options
     @click.pass_context
-    def control(ctx: click.Context, /, target: str, **options: Any) -> None:
+    def control(ctx: click.Context, /, target: str | None, **options: Any) -> None:
         d = _load_ductor(ctx)
         kwargs: dict[str, Any] = {}
         if with_reason and options.get("reason") is not None:
             kwargs["reason"] = options["reason"]
+        if _bulk_control(d, kind, target, options, kwargs):
+            return
         if kind == "continue_as_new" and options.get("input_json") is not None:
             kwargs["input"] = _parse_json(options["input_json"], "--input")
         _call(getattr(d, kind), target, **kwargs)
@@ -461,6 +470,91 @@ def _control(kind: str, with_reason: bool) -> click.Command:
             help="Start the successor from the top with this JSON input.",
         )(control)
     return control
+
+
+def _bulk_options(fn: Any) -> Any:
+    for option in (
+        click.option("--yes", is_flag=True, help="With filters: act (without: only count)."),
+        click.option("--limit", default=None, type=int, help="With filters: at most N runs."),
+        click.option("--since", default=None, help="With filters: created since (ISO or 2h)."),
+        click.option("--status", default=None, help="Every run with this status."),
+        click.option("--workflow", "bulk_workflow", default=None, help="Every run of it."),
+    ):
+        fn = option(fn)
+    return fn
+
+
+def _bulk_control(
+    d: Ductor, kind: str, target: str | None, options: dict[str, Any], kwargs: dict[str, Any]
+) -> bool:
+    """A control given filters instead of a TARGET: count, then act with --yes. False when
+    it is a plain one-run control."""
+    from . import bulk
+
+    filters = {k: options.get(k) for k in ("bulk_workflow", "status", "since", "limit")}
+    if not any(v is not None for v in filters.values()):
+        if target is None:
+            _fail("give a TARGET, or --workflow/--status to act on every matching run")
+        if options.get("yes"):
+            _fail("--yes goes with --workflow/--status, not with a TARGET")
+        return False
+    if target is not None:
+        _fail("give a TARGET or filters (--workflow/--status/--since/--limit), not both")
+    since = _since(filters["since"]) if filters["since"] is not None else None
+    selection = _call(
+        bulk.select,
+        d.client,
+        kind,
+        workflow=filters["bulk_workflow"],
+        status=filters["status"],
+        since=since,
+        limit=filters["limit"],
+    )
+    name = kind.replace("_", "-")
+    count = len(selection.run_ids)
+    if not options.get("yes"):
+        click.echo(f"{count} runs match; nothing done (add --yes to {name} them)")
+        return True
+    if kind == "continue_as_new" and options.get("input_json") is not None:
+        kwargs["input"] = _parse_json(options["input_json"], "--input")
+        kwargs["has_input"] = True
+    result = _call(bulk.apply, d.client, selection, **kwargs)
+    for run_id, why in result.refused:
+        click.echo(f"refused {run_id}: {why}", err=True)
+    click.echo(f"{name} requested for {result.applied} of {count} runs")
+    if result.refused:
+        sys.exit(1)
+    return True
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def _seconds(text: str, option: str) -> float:
+    """``90``, ``90s``, ``15m``, ``2h``, ``30d``, ``1w``: a number of seconds."""
+    import math
+
+    value = text.strip().lower()
+    unit = _DURATION_UNITS.get(value[-1:], None)
+    number = value[:-1] if unit is not None else value
+    try:
+        seconds = float(number) * (unit or 1)
+    except ValueError:
+        _fail(f"{option} must be a duration such as 90s, 15m, 2h or 30d, got {text!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        _fail(f"{option} must be a finite duration >= 0, got {text!r}")
+    return seconds
+
+
+def _since(text: str) -> datetime:
+    """--since: an ISO 8601 time (a naive one is UTC) or a duration back from now."""
+    from datetime import UTC, timedelta
+
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        return datetime.now(UTC) - timedelta(seconds=_seconds(text, "--since"))
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
 
 
 for _kind, _reason in (
@@ -507,6 +601,122 @@ def web(
             err=True,
         )
     run(app, host=host, port=port)
+
+
+@ductor.command(name="schedules")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.pass_context
+def schedules_(ctx: click.Context, as_json: bool) -> None:
+    """List schedules with their next fire time."""
+    d = _load_ductor(ctx)
+    views = _call(d.list_schedules)
+    if as_json:
+        for view in views:
+            click.echo(view.model_dump_json())
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{len(views)} schedules")
+    for column in ("name", "workflow", "when", "overlap", "next fire (UTC)", "last run"):
+        table.add_column(column)
+    for v in views:
+        when = f"cron {v.cron} ({v.timezone})" if v.cron else f"every {v.every:g}s"
+        table.add_row(
+            v.name,
+            v.workflow,
+            when,
+            v.overlap,
+            "paused" if v.paused else _when(v.next_fire_at),
+            v.last_workflow_id or "",
+        )
+    _console().print(table)
+
+
+@ductor.group(name="schedule")
+def schedule_group() -> None:
+    """Add, remove, pause, resume or trigger a schedule."""
+
+
+@schedule_group.command(name="add")
+@click.argument("name")
+@click.option("--workflow", required=True, help="The workflow each fire time starts.")
+@click.option("--cron", default=None, help='A cron expression, e.g. "0 2 * * *".')
+@click.option("--every", default=None, help="Or a period: 300, 90s, 15m, 2h, 1d (>= 1s).")
+@click.option(
+    "--timezone", "--tz", default="UTC", show_default=True, help="The cron's IANA time zone."
+)
+@click.option("--input", "input_json", default=None, help="The runs' input, as JSON.")
+@click.option(
+    "--overlap",
+    default="skip",
+    show_default=True,
+    help="While the previous run is open: skip, buffer_one or allow.",
+)
+@click.option("--catchup-window", default=None, help="Catch up missed fire times this recent (5m).")
+@click.pass_context
+def schedule_add(
+    ctx: click.Context,
+    name: str,
+    workflow: str,
+    cron: str | None,
+    every: str | None,
+    timezone: str,
+    input_json: str | None,
+    overlap: str,
+    catchup_window: str | None,
+) -> None:
+    """Define schedule NAME (replacing one of that name); prints it as JSON."""
+    value = _parse_json(input_json, "--input")
+    options: dict[str, Any] = {}
+    if catchup_window is not None:
+        options["catchup_window"] = _seconds(catchup_window, "--catchup-window")
+    d = _load_ductor(ctx)
+    view = _call(
+        d.schedule,
+        name,
+        workflow=workflow,
+        cron=cron,
+        every=_seconds(every, "--every") if every is not None else None,
+        timezone=timezone,
+        input=value,
+        overlap=overlap,
+        **options,
+    )
+    click.echo(view.model_dump_json())
+
+
+def _schedule_action(verb: str, method: str, help_text: str) -> None:
+    @schedule_group.command(name=verb, help=help_text)
+    @click.argument("name")
+    @click.pass_context
+    def action(ctx: click.Context, name: str) -> None:
+        d = _load_ductor(ctx)
+        found = _call(getattr(d, method), name)
+        if found is not None:  # trigger: the run it started
+            click.echo(json.dumps({"run_id": found.run_id, "workflow_id": found.workflow_id}))
+        else:
+            click.echo(f"schedule {name} {verb}d")  # removed, paused, resumed
+
+
+_schedule_action("remove", "unschedule", "Delete schedule NAME (its runs stay).")
+_schedule_action("pause", "pause_schedule", "Stop firing NAME until resumed.")
+_schedule_action("resume", "resume_schedule", "Fire NAME again, from the next fire time.")
+_schedule_action("trigger", "trigger_schedule", "Start a run of NAME now; prints its ids.")
+
+
+@ductor.command()
+@click.option("--older-than", required=True, help="Finished longer ago than this: 30d, 12h...")
+@click.option("--status", "statuses", multiple=True, help="Only this finished status (repeat).")
+@click.option("--dry-run", is_flag=True, help="Only count the runs that would be deleted.")
+@click.pass_context
+def prune(ctx: click.Context, older_than: str, statuses: tuple[str, ...], dry_run: bool) -> None:
+    """Delete finished runs (attempts, transitions, signals, controls too), in batches."""
+    from datetime import timedelta
+
+    age = timedelta(seconds=_seconds(older_than, "--older-than"))
+    d = _load_ductor(ctx)
+    count = _call(d.prune, older_than=age, statuses=list(statuses) or None, dry_run=dry_run)
+    click.echo(f"{count} runs would be deleted" if dry_run else f"{count} runs deleted")
 
 
 def main() -> None:

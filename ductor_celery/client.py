@@ -12,7 +12,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy.engine import Engine
@@ -31,7 +31,7 @@ from .errors import (
 )
 from .settings import Settings
 from .store import clock, external, finishes, joined, runs
-from .store.db import get_engine, with_retry
+from .store.db import db_now, get_engine, with_retry
 from .store.runs import RunRow
 from .views import NodeView, RunHandle, RunPage, RunView
 
@@ -187,6 +187,27 @@ def check_list_filter(
     return where, after
 
 
+def check_start_time(delay: Any, start_at: Any) -> None:
+    """``start``'s delayed start: ``delay`` (finite seconds >= 0) or ``start_at`` (an aware
+    datetime), not both."""
+    if delay is not None and start_at is not None:
+        raise ValueError("give delay= or start_at=, not both")
+    if delay is not None:
+        problem = limits.duration_problem(delay, allow_zero=True)
+        if problem is not None:
+            if not limits.is_number(delay):
+                raise TypeError(f"delay {problem}")
+            raise ValueError(f"delay {problem}")
+    if start_at is not None:
+        if not isinstance(start_at, datetime):
+            raise TypeError(f"start_at must be a datetime, got {type(start_at).__name__}")
+        if start_at.tzinfo is None or start_at.utcoffset() is None:
+            raise ValueError(
+                "start_at must be an aware datetime (with a time zone), got a naive one: "
+                "use e.g. datetime(..., tzinfo=UTC)"
+            )
+
+
 def decision_key(run_id: str, node: str, started: str) -> str:
     """The idempotency key of one decision on one waiting episode, within the column's
     MAX_ID_LENGTH (a long node id would overflow it: then a digest of it)."""
@@ -228,17 +249,21 @@ class Client:
         input: Any = None,
         workflow_id: str | None = None,
         *,
+        delay: float | None = None,
+        start_at: datetime | None = None,
         connection: Any = None,
         using: str | None = None,
     ) -> RunHandle:
-        """Insert a pending run and wake it. ``connection=`` (a SQLAlchemy Connection or
-        Session) or ``using=`` (a Django database alias): inserted in that transaction, woken
-        once it commits (store/joined.py)."""
+        """Insert a pending run and wake it. ``delay``/``start_at``: it stays pending until
+        then (a timer row wakes it). ``connection=`` (a SQLAlchemy Connection or Session) or
+        ``using=`` (a Django database alias): inserted in that transaction, woken once it
+        commits (store/joined.py)."""
         # Every argument is checked before the first query: a bad id must not reach a
         # VARCHAR(200) column (PostgreSQL raises a DataError; SQLite would store it).
         check_id(workflow, "workflow")
         if workflow_id is not None:
             check_id(workflow_id, "workflow_id")
+        check_start_time(delay, start_at)
         value = check_payload(
             input, f"input of workflow {workflow!r}", self.settings.max_payload_bytes
         )
@@ -247,18 +272,17 @@ class Client:
             self._remember_spec(spec)
         run_id = uuid.uuid4().hex
         if connection is not None or using is not None:
+            caller = joined.join(connection, using, get_engine(self.settings.database_url))
+            fire_at, due_now = self._start_time(self.engine, delay, start_at)
             return self._start_joined(
-                joined.join(connection, using, get_engine(self.settings.database_url)),
-                spec,
-                run_id,
-                workflow_id or run_id,
-                value,
+                caller, spec, run_id, workflow_id or run_id, value, fire_at, due_now
             )
         engine = self.engine
         for needed in self._with_children(spec):
             with_retry(
                 functools.partial(runs.save_definition, engine, needed), what="save definition"
             )
+        start_at, due_now = self._start_time(engine, delay, start_at)
         traceparent = tracing.start_run(run_id, spec.name)
         actual, created = with_retry(
             lambda: runs.insert_run(
@@ -268,18 +292,26 @@ class Client:
                 spec=spec,
                 input=value,
                 trace_context=traceparent,
+                start_at=start_at,
             ),
             what="insert run",
         )
-        if created:
+        if created and due_now:  # a delayed run is woken by its timer row when it is due
             self._safe_wake(actual)
         return RunHandle(run_id=actual, workflow_id=workflow_id or run_id)
 
     def _start_joined(
-        self, caller: joined.Joined, spec: WorkflowSpec, run_id: str, workflow_id: str, value: Any
+        self,
+        caller: joined.Joined,
+        spec: WorkflowSpec,
+        run_id: str,
+        workflow_id: str,
+        value: Any,
+        start_at: datetime | None,
+        due_now: bool,
     ) -> RunHandle:
         """The run's rows in the caller's transaction (not retried here: a transaction is the
-        caller's to retry); the wake-up once it commits."""
+        caller's to retry); the wake-up once it commits (a delayed run: its timer's)."""
         actual, created = joined.insert_run_on(
             caller,
             run_id=run_id,
@@ -288,13 +320,27 @@ class Client:
             definitions=self._with_children(spec),
             input=value,
             trace_context=tracing.start_run(run_id, spec.name),
+            start_at=start_at,
         )
-        if created:
+        if created and due_now:
             caller.on_commit(
                 lambda: self._safe_wake(actual),
                 visible=lambda: self._read(runs.find_run, self.engine, actual) is not None,
             )
         return RunHandle(run_id=actual, workflow_id=workflow_id)
+
+    def _start_time(
+        self, engine: Engine, delay: float | None, start_at: datetime | None
+    ) -> tuple[datetime | None, bool]:
+        """A delayed start's time in UTC (from the database's clock, the one the sweeper fires
+        timers by), and whether it is due already (then the run is woken at once)."""
+        if delay is None and start_at is None:
+            return None, True
+        now = self._read(db_now, engine)
+        when = now + timedelta(seconds=delay) if delay is not None else start_at
+        assert when is not None
+        when = when.astimezone(UTC)  # SQLite keeps a datetime's wall time only
+        return when, when <= now
 
     def _definition(self, spec_hash: str) -> WorkflowSpec:
         if self._spec_by_hash is not None:
@@ -574,6 +620,7 @@ class Client:
             continued_to=row.continued_to,
             created_at=row.created_at,
             finished_at=row.finished_at,
+            start_at=row.state.start_at,
         )
 
     def definition_of(self, target: str) -> WorkflowSpec:

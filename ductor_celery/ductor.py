@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, overload
 
+from . import retention
 from .client import Client
 from .definition.builder import Workflow
 from .definition.checks import check_step_options, not_a_function
@@ -17,9 +18,10 @@ from .engine.kinds import ControlKind
 from .errors import DefinitionError
 from .runtime.runtime import Runtime
 from .runtime.steps import Step
+from .schedules import DEFAULT_CATCHUP_WINDOW_S, Schedules
 from .settings import Settings
 from .store import migrate
-from .views import RunHandle, RunPage, RunView
+from .views import RunHandle, RunPage, RunView, ScheduleView
 
 log = logging.getLogger("ductor_celery")
 
@@ -41,6 +43,7 @@ class Ductor:
             get_engine=self._runtime.engine,
             spec_by_hash=self._runtime.spec_for,
         )
+        self.schedules = Schedules(self.client)
         app._ductor = self
         self._configure_app()
 
@@ -161,13 +164,23 @@ class Ductor:
         input: Any = None,
         workflow_id: str | None = None,
         *,
+        delay: float | None = None,
+        start_at: datetime | None = None,
         connection: Any = None,
         using: str | None = None,
     ) -> RunHandle:
-        """Start a run. ``connection=`` (SQLAlchemy) or ``using=`` (a Django alias): inside
-        the caller's transaction on ductor's database, woken once it commits."""
+        """Start a run; with ``delay`` (seconds) or ``start_at`` (an aware datetime) it stays
+        ``pending`` until then (a timer row, cancellable like any open run). ``connection=``
+        (SQLAlchemy) or ``using=`` (a Django alias): inside the caller's transaction on
+        ductor's database, woken once it commits."""
         return self.client.start(
-            workflow, input=input, workflow_id=workflow_id, connection=connection, using=using
+            workflow,
+            input=input,
+            workflow_id=workflow_id,
+            delay=delay,
+            start_at=start_at,
+            connection=connection,
+            using=using,
         )
 
     def get(self, target: str) -> RunView:
@@ -237,6 +250,67 @@ class Ductor:
         self.client.control(
             target, ControlKind.CONTINUE_AS_NEW, input=input, has_input=input is not None
         )
+
+    # -- schedules ------------------------------------------------------------------------------
+
+    def schedule(
+        self,
+        name: str,
+        workflow: str,
+        *,
+        cron: str | None = None,
+        every: float | None = None,
+        timezone: str = "UTC",
+        input: Any = None,
+        overlap: str = "skip",
+        catchup_window: float = DEFAULT_CATCHUP_WINDOW_S,
+    ) -> ScheduleView:
+        """Start ``workflow`` on a cron expression (in ``timezone``) or ``every`` N seconds,
+        fired by the coordinator's sweeper: one run per fire time, whose workflow id is
+        ``<name>@<fire time ISO 8601 UTC>``. ``overlap`` says what a fire time does while the
+        previous run is open: ``"skip"`` it, ``"buffer_one"`` (start once that run ends), or
+        ``"allow"``. Fire times missed by more than ``catchup_window`` seconds (coordinators
+        down) are not fired. Defining a schedule again with the same name replaces it."""
+        return self.schedules.schedule(
+            name,
+            workflow=workflow,
+            cron=cron,
+            every=every,
+            timezone=timezone,
+            input=input,
+            overlap=overlap,
+            catchup_window=catchup_window,
+        )
+
+    def unschedule(self, name: str) -> None:
+        self.schedules.unschedule(name)
+
+    def pause_schedule(self, name: str) -> None:
+        self.schedules.pause(name)
+
+    def resume_schedule(self, name: str) -> None:
+        self.schedules.resume(name)
+
+    def trigger_schedule(self, name: str) -> RunHandle:
+        """Start a run of the schedule now, even while it is paused."""
+        return self.schedules.trigger(name)
+
+    def list_schedules(self) -> list[ScheduleView]:
+        return self.schedules.list()
+
+    # -- retention ------------------------------------------------------------------------------
+
+    def prune(
+        self,
+        older_than: timedelta,
+        statuses: list[str] | None = None,
+        dry_run: bool = False,
+    ) -> int:
+        """Delete finished runs (with their attempts, transitions, signals and controls) that
+        finished more than ``older_than`` ago, in short batches; never a child of a parent
+        that stays. ``statuses``: only these finished statuses. ``dry_run``: only count.
+        Returns how many runs were (or would be) deleted."""
+        return retention.prune(self.client, older_than, statuses=statuses, dry_run=dry_run)
 
     def local_workers(self, concurrency: int = 4) -> Any:
         """Run a coordinator and step consumers as threads in this process (a context manager)."""

@@ -6,6 +6,7 @@
       DefinitionError            a workflow that cannot be registered (names the node or path)
       WorkflowNotFound           start of an unregistered workflow name
       RunNotFound                no run with that id or workflow id
+      ScheduleNotFound           no schedule with that name
       InvalidOperation           a control, approval or signal the run's state does not allow
       PayloadTooLarge            an input or payload over ductor_max_payload_bytes
       PayloadNotSerializable     a value that cannot be stored exactly (NaN, NUL, too deep, ...)
@@ -36,6 +37,10 @@ class WorkflowNotFound(DuctorError):
 
 class RunNotFound(DuctorError):
     """No run with that run id or workflow id."""
+
+
+class ScheduleNotFound(DuctorError):
+    """No schedule with that name."""
 
 
 class InvalidOperation(DuctorError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ class Settings:
     metrics_port: int | None = None
     #: The address it binds: every interface, as Prometheus exporters do (no run data in it).
     metrics_host: str = "0.0.0.0"
+    #: The sweeper prunes finished runs older than this many days (``None``: keep everything).
+    retention_days: float | None = None
 
     @property
     def embedded(self) -> bool:
@@ -78,6 +81,7 @@ class Settings:
             inline_steps=get("inline_steps", defaults.inline_steps, _count("inline_steps")),
             metrics_port=get("metrics_port", defaults.metrics_port, _port("metrics_port")),
             metrics_host=get("metrics_host", defaults.metrics_host, str),
+            retention_days=get("retention_days", defaults.retention_days, _days),
         )
 
 
@@ -91,6 +95,19 @@ def _flag(value: Any) -> bool:
     if text in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"a ductor flag setting must be true or false, got {value!r}")
+
+
+def _days(value: Any) -> float:
+    """``ductor_retention_days``: a positive number of days (a string from an env config too)."""
+    try:
+        days = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        days = math.nan
+    if not math.isfinite(days) or days <= 0:
+        raise ValueError(
+            f"ductor_retention_days must be a positive number of days (or None), got {value!r}"
+        )
+    return days
 
 
 def _count(key: str) -> Callable[[Any], int]:

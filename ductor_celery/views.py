@@ -47,6 +47,10 @@ class RunView(BaseModel):
     continued_to: str | None = None
     created_at: datetime
     finished_at: datetime | None = None
+    #: A delayed run's start time (``start(delay=...)`` / ``start_at=``); it is pending until then.
+    start_at: datetime | None = None
+    #: When the whole run times out, if it has a deadline.
+    deadline_at: datetime | None = None
 
     @property
     def done(self) -> bool:
@@ -90,3 +94,25 @@ class RunPage(Sequence[RunView]):
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]  # equal to a list, which has no hash
+
+
+class ScheduleView(BaseModel):
+    """A schedule as ``list_schedules()`` shows it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    workflow: str
+    cron: str | None = None
+    every: float | None = None
+    timezone: str = "UTC"
+    input: Any = None
+    overlap: str = "skip"
+    catchup_window: float
+    paused: bool = False
+    #: The next fire time (UTC); while paused, the one it would fire next if resumed now.
+    next_fire_at: datetime | None = None
+    #: A ``buffer_one`` fire time waiting for the previous run to end.
+    buffered_fire_at: datetime | None = None
+    #: The workflow id of the newest run the schedule started.
+    last_workflow_id: str | None = None

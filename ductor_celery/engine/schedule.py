@@ -15,6 +15,7 @@ from ..definition.spec import (
 )
 from .children import close_child, start_subworkflow
 from .context import TickContext
+from .delay import waiting_to_start
 from .external import park_node
 from .payloads import refusal
 from .scatter import close_branches, close_slot, start_scatter
@@ -152,6 +153,9 @@ def next_wake_at(t: TickContext) -> datetime | None:
     """The earliest check, retry or deadline. A paused run's timers fire only after resume."""
     paused = t.payload.state.status == RunStatus.PAUSED
     due: list[datetime] = []
+    if waiting_to_start(t.payload.state, t.now):
+        assert t.payload.state.start_at is not None
+        due.append(t.payload.state.start_at)
     for ns in t.nodes.values():
         for _, slot in slots(ns):
             due.extend(w for w in (slot.check_at, None if paused else slot.retry_at) if w)

@@ -229,10 +229,13 @@ class RunState:
     transitions: int = 0
     #: A continue-as-new waiting for in-flight attempts to drain: {"input": ..., "has_input": bool}.
     continue_pending: dict[str, Any] | None = None
+    #: A delayed start (``start(delay=...)`` / ``start_at=``): the run stays pending until
+    #: then (engine/delay.py); its timer row wakes it.
+    start_at: datetime | None = None
 
     @classmethod
-    def initial(cls, node_ids: list[str]) -> RunState:
-        return cls(nodes={n: NodeState() for n in node_ids})
+    def initial(cls, node_ids: list[str], start_at: datetime | None = None) -> RunState:
+        return cls(nodes={n: NodeState() for n in node_ids}, start_at=start_at)
 
     def copy(self) -> RunState:
         return RunState(
@@ -241,6 +244,7 @@ class RunState:
             context=copy.deepcopy(self.context),
             transitions=self.transitions,
             continue_pending=copy.deepcopy(self.continue_pending),
+            start_at=self.start_at,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -250,6 +254,7 @@ class RunState:
             "context": self.context,
             "transitions": self.transitions,
             **({"continue_pending": self.continue_pending} if self.continue_pending else {}),
+            **({"start_at": self.start_at.isoformat()} if self.start_at else {}),
         }
 
     @classmethod
@@ -260,4 +265,5 @@ class RunState:
             context=dict(data.get("context") or {}),
             transitions=int(data.get("transitions", 0)),
             continue_pending=data.get("continue_pending"),
+            start_at=datetime.fromisoformat(data["start_at"]) if data.get("start_at") else None,
         )

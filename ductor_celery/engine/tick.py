@@ -15,6 +15,7 @@ from .advance import check_in_flight, fire_retries, fold_results
 from .children import absorb_subworkflows
 from .context import TickContext
 from .controls import apply_control, maybe_continue_as_new, request_auto_continue
+from .delay import waiting_to_start
 from .external import absorb_external
 from .inputs import TickInputs, TickPayload
 from .scatter import drive_scatters
@@ -38,6 +39,8 @@ def compute_tick(
             payload.folded.append(result.token)
             payload.changed = True
         return _finish(t)
+    if waiting_to_start(payload.state, now):
+        return _finish(t)  # a delayed start: its timer row wakes it at start_at
     if payload.state.status == RunStatus.PENDING:
         t.move_run(RunStatus.RUNNING, "started")
     fold_results(t)

@@ -14,11 +14,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
 
-from ..store import sweep
+from ..engine.status import TERMINAL_RUN_STATUSES
+from ..store import retention, schedules, sweep
+from ..store.db import db_now
 from . import metrics
 
 if TYPE_CHECKING:
@@ -33,6 +36,10 @@ SIGNAL_REWAKE_AFTER_S = 30.0
 LOST_WAKEUP_AFTER_S = 10.0
 #: ... and such a run is woken again at most this often.
 LOST_REWAKE_AFTER_S = 30.0
+#: With ``ductor_retention_days``, prune at most this often, and at most this many batches a
+#: time, so a backlog of old runs never holds up the sweep's other work for long.
+PRUNE_EVERY_S = 60.0
+PRUNE_BATCHES_PER_SWEEP = 10
 
 
 class Sweeper:
@@ -41,6 +48,7 @@ class Sweeper:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._recent: dict[str, tuple[float, float]] = {}
+        self._pruned_at: float | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="ductor-sweeper", daemon=True)
@@ -63,6 +71,7 @@ class Sweeper:
         engine = self.rt.engine()
         grace = self.rt.settings.outbox_grace
         due = sweep.due_timer_runs(engine, rewake_after=REWAKE_AFTER_S)
+        fired = self._fire_schedules(engine)
         relayed = sweep.relay_stale_outbox(engine, self.rt.dispatcher.send, older_than=grace)
         leased = sweep.reclaim_leases(engine, self.rt.dispatcher.send)
         # A wake-up counts as lost only well past the grace: under load the coordinator's queue
@@ -87,7 +96,14 @@ class Sweeper:
                 LOST_REWAKE_AFTER_S,
             )
         )
-        self.rt.dispatcher.wake_many(due + lost)
+        self.rt.dispatcher.wake_many(fired.started + due + lost)
+        if fired.started or fired.skipped or fired.missed:
+            log.info(
+                "sweep: schedules: %d runs started, %d fire times skipped (overlap), %d missed",
+                len(fired.started),
+                fired.skipped,
+                fired.missed,
+            )
         if due or relayed or lost:
             log.info(
                 "sweep: %d due timers, %d outbox rows re-sent, %d lost wake-ups",
@@ -102,7 +118,14 @@ class Sweeper:
                 leased.granted,
                 leased.extended,
             )
+        try:
+            pruned = self._prune(engine)
+        except Exception:  # noqa: BLE001 - retention must never stop the sweep's other work
+            log.exception("sweep: prune failed; trying again in %.0fs", PRUNE_EVERY_S)
+            pruned = 0
         actions = {
+            "pruned": pruned,
+            "schedules_fired": len(fired.started),
             "timers": len(due),
             "outbox": relayed,
             "lost_wakeups": len(lost),
@@ -112,6 +135,36 @@ class Sweeper:
         }
         metrics.record_sweep(actions)
         return actions
+
+    def _fire_schedules(self, engine: Any) -> schedules.FireResult:
+        """Start the runs of due fire times; a failure here (a schema not migrated yet, a bad
+        row) is logged and leaves the rest of the sweep alone."""
+        try:
+            # A fire time is on time if a sweep or two comes after it: never "missed" for that.
+            floor = max(schedules.MIN_CATCHUP_WINDOW_S, 3 * self.rt.settings.sweep_interval)
+            return schedules.fire_due(engine, min_window=floor)
+        except Exception:  # noqa: BLE001
+            log.exception("sweep: firing schedules failed; retrying next sweep")
+            return schedules.FireResult()
+
+    def _prune(self, engine: Any) -> int:
+        """``ductor_retention_days``: delete finished runs older than that, a few batches at
+        most every PRUNE_EVERY_S (several coordinators skip each other's locked batches)."""
+        days = self.rt.settings.retention_days
+        now = time.monotonic()
+        if days is None or (self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY_S):
+            return 0
+        self._pruned_at = now
+        cutoff = db_now(engine) - timedelta(days=days)
+        pruned = retention.prune(
+            engine,
+            cutoff=cutoff,
+            statuses=TERMINAL_RUN_STATUSES,
+            max_batches=PRUNE_BATCHES_PER_SWEEP,
+        )
+        if pruned:
+            log.info("sweep: pruned %d runs finished before %s", pruned, cutoff.isoformat())
+        return pruned
 
     def _throttle(self, run_ids: list[str], window: float) -> list[str]:
         """Drop runs woken for the same reason within ``window`` seconds."""
@@ -145,4 +198,7 @@ class SweeperBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
             self.sweeper.stop()
             self.sweeper = None
 
-    shutdown = stop
+    # A cold stop (``local_workers()`` leaving, a second Ctrl-C) calls terminate, whose
+    # default acts on ``self.obj``, which this step does not use: the sweeper thread would
+    # outlive its worker, and go on firing schedules for it.
+    shutdown = terminate = stop

@@ -144,6 +144,20 @@ def is_postgres(engine: Engine) -> bool:
     return engine.dialect.name == "postgresql"
 
 
+def db_now(engine: Engine) -> datetime:
+    """The database's clock on PostgreSQL (the one ticks and the sweeper go by), this
+    process's on SQLite (the same machine's clock there; the test harness's, when it injected
+    one: store/clock.py)."""
+    if is_postgres(engine):
+        with engine.connect() as conn:
+            value = conn.execute(sa.select(sa.func.now())).scalar_one()
+        assert isinstance(value, datetime)
+        return value
+    from . import clock  # here: clock.py is a leaf, db.py is imported by everything
+
+    return clock.now(engine)
+
+
 def aware(value: datetime | None) -> datetime | None:
     """SQLite hands back naive datetimes; every datetime we keep is UTC-aware."""
     if value is None or value.tzinfo is not None:

@@ -27,6 +27,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, Protocol
 
 import sqlalchemy as sa
@@ -332,6 +333,7 @@ def insert_run_on(
     definitions: list[WorkflowSpec],
     input: Any,
     trace_context: str | None = None,
+    start_at: datetime | None = None,
 ) -> tuple[str, bool]:
     """``runs.insert_run`` in the caller's transaction: the definitions the run pins, then the
     run. Returns (run_id, created); an open run of the same workflow id wins (a savepoint keeps
@@ -347,9 +349,12 @@ def insert_run_on(
         spec=spec,
         input=input,
         trace_context=trace_context,
+        start_at=start_at,
     )
     try:
         with joined.savepoint():
+            if start_at is not None:  # a delayed run: its timer row wakes it (never an ETA)
+                joined.execute(runs.timer_insert(run_id, start_at))
             joined.execute(statement)
     except joined.integrity_errors:
         existing = joined.execute(runs.open_run_of(workflow_id))

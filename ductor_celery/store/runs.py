@@ -23,7 +23,13 @@ from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from . import clock
 from .composed import child_output, gather, gather_children
 from .db import aware
-from .schema import step_attempt, workflow_definition, workflow_run, workflow_transition
+from .schema import (
+    step_attempt,
+    workflow_definition,
+    workflow_run,
+    workflow_timer,
+    workflow_transition,
+)
 
 RUN_COLUMNS = (
     workflow_run.c.run_id,
@@ -177,6 +183,7 @@ def run_insert(
     parent_run_id: str | None = None,
     created_at: datetime | None = None,
     trace_context: str | None = None,
+    start_at: datetime | None = None,
 ) -> sa.Insert:
     """The row of a run a client starts (``insert_run``, or ``store/joined.py`` in the
     caller's own transaction). ``created_at``: the store's clock when one is injected
@@ -189,13 +196,18 @@ def run_insert(
             workflow=spec.name,
             version=spec.version,
             spec_hash=spec.spec_hash,
-            state=RunState.initial(spec.graph.order),
+            state=RunState.initial(spec.graph.order, start_at=start_at),
             input=input,
             parent_run_id=parent_run_id,
             trace_context=trace_context,
             **times,
         )
     )
+
+
+def timer_insert(run_id: str, fire_at: datetime) -> sa.Insert:
+    """A delayed run's timer row: the sweeper wakes the run when it is due."""
+    return sa.insert(workflow_timer).values(run_id=run_id, fire_at=fire_at)
 
 
 def open_run_of(workflow_id: str) -> sa.Select[Any]:
@@ -215,8 +227,13 @@ def insert_run(
     input: Any,
     parent_run_id: str | None = None,
     trace_context: str | None = None,
+    start_at: datetime | None = None,
 ) -> tuple[str, bool]:
-    """Insert a pending run. Returns (run_id, created); an open run of the same workflow id wins."""
+    """Insert a pending run. Returns (run_id, created); an open run of the same workflow id wins.
+
+    A delayed run (``start_at``) gets its timer row in the same transaction: the sweeper wakes
+    it when it is due, so no wake-up need be sent now.
+    """
     statement = run_insert(
         run_id=run_id,
         workflow_id=workflow_id,
@@ -225,9 +242,12 @@ def insert_run(
         parent_run_id=parent_run_id,
         created_at=clock.injected_now(engine),
         trace_context=trace_context,
+        start_at=start_at,
     )
     try:
         with engine.begin() as conn:
+            if start_at is not None:
+                conn.execute(timer_insert(run_id, start_at))
             conn.execute(statement)
         return run_id, True
     except IntegrityError:

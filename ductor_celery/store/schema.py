@@ -143,6 +143,13 @@ workflow_run = sa.Table(
     sa.Index("eec_workflow_run_status_created", "status", "created_at"),
     # The runs list's order and keyset cursor (store/runs.py, list_runs).
     sa.Index("eec_workflow_run_created_run_id", "created_at", "run_id"),
+    # Prune reads finished runs by when they finished.
+    sa.Index(
+        "eec_workflow_run_finished",
+        "finished_at",
+        postgresql_where=sa.text("finished_at IS NOT NULL"),
+        sqlite_where=sa.text("finished_at IS NOT NULL"),
+    ),
 )
 
 step_attempt = sa.Table(
@@ -272,6 +279,8 @@ workflow_signal = sa.Table(
         postgresql_where=sa.text("applied_at IS NULL"),
         sqlite_where=sa.text("applied_at IS NULL"),
     ),
+    # Prune deletes a run's signals by run id.
+    sa.Index("eec_workflow_signal_run", "run_id"),
 )
 
 workflow_control = sa.Table(
@@ -303,6 +312,8 @@ workflow_control = sa.Table(
         postgresql_where=sa.text("handled_at IS NULL"),
         sqlite_where=sa.text("handled_at IS NULL"),
     ),
+    # Prune deletes a run's controls by run id.
+    sa.Index("eec_workflow_control_run", "run_id"),
 )
 
 concurrency_lease = sa.Table(
@@ -328,4 +339,32 @@ workflow_wake = sa.Table(
     # attempt meanwhile need not send another (that tick will see their result).
     sa.Column("run_id", sa.String(64), primary_key=True),
     sa.Column("requested_at", Ts, nullable=False),
+)
+
+workflow_schedule = sa.Table(
+    "eec_workflow_schedule",
+    metadata,
+    # One row per schedule; defining a schedule again with the same name replaces its row.
+    sa.Column("name", sa.String(200), primary_key=True),
+    sa.Column("workflow", sa.String(200), nullable=False),
+    # Exactly one of cron (with its IANA time zone) and every (seconds) is set.
+    sa.Column("cron", sa.String(200), nullable=True),
+    sa.Column("every", sa.Float, nullable=True),
+    sa.Column("timezone", sa.String(64), nullable=False),
+    sa.Column("input", Json, nullable=True),
+    # skip | buffer_one | allow: what a fire time does while the previous run is open
+    sa.Column("overlap", sa.String(20), nullable=False),
+    # Fire times missed (a coordinator down) by more than this many seconds are not fired.
+    sa.Column("catchup_window", sa.Float, nullable=False),
+    sa.Column("paused", sa.Boolean, nullable=False, server_default=sa.false()),
+    # The next fire time not handled yet; the sweeper advances it in the transaction that
+    # starts that fire time's run, so each fire time is handled once.
+    sa.Column("next_fire_at", Ts, nullable=False),
+    # buffer_one: a fire time held back while the previous run is open, started when it ends.
+    sa.Column("buffered_fire_at", Ts, nullable=True),
+    # The workflow id of the newest run this schedule started (the overlap policy's "previous").
+    sa.Column("last_workflow_id", sa.String(200), nullable=True),
+    sa.Column("created_at", Ts, nullable=False, server_default=sa.func.now()),
+    sa.Column("updated_at", Ts, nullable=False, server_default=sa.func.now()),
+    sa.Index("eec_workflow_schedule_next_fire", "next_fire_at"),
 )

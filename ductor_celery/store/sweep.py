@@ -136,12 +136,19 @@ def parents_behind_children(engine: Engine, *, older_than: float, limit: int = 1
 
 
 def pending_runs(engine: Engine, *, older_than: float, limit: int = 1000) -> list[str]:
-    """Runs a client inserted that no tick has picked up: the first wake-up was lost."""
+    """Runs a client inserted that no tick has picked up: the first wake-up was lost. A
+    delayed run (its timer row still in the future) is not late: its timer wakes it."""
+    cutoff = _cutoff(engine, older_than)
+    delayed = sa.exists().where(
+        workflow_timer.c.run_id == workflow_run.c.run_id,
+        workflow_timer.c.fire_at > cutoff + timedelta(seconds=older_than),
+    )
     return _run_ids(
         engine,
         sa.select(workflow_run.c.run_id).where(
             workflow_run.c.status == RunStatus.PENDING.value,
-            workflow_run.c.created_at <= _cutoff(engine, older_than),
+            workflow_run.c.created_at <= cutoff,
+            ~delayed,
         ),
         limit,
     )

@@ -81,7 +81,16 @@ def imported_modules(path: Path, root: Path = PACKAGE_ROOT) -> list[tuple[int, s
 
 #: Outside store/, SQLAlchemy appears only as the Engine and Connection types handed around;
 #: the SQL, the dialect branches and the driver's errors are store/'s business.
-DIALECT_FREE = ("runtime", "client.py", "ductor.py", "cli.py", "views.py")
+DIALECT_FREE = (
+    "runtime",
+    "client.py",
+    "ductor.py",
+    "cli.py",
+    "views.py",
+    "schedules.py",
+    "retention.py",
+    "bulk.py",
+)
 ALLOWED_SQLALCHEMY = {
     "sqlalchemy.engine",
     "sqlalchemy.engine.Engine",
