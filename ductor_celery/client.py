@@ -273,7 +273,13 @@ class Client:
         run_id = uuid.uuid4().hex
         if connection is not None or using is not None:
             caller = joined.join(connection, using, get_engine(self.settings.database_url))
-            fire_at, due_now = self._start_time(self.engine, delay, start_at)
+            # A delay reads the database's clock; without one, touch nothing outside the
+            # caller's transaction (on SQLite another connection would wait for its lock).
+            fire_at, due_now = (
+                (None, True)
+                if delay is None and start_at is None
+                else self._start_time(self.engine, delay, start_at)
+            )
             return self._start_joined(
                 caller, spec, run_id, workflow_id or run_id, value, fire_at, due_now
             )

@@ -48,7 +48,7 @@ from .errors import DefinitionError, DuctorError
 from .runtime.coordinator import run_tick
 from .runtime.outbox_janitor import close_janitor, sent_outbox
 from .runtime.steps import Step, StepContext, execute_attempt, worker_identity
-from .store import attempts, clock, migrate, sweep
+from .store import attempts, clock, migrate, schedules, sweep
 from .store.db import forget_engine, get_engine
 from .store.outbox import OutboxRow
 from .views import RunHandle, RunView
@@ -200,10 +200,18 @@ class Harness:
         fired: set[tuple[str, datetime]] = set()
         while True:
             due = [t for t in sweep.timers_due_by(engine, target) if t not in fired]
-            if not due:
+            schedule_at = schedules.next_fire_by(engine, target)
+            stops = [due[0][1]] if due else []
+            if schedule_at is not None:
+                stops.append(schedule_at)
+            if not stops:
                 break
-            instant = max(self._now, due[0][1])
+            instant = max(self._now, min(stops))
             self._now = instant
+            if schedule_at is not None and schedule_at <= instant:
+                # As the sweeper does: start the fire time's runs, then wake them.
+                for run_id in schedules.fire_due(engine, now=instant).started:
+                    self.dispatcher.wake(run_id)
             for run_id, fire_at in due:
                 if fire_at <= instant:
                     # A timer the tick leaves where it is (due, nothing to do) fires once.

@@ -186,6 +186,18 @@ def fire_due(
     return result
 
 
+def next_fire_by(engine: Engine, until: datetime) -> datetime | None:
+    """The earliest fire time of an unpaused schedule at or before ``until``: the next stop
+    of a controlled clock (``ductor_celery.testing``) besides timer rows."""
+    with engine.connect() as conn:
+        value = conn.execute(
+            sa.select(sa.func.min(workflow_schedule.c.next_fire_at)).where(
+                sa.not_(workflow_schedule.c.paused), workflow_schedule.c.next_fire_at <= until
+            )
+        ).scalar_one_or_none()
+    return None if value is None else aware(value)
+
+
 def _due(now: datetime) -> sa.Select[Any]:
     return (
         sa.select(workflow_schedule)

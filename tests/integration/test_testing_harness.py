@@ -341,3 +341,20 @@ def test_child_runs_and_controls_inside_the_harness(tmp_path: Path) -> None:
         ductor.cancel(other.run_id, reason="not needed")
         assert h.get(other).status == RunStatus.RUNNING
         assert h.run(other).status == RunStatus.CANCELLED
+
+
+def test_advance_fires_schedules_and_delayed_starts_in_time_order(tmp_path: Path) -> None:
+    """Schedules (their own table) and delayed starts (timer rows) fire as the clock passes
+    them, each at its own time, with the runs they start driven to the end."""
+    ductor = make_shop(tmp_path)
+    with testing.harness(ductor, start_at=T0) as h:
+        ductor.schedule("hourly", workflow="packing", every=3600, input={"items": ["a"]})
+        later = ductor.start("packing", input={"items": ["late"]}, delay=5400)
+        assert h.get(later.run_id).status == RunStatus.PENDING
+        h.advance(hours=3)
+        runs = [v for v in ductor.list_runs(limit=100) if v.workflow_id.startswith("hourly@")]
+        fire_times = sorted(datetime.fromisoformat(v.workflow_id.split("@")[1]) for v in runs)
+        assert fire_times == [T0 + timedelta(hours=n) for n in (1, 2, 3)]
+        assert {v.status for v in runs} == {RunStatus.SUCCEEDED}
+        assert h.get(later.run_id).status == RunStatus.SUCCEEDED
+        assert h.get(later.run_id).output == {"packed": ["LATE"]}
