@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING, Any
 
 from celery._state import pop_current_task, push_current_task
 
+from ..coordinator.port import TickClaim
 from ..engine.kinds import DispatchKind
 from ..store.attempts import ClaimedAttempt
 from ..store.schema import dumps_json
-from ..store.ticks import TickClaim
 
 if TYPE_CHECKING:
+    from ..coordinator.port import LoadedRun
     from ..engine import TickPayload
-    from ..store.load import LoadedRun
     from .runtime import Runtime
     from .steps import Step
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -17,6 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.engine import Connection, Engine
 
+from ..coordinator.port import LoadedRun, RunBusy
 from ..definition.spec import WorkflowSpec
 from ..engine import (
     AttemptCheck,
@@ -57,26 +57,8 @@ def _inputs_cache(engine: Engine) -> ImmutableCache:
     return cache
 
 
-@dataclass(slots=True)
-class LoadedRun:
-    run_id: str
-    workflow_id: str
-    workflow: str
-    spec_hash: str
-    record_version: int
-    state: RunState
-    now: datetime
-    parent_run_id: str | None = None
-    #: When the run's timer row fires (None: no row), so a commit can leave a good one alone.
-    timer_at: datetime | None = None
-
-
 def _exists(table: sa.Table, *where: Any) -> Any:
     return sa.exists(sa.select(sa.literal(1)).select_from(table).where(*where))
-
-
-class RunBusy(Exception):
-    """Another tick holds the run's lock (only raised when asked not to wait for it)."""
 
 
 def load_on(
