@@ -73,6 +73,7 @@ def commit(
             # Its worker finished it after our load: roll back, recompute, fold the result.
             raise VersionConflict(f"attempt {closed.token} finished meanwhile")
         row.finished_at, row.outcome, row.error = now, closed.outcome, json_copy(closed.error)
+        row.finished_seq = tables.next_id("finish")
         row.retryable, row.folded = False, True
     for token in payload.folded:
         if token in tables.attempts:
@@ -127,7 +128,8 @@ def _open_elsewhere(tables: Tables, workflow_id: str, run_id: str) -> bool:
 def _insert_outbox(tables: Tables, intents: Iterable[dict[str, Any]]) -> list[OutboxRow]:
     rows = []
     for intent in intents:
-        row = OutboxRow(id=tables.next_id(), **{**intent, "payload": json_copy(intent["payload"])})
+        values = {**intent, "payload": json_copy(intent["payload"])}
+        row = OutboxRow(id=tables.next_id("outbox"), **values)
         tables.outbox[row.id] = row
         rows.append(row)
     return rows
@@ -258,7 +260,7 @@ def _children(
         assert target is not None
         tables.controls.append(
             ControlRow(
-                id=tables.next_id(),
+                id=tables.next_id("control"),
                 run_id=target.run_id,
                 kind=str(control.kind),
                 reason=control.reason[:2000],

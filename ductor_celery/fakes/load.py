@@ -27,7 +27,7 @@ from ..engine.slots import slots
 from ..engine.state import ScatterState
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..engine.tick import ACTIVE, read_nodes
-from .tables import RunRow, Tables
+from .tables import AttemptRow, RunRow, Tables
 
 
 def load(
@@ -79,6 +79,10 @@ def load(
     return loaded, spec, inputs
 
 
+def finish_order(a: AttemptRow) -> tuple[Any, ...]:
+    return (a.finished_at, a.finished_seq, a.token)
+
+
 def _results(tables: Tables, run_id: str) -> tuple[AttemptResult, ...]:
     """Finished attempts not folded yet, in the order they finished."""
     unfolded = [
@@ -86,7 +90,7 @@ def _results(tables: Tables, run_id: str) -> tuple[AttemptResult, ...]:
         for a in tables.attempts.values()
         if a.run_id == run_id and a.finished_at is not None and not a.folded
     ]
-    unfolded.sort(key=lambda a: (a.finished_at, a.token))
+    unfolded.sort(key=finish_order)
     return tuple(
         AttemptResult(
             token=a.token,

@@ -119,7 +119,7 @@ class InMemoryStore:
         """Accept a signal (or an approval decision, named ``approval_signal(node)``)."""
         run = self.run(run_id)
         row = SignalRow(
-            id=self.tables.next_id(),
+            id=self.tables.next_id("signal"),
             run_id=run_id,
             workflow_id=run.workflow_id,
             name=name,
@@ -138,7 +138,7 @@ class InMemoryStore:
         if unknown:
             raise TypeError(f"control() got unexpected keyword arguments {sorted(unknown)}")
         row = ControlRow(
-            id=self.tables.next_id(),
+            id=self.tables.next_id("control"),
             run_id=run_id,
             kind=str(kind),
             reason=reason,
@@ -181,7 +181,7 @@ class InMemoryStore:
         row = self.attempt(token)
         if row.finished_at is not None:
             return False
-        row.finished_at = self.now
+        row.finished_at, row.finished_seq = self.now, self.tables.next_id("finish")
         row.outcome = "failed" if error is not None else "succeeded"
         row.output, row.error = json_copy(output), json_copy(error)
         row.retryable, row.patch = retryable, json_copy(patch)

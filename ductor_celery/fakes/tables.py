@@ -66,6 +66,9 @@ class AttemptRow:
     claimed_by: str | None = None
     heartbeat_at: datetime | None = None
     finished_at: datetime | None = None
+    #: The order attempts finished in: the test clock can give several the same
+    #: ``finished_at``, the database's clock does not.
+    finished_seq: int = 0
     outcome: str | None = None
     output: Any = None
     error: Any = None
@@ -127,12 +130,13 @@ class Tables:
     timers: dict[str, datetime] = field(default_factory=dict)
     #: Runs a tick message is queued for, whose tick has not started (``eec_workflow_wake``).
     wakes: set[str] = field(default_factory=set)
-    #: The last id given to a signal, control or outbox row (one sequence is enough here).
-    last_id: int = 0
+    #: The last id each sequence gave ("signal", "control", "outbox", "finish"): one per
+    #: table, as the database keeps them, so ids in a stored state match a fresh database's.
+    last_ids: dict[str, int] = field(default_factory=dict)
 
-    def next_id(self) -> int:
-        self.last_id += 1
-        return self.last_id
+    def next_id(self, sequence: str) -> int:
+        self.last_ids[sequence] = found = self.last_ids.get(sequence, 0) + 1
+        return found
 
     def snapshot(self) -> Tables:
         return copy.deepcopy(self)

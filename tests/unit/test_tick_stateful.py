@@ -42,6 +42,7 @@ from ductor_celery.engine import (
 from ductor_celery.engine.status import NODE_TRANSITIONS, TERMINAL_RUN_STATUSES
 from ductor_celery.engine.tick import describe
 from ductor_celery.fakes import AttemptRow, InMemoryStore, RecordingDispatcher
+from ductor_celery.fakes.load import finish_order
 
 RUN = "run-1"
 START = datetime(2024, 1, 1, tzinfo=UTC)
@@ -181,7 +182,7 @@ class TickMachine(RuleBasedStateMachine):
     def unfolded(self) -> tuple[AttemptResult, ...]:
         """The results the next tick's load reads: finished rows not folded, in finish order."""
         rows = [a for a in self.store.tables.attempts.values() if a.finished_at and not a.folded]
-        rows.sort(key=lambda a: (a.finished_at, a.token))
+        rows.sort(key=finish_order)
         return tuple(
             AttemptResult(a.token, a.node, a.outcome or "failed", a.output, a.error) for a in rows
         )
@@ -219,6 +220,7 @@ class TickMachine(RuleBasedStateMachine):
             timeout=300.0,
             created_at=self.now,
             finished_at=self.now,
+            finished_seq=self.store.tables.next_id("finish"),
             outcome=result.outcome,
             output=result.output,
             error=result.error,
