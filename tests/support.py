@@ -20,11 +20,13 @@ from ductor_celery.definition.retry import ConcurrencyLimit
 from ductor_celery.engine import (
     AttemptResult,
     EngineConfig,
+    NodeState,
     RunState,
     TickInputs,
     TickPayload,
     compute_tick,
 )
+from ductor_celery.engine.outputs import AttemptOutput, EventsOutput, LiteralOutput, SignalOutput
 from ductor_celery.fakes import RecordingDispatcher
 from ductor_celery.settings import Settings
 from ductor_celery.store.load import LoadedRun, load_on
@@ -49,6 +51,27 @@ class FakeStep:
 
 
 # -- the pure tick ------------------------------------------------------------------------------
+
+
+def token_of(ns: NodeState) -> str | None:
+    """The attempt row a node's output is in (``AttemptOutput``), or None."""
+    return ns.output.token if isinstance(ns.output, AttemptOutput) else None
+
+
+def signal_of(ns: NodeState) -> int | None:
+    """The signal row a wait's or approval's output is in (``SignalOutput``), or None."""
+    return ns.output.signal if isinstance(ns.output, SignalOutput) else None
+
+
+def events_of(ns: NodeState) -> dict[str, int] | None:
+    """An event set's event -> signal row references (``EventsOutput``), or None."""
+    return dict(ns.output.events) if isinstance(ns.output, EventsOutput) else None
+
+
+def literal_of(ns: NodeState) -> Any:
+    """A literal output kept in the state (``LiteralOutput``), or None."""
+    return ns.output.value if isinstance(ns.output, LiteralOutput) else None
+
 
 RUN = "r1"
 NOW = datetime(2024, 1, 1, 12, 0, tzinfo=UTC)

@@ -3,6 +3,7 @@ over dicts instead of SQL, answering the same questions in the same order."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -17,11 +18,17 @@ from ..engine import (
     RunState,
     SignalIn,
     TickInputs,
-    needed_outputs,
 )
 from ..engine.children import child_run_id
 from ..engine.inputs import ChildSnapshot
 from ..engine.kinds import ControlKind
+from ..engine.outputs import (
+    OutputRef,
+    checkpoint_of,
+    output_ref,
+    received_events,
+    resolve_outputs,
+)
 from ..engine.scatter import BatchAttempt, assemble, assemble_batched
 from ..engine.slots import slots
 from ..engine.state import ScatterState
@@ -68,7 +75,7 @@ def load(
             if s.run_id == run_id and s.applied_at is None
         ),
         control=control,
-        received=_received(tables, state),
+        received=_received(tables, spec, state),
         gathered={
             node: gather_any(tables, spec, node, ns.scatter)
             for node, ns in state.nodes.items()
@@ -138,41 +145,49 @@ def _checks(tables: Tables, state: RunState, now: datetime) -> dict[str, Attempt
     return out
 
 
-def _payload(tables: Tables, signal_id: int) -> Any:
-    return next((s.payload for s in tables.signals if s.id == signal_id), None)
+class _TableOutputs:
+    """``OutputSource`` over the tables (``store/outputs.py:ConnectionOutputs`` over dicts)."""
+
+    __slots__ = ("tables", "spec")
+
+    def __init__(self, tables: Tables, spec: WorkflowSpec) -> None:
+        self.tables = tables
+        self.spec = spec
+
+    def attempt_outputs(self, tokens: list[str]) -> Mapping[str, Any]:
+        rows = self.tables.attempts
+        return {t: rows[t].output for t in tokens if t in rows}
+
+    def signal_payloads(self, ids: list[int]) -> Mapping[int, Any]:
+        wanted = set(ids)
+        return {s.id: s.payload for s in self.tables.signals if s.id in wanted}
+
+    def gathered(self, node: str, scatter: ScatterState) -> Any:
+        return gather_any(self.tables, self.spec, node, scatter)
+
+    def child_output(self, node: str, child_run: str) -> Any:
+        return child_output(self.tables, self.spec, node, child_run)
 
 
-def _received(tables: Tables, state: RunState) -> dict[int, Any]:
+def _received(tables: Tables, spec: WorkflowSpec, state: RunState) -> dict[int, Any]:
     """Payloads of signals already applied to event sets that are still waiting."""
-    return {
-        i: _payload(tables, i)
+    ids = [
+        i
         for ns in state.nodes.values()
-        if ns.status == NodeStatus.WAITING and ns.output_signals
-        for i in ns.output_signals.values()
-    }
+        if ns.status == NodeStatus.WAITING
+        for i in received_events(ns).values()
+    ]
+    return dict(_TableOutputs(tables, spec).signal_payloads(ids)) if ids else {}
 
 
 def _outputs_for(tables: Tables, spec: WorkflowSpec, state: RunState) -> dict[str, Any]:
     """Outputs of earlier-finished nodes that pending nodes (or the run output) read."""
-    outputs: dict[str, Any] = {}
+    refs: dict[str, OutputRef | None] = {}
     for node_id in read_nodes(spec, state):
         ns = state.nodes.get(node_id)
-        if ns is None or ns.status != NodeStatus.SUCCEEDED or ns.output_token:
-            continue
-        if ns.scatter:
-            outputs[node_id] = gather_any(tables, spec, node_id, ns.scatter)
-        elif ns.child_run:
-            outputs[node_id] = child_output(tables, spec, node_id, ns.child_run)
-        elif ns.output_signal is not None:
-            outputs[node_id] = _payload(tables, ns.output_signal)
-        elif ns.output_signals:
-            outputs[node_id] = {e: _payload(tables, i) for e, i in ns.output_signals.items()}
-        else:
-            outputs[node_id] = ns.output_value
-    for node_id, token in needed_outputs(spec, state).items():
-        row = tables.attempts.get(token)
-        outputs[node_id] = None if row is None else row.output
-    return outputs
+        if ns is not None and ns.status == NodeStatus.SUCCEEDED:
+            refs[node_id] = output_ref(ns)
+    return resolve_outputs(refs, _TableOutputs(tables, spec))
 
 
 def newest_of_chain(tables: Tables, run_id: str) -> RunRow | None:
@@ -245,17 +260,13 @@ def _gather_children(tables: Tables, node: str, sc: ScatterState) -> list[Any]:
     return assemble(sc, finals)
 
 
-def _checkpoint(row: RunRow, until: str) -> Any:
-    return ((row.state.get("nodes") or {}).get(until) or {}).get("output_value")
-
-
 def child_output(tables: Tables, spec: WorkflowSpec, node: str, child: str) -> Any:
     node_spec = spec.graph.nodes.get(node)
     until = node_spec.until if isinstance(node_spec, SubworkflowNodeSpec) else None
     row = newest_of_chain(tables, child)
     if row is None:
         return None
-    return row.output if until is None else _checkpoint(row, until)
+    return row.output if until is None else checkpoint_of(row.state, until)[1]
 
 
 def _children_of(tables: Tables, spec: WorkflowSpec, state: RunState) -> dict[str, ChildSnapshot]:
@@ -276,9 +287,9 @@ def _children_of(tables: Tables, spec: WorkflowSpec, state: RunState) -> dict[st
             continue
         reached: dict[str, Any] = {}
         if until is not None:
-            mark = (row.state.get("nodes") or {}).get(until) or {}
-            if mark.get("status") == NodeStatus.SUCCEEDED.value:
-                reached[until] = mark.get("output_value")
+            passed, context = checkpoint_of(row.state, until)
+            if passed:
+                reached[until] = context
         out[child] = ChildSnapshot(
             run_id=row.run_id,
             status=row.status,

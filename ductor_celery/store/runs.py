@@ -13,10 +13,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
-from ..definition.spec import ChildScatterNodeSpec, WorkflowSpec
-from ..engine.state import NodeState, RunState
+from ..definition.spec import WorkflowSpec
+from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
-from .composed import child_output, gather, gather_children
 from .db import aware
 from .schema import step_attempt, workflow_definition, workflow_run, workflow_transition
 
@@ -257,17 +256,6 @@ def attempt_outputs(engine: Engine, tokens: list[str]) -> dict[str, Any]:
                 )
             ).all()
         )
-
-
-def composed_output(engine: Engine, spec: WorkflowSpec, node: str, ns: NodeState) -> Any:
-    """A finished scatter's gathered list, or a finished sub-workflow's child output."""
-    with engine.connect() as conn:
-        if ns.scatter is not None:
-            if isinstance(spec.graph.nodes.get(node), ChildScatterNodeSpec):
-                return gather_children(conn, node, ns.scatter)
-            return gather(conn, node, ns.scatter)
-        assert ns.child_run is not None
-        return child_output(conn, spec, node, ns.child_run)
 
 
 def attempts_of(engine: Engine, run_id: str) -> list[Any]:

@@ -24,6 +24,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from support import token_of
 
 from ductor_celery.coordinator import Coordinator
 from ductor_celery.definition import RetryPolicy, Workflow, WorkflowSpec
@@ -305,7 +306,7 @@ class TickMachine(RuleBasedStateMachine):
             if prev.status == NodeStatus.PENDING:  # a first start: arguments resolved here
                 assert a.args_from is None and a.attempt == 1
                 expected_deps = {
-                    d: self.outputs[after.nodes[d].output_token]
+                    d: self.outputs[token_of(after.nodes[d])]
                     if after.nodes[d].status == NodeStatus.SUCCEEDED
                     else None
                     for d in self.graph.nodes[a.node].after
@@ -331,13 +332,13 @@ class TickMachine(RuleBasedStateMachine):
 
         # Accepted outputs: set once, from a token that node was waiting on, never changed.
         for node, ns in after.nodes.items():
-            if ns.output_token is not None:
+            if token_of(ns) is not None:
                 if node in self.output_token:
-                    assert ns.output_token == self.output_token[node]
+                    assert token_of(ns) == self.output_token[node]
                 else:
                     assert ns.status == NodeStatus.SUCCEEDED
-                    assert before.nodes[node].token == ns.output_token
-                    self.output_token[node] = ns.output_token
+                    assert before.nodes[node].token == token_of(ns)
+                    self.output_token[node] = token_of(ns)
         self.check_state(after, p)
 
     def when_holds(self, node: str) -> bool:
@@ -371,7 +372,7 @@ class TickMachine(RuleBasedStateMachine):
             assert p.error is None
             assert all(ns.status in (DONE | {NodeStatus.FAILED}) for ns in state.nodes.values())
             assert p.output == {
-                node: self.outputs[ns.output_token] if ns.status == NodeStatus.SUCCEEDED else None
+                node: self.outputs[token_of(ns)] if ns.status == NodeStatus.SUCCEEDED else None
                 for node, ns in state.nodes.items()
             }
         elif state.status == RunStatus.FAILED:
@@ -449,7 +450,7 @@ class TickMachine(RuleBasedStateMachine):
             return  # another node timed out for good in this tick: the terminal checks ran
         after = p.state.nodes[node]
         if outcome == "ok":
-            assert after.status == NodeStatus.SUCCEEDED and after.output_token == token
+            assert after.status == NodeStatus.SUCCEEDED and token_of(after) == token
             expected = {**context_before, **(result.patch or {})}
             assert p.state.context == expected
         elif outcome == "retryable" and ns.attempt < self.graph.nodes[node].retry.max_attempts:
@@ -544,7 +545,7 @@ class TickMachine(RuleBasedStateMachine):
                 timeout = self.graph.nodes[node].timeout or CONFIG.default_step_timeout
                 assert new.check_at == min(new.resend_at, self.now + timedelta(seconds=timeout))
             elif kind == "finished":
-                assert new.status == NodeStatus.SUCCEEDED and new.output_token == token
+                assert new.status == NodeStatus.SUCCEEDED and token_of(new) == token
             else:
                 timeout = self.graph.nodes[node].timeout or CONFIG.default_step_timeout
                 deadline = self.claims[token] + timedelta(seconds=timeout)
