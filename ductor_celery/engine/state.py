@@ -119,7 +119,7 @@ def output_to_json(out: StoredOutput | None) -> dict[str, Any]:
 
 
 #: The keys an output reference is stored under (``output_to_json``).
-_OUTPUT_KEYS = ("output_token", "output_signal", "output_signals", "output_value")
+_OUTPUT_KEYS = frozenset({"output_token", "output_signal", "output_signals", "output_value"})
 
 
 def output_from_json(data: Mapping[str, Any]) -> StoredOutput | None:
@@ -285,6 +285,8 @@ class NodeState:
         kwargs["status"] = NodeStatus(kwargs.get("status", "pending"))
         if kwargs.get("scatter") is not None:
             kwargs["scatter"] = ScatterState.from_json(kwargs["scatter"])
+        if _OUTPUT_KEYS.isdisjoint(kwargs):
+            return cls(**kwargs)  # most nodes: nothing to decode
         kwargs["output"] = output_from_json(kwargs)
         for key in _OUTPUT_KEYS:
             kwargs.pop(key, None)
