@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -35,6 +34,7 @@ from support import (
     token_of,
 )
 
+from ductor_celery.coordinator import Coordinator
 from ductor_celery.definition import RetryPolicy, Workflow, WorkflowSpec
 from ductor_celery.definition.spec import approval_signal
 from ductor_celery.engine import (
@@ -53,6 +53,7 @@ from ductor_celery.engine import (
 from ductor_celery.engine.inputs import AppliedSignal, HandledControl
 from ductor_celery.engine.status import FINISHED_NODE_STATUSES, TERMINAL_RUN_STATUSES
 from ductor_celery.engine.tick import describe
+from ductor_celery.fakes import InMemoryStore, RecordingDispatcher
 
 APPLIED = "applied"
 
@@ -1201,72 +1202,66 @@ APPROVE = approval_signal("ok")
 SIGNAL_FOR = {"go": "w", "e1": "ev", "e2": "ev", APPROVE: "ok"}
 
 
-@dataclass
 class Store:
-    """The signal and control tables, the loader, and the history checks."""
+    """The run in the shipped in-memory store (its signal and control tables, its loader),
+    ticked by the production tick loop, and the history checks."""
 
-    now: datetime = NOW
-    state: RunState = field(default_factory=RunState)
-    signals: list[SignalIn] = field(default_factory=list)
-    applied: dict[int, str | None] = field(default_factory=dict)
-    controls: list[ControlIn] = field(default_factory=list)
-    finished: dict[str, int] = field(default_factory=dict)
-    ids: int = 0
-    ticks: int = 0
+    def __init__(self) -> None:
+        self.fake = InMemoryStore(now=NOW)
+        self.coordinator = Coordinator(self.fake, RecordingDispatcher(self.fake))
+        self.fake.start(MIXED, run_id=RUN)
+        self.finished: dict[str, int] = {}
+        self.ticks = 0
+
+    @property
+    def now(self) -> datetime:
+        return self.fake.now
+
+    @now.setter
+    def now(self, later: datetime) -> None:
+        self.fake.advance((later - self.fake.now).total_seconds())
+
+    @property
+    def state(self) -> RunState:
+        return self.fake.state(RUN)
+
+    @property
+    def signals(self) -> list[SignalIn]:
+        return [SignalIn(s.id, s.name, s.payload) for s in self.fake.tables.signals]
+
+    @property
+    def applied(self) -> dict[int, str | None]:
+        return {s.id: s.applied_to for s in self.fake.tables.signals if s.applied_at is not None}
+
+    @property
+    def controls(self) -> list[int]:
+        """Ids of the controls not handled yet, oldest first."""
+        return [c.id for c in self.fake.tables.controls if c.handled_at is None]
 
     def signal(self, name: str, payload: Any) -> None:
-        self.ids += 1
-        self.signals.append(SignalIn(self.ids, name, payload))
+        self.fake.signal(RUN, name, payload)
 
     def control(self, kind: str) -> None:
-        self.ids += 1
-        self.controls.append(ControlIn(self.ids, kind))
+        self.fake.control(RUN, kind)
 
     def payload_of(self, signal_id: int) -> Any:
         return next(s.payload for s in self.signals if s.id == signal_id)
 
-    def outputs(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for node, ns in self.state.nodes.items():
-            if ns.status != NodeStatus.SUCCEEDED:
-                continue
-            if signal_of(ns) is not None:
-                out[node] = self.payload_of(signal_of(ns))
-            elif events_of(ns):
-                out[node] = {e: self.payload_of(i) for e, i in events_of(ns).items()}
-            else:
-                out[node] = literal_of(ns)
-        return out
-
     def tick(self) -> TickPayload:
-        unapplied = tuple(s for s in self.signals if s.id not in self.applied)
-        waiting_sets = [
-            i
-            for ns in self.state.nodes.values()
-            if ns.status == NodeStatus.WAITING and events_of(ns)
-            for i in events_of(ns).values()
-        ]
-        before = self.state
-        p = tick(
-            MIXED,
-            before,
-            now=self.now,
-            signals=unapplied,
-            control=self.controls[0] if self.controls else None,
-            outputs=self.outputs(),
-            received={i: self.payload_of(i) for i in waiting_sets},
-        )
+        before, applied, controls = self.state, self.applied, self.controls
+        unapplied = {s.id: s for s in self.signals if s.id not in applied}
+        p = self.coordinator.tick(RUN).payload
+        assert p is not None
         self.ticks += 1
-        if self.controls:
-            assert p.handled_control is not None and p.handled_control.id == self.controls[0].id
-            self.controls.pop(0)
+        if controls:
+            assert p.handled_control is not None and p.handled_control.id == controls[0]
+            assert self.controls == controls[1:]
         else:
             assert p.handled_control is None
-        by_id = {s.id: s for s in unapplied}
         for a in p.applied_signals:
-            assert a.id not in self.applied, f"signal {a.id} applied twice"
-            self.applied[a.id] = a.node
-            name = by_id[a.id].name
+            assert a.id not in applied, f"signal {a.id} applied twice"
+            assert self.applied[a.id] == a.node, "the store recorded where it went"
+            name = unapplied[a.id].name
             if a.node is None:
                 assert name.startswith("ductor.approval:")
             else:
@@ -1306,7 +1301,7 @@ class Store:
                 assert self.applied.get(signal_of(ns)) == node
             for i in (events_of(ns) or {}).values():
                 assert self.applied.get(i) == node
-        self.state = roundtrip(p.state)
+        assert self.state == roundtrip(p.state), "the store kept what the tick computed"
         return p
 
 
