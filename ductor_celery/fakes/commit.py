@@ -140,7 +140,9 @@ def _insert_attempts(
 ) -> None:
     for a in payload.new_attempts:
         if a.token in tables.attempts:
-            raise VersionConflict(f"attempt {a.token} exists")  # the SQL insert's unique key
+            # The attempt table's unique token, which the SQL insert would break: an error,
+            # not a conflict to recompute (a token is never computed twice for one version).
+            raise RuntimeError(f"attempt {a.token} exists: its token is unique")
         source = tables.attempts.get(a.args_from) if a.args_from else None
         args = (source.args if source is not None else {}) if a.args_from else a.args
         claimed_by = claim.worker if claim is not None and claim.token == a.token else None

@@ -220,7 +220,8 @@ class InMemoryStore:
 
 
 class InMemoryTransaction:
-    """One tick's transaction: everything written in it is undone if it ends in an error."""
+    """One tick's transaction: everything written in it is undone if it ends in an error
+    (it keeps a copy of the tables from its start: fine for a test's few runs)."""
 
     __slots__ = ("_store", "_before")
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from support import FakeStep
 
-from ductor_celery.coordinator import Coordinator, TickStats, VersionConflict
+from ductor_celery.coordinator import Coordinator, TickClaim, TickStats, VersionConflict
 from ductor_celery.definition import RetryPolicy, Workflow
 from ductor_celery.definition.retry import ConcurrencyLimit
 from ductor_celery.definition.spec import approval_signal
@@ -270,3 +270,60 @@ def test_the_fake_refuses_values_json_cannot_hold_and_a_clock_that_goes_back() -
         store.advance(-1)
     with pytest.raises(ValueError, match="aware datetime"):
         InMemoryStore(now=datetime(2024, 1, 1))  # noqa: DTZ001 - the naive clock refused
+
+
+def test_an_eager_tick_claims_the_attempt_its_worker_keeps_and_sends_no_message_for_it() -> None:
+    store, sent, coordinator = _world()
+    wf = Workflow("two")
+    wf.step("a", "s.a")
+    wf.step("b", "s.b", after=["a"])
+    run_id = store.start(wf.build())
+    coordinator.tick(run_id)
+    [first] = sent.step_tokens()
+    sent.take()
+    store.claim(first)
+    store.finish(first, output=1)
+
+    class Keep:
+        chosen: list[str] = []
+
+        def choose(self, loaded: Any, payload: Any) -> TickClaim | None:
+            return TickClaim(payload.new_attempts[0].token, "w-inline")
+
+        def committed(self) -> None:
+            self.chosen.append("committed")
+
+    keep = Keep()
+    result = coordinator.tick(run_id, eager=True, keep=keep)
+    assert result.outcome == "committed" and keep.chosen == ["committed"]
+    [second] = store.open_attempts(run_id)
+    assert (second.claimed_by, second.claimed_at) == ("w-inline", store.now)
+    assert sent.step_tokens() == [], "the worker runs it itself: no step message"
+    assert not store.claim(second.token), "a duplicate message would find it claimed"
+
+
+def test_a_coordinator_tick_cannot_wait_for_a_lock_in_one_thread_and_says_so() -> None:
+    store, _, coordinator = _world()
+    wf = Workflow("one")
+    wf.step("a", "s.a")
+    run_id = store.start(wf.build())
+    with store.held_elsewhere(run_id), pytest.raises(RuntimeError, match="cannot wait"):
+        coordinator.tick(run_id)
+    assert store.run(run_id).record_version == 0
+
+
+def test_a_redrive_racing_a_start_of_its_workflow_id_is_rejected_and_the_run_kept() -> None:
+    store, sent, coordinator = _world()
+    wf = Workflow("one")
+    wf.step("a", "s.a", retry=RetryPolicy(max_attempts=1))
+    spec = wf.build()
+    failed = store.start(spec, workflow_id="order-7")
+    coordinator.tick(failed)
+    _work(store, sent, {"a": RuntimeError("no")})
+    coordinator.tick(failed)
+    assert store.run(failed).status == "failed"
+    newer = store.start(spec, workflow_id="order-7")  # the workflow id is free again
+    store.control(failed, "redrive")
+    assert coordinator.tick(failed).outcome == "noop"  # recomputed after the rejection
+    assert store.run(failed).status == "failed" and store.run(newer).status == "pending"
+    assert store.tables.controls[-1].result == ("rejected: another run of this workflow id is open")
