@@ -49,16 +49,36 @@ class TickStats:
         self.outcomes[outcome] += 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class TickResult:
     """What one tick did. ``outcome``: "missing", "noop", "committed", "conflict" (gave up
     after ``MAX_CONFLICT_RETRIES`` recomputes) or "busy" (an eager tick found the run locked).
     ``payload``: what the last computation decided (None when nothing was computed);
-    ``outbox``: the rows the commit wrote and the dispatcher was handed."""
+    ``outbox``: the rows the commit wrote and the dispatcher was handed.
+
+    Compares equal to its outcome's string, as ``run_tick``'s answer does:
+    ``coordinator.tick(run_id) == "committed"``."""
 
     outcome: str
     payload: TickPayload | None = None
     outbox: list[OutboxRow] = field(default_factory=list)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return self.outcome == other
+        if isinstance(other, TickResult):
+            return (self.outcome, self.payload, self.outbox) == (
+                other.outcome,
+                other.payload,
+                other.outbox,
+            )
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.outcome)
+
+    def __str__(self) -> str:
+        return self.outcome
 
 
 class _Rejected(Exception):

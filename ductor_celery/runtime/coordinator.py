@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_CONFLICT_RETRIES",
     "TICK_STATS",
+    "Coordinator",
     "Keeper",
     "Prelude",
     "PreludeRefused",
