@@ -356,9 +356,10 @@ class _Profiles:
 
 
 def _instrument() -> None:
+    from ductor_celery.coordinator import loop
     from ductor_celery.runtime import coordinator, runtime
     from ductor_celery.runtime.dispatch import Dispatcher
-    from ductor_celery.store import attempts
+    from ductor_celery.store import attempts, tick_store
 
     # Innermost first: the phase timers, then cProfile around the whole tick/step, then the
     # task timer (so a record's total includes the profiler's own overhead when both are on).
@@ -370,9 +371,9 @@ def _instrument() -> None:
         # (module, attribute, phase name). The package moves on; a phase whose function is
         # gone is skipped (the breakdown then lacks it) rather than breaking the workers.
         for owner, attr, name in (
-            (coordinator, "load_on", "load_tick"),
-            (coordinator, "compute_tick", "compute_tick"),
-            (coordinator, "commit_on", "commit_tick"),
+            (tick_store, "load_on", "load_tick"),
+            (loop, "compute_tick", "compute_tick"),
+            (tick_store, "commit_on", "commit_tick"),
             (coordinator, "delete_outbox", "delete_outbox"),
             (Dispatcher, "send", "send"),
             (attempts, "claim", "claim"),

@@ -20,6 +20,7 @@ from sqlalchemy.engine import Engine
 from . import limits, tracing
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
 from .engine.kinds import CONTROL_ALLOWED, ControlKind, statuses_allowing
+from .engine.outputs import output_ref, resolve_outputs
 from .engine.payloads import check_json
 from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
 from .errors import (
@@ -32,6 +33,7 @@ from .errors import (
 from .settings import Settings
 from .store import clock, external, finishes, joined, runs
 from .store.db import db_now, get_engine, with_retry
+from .store.outputs import EngineOutputs
 from .store.runs import RunRow
 from .views import NodeView, RunHandle, RunPage, RunView
 
@@ -579,31 +581,18 @@ class Client:
         )
 
     def _view(self, row: RunRow) -> RunView:
-        tokens = [ns.output_token for ns in row.state.nodes.values() if ns.output_token]
-        outputs = self._read(runs.attempt_outputs, self.engine, tokens)
-        signal_ids = [ns.output_signal for ns in row.state.nodes.values() if ns.output_signal]
-        signal_ids += [
-            i for ns in row.state.nodes.values() for i in (ns.output_signals or {}).values()
-        ]
-        payloads = self._read(external.signal_payloads, self.engine, signal_ids)
-
-        def output_of(node_id: str, ns: Any) -> Any:
-            if ns.output_token:
-                return outputs.get(ns.output_token)
-            if (ns.scatter or ns.child_run) and ns.status == NodeStatus.SUCCEEDED:
-                spec = self._definition(row.spec_hash)
-                return self._read(runs.composed_output, self.engine, spec, node_id, ns)
-            if ns.output_signal is not None:
-                return payloads.get(ns.output_signal)
-            if ns.output_signals and ns.status == NodeStatus.SUCCEEDED:
-                return {event: payloads.get(i) for event, i in ns.output_signals.items()}
-            return ns.output_value
-
+        refs = {node_id: output_ref(ns) for node_id, ns in row.state.nodes.items()}
+        source = EngineOutputs(
+            self.engine,
+            lambda: self._definition(row.spec_hash),
+            lambda fn, what: with_retry(fn, what=f"read ({what})", deadline_s=60.0),
+        )
+        outputs = resolve_outputs(refs, source)
         nodes = {
             node_id: NodeView(
                 status=ns.status,
                 attempts=ns.generation,
-                output=output_of(node_id, ns),
+                output=outputs[node_id],
                 error=ns.error if ns.status != NodeStatus.SUCCEEDED else None,
                 started_at=ns.started_at,
                 finished_at=ns.finished_at,

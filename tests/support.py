@@ -14,19 +14,24 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
+from ductor_celery.coordinator import Coordinator
 from ductor_celery.definition import RetryPolicy, WorkflowSpec
 from ductor_celery.definition.retry import ConcurrencyLimit
 from ductor_celery.engine import (
     AttemptResult,
     EngineConfig,
+    NodeState,
     RunState,
     TickInputs,
     TickPayload,
     compute_tick,
 )
+from ductor_celery.engine.outputs import AttemptOutput, EventsOutput, LiteralOutput, SignalOutput
+from ductor_celery.fakes import RecordingDispatcher
 from ductor_celery.settings import Settings
 from ductor_celery.store.load import LoadedRun, load_on
 from ductor_celery.store.outbox import OutboxRow
+from ductor_celery.store.tick_store import SqlTickStore
 from ductor_celery.store.ticks import commit_on
 
 # -- a step -------------------------------------------------------------------------------------
@@ -46,6 +51,27 @@ class FakeStep:
 
 
 # -- the pure tick ------------------------------------------------------------------------------
+
+
+def token_of(ns: NodeState) -> str | None:
+    """The attempt row a node's output is in (``AttemptOutput``), or None."""
+    return ns.output.token if isinstance(ns.output, AttemptOutput) else None
+
+
+def signal_of(ns: NodeState) -> int | None:
+    """The signal row a wait's or approval's output is in (``SignalOutput``), or None."""
+    return ns.output.signal if isinstance(ns.output, SignalOutput) else None
+
+
+def events_of(ns: NodeState) -> dict[str, int] | None:
+    """An event set's event -> signal row references (``EventsOutput``), or None."""
+    return dict(ns.output.events) if isinstance(ns.output, EventsOutput) else None
+
+
+def literal_of(ns: NodeState) -> Any:
+    """A literal output kept in the state (``LiteralOutput``), or None."""
+    return ns.output.value if isinstance(ns.output, LiteralOutput) else None
+
 
 RUN = "r1"
 NOW = datetime(2024, 1, 1, 12, 0, tzinfo=UTC)
@@ -112,8 +138,10 @@ def summary(**overrides: Any) -> dict[str, Any]:
 
 
 # -- a tick against the store -------------------------------------------------------------------
-# The coordinator (runtime/coordinator.py) loads and commits on one connection, in one
-# transaction, holding the run's lock; these play it by hand, a transaction each.
+# ``tick_once`` is the production tick loop (coordinator.Coordinator over the SQL store), with
+# the dispatcher recording instead of sending. ``load_tick``/``commit_tick`` split a tick in
+# two transactions on purpose, for tests that change the store between the load and the
+# commit (a conflicting writer, a worker finishing meanwhile).
 
 #: The engine settings of a default ``Settings()``.
 CONFIG = Settings().engine_config()
@@ -136,10 +164,18 @@ def commit_tick(engine: Engine, loaded: LoadedRun, payload: TickPayload) -> list
         return commit_on(conn, loaded, payload)
 
 
+def sql_coordinator(
+    engine: Engine, spec_for: Callable[[str], WorkflowSpec], config: EngineConfig = CONFIG
+) -> tuple[Coordinator[Any], RecordingDispatcher]:
+    """The production tick loop over ``engine``, sending into a recording dispatcher."""
+    sent = RecordingDispatcher()
+    store = SqlTickStore(engine, lambda spec_hash, _conn: spec_for(spec_hash), config)
+    return Coordinator(store, sent), sent
+
+
 def tick_once(
     engine: Engine, run_id: str, spec_for: Callable[[str], WorkflowSpec]
 ) -> list[OutboxRow]:
-    """Load, compute and (if anything changed) commit one tick: the outbox rows it wrote."""
-    loaded, spec, inputs = load_tick(engine, run_id, spec_for, CONFIG)  # type: ignore[misc]
-    payload = compute_tick(spec, loaded.state, inputs, loaded.now)
-    return commit_tick(engine, loaded, payload) if payload.changed else []
+    """One coordinator tick of the run: the outbox rows its commit wrote (none for a no-op)."""
+    coordinator, _ = sql_coordinator(engine, spec_for)
+    return coordinator.tick(run_id).outbox

@@ -19,7 +19,7 @@ from .inputs import AttemptResult, ClosedAttempt, Dispatch
 from .kinds import DispatchKind
 from .payloads import json_problem
 from .slots import Slot, first_limit, slots, start_attempt
-from .state import BranchState, NodeState
+from .state import AttemptOutput, BranchState, NodeState
 from .status import NodeStatus
 
 
@@ -88,7 +88,7 @@ def _succeed(t: TickContext, result: AttemptResult, slot: Slot, branch: int | No
         scatter.branch_succeeded(t, result.node, branch)
         return
     ns = t.nodes[result.node]
-    ns.output_token = result.token
+    ns.output = AttemptOutput(result.token)
     ns.finished_at = t.now
     ns.error = None
     t.outputs[result.node] = result.output

@@ -14,6 +14,8 @@ from ..definition.spec import (
 )
 from .context import TickContext
 from .inputs import AppliedSignal, SignalIn
+from .outputs import received_events
+from .state import EventsOutput, LiteralOutput, SignalOutput
 from .status import NodeStatus
 
 
@@ -91,7 +93,7 @@ def _wait_signal(t: TickContext, node_id: str, spec: WaitSignalNodeSpec) -> bool
     for signal in _unapplied(t):
         if signal.name == spec.signal:
             _take(t, signal, node_id)
-            t.nodes[node_id].output_signal = signal.id
+            t.nodes[node_id].output = SignalOutput(signal.id)
             t.outputs[node_id] = signal.payload
             _succeed(t, node_id, f"signal {spec.signal!r} received (#{signal.id})")
             return True
@@ -107,7 +109,7 @@ def _approval(t: TickContext, node_id: str, spec: ApprovalNodeSpec) -> bool:
         ns = t.nodes[node_id]
         decision = signal.payload if isinstance(signal.payload, dict) else {}
         who = decision.get("by")
-        ns.output_signal = signal.id
+        ns.output = SignalOutput(signal.id)
         t.outputs[node_id] = signal.payload
         if decision.get("approved"):
             _succeed(t, node_id, f"approved by {who!r}")
@@ -127,7 +129,7 @@ def _approval(t: TickContext, node_id: str, spec: ApprovalNodeSpec) -> bool:
 
 def _event_set(t: TickContext, node_id: str, spec: EventSetNodeSpec) -> bool:
     ns = t.nodes[node_id]
-    received = dict(ns.output_signals or {})
+    received = dict(received_events(ns))
     for signal in _unapplied(t):
         if signal.name in spec.events and signal.name not in received:
             _take(t, signal, node_id)
@@ -135,7 +137,7 @@ def _event_set(t: TickContext, node_id: str, spec: EventSetNodeSpec) -> bool:
             t.record(node_id, ns.status, ns.status, f"event {signal.name!r} received")
             if len(received) >= spec.needed():
                 break
-    ns.output_signals = received or None
+    ns.output = EventsOutput(received) if received else None
     if len(received) >= spec.needed():
         fresh = {s.id: s.payload for s in t.inputs.signals}
         t.outputs[node_id] = {
@@ -154,9 +156,8 @@ def _timeout(t: TickContext, node_id: str) -> bool:
         return False
     assert isinstance(spec, WaitSignalNodeSpec | ApprovalNodeSpec | EventSetNodeSpec)
     if spec.on_timeout == "continue":
-        ns.output_value = {"timed_out": True}
-        t.outputs[node_id] = ns.output_value
-        ns.output_signals = None
+        ns.output = LiteralOutput({"timed_out": True})
+        t.outputs[node_id] = ns.output.value
         _succeed(t, node_id, f"timed out after {spec.timeout:g}s (on_timeout=continue)")
         return True
     ns.deadline = None

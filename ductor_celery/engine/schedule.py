@@ -20,6 +20,7 @@ from .external import park_node
 from .payloads import refusal
 from .scatter import close_branches, close_slot, start_scatter
 from .slots import lease_key_for, slots, start_attempt
+from .state import LiteralOutput
 from .status import FINISHED_NODE_STATUSES, NodeStatus, RunStatus
 
 
@@ -124,8 +125,8 @@ def _reach_checkpoint(t: TickContext, node_id: str) -> None:
     parent waiting for it is woken by the commit."""
     ns = t.nodes[node_id]
     ns.started_at = ns.finished_at = t.now
-    ns.output_value = copy.deepcopy(t.payload.state.context)
-    t.outputs[node_id] = ns.output_value
+    ns.output = LiteralOutput(copy.deepcopy(t.payload.state.context))
+    t.outputs[node_id] = ns.output.value
     t.payload.checkpoint_reached = True
     t.move_node(node_id, NodeStatus.RUNNING, "checkpoint reached")
     t.move_node(node_id, NodeStatus.SUCCEEDED, "checkpoint passed")

@@ -1,13 +1,14 @@
 """The run state the coordinator keeps in ``eec_workflow_run.state``: small and JSON-friendly.
 
 It holds node statuses, the token each running node waits on, its timers and a reference
-(``output_token``) to the attempt row that holds the output: never the outputs themselves, so
+(``NodeState.output``) to the row that holds the output: never the outputs themselves, so
 the run row's size is bounded by the number of nodes, not by what the steps return.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any, TypeVar
@@ -63,6 +64,79 @@ def _dates(kwargs: dict[str, Any]) -> dict[str, Any]:
         if kwargs.get(name) is not None:
             kwargs[name] = datetime.fromisoformat(kwargs[name])
     return kwargs
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptOutput:
+    """A step's output: the ``output`` column of this attempt row."""
+
+    token: str
+
+
+@dataclass(frozen=True, slots=True)
+class SignalOutput:
+    """A wait's or approval's output: the payload of this signal row."""
+
+    signal: int
+
+
+@dataclass(frozen=True, slots=True)
+class EventsOutput:
+    """An event set's output: ``{event: payload}`` of these signal rows."""
+
+    #: Event name -> the signal row that delivered it (while waiting: those received so far).
+    events: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class LiteralOutput:
+    """A small output kept in the state itself (a checkpoint's context, a continued
+    timeout's ``{"timed_out": true}``)."""
+
+    value: Any
+
+
+#: What ``NodeState.output`` holds (``outputs.py``: the references readers resolve).
+StoredOutput = AttemptOutput | SignalOutput | EventsOutput | LiteralOutput
+
+
+def output_to_json(out: StoredOutput | None) -> dict[str, Any]:
+    """The stored keys of an output reference, as every ductor version wrote them: one of
+    ``output_token``, ``output_signal``, ``output_signals``, ``output_value`` (left out
+    when unset, as other unset fields are)."""
+    if isinstance(out, AttemptOutput):
+        return {"output_token": out.token}
+    if isinstance(out, SignalOutput):
+        return {"output_signal": out.signal}
+    if isinstance(out, EventsOutput):
+        return {"output_signals": dict(out.events)} if out.events else {}
+    if isinstance(out, LiteralOutput):
+        value = out.value
+        if value is None or (value == 0 and not isinstance(value, dict)):
+            return {}
+        return {"output_value": value}
+    return {}
+
+
+#: The keys an output reference is stored under (``output_to_json``).
+_OUTPUT_KEYS = frozenset({"output_token", "output_signal", "output_signals", "output_value"})
+
+
+def output_from_json(data: Mapping[str, Any]) -> StoredOutput | None:
+    """The output reference of a stored node state. Rows from every version read the same:
+    the keys are unchanged; were several present, the one readers always looked at first
+    (token, signal, events, value) wins."""
+    token = data.get("output_token")
+    if token:
+        return AttemptOutput(token)
+    signal = data.get("output_signal")
+    if signal is not None:
+        return SignalOutput(int(signal))
+    events = data.get("output_signals")
+    if events:
+        return EventsOutput({str(e): int(i) for e, i in events.items()})
+    value = data.get("output_value")
+    return None if value is None else LiteralOutput(value)
 
 
 @dataclass(slots=True)
@@ -179,16 +253,14 @@ class NodeState:
     claimed_at: datetime | None = None
     #: When the pending retry is due (status running, no token).
     retry_at: datetime | None = None
-    #: The attempt row holding the output of a succeeded node.
-    output_token: str | None = None
+    #: Where the node's output lives (engine/outputs.py): the attempt row of a succeeded
+    #: step, the signal row(s) of a wait, approval or event set (received so far, while it
+    #: waits), or a small literal (a checkpoint's context, a continued timeout's
+    #: ``{"timed_out": true}``). A scatter's and a sub-workflow's come from ``scatter`` and
+    #: ``child_run``.
+    output: StoredOutput | None = None
     #: A parked node: when its sleep ends or its wait times out.
     deadline: datetime | None = None
-    #: The signal row whose payload is a wait_signal's or approval's output.
-    output_signal: int | None = None
-    #: An event set: event name -> the signal row that delivered it.
-    output_signals: dict[str, int] | None = None
-    #: A small literal output (a continued timeout's ``{"timed_out": true}``).
-    output_value: Any = None
     error: dict[str, Any] | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
@@ -200,7 +272,9 @@ class NodeState:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": self.status.value}
-        out.update(_dump(self, skip=("status", "scatter")))
+        out.update(_dump(self, skip=("status", "scatter", "output")))
+        if self.output is not None:
+            out.update(output_to_json(self.output))
         if self.scatter is not None:
             out["scatter"] = self.scatter.to_json()
         return out
@@ -211,6 +285,11 @@ class NodeState:
         kwargs["status"] = NodeStatus(kwargs.get("status", "pending"))
         if kwargs.get("scatter") is not None:
             kwargs["scatter"] = ScatterState.from_json(kwargs["scatter"])
+        if _OUTPUT_KEYS.isdisjoint(kwargs):
+            return cls(**kwargs)  # most nodes: nothing to decode
+        kwargs["output"] = output_from_json(kwargs)
+        for key in _OUTPUT_KEYS:
+            kwargs.pop(key, None)
         return cls(**kwargs)
 
     def copy(self) -> NodeState:

@@ -20,7 +20,7 @@ from .external import absorb_external
 from .inputs import TickInputs, TickPayload
 from .scatter import drive_scatters
 from .schedule import fail_run_on_fatal_node, finish_if_done, next_wake_at, start_ready_nodes
-from .state import NodeState, RunState
+from .state import AttemptOutput, NodeState, RunState
 from .status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
 
 
@@ -110,8 +110,12 @@ def needed_outputs(definition: WorkflowSpec, state: RunState) -> dict[str, str]:
     out: dict[str, str] = {}
     for node_id in read_nodes(definition, state):
         found = state.nodes.get(node_id)
-        if found is not None and found.status == NodeStatus.SUCCEEDED and found.output_token:
-            out[node_id] = found.output_token
+        if (
+            found is not None
+            and found.status == NodeStatus.SUCCEEDED
+            and isinstance(found.output, AttemptOutput)
+        ):
+            out[node_id] = found.output.token
     return out
 
 

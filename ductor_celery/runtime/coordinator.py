@@ -1,4 +1,5 @@
-"""The coordinator's tick: load -> compute (pure) -> commit (versioned) -> dispatch.
+"""The coordinator's tick in a Celery process: ``run_tick`` drives ``coordinator.Coordinator``
+over the production store (``store.tick_store.SqlTickStore``) and the Celery dispatcher.
 
 Load and commit share one transaction (one connection, one BEGIN). The load locks the run row
 (``store.load.load_on``): that lock is the run's tick lock, so two processes never compute one
@@ -13,52 +14,39 @@ The same code runs in two places (docs/architecture.md, "Who runs a tick"):
 
 from __future__ import annotations
 
-import functools
-import logging
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from ..engine import compute_tick
-from ..engine.kinds import control_rejected
-from ..store import wakes
-from ..store.db import with_retry
-from ..store.load import LoadedRun, RunBusy, load_on
-from ..store.outbox import OutboxRow
-from ..store.ticks import (
-    TickClaim,
+from ..coordinator import (
+    MAX_CONFLICT_RETRIES,
+    Coordinator,
+    Keeper,
+    OutboxRow,
+    PreludeRefused,
+    TickStats,
     VersionConflict,
-    WorkflowIdTaken,
-    commit_on,
-    refresh_stale_timer,
-    reject_control,
 )
+from ..store.tick_store import SqlTickStore, SqlTickTransaction
 from . import observe
 from .outbox_janitor import sent_outbox
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine import Connection
+    from sqlalchemy.engine import Connection, Engine
 
-    from ..engine import TickPayload
+    from .dispatch import Dispatcher
     from .runtime import Runtime
 
-log = logging.getLogger("ductor_celery.coordinator")
-
-MAX_CONFLICT_RETRIES = 50
-
-
-@dataclass
-class TickStats:
-    """What this process's ticks did, for benchmarks and metrics: outcomes and recomputes."""
-
-    outcomes: Counter[str] = field(default_factory=Counter)
-    #: Ticks computed again because the run or one of its attempts changed under them.
-    conflicts: int = 0
-
-    def count(self, outcome: str) -> None:
-        self.outcomes[outcome] += 1
-
+__all__ = [
+    "MAX_CONFLICT_RETRIES",
+    "TICK_STATS",
+    "Coordinator",
+    "Keeper",
+    "Prelude",
+    "PreludeRefused",
+    "TickStats",
+    "VersionConflict",
+    "run_tick",
+]
 
 #: Per process (a prefork child has its own).
 TICK_STATS = TickStats()
@@ -69,20 +57,21 @@ TICK_STATS = TickStats()
 Prelude = Callable[["Connection"], bool]
 
 
-class Keeper(Protocol):
-    """The step worker running an eager tick, which may run one of its new attempts itself
-    (runtime/inline.py)."""
+class _SendThenForget:
+    """The coordinator's dispatcher in a Celery process: send the rows, then hand their ids
+    to this process's outbox janitor. Deleting them is off the critical path: a background
+    thread deletes them in batches; a row this process dies before deleting is sent again by
+    the sweeper (harmless: claims are by token)."""
 
-    def choose(self, loaded: LoadedRun, payload: TickPayload) -> TickClaim | None:
-        """Before the commit: the new attempt to claim in it, if any."""
+    __slots__ = ("_dispatcher", "_engine")
 
-    def committed(self) -> None:
-        """After the commit: the attempt last chosen is this worker's to run."""
+    def __init__(self, dispatcher: Dispatcher, engine: Engine) -> None:
+        self._dispatcher = dispatcher
+        self._engine = engine
 
-
-class PreludeRefused(Exception):
-    """The prelude wrote nothing (the attempt was closed or leased): no tick was run, and the
-    caller takes its ordinary path."""
+    def send(self, rows: list[OutboxRow]) -> None:
+        self._dispatcher.send(rows)
+        sent_outbox(self._engine).add([r.id for r in rows])
 
 
 def run_tick(
@@ -113,91 +102,16 @@ def run_tick(
     claimed attempt is retried by its step timeout, as after any worker lost mid-step.
     """
     engine = rt.engine()
-    observe.tick_started()
-    if not eager:
-        # Before the load: a result committed after this point wakes the run again.
-        with_retry(functools.partial(wakes.clear_wake, engine, run_id), what="clear wake-up")
-    for _ in range(MAX_CONFLICT_RETRIES):
-        try:
-            outcome, payload, outbox = with_retry(
-                functools.partial(_load_compute_commit, rt, run_id, eager, prelude, keep),
-                what="tick",
-            )
-        except VersionConflict as conflict:
-            TICK_STATS.conflicts += 1
-            observe.tick_conflict()
-            log.debug("run %s: %s; recomputing", run_id, conflict)
-            continue
-        except RunBusy:
-            TICK_STATS.count("busy")
-            return "busy"
-        except _Rejected:
-            continue
-        TICK_STATS.count(outcome)
-        if outcome != "committed":  # "busy" too, when a prelude's write was committed alone
-            observe.tick_ended(outcome)
-            return outcome
-        rt.failpoint(
-            "eager_after_commit_before_dispatch" if eager else "after_commit_before_dispatch"
-        )
-        if keep is not None:
-            keep.committed()
-        if outbox:
-            rt.dispatcher.send(outbox)
-            # Off the critical path: deleted in batches by a background thread. A row this
-            # process dies before deleting is sent again by the sweeper (harmless: by token).
-            sent_outbox(engine).add([r.id for r in outbox])
-        observe.tick_ended("committed")
-        return "committed"
-    log.error("run %s: gave up after %d conflicting ticks", run_id, MAX_CONFLICT_RETRIES)
-    return "conflict"
+    coordinator = Coordinator(
+        SqlTickStore(engine, rt.spec_for, rt.settings.engine_config()),
+        _SendThenForget(rt.dispatcher, engine),
+        failpoint=rt.failpoint,
+        stats=TICK_STATS,
+        observer=observe.OBSERVER,
+    )
+    on_tx = None if prelude is None else _on_connection(prelude)
+    return coordinator.tick(run_id, eager=eager, prelude=on_tx, keep=keep).outcome
 
 
-class _Rejected(Exception):
-    """A control was rejected by a database rule; the tick is computed again."""
-
-
-def _load_compute_commit(
-    rt: Runtime,
-    run_id: str,
-    eager: bool = False,
-    prelude: Prelude | None = None,
-    keep: Keeper | None = None,
-) -> tuple[str, TickPayload | None, list[OutboxRow]]:
-    engine = rt.engine()
-    config = rt.settings.engine_config()
-    payload: TickPayload | None = None
-    try:
-        with engine.begin() as conn:
-            if prelude is not None and not prelude(conn):
-                raise PreludeRefused(run_id)
-            try:
-                loaded_all = load_on(conn, run_id, rt.spec_for, config, wait_for_lock=not eager)
-            except RunBusy:
-                if prelude is None:
-                    raise
-                return "busy", None, []  # leaving the block commits the prelude's write
-            if loaded_all is None:
-                log.warning("tick for unknown run %s ignored", run_id)
-                return "missing", None, []
-            loaded, spec, inputs = loaded_all
-            payload = compute_tick(spec, loaded.state, inputs, loaded.now)
-            if not payload.changed:
-                # Nothing to commit; only a timer row that came due early is moved.
-                refresh_stale_timer(conn, loaded, payload.next_wake_at)
-                return "noop", payload, []
-            rt.failpoint("before_commit")
-            claim = None if keep is None else keep.choose(loaded, payload)
-            observe.tick_computed(loaded, payload)
-            return "committed", payload, commit_on(conn, loaded, payload, claim)
-    except WorkflowIdTaken:
-        # A redrive reopening the run while another run of its workflow id is open (the client
-        # checked, but a start raced it): refuse the redrive, keep the run as it is.
-        if payload is None or payload.handled_control is None:
-            raise
-        reject_control(
-            engine,
-            payload.handled_control.id,
-            control_rejected("another run of this workflow id is open"),
-        )
-        raise _Rejected() from None
+def _on_connection(prelude: Prelude) -> Callable[[SqlTickTransaction], bool]:
+    return lambda tx: prelude(tx.conn)

@@ -5,7 +5,7 @@ folds it. When that tick starts a step for the queue this worker's message came 
 publishing it only for a worker (often this one) to take it off the broker again costs a
 publish, a hop, a claim and the consumer's bookkeeping: about half of a step. Instead the tick
 inserts that one attempt already claimed by this worker, with no outbox row and no message
-(``run_tick(keep=...)``, ``store.ticks.TickClaim``), and the worker runs it right away, as if
+(``run_tick(keep=...)``, ``coordinator.TickClaim``), and the worker runs it right away, as if
 its message had just arrived and been claimed (``ductor_inline_steps``; docs/architecture.md,
 "Inline steps"):
 
@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING, Any
 
 from celery._state import pop_current_task, push_current_task
 
+from ..coordinator.port import TickClaim
 from ..engine.kinds import DispatchKind
 from ..store.attempts import ClaimedAttempt
 from ..store.schema import dumps_json
-from ..store.ticks import TickClaim
 
 if TYPE_CHECKING:
+    from ..coordinator.port import LoadedRun
     from ..engine import TickPayload
-    from ..store.load import LoadedRun
     from .runtime import Runtime
     from .steps import Step
 

@@ -29,7 +29,7 @@ from ..engine.status import TERMINAL_RUN_STATUSES, RunStatus
 
 if TYPE_CHECKING:
     from ..engine import TickPayload
-    from ..store.load import LoadedRun
+    from ..coordinator.port import LoadedRun
 
 log = logging.getLogger("ductor_celery.metrics")
 

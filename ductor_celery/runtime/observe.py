@@ -1,8 +1,9 @@
 """What a tick tells the outside once it is over: metrics (runtime/metrics.py) and its trace
 span (ductor_celery/tracing.py).
 
-``run_tick`` calls ``tick_started`` first, ``tick_computed`` when a computed change is about to
-commit, ``tick_conflict`` per recompute and ``tick_ended`` last. What was computed waits in a
+The tick loop (coordinator/loop.py) calls its observer's ``started`` first, ``computed`` when a
+computed change is about to commit, ``conflict`` per recompute and ``ended`` last; ``OBSERVER``
+is the one ``run_tick`` hands it. What was computed waits in a
 thread-local until ``tick_ended`` says the commit went through, so a tick that rolled back
 and was computed again is reported once. Ticks never nest within one thread.
 """
@@ -18,7 +19,7 @@ from . import metrics
 
 if TYPE_CHECKING:
     from ..engine import TickPayload
-    from ..store.load import LoadedRun
+    from ..coordinator.port import LoadedRun
 
 
 class _Tick(threading.local):
@@ -53,3 +54,15 @@ def tick_ended(outcome: str) -> None:
         tracing.record_tick(
             loaded.trace_context, loaded.run_id, loaded.workflow, outcome, _tick.started_ns
         )
+
+
+class _Observer:
+    """The tick loop's observer (``coordinator.loop.TickObserver``) in production."""
+
+    started = staticmethod(tick_started)
+    computed = staticmethod(tick_computed)
+    conflict = staticmethod(tick_conflict)
+    ended = staticmethod(tick_ended)
+
+
+OBSERVER = _Observer()

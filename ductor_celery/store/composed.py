@@ -1,6 +1,6 @@
 """Outputs composed from many rows: a scatter's gathered list, and child-run snapshots.
 
-Read by the tick's loader (``load.py``) and by views (``runs.composed_output``). Outputs are
+Read by the tick's loader (``load.py``) and by views, through ``outputs.py``. Outputs are
 immutable once written, so finished gathers and attempt outputs are cached per process.
 """
 
@@ -16,6 +16,7 @@ from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec, Workflo
 from ..engine import NodeStatus, RunState
 from ..engine.children import child_run_id
 from ..engine.inputs import ChildSnapshot
+from ..engine.outputs import checkpoint_of
 from ..engine.scatter import BatchAttempt, assemble, assemble_batched
 from ..engine.state import ScatterState
 from .schema import step_attempt, workflow_run
@@ -77,10 +78,10 @@ def children_of(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[s
             out[child] = ChildSnapshot(run_id=child, status="missing")
             continue
         reached: dict[str, Any] = {}
-        if until is not None and row.state is not None:
-            mark = (row.state.get("nodes") or {}).get(until) or {}
-            if mark.get("status") == NodeStatus.SUCCEEDED.value:
-                reached[until] = mark.get("output_value")
+        if until is not None:
+            passed, context = checkpoint_of(row.state, until)
+            if passed:
+                reached[until] = context
         out[child] = ChildSnapshot(
             run_id=row.run_id,
             status=row.status,
@@ -152,7 +153,7 @@ def child_output(conn: Connection, spec: WorkflowSpec, node: str, child: str) ->
         return None
     if until is None:
         return row.output
-    return ((row.state or {}).get("nodes", {}).get(until) or {}).get("output_value")
+    return checkpoint_of(row.state, until)[1]
 
 
 def gather(conn: Connection, node: str, sc: ScatterState) -> list[Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -17,6 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.engine import Connection, Engine
 
+from ..coordinator.port import LoadedRun, RunBusy
 from ..definition.spec import WorkflowSpec
 from ..engine import (
     AttemptCheck,
@@ -27,16 +27,17 @@ from ..engine import (
     RunState,
     SignalIn,
     TickInputs,
-    needed_outputs,
 )
 from ..engine.kinds import ControlKind
+from ..engine.outputs import OutputRef, output_ref, received_events, resolve_outputs
 from ..engine.slots import slots
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..engine.tick import ACTIVE, read_nodes
 from . import clock
-from .composed import ImmutableCache, child_output, children_of, gather_any, outputs_cache
+from .composed import ImmutableCache, children_of, gather_any
 from .db import aware, is_postgres
 from .leases import holds_lease
+from .outputs import ConnectionOutputs, signal_payloads
 from .schema import (
     step_attempt,
     workflow_control,
@@ -58,30 +59,8 @@ def _inputs_cache(engine: Engine) -> ImmutableCache:
     return cache
 
 
-@dataclass(slots=True)
-class LoadedRun:
-    run_id: str
-    workflow_id: str
-    workflow: str
-    spec_hash: str
-    record_version: int
-    state: RunState
-    now: datetime
-    parent_run_id: str | None = None
-    #: When the run's timer row fires (None: no row), so a commit can leave a good one alone.
-    timer_at: datetime | None = None
-    #: When the run was inserted (its duration, for metrics).
-    created_at: datetime | None = None
-    #: The run's W3C traceparent (ductor_celery/tracing.py); None: not traced.
-    trace_context: str | None = None
-
-
 def _exists(table: sa.Table, *where: Any) -> Any:
     return sa.exists(sa.select(sa.literal(1)).select_from(table).where(*where))
-
-
-class RunBusy(Exception):
-    """Another tick holds the run's lock (only raised when asked not to wait for it)."""
 
 
 def load_on(
@@ -377,81 +356,24 @@ def _checks(conn: Connection, state: RunState, now: datetime) -> dict[str, Attem
 
 
 def _outputs_for(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[str, Any]:
-    """Outputs of earlier-finished nodes that pending nodes (or the run output) read."""
-    outputs = _parked_outputs(conn, spec, state)
+    """Outputs of earlier-finished nodes that pending nodes (or the run output) read, from
+    their references (``engine.outputs``): a batched read per kind of row."""
+    refs: dict[str, OutputRef | None] = {}
     for node_id in read_nodes(spec, state):
         found = state.nodes.get(node_id)
-        if found is None or found.status != NodeStatus.SUCCEEDED:
-            continue
-        if found.scatter:
-            outputs[node_id] = gather_any(conn, spec, node_id, found.scatter)
-        elif found.child_run:
-            outputs[node_id] = child_output(conn, spec, node_id, found.child_run)
-    wanted = needed_outputs(spec, state)
-    if not wanted:
-        return outputs
-    cached, missing = outputs_cache.get_many(list(wanted.values()))
-    if missing:
-        for r in conn.execute(
-            sa.select(step_attempt.c.token, step_attempt.c.output).where(
-                step_attempt.c.token.in_(missing)
-            )
-        ):
-            outputs_cache.put(r.token, r.output)
-            cached[r.token] = r.output
-    outputs.update({node: cached.get(token) for node, token in wanted.items()})
-    return outputs
-
-
-def _payloads(conn: Connection, ids: list[int]) -> dict[int, Any]:
-    if not ids:
+        if found is not None and found.status == NodeStatus.SUCCEEDED:
+            refs[node_id] = output_ref(found)
+    if not refs:
         return {}
-    return dict(
-        conn.execute(
-            sa.select(workflow_signal.c.id, workflow_signal.c.payload).where(
-                workflow_signal.c.id.in_(ids)
-            )
-        ).all()
-    )
+    return resolve_outputs(refs, ConnectionOutputs(conn, spec))
 
 
 def _received(conn: Connection, state: RunState) -> dict[int, Any]:
     """Payloads of signals already applied to event sets that are still waiting."""
-    return _payloads(
-        conn,
-        [
-            i
-            for ns in state.nodes.values()
-            if ns.status == NodeStatus.WAITING and ns.output_signals
-            for i in ns.output_signals.values()
-        ],
-    )
-
-
-def _parked_outputs(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[str, Any]:
-    """Outputs of finished parked nodes that pending nodes read: signal payloads or literals."""
-    outputs: dict[str, Any] = {}
-    ids: dict[int, str] = {}
-    sets: dict[str, dict[str, int]] = {}
-    for node_id in read_nodes(spec, state):
-        found = state.nodes.get(node_id)
-        if (
-            found is None
-            or found.status != NodeStatus.SUCCEEDED
-            or found.output_token
-            or found.scatter
-            or found.child_run
-        ):
-            continue
-        if found.output_signal is not None:
-            ids[found.output_signal] = node_id
-        elif found.output_signals:
-            sets[node_id] = found.output_signals
-        else:
-            outputs[node_id] = found.output_value
-    payloads = _payloads(conn, list(ids) + [i for ev in sets.values() for i in ev.values()])
-    for signal_id, node_id in ids.items():
-        outputs[node_id] = payloads.get(signal_id)
-    for node_id, events in sets.items():
-        outputs[node_id] = {event: payloads.get(i) for event, i in events.items()}
-    return outputs
+    ids = [
+        i
+        for ns in state.nodes.values()
+        if ns.status == NodeStatus.WAITING
+        for i in received_events(ns).values()
+    ]
+    return signal_payloads(conn, ids)

@@ -29,7 +29,7 @@ from ..engine import TickPayload
 from .schema import dumps_json
 
 if TYPE_CHECKING:
-    from .ticks import TickClaim
+    from ..coordinator.port import TickClaim
 
 #: Run-row columns holding JSON (cast from the text ``dumps_json`` makes).
 _JSON_RUN_COLUMNS = frozenset({"state", "output", "error"})

@@ -17,11 +17,10 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from .. import limits
-from ..definition.spec import ChildScatterNodeSpec, WorkflowSpec
-from ..engine.state import NodeState, RunState
+from ..definition.spec import WorkflowSpec
+from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from . import clock
-from .composed import child_output, gather, gather_children
 from .db import aware
 from .schema import (
     step_attempt,
@@ -419,17 +418,6 @@ def attempt_outputs(engine: Engine, tokens: list[str]) -> dict[str, Any]:
                 )
             ).all()
         )
-
-
-def composed_output(engine: Engine, spec: WorkflowSpec, node: str, ns: NodeState) -> Any:
-    """A finished scatter's gathered list, or a finished sub-workflow's child output."""
-    with engine.connect() as conn:
-        if ns.scatter is not None:
-            if isinstance(spec.graph.nodes.get(node), ChildScatterNodeSpec):
-                return gather_children(conn, node, ns.scatter)
-            return gather(conn, node, ns.scatter)
-        assert ns.child_run is not None
-        return child_output(conn, spec, node, ns.child_run)
 
 
 def attempts_of(engine: Engine, run_id: str) -> list[Any]:

@@ -1,4 +1,5 @@
-"""The coordinator's side of the store: commit a tick's payload (``load.py`` reads the run).
+"""The coordinator's side of the store: commit a tick's payload (``load.py`` reads the run;
+``tick_store.py`` puts both behind the coordinator's port).
 
 ``commit_on`` is the only code that updates ``eec_workflow_run`` after its insert, and it
 always does so ``WHERE record_version = :expected``.
@@ -7,7 +8,6 @@ always does so ``WHERE record_version = :expected``.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -17,19 +17,16 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
-from ..engine import (
-    RunState,
-    TickPayload,
-)
+from ..coordinator.port import LoadedRun, OutboxRow, TickClaim, VersionConflict, WorkflowIdTaken
+from ..coordinator.rows import outbox_intents, transition_rows, unsent, wakeup_intent
+from ..engine import RunState, TickPayload
 from ..engine.children import child_workflow_id
-from ..engine.kinds import DispatchKind
 from ..engine.status import TERMINAL_RUN_STATUSES
 from . import leases, pg_commit
 from .db import is_postgres
 from .external import lock_workflow_signals
 from .finishes import RUN_FINISHED_CHANNEL
-from .load import LoadedRun
-from .outbox import OutboxRow, insert_outbox, step_intent, wakeup_intent
+from .outbox import insert_outbox
 from .runs import pending_run, run_exists
 from .schema import (
     step_attempt,
@@ -40,24 +37,6 @@ from .schema import (
     workflow_timer,
     workflow_transition,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class TickClaim:
-    """One of the tick's new attempts, claimed in the tick's own commit by the step worker
-    running the tick, which runs it next (runtime/inline.py): it gets no outbox row."""
-
-    token: str
-    worker: str
-
-
-class VersionConflict(Exception):
-    """Someone else committed this run (or an attempt changed) since we loaded it."""
-
-
-class WorkflowIdTaken(Exception):
-    """A redrive would reopen the run while another run of its workflow id is open (a start
-    raced the client's check): the database's unique index refused it; roll back."""
 
 
 def commit_on(
@@ -160,38 +139,6 @@ def _fold_statement() -> Any:
     )
 
 
-def _transition_rows(loaded: LoadedRun, payload: TickPayload) -> list[dict[str, Any]]:
-    first = payload.state.transitions - len(payload.transitions)
-    return [
-        {
-            "run_id": loaded.run_id,
-            "seq": first + i,
-            "node": tr.node,
-            "from_status": str(tr.from_status) if tr.from_status is not None else None,
-            "to_status": str(tr.to_status),
-            "reason": tr.reason[:2000],
-            "at": loaded.now,
-        }
-        for i, tr in enumerate(payload.transitions)
-    ]
-
-
-def _unsent(claim: TickClaim | None) -> set[str]:
-    return set() if claim is None else {claim.token}
-
-
-def _outbox_intents(payload: TickPayload, waiting: set[str]) -> list[dict[str, Any]]:
-    # A step message for an attempt still waiting for its lease is not sent: the release that
-    # hands it a slot sends it. Nor is one for the attempt the tick's worker claimed.
-    return [
-        wakeup_intent(d.run_id)
-        if d.kind == DispatchKind.WAKEUP
-        else step_intent(d.run_id, d.token, d.node, d.step, d.queue) | {"kind": d.kind}
-        for d in payload.dispatches
-        if not (d.kind == DispatchKind.STEP and d.token in waiting)
-    ]
-
-
 def _commit_in_one_statement(
     conn: Connection,
     loaded: LoadedRun,
@@ -201,14 +148,14 @@ def _commit_in_one_statement(
     claim: TickClaim | None,
 ) -> list[OutboxRow]:
     """The common tick's writes in one round trip (store/pg_commit.py)."""
-    intents = _outbox_intents(payload, _unsent(claim))
+    intents = outbox_intents(payload, unsent(claim))
     matched, ids = pg_commit.commit(
         conn,
         run_id=loaded.run_id,
         version=loaded.record_version,
         run_values=values,
         payload=payload,
-        transitions=_transition_rows(loaded, payload),
+        transitions=transition_rows(loaded.run_id, loaded.now, payload),
         outbox=intents,
         now=now,
         claim=claim,
@@ -279,8 +226,10 @@ def _commit_core(
         waiting = _insert_attempts(conn, loaded, payload, prior, now, claim)
 
     if payload.transitions:
-        conn.execute(sa.insert(workflow_transition), _transition_rows(loaded, payload))
-    outbox = insert_outbox(conn, _outbox_intents(payload, waiting | _unsent(claim)), now)
+        conn.execute(
+            sa.insert(workflow_transition), transition_rows(loaded.run_id, loaded.now, payload)
+        )
+    outbox = insert_outbox(conn, outbox_intents(payload, waiting | unsent(claim)), now)
     if released_keys:
         outbox.extend(leases.release(conn, closed_tokens, now))
 

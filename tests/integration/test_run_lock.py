@@ -15,7 +15,7 @@ from celery import Celery
 from ductor_celery import Ductor, Workflow
 from ductor_celery.runtime import coordinator
 from ductor_celery.runtime.coordinator import run_tick
-from ductor_celery.store import attempts
+from ductor_celery.store import attempts, tick_store
 from ductor_celery.store.db import get_engine
 
 
@@ -240,7 +240,7 @@ def test_a_conflict_rolls_the_prelude_back_with_the_tick_and_the_retry_writes_it
     assert run_tick(ductor.runtime, run_id) == "committed"
     token = _first_attempt(engine, run_id)
     assert attempts.claim(engine, token, "w1") is not None
-    real_commit = coordinator.commit_on
+    real_commit = tick_store.commit_on
     calls: list[int] = []
 
     def commit_once_conflicting(conn: Any, loaded: Any, payload: Any, claim: Any = None) -> Any:
@@ -249,7 +249,7 @@ def test_a_conflict_rolls_the_prelude_back_with_the_tick_and_the_retry_writes_it
             raise coordinator.VersionConflict(run_id)
         return real_commit(conn, loaded, payload, claim)
 
-    monkeypatch.setattr(coordinator, "commit_on", commit_once_conflicting)
+    monkeypatch.setattr(tick_store, "commit_on", commit_once_conflicting)
     written: list[bool] = []
 
     def prelude(conn: Any) -> bool:

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from support import FakeStep
+from support import FakeStep, literal_of
 
 from ductor_celery.definition import Workflow
 from ductor_celery.engine import RunState, RunStatus, TickInputs, compute_tick
@@ -101,7 +101,7 @@ def test_a_checkpoint_node_snapshots_the_context_and_flags_the_commit() -> None:
     )
     p = _tick(spec, s0, results=(done,))
     assert p.checkpoint_reached
-    assert p.state.nodes["printed"].output_value == {"label": "L7"}
+    assert literal_of(p.state.nodes["printed"]) == {"label": "L7"}
     assert p.state.nodes["printed"].status == "succeeded"
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -18,8 +17,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import event as note
 from hypothesis import strategies as st
-from support import CFG, NOW, RUN, RUN_STARTED, at, err, iso, ok, pure_tick, summary
+from support import (
+    CFG,
+    NOW,
+    RUN,
+    RUN_STARTED,
+    at,
+    err,
+    events_of,
+    iso,
+    literal_of,
+    ok,
+    pure_tick,
+    signal_of,
+    summary,
+    token_of,
+)
 
+from ductor_celery.coordinator import Coordinator
 from ductor_celery.definition import RetryPolicy, Workflow, WorkflowSpec
 from ductor_celery.definition.spec import approval_signal
 from ductor_celery.engine import (
@@ -38,6 +53,7 @@ from ductor_celery.engine import (
 from ductor_celery.engine.inputs import AppliedSignal, HandledControl
 from ductor_celery.engine.status import FINISHED_NODE_STATUSES, TERMINAL_RUN_STATUSES
 from ductor_celery.engine.tick import describe
+from ductor_celery.fakes import InMemoryStore, RecordingDispatcher
 
 APPLIED = "applied"
 
@@ -206,7 +222,7 @@ def test_wait_signal_output_is_the_payload_and_dependants_read_it_in_the_same_ti
         next_wake_at=iso(35),
     )
     assert p2.new_attempts[0].args == {"amount": 10}
-    assert p2.state.nodes["paid"].output_signal == 4  # a reference, never the payload
+    assert signal_of(p2.state.nodes["paid"]) == 4  # a reference, never the payload
     assert "amount" not in json.dumps(p2.state.to_json())
     # Later ticks get the payload from the loader (by signal id) for the run output.
     p3 = chain(spec, p2, now=at(6), results=[ok("r1:ship:1")], outputs={"paid": {"amount": 10}})
@@ -256,8 +272,8 @@ def test_two_signals_of_one_name_are_consumed_oldest_first_in_one_tick() -> None
     spec = two_waits()
     p = tick(spec, RunState(), signals=[(7, "go", "older"), (9, "go", "newer")])
     assert p.applied_signals == [AppliedSignal(7, "first"), AppliedSignal(9, "second")]
-    assert p.state.nodes["first"].output_signal == 7
-    assert p.state.nodes["second"].output_signal == 9
+    assert signal_of(p.state.nodes["first"]) == 7
+    assert signal_of(p.state.nodes["second"]) == 9
     assert p.status == RunStatus.SUCCEEDED
     assert p.output == {"first": "older", "second": "newer"}
 
@@ -352,8 +368,8 @@ def test_a_signal_racing_the_timeout_in_one_tick_wins_and_is_applied_once(
     assert moves[-1] == ("n", "waiting", "succeeded")
     assert moves[:-1] == ([("n", "waiting", "waiting")] if kind == "event_set" else [])
     ns = p2.state.nodes["n"]
-    assert ns.output_value is None
-    assert (ns.output_signals == {"go": 5}) if kind == "event_set" else (ns.output_signal == 5)
+    assert literal_of(ns) is None
+    assert (events_of(ns) == {"go": 5}) if kind == "event_set" else (signal_of(ns) == 5)
 
 
 # --- approval ------------------------------------------------------------------------------------
@@ -397,7 +413,7 @@ def test_approve_outputs_the_decision() -> None:
         ("act", "pending", "running", "attempt 1 dispatched"),
     ]
     assert p2.new_attempts[0].args == {"d": yes}
-    assert p2.state.nodes["review"].output_signal == 3
+    assert signal_of(p2.state.nodes["review"]) == 3
 
 
 def test_reject_fails_the_node_and_the_run() -> None:
@@ -480,7 +496,7 @@ def kyc(
 
 def event_output(p: TickPayload, node: str, payloads: dict[int, Any]) -> dict[str, Any]:
     """The output as the store reconstructs it: the node's event -> signal id references."""
-    refs = p.state.nodes[node].output_signals or {}
+    refs = events_of(p.state.nodes[node]) or {}
     applied = {a.id for a in p.applied_signals if a.node == node}
     assert applied <= set(refs.values())
     return {event: payloads[i] for event, i in refs.items()}
@@ -496,7 +512,7 @@ def test_event_set_all_collects_events_over_ticks_and_ignores_duplicates() -> No
         ("kyc", "pending", "waiting", "waiting for events ['id_ok', 'address_ok'] (all)"),
         ("kyc", "waiting", "waiting", "event 'id_ok' received"),
     ]
-    assert p1.state.nodes["kyc"].output_signals == {"id_ok": 1}
+    assert events_of(p1.state.nodes["kyc"]) == {"id_ok": 1}
     assert statuses(p1) == {"kyc": "waiting", "open": "pending"}
     # A second id_ok is not consumed: the event was already received.
     p2 = chain(spec, p1, now=at(1), signals=[(2, "id_ok", payloads[2])], received={1: payloads[1]})
@@ -536,7 +552,7 @@ def test_event_set_any_finishes_on_the_first_event() -> None:
     spec = kyc(mode="any")
     p = tick(spec, RunState(), signals=[(5, "address_ok", "A"), (6, "id_ok", "I")])
     assert p.applied_signals == [AppliedSignal(5, "kyc")]  # id_ok is left for someone else
-    assert p.state.nodes["kyc"].output_signals == {"address_ok": 5}
+    assert events_of(p.state.nodes["kyc"]) == {"address_ok": 5}
     assert p.new_attempts[0].args == {"kyc": {"address_ok": "A"}}
 
 
@@ -549,7 +565,7 @@ def test_event_set_n_of_m_counts_distinct_events() -> None:
         spec, p1, now=at(1), signals=[(2, "b", 2), (3, "c", 3), (4, "a", 4)], received={1: 1}
     )
     assert p2.applied_signals == [AppliedSignal(3, "kyc")]
-    assert p2.state.nodes["kyc"].output_signals == {"b": 1, "c": 3}
+    assert events_of(p2.state.nodes["kyc"]) == {"b": 1, "c": 3}
     assert p2.new_attempts[0].args == {"kyc": {"b": 1, "c": 3}}
 
 
@@ -563,8 +579,8 @@ def test_event_set_timeout_fails_or_continues() -> None:
     lenient = kyc(timeout=10, on_timeout="continue")
     p3 = chain(lenient, tick(lenient, RunState(), signals=[(1, "id_ok", 1)]), now=at(10))
     assert statuses(p3) == {"kyc": "succeeded", "open": "running"}
-    assert p3.state.nodes["kyc"].output_signals is None
-    assert p3.state.nodes["kyc"].output_value == {"timed_out": True}
+    assert events_of(p3.state.nodes["kyc"]) is None
+    assert literal_of(p3.state.nodes["kyc"]) == {"timed_out": True}
     assert p3.new_attempts[0].args == {"kyc": {"timed_out": True}}
 
 
@@ -641,7 +657,7 @@ def test_pause_during_a_wait_holds_signals_and_timeouts_until_resume() -> None:
     p2 = chain(spec, held, now=at(500), signals=go, control=control("resume", id=2))
     assert p2.applied_signals == [AppliedSignal(1, "w")]
     assert statuses(p2) == {"w": "succeeded", "ok": "succeeded"}
-    assert p2.state.nodes["ok"].output_value == {"timed_out": True}
+    assert literal_of(p2.state.nodes["ok"]) == {"timed_out": True}
     assert p2.status == RunStatus.SUCCEEDED
 
 
@@ -858,7 +874,7 @@ def test_redrive_after_a_failure_reruns_failed_cancelled_and_pending_nodes() -> 
     )
     bad = p4.state.nodes["bad"]
     assert (bad.generation, bad.attempt, bad.error) == (3, 1, None)  # a fresh retry budget
-    assert p4.state.nodes["ok"].output_token == "r1:ok:1"  # kept, never rerun
+    assert token_of(p4.state.nodes["ok"]) == "r1:ok:1"  # kept, never rerun
     assert p4.state.nodes["nap"].deadline == at(110)
     # The fresh budget: one failure retries again instead of failing the run.
     p5 = chain(spec, p4, now=at(11), results=[err("r1:bad:3")])
@@ -906,7 +922,7 @@ def test_redrive_after_a_rejection_waits_for_a_new_decision() -> None:
     assert p2.status == RunStatus.FAILED
     p3 = chain(spec, p2, now=at(2), control=control("redrive"))
     assert statuses(p3) == {"review": "waiting", "act": "pending"}
-    assert p3.state.nodes["review"].output_signal is None
+    assert signal_of(p3.state.nodes["review"]) is None
     p4 = chain(spec, p3, now=at(3), signals=[(2, approval_signal("review"), decision(True))])
     assert p4.applied_signals == [AppliedSignal(2, "review")]
     assert statuses(p4) == {"review": "succeeded", "act": "running"}
@@ -967,8 +983,8 @@ def test_continue_as_new_drains_attempts_in_flight_then_carries_finished_nodes()
         "b": "succeeded",
         "c": "pending",
     }
-    assert succ.state.nodes["a"].output_token == "r1:a:1"
-    assert succ.state.nodes["b"].output_token == "r1:b:1"
+    assert token_of(succ.state.nodes["a"]) == "r1:a:1"
+    assert token_of(succ.state.nodes["b"]) == "r1:b:1"
     assert roundtrip(succ.state) == succ.state
     # The same tick recomputed names the same successor.
     again = chain(spec, p4, now=at(4), input=inp, results=[ok("r1:a:1", "A")])
@@ -1005,7 +1021,7 @@ def test_continue_as_new_does_not_wait_for_a_pending_retry_and_reruns_its_node()
     assert statuses(p3)["b"] == "cancelled"
     assert p3.successor is not None
     assert p3.successor.state.nodes["b"].status == NodeStatus.PENDING
-    assert p3.successor.state.nodes["c"].output_token == "r1:c:1"
+    assert token_of(p3.successor.state.nodes["c"]) == "r1:c:1"
 
 
 def test_continue_as_new_with_input_starts_the_successor_from_the_top() -> None:
@@ -1056,7 +1072,7 @@ def test_continue_as_new_keeps_parked_nodes_parked_in_the_successor() -> None:
         .build()
     )
     p1 = tick(spec, RunState(), signals=[(1, "x", "X")])
-    assert p1.state.nodes["kyc"].output_signals == {"x": 1}
+    assert events_of(p1.state.nodes["kyc"]) == {"x": 1}
     p2 = chain(
         spec,
         p1,
@@ -1069,7 +1085,7 @@ def test_continue_as_new_keeps_parked_nodes_parked_in_the_successor() -> None:
     assert succ is not None
     # The event already consumed is not lost, and the sleep keeps its deadline.
     kyc_ns, nap_ns = succ.state.nodes["kyc"], succ.state.nodes["nap"]
-    assert (kyc_ns.status, kyc_ns.output_signals) == (NodeStatus.WAITING, {"x": 1})
+    assert (kyc_ns.status, events_of(kyc_ns)) == (NodeStatus.WAITING, {"x": 1})
     assert (nap_ns.status, nap_ns.deadline) == (NodeStatus.WAITING, at(100))
     s1 = tick(
         spec,
@@ -1186,72 +1202,66 @@ APPROVE = approval_signal("ok")
 SIGNAL_FOR = {"go": "w", "e1": "ev", "e2": "ev", APPROVE: "ok"}
 
 
-@dataclass
 class Store:
-    """The signal and control tables, the loader, and the history checks."""
+    """The run in the shipped in-memory store (its signal and control tables, its loader),
+    ticked by the production tick loop, and the history checks."""
 
-    now: datetime = NOW
-    state: RunState = field(default_factory=RunState)
-    signals: list[SignalIn] = field(default_factory=list)
-    applied: dict[int, str | None] = field(default_factory=dict)
-    controls: list[ControlIn] = field(default_factory=list)
-    finished: dict[str, int] = field(default_factory=dict)
-    ids: int = 0
-    ticks: int = 0
+    def __init__(self) -> None:
+        self.fake = InMemoryStore(now=NOW)
+        self.coordinator = Coordinator(self.fake, RecordingDispatcher(self.fake))
+        self.fake.start(MIXED, run_id=RUN)
+        self.finished: dict[str, int] = {}
+        self.ticks = 0
+
+    @property
+    def now(self) -> datetime:
+        return self.fake.now
+
+    @now.setter
+    def now(self, later: datetime) -> None:
+        self.fake.advance((later - self.fake.now).total_seconds())
+
+    @property
+    def state(self) -> RunState:
+        return self.fake.state(RUN)
+
+    @property
+    def signals(self) -> list[SignalIn]:
+        return [SignalIn(s.id, s.name, s.payload) for s in self.fake.tables.signals]
+
+    @property
+    def applied(self) -> dict[int, str | None]:
+        return {s.id: s.applied_to for s in self.fake.tables.signals if s.applied_at is not None}
+
+    @property
+    def controls(self) -> list[int]:
+        """Ids of the controls not handled yet, oldest first."""
+        return [c.id for c in self.fake.tables.controls if c.handled_at is None]
 
     def signal(self, name: str, payload: Any) -> None:
-        self.ids += 1
-        self.signals.append(SignalIn(self.ids, name, payload))
+        self.fake.signal(RUN, name, payload)
 
     def control(self, kind: str) -> None:
-        self.ids += 1
-        self.controls.append(ControlIn(self.ids, kind))
+        self.fake.control(RUN, kind)
 
     def payload_of(self, signal_id: int) -> Any:
         return next(s.payload for s in self.signals if s.id == signal_id)
 
-    def outputs(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for node, ns in self.state.nodes.items():
-            if ns.status != NodeStatus.SUCCEEDED:
-                continue
-            if ns.output_signal is not None:
-                out[node] = self.payload_of(ns.output_signal)
-            elif ns.output_signals:
-                out[node] = {e: self.payload_of(i) for e, i in ns.output_signals.items()}
-            else:
-                out[node] = ns.output_value
-        return out
-
     def tick(self) -> TickPayload:
-        unapplied = tuple(s for s in self.signals if s.id not in self.applied)
-        waiting_sets = [
-            i
-            for ns in self.state.nodes.values()
-            if ns.status == NodeStatus.WAITING and ns.output_signals
-            for i in ns.output_signals.values()
-        ]
-        before = self.state
-        p = tick(
-            MIXED,
-            before,
-            now=self.now,
-            signals=unapplied,
-            control=self.controls[0] if self.controls else None,
-            outputs=self.outputs(),
-            received={i: self.payload_of(i) for i in waiting_sets},
-        )
+        before, applied, controls = self.state, self.applied, self.controls
+        unapplied = {s.id: s for s in self.signals if s.id not in applied}
+        p = self.coordinator.tick(RUN).payload
+        assert p is not None
         self.ticks += 1
-        if self.controls:
-            assert p.handled_control is not None and p.handled_control.id == self.controls[0].id
-            self.controls.pop(0)
+        if controls:
+            assert p.handled_control is not None and p.handled_control.id == controls[0]
+            assert self.controls == controls[1:]
         else:
             assert p.handled_control is None
-        by_id = {s.id: s for s in unapplied}
         for a in p.applied_signals:
-            assert a.id not in self.applied, f"signal {a.id} applied twice"
-            self.applied[a.id] = a.node
-            name = by_id[a.id].name
+            assert a.id not in applied, f"signal {a.id} applied twice"
+            assert self.applied[a.id] == a.node, "the store recorded where it went"
+            name = unapplied[a.id].name
             if a.node is None:
                 assert name.startswith("ductor.approval:")
             else:
@@ -1287,11 +1297,11 @@ class Store:
                 assert p.next_wake_at == (min(deadlines) if deadlines else None)
         # Every node consumes what it says it consumed.
         for node, ns in p.state.nodes.items():
-            if ns.output_signal is not None:
-                assert self.applied.get(ns.output_signal) == node
-            for i in (ns.output_signals or {}).values():
+            if signal_of(ns) is not None:
+                assert self.applied.get(signal_of(ns)) == node
+            for i in (events_of(ns) or {}).values():
                 assert self.applied.get(i) == node
-        self.state = roundtrip(p.state)
+        assert self.state == roundtrip(p.state), "the store kept what the tick computed"
         return p
 
 
@@ -1347,13 +1357,13 @@ def test_random_interleavings_apply_each_signal_once_and_end_terminal(
     if store.state.status == RunStatus.FAILED:
         # Only a consumed rejection can fail this workflow.
         assert ok_ns.status == NodeStatus.FAILED
-        assert ok_ns.output_signal is not None
-        assert store.payload_of(ok_ns.output_signal)["approved"] is False
+        assert signal_of(ok_ns) is not None
+        assert store.payload_of(signal_of(ok_ns))["approved"] is False
     else:
         assert all(ns.status == NodeStatus.SUCCEEDED for ns in store.state.nodes.values())
-        assert store.payload_of(ok_ns.output_signal)["approved"] is True  # type: ignore[arg-type]
-        w_id = store.state.nodes["w"].output_signal
-        ev = store.state.nodes["ev"].output_signals or {}
+        assert store.payload_of(signal_of(ok_ns))["approved"] is True  # type: ignore[arg-type]
+        w_id = signal_of(store.state.nodes["w"])
+        ev = events_of(store.state.nodes["ev"]) or {}
         assert set(ev) == {"e1", "e2"}
         # Oldest first: w took the first "go" ever sent and ev the first e1 and e2, however
         # long before the node was reached they arrived.

@@ -8,7 +8,7 @@ from datetime import datetime
 from typing import Any
 
 import pytest
-from support import CFG, NOW, RUN, RUN_STARTED, at, err, iso, ok, pure_tick, summary
+from support import CFG, NOW, RUN, RUN_STARTED, at, err, iso, ok, pure_tick, summary, token_of
 
 from ductor_celery.definition import RetryPolicy, Workflow, WorkflowSpec
 from ductor_celery.engine import (
@@ -26,6 +26,7 @@ from ductor_celery.engine import (
     TickPayload,
     needed_outputs,
 )
+from ductor_celery.engine.outputs import AttemptOutput
 from ductor_celery.engine.tick import describe
 
 
@@ -587,7 +588,7 @@ def test_same_result_twice_in_one_tick_is_applied_once() -> None:
     assert [tr.to_status for tr in p.transitions] == ["succeeded", "succeeded"]
     assert p.transitions[1].reason == "stale result ignored (token r1:b:1)"
     assert p.state.context == {"n": 1}
-    assert p.state.nodes["b"].output_token == "r1:b:1"
+    assert token_of(p.state.nodes["b"]) == "r1:b:1"
 
 
 # --- checks: unclaimed resend and timeouts -------------------------------------------------------
@@ -828,7 +829,7 @@ def test_bad_success_result_fails_the_attempt_without_retry(
     assert message in p.error["message"]
     assert p.transitions[0].reason.startswith("attempt 1 failed (not retryable): ")
     assert p.state.context == {}
-    assert p.state.nodes["a"].output_token is None
+    assert token_of(p.state.nodes["a"]) is None
 
 
 def test_arguments_over_the_payload_limit_fail_the_node_and_the_run_at_once() -> None:
@@ -921,9 +922,13 @@ def test_needed_outputs_lists_succeeded_nodes_that_pending_nodes_read() -> None:
     state = RunState(
         status=RunStatus.RUNNING,
         nodes={
-            "a": NodeState(status=NodeStatus.SUCCEEDED, generation=2, output_token="r1:a:2"),
+            "a": NodeState(
+                status=NodeStatus.SUCCEEDED, generation=2, output=AttemptOutput("r1:a:2")
+            ),
             "f": NodeState(status=NodeStatus.FAILED, generation=1),
-            "k": NodeState(status=NodeStatus.SUCCEEDED, generation=1, output_token="r1:k:1"),
+            "k": NodeState(
+                status=NodeStatus.SUCCEEDED, generation=1, output=AttemptOutput("r1:k:1")
+            ),
             "b": NodeState(),
             "c": NodeState(),
         },
@@ -931,7 +936,9 @@ def test_needed_outputs_lists_succeeded_nodes_that_pending_nodes_read() -> None:
     assert needed_outputs(spec, state) == {"a": "r1:a:2", "k": "r1:k:1"}
     state.nodes["b"] = NodeState(status=NodeStatus.RUNNING, generation=1, token="r1:b:1")
     assert needed_outputs(spec, state) == {}
-    state.nodes["c"] = NodeState(status=NodeStatus.SUCCEEDED, generation=1, output_token="r1:c:1")
+    state.nodes["c"] = NodeState(
+        status=NodeStatus.SUCCEEDED, generation=1, output=AttemptOutput("r1:c:1")
+    )
     assert needed_outputs(spec, state) == {"c": "r1:c:1"}
 
 

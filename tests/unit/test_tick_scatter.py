@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import FakeStep
+from support import FakeStep, token_of
 
 from ductor_celery.definition import RetryPolicy, Workflow
 from ductor_celery.definition.spec import BATCH_ARG
@@ -113,7 +113,7 @@ class _Sim:
     ) -> Any:
         outputs = {}
         prep = self.state.nodes.get("prep")
-        if prep is not None and prep.output_token:
+        if prep is not None and token_of(prep):
             outputs["prep"] = self.items
         outputs.update(self._gathered(finished=True))
         inputs = TickInputs(
@@ -418,7 +418,7 @@ def test_automatic_continue_as_new_waits_for_a_running_scatter() -> None:
     def tick(results: tuple[AttemptResult, ...] = (), control: ControlIn | None = None) -> Any:
         outputs = (
             {"prep": sim.items}
-            if sim.state.nodes.get("prep") and sim.state.nodes["prep"].output_token
+            if sim.state.nodes.get("prep") and token_of(sim.state.nodes["prep"])
             else {}
         )
         outputs.update(sim._gathered(finished=True))

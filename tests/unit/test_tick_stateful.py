@@ -1,9 +1,11 @@
-"""compute_tick driven by Hypothesis over random small DAGs, with the store and workers modelled.
+"""The tick loop driven by Hypothesis over random small DAGs, on the shipped in-memory store.
 
-The machine plays the loader, the store and the step workers: it keeps the attempt rows the
-ticks asked for (token -> outcome), answers ``needed_outputs`` from them, delivers results,
-duplicates and stale tokens, advances the clock and reports claim status for due checks. After
-every tick it checks the invariants the coordinator relies on.
+Every tick is the production loop (``coordinator.Coordinator``) over ``fakes.InMemoryStore``:
+the store keeps the attempt rows, answers the loads (outputs, claim status of due checks,
+unfolded results) and applies the commits. The machine plays the step workers and the clock:
+it claims and finishes attempts, re-delivers results (a duplicate or a stale token, written
+into the attempt table as a redelivery would leave them), claims attempts early or long ago
+and moves time. After every tick it checks the invariants the coordinator relies on.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from support import token_of
 
+from ductor_celery.coordinator import Coordinator
 from ductor_celery.definition import RetryPolicy, Workflow, WorkflowSpec
 from ductor_celery.definition.retry import backoff_delay
 from ductor_celery.engine import (
-    AttemptCheck,
     AttemptResult,
     EngineConfig,
     NodeStatus,
@@ -39,6 +42,8 @@ from ductor_celery.engine import (
 )
 from ductor_celery.engine.status import NODE_TRANSITIONS, TERMINAL_RUN_STATUSES
 from ductor_celery.engine.tick import describe
+from ductor_celery.fakes import AttemptRow, InMemoryStore, RecordingDispatcher
+from ductor_celery.fakes.load import finish_order
 
 RUN = "run-1"
 START = datetime(2024, 1, 1, tzinfo=UTC)
@@ -112,16 +117,18 @@ def dags(draw: st.DrawFn) -> Dag:
 
 
 class TickMachine(RuleBasedStateMachine):
-    """One run, the store's attempt rows, and the workers' results."""
+    """One run in the in-memory store, the tick loop over it, and the workers' results."""
 
     def __init__(self) -> None:
         super().__init__()
         self.spec: WorkflowSpec
         self.input: dict[str, Any] = {}
         self.state = RunState()
-        self.now = START
+        self.store = InMemoryStore(now=START, config=CONFIG)
+        self.coordinator = Coordinator(self.store, RecordingDispatcher(self.store))
         self.ticks = 0
-        # The store: every attempt row the ticks created, and the outputs of succeeded ones.
+        # The workers' side: every token the ticks started, what succeeded ones returned, and
+        # when each attempt was claimed.
         self.attempt_node: dict[str, str] = {}
         self.outputs: dict[str, Any] = {}
         self.claims: dict[str, datetime] = {}
@@ -129,6 +136,10 @@ class TickMachine(RuleBasedStateMachine):
         self.delivered: list[AttemptResult] = []
         self.output_token: dict[str, str] = {}
         self.successes: dict[str, int] = {}
+
+    @property
+    def now(self) -> datetime:
+        return self.store.now
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -169,29 +180,73 @@ class TickMachine(RuleBasedStateMachine):
             for ns in self.state.nodes.values()
         )
 
-    def tick(
-        self,
-        results: tuple[AttemptResult, ...] = (),
-        checks: dict[str, AttemptCheck] | None = None,
-    ) -> TickPayload:
-        before = self.state
+    def unfolded(self) -> tuple[AttemptResult, ...]:
+        """The results the next tick's load reads: finished rows not folded, in finish order."""
+        rows = [a for a in self.store.tables.attempts.values() if a.finished_at and not a.folded]
+        rows.sort(key=finish_order)
+        return tuple(
+            AttemptResult(a.token, a.node, a.outcome or "failed", a.output, a.error) for a in rows
+        )
+
+    def finish(self, result: AttemptResult) -> None:
+        """A worker claims its attempt (if nobody did) and writes its outcome, once."""
+        if self.store.claim(result.token):
+            self.claims.setdefault(result.token, self.now)
+        assert self.store.finish(
+            result.token,
+            output=result.output,
+            error=result.error,
+            retryable=result.retryable,
+            patch=result.patch,
+        )
+
+    def redeliver(self, result: AttemptResult) -> None:
+        """A result read again after it was folded (or for a token no longer awaited): the
+        store refuses a second write, so it is put back as an unfolded finished row."""
+        row = self.store.tables.attempts.get(result.token)
+        if row is not None:
+            assert not self.store.finish(result.token, output="again"), "a second write"
+            row.folded = False
+            return
+        self.store.tables.attempts[result.token] = AttemptRow(
+            token=result.token,
+            run_id=RUN,
+            node=result.node,
+            branch=None,
+            generation=int(result.token.rsplit(":", 1)[1]),
+            attempt=1,
+            step=f"step_{result.node}",
+            queue=None,
+            args={},
+            timeout=300.0,
+            created_at=self.now,
+            finished_at=self.now,
+            finished_seq=self.store.tables.next_id("finish"),
+            outcome=result.outcome,
+            output=result.output,
+            error=result.error,
+            retryable=result.retryable,
+        )
+
+    def tick(self) -> TickPayload:
+        before = self.store.state(RUN)
+        assert before == self.state, "the store holds the state the last tick committed"
         before_json = json.dumps(before.to_json(), sort_keys=True)
-        wanted = needed_outputs(self.spec, before)
-        for node, token in wanted.items():
+        for node, token in needed_outputs(self.spec, before).items():
             assert before.nodes[node].status == NodeStatus.SUCCEEDED
             assert token == self.output_token[node]
-        inputs = TickInputs(
-            run_id=RUN,
-            input=self.input,
-            results=results,
-            checks=dict(checks or {}),
-            outputs={node: self.outputs[token] for node, token in wanted.items()},
-            config=CONFIG,
-        )
-        payload = compute_tick(self.spec, before, inputs, self.now)
+        results = self.unfolded()
+        version = self.store.run(RUN).record_version
+        done = self.coordinator.tick(RUN)
+        payload = done.payload
+        assert payload is not None
+        assert done.outcome == ("committed" if payload.changed else "noop")
+        assert self.store.run(RUN).record_version == version + (1 if payload.changed else 0)
         assert json.dumps(before.to_json(), sort_keys=True) == before_json, "input state mutated"
         self.check_payload(before, payload, results)
-        self.state = payload.state
+        self.state = self.store.state(RUN)
+        assert self.state == payload.state, "the commit stored the state the tick computed"
+        assert self.unfolded() == (), "every result read was folded"
         self.ticks += 1
         return payload
 
@@ -251,7 +306,7 @@ class TickMachine(RuleBasedStateMachine):
             if prev.status == NodeStatus.PENDING:  # a first start: arguments resolved here
                 assert a.args_from is None and a.attempt == 1
                 expected_deps = {
-                    d: self.outputs[after.nodes[d].output_token]
+                    d: self.outputs[token_of(after.nodes[d])]
                     if after.nodes[d].status == NodeStatus.SUCCEEDED
                     else None
                     for d in self.graph.nodes[a.node].after
@@ -277,13 +332,13 @@ class TickMachine(RuleBasedStateMachine):
 
         # Accepted outputs: set once, from a token that node was waiting on, never changed.
         for node, ns in after.nodes.items():
-            if ns.output_token is not None:
+            if token_of(ns) is not None:
                 if node in self.output_token:
-                    assert ns.output_token == self.output_token[node]
+                    assert token_of(ns) == self.output_token[node]
                 else:
                     assert ns.status == NodeStatus.SUCCEEDED
-                    assert before.nodes[node].token == ns.output_token
-                    self.output_token[node] = ns.output_token
+                    assert before.nodes[node].token == token_of(ns)
+                    self.output_token[node] = token_of(ns)
         self.check_state(after, p)
 
     def when_holds(self, node: str) -> bool:
@@ -317,7 +372,7 @@ class TickMachine(RuleBasedStateMachine):
             assert p.error is None
             assert all(ns.status in (DONE | {NodeStatus.FAILED}) for ns in state.nodes.values())
             assert p.output == {
-                node: self.outputs[ns.output_token] if ns.status == NodeStatus.SUCCEEDED else None
+                node: self.outputs[token_of(ns)] if ns.status == NodeStatus.SUCCEEDED else None
                 for node, ns in state.nodes.items()
             }
         elif state.status == RunStatus.FAILED:
@@ -351,6 +406,7 @@ class TickMachine(RuleBasedStateMachine):
     def start(self, dag: Dag, x: int) -> None:
         self.spec = dag.spec()
         self.input = {**dag.flags, "x": x}
+        assert self.store.start(self.spec, self.input, run_id=RUN) == RUN
         self.state = RunState.initial([n.id for n in dag.nodes])
         p = self.tick()
         assert p.changed
@@ -367,7 +423,7 @@ class TickMachine(RuleBasedStateMachine):
         node, token = data.draw(st.sampled_from(self.awaited()), label="awaited")
         ns = self.state.nodes[node]
         # Results arrive a little later: retry timers may come due in the same tick.
-        self.now += timedelta(seconds=wait)
+        self.store.advance(wait)
         if outcome == "ok":
             output = {"node": node, "token": token}
             result = AttemptResult(
@@ -387,11 +443,14 @@ class TickMachine(RuleBasedStateMachine):
                 retryable=outcome == "retryable",
             )
         self.delivered.append(result)
+        self.finish(result)
         context_before = dict(self.state.context)
-        p = self.tick((result,))
+        p = self.tick()
+        if any(other != node for other in self.fatal(p.state)):
+            return  # another node timed out for good in this tick: the terminal checks ran
         after = p.state.nodes[node]
         if outcome == "ok":
-            assert after.status == NodeStatus.SUCCEEDED and after.output_token == token
+            assert after.status == NodeStatus.SUCCEEDED and token_of(after) == token
             expected = {**context_before, **(result.patch or {})}
             assert p.state.context == expected
         elif outcome == "retryable" and ns.attempt < self.graph.nodes[node].retry.max_attempts:
@@ -409,8 +468,9 @@ class TickMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def deliver_duplicate(self, data: st.DataObject) -> None:
         result = data.draw(st.sampled_from(self.delivered), label="duplicate")
+        self.redeliver(result)
         before = self.state
-        p = self.tick((result,))
+        p = self.tick()
         assert p.state.nodes == before.nodes
         assert p.state.context == before.context and p.state.status == before.status
         assert p.new_attempts == [] and p.dispatches == [] and p.closed == []
@@ -426,8 +486,9 @@ class TickMachine(RuleBasedStateMachine):
         result = AttemptResult(
             token, node, "succeeded" if ok else "failed", output="stale", retryable=False
         )
+        self.redeliver(result)
         before = self.state
-        p = self.tick((result,))
+        p = self.tick()
         assert p.state.nodes == before.nodes
         assert p.state.context == before.context and p.state.status == before.status
         assert p.new_attempts == [] and p.dispatches == [] and p.closed == []
@@ -437,19 +498,14 @@ class TickMachine(RuleBasedStateMachine):
         claims=st.lists(
             st.sampled_from(["unclaimed", "recent", "long_ago", "finished"]), min_size=7, max_size=7
         ),
-        report=st.booleans(),
     )
-    def advance_time(self, seconds: int, claims: list[str], report: bool) -> None:
-        self.now += timedelta(seconds=seconds)
-        if not report or self.terminal():
-            retry_due = self.retry_due() and not self.terminal()
-            before = self.state
-            p = self.tick()
-            assert p.changed == retry_due, describe(p)
-            if not retry_due:
-                assert p.state == before
+    def advance_time(self, seconds: int, claims: list[str]) -> None:
+        """Time passes; each attempt whose check comes due was claimed a moment ago, long
+        ago, not at all, or has just finished: the store's load reports it so."""
+        self.store.advance(seconds)
+        if self.terminal():
+            assert self.tick().changed is False
             return
-        checks: dict[str, AttemptCheck] = {}
         kinds: dict[str, str] = {}
         for i, (node, token) in enumerate(self.awaited()):
             ns = self.state.nodes[node]
@@ -458,20 +514,22 @@ class TickMachine(RuleBasedStateMachine):
             kind = claims[i]
             if token in self.claims and kind == "unclaimed":
                 kind = "recent"  # a claim never goes away
-            if kind == "recent":
-                self.claims.setdefault(token, self.now - timedelta(seconds=1))
-            elif kind == "long_ago":
-                self.claims.setdefault(token, self.now - timedelta(seconds=10_000))
-            claimed_at = self.claims.get(token) if kind != "unclaimed" else None
-            checks[token] = AttemptCheck(token, claimed_at, finished=kind == "finished")
+            if kind in ("recent", "long_ago") and token not in self.claims:
+                at = self.now - timedelta(seconds=1 if kind == "recent" else 10_000)
+                assert self.store.claim(token)
+                self.store.attempt(token).claimed_at = self.claims[token] = at
+            elif kind == "finished":
+                self.outputs[token] = {"node": node, "token": token}
+                self.finish(AttemptResult(token, node, "succeeded", output=self.outputs[token]))
             kinds[node] = kind
         before = self.state
-        p = self.tick(checks=checks)
+        p = self.tick()
         if p.state.status == RunStatus.FAILED and before.status == RunStatus.RUNNING:
             return  # a timed-out node spent its budget: the terminal checks already ran
         for node, kind in kinds.items():
             old, new = before.nodes[node], p.state.nodes[node]
             token = old.token
+            assert token is not None
             if kind == "unclaimed":
                 resend_due = (old.resend_at or old.check_at) <= self.now
                 sent = [d.token for d in p.dispatches if d.node == node]
@@ -487,13 +545,14 @@ class TickMachine(RuleBasedStateMachine):
                 timeout = self.graph.nodes[node].timeout or CONFIG.default_step_timeout
                 assert new.check_at == min(new.resend_at, self.now + timedelta(seconds=timeout))
             elif kind == "finished":
-                assert new == old
+                assert new.status == NodeStatus.SUCCEEDED and token_of(new) == token
             else:
                 timeout = self.graph.nodes[node].timeout or CONFIG.default_step_timeout
                 deadline = self.claims[token] + timedelta(seconds=timeout)
                 timed_out = [c for c in p.closed if c.token == token]
                 if deadline <= self.now:
                     assert [c.outcome for c in timed_out] == ["timed_out"]
+                    assert self.store.attempt(token).outcome == "timed_out"
                     assert new.token != token
                 else:
                     assert timed_out == [] and new.token == token
@@ -524,13 +583,13 @@ class TickMachine(RuleBasedStateMachine):
         two = compute_tick(self.spec, restored, inputs, later)
         assert describe(one) == describe(two)
         assert one.state == two.state
-        self.state = restored
 
     @invariant()
     def tokens_recorded(self) -> None:
         for node, ns in getattr(self, "state", RunState()).nodes.items():
             if ns.token is not None:
                 assert self.attempt_node.get(ns.token) == node
+                assert self.store.attempt(ns.token).node == node
 
     def teardown(self) -> None:
         if not hasattr(self, "spec"):
@@ -542,16 +601,15 @@ class TickMachine(RuleBasedStateMachine):
                 break
             awaited = self.awaited()
             if awaited:
-                results = []
                 for node, token in awaited:
                     output = {"node": node, "token": token}
                     self.outputs[token] = output
-                    results.append(AttemptResult(token, node, "succeeded", output=output))
-                self.tick(tuple(results))
+                    self.finish(AttemptResult(token, node, "succeeded", output=output))
+                self.tick()
             else:
                 timers = [ns.retry_at for ns in self.state.nodes.values() if ns.retry_at]
                 assert timers, "an open run with nothing awaited must have a retry timer"
-                self.now = max(self.now, min(timers))
+                self.store.advance(max(0.0, (min(timers) - self.now).total_seconds()))
                 p = self.tick()
                 assert p.new_attempts, "a due retry starts an attempt"
         assert self.terminal(), f"run not finished after {bound} ticks: {self.state}"

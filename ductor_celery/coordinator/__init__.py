@@ -1,0 +1,40 @@
+"""The coordinator: the tick loop (``Coordinator``) behind narrow store and dispatcher ports.
+
+Knows no database and no broker: ``store.tick_store.SqlTickStore`` and the runtime's
+dispatcher plug it into PostgreSQL/SQLite and Celery, ``fakes`` into dicts and a list.
+"""
+
+from .loop import MAX_CONFLICT_RETRIES, Coordinator, TickResult, TickStats
+from .port import (
+    Dispatcher,
+    Keeper,
+    Loaded,
+    LoadedRun,
+    OutboxRow,
+    PreludeRefused,
+    RunBusy,
+    TickClaim,
+    TickStore,
+    TickTransaction,
+    VersionConflict,
+    WorkflowIdTaken,
+)
+
+__all__ = [
+    "MAX_CONFLICT_RETRIES",
+    "Coordinator",
+    "Dispatcher",
+    "Keeper",
+    "Loaded",
+    "LoadedRun",
+    "OutboxRow",
+    "PreludeRefused",
+    "RunBusy",
+    "TickClaim",
+    "TickResult",
+    "TickStats",
+    "TickStore",
+    "TickTransaction",
+    "VersionConflict",
+    "WorkflowIdTaken",
+]

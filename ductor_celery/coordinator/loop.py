@@ -1,0 +1,238 @@
+"""The tick loop: load -> compute (pure) -> commit (versioned) -> dispatch, against any store.
+
+``Coordinator(store, dispatcher).tick(run_id)`` is the one implementation of the loop. In
+production ``runtime/coordinator.py:run_tick`` builds it over ``store.tick_store.SqlTickStore``
+and the Celery dispatcher; tests build it over ``fakes.InMemoryStore`` and
+``fakes.RecordingDispatcher`` and run the very same code without a database or a broker.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from ..engine import TickPayload, compute_tick
+from ..engine.kinds import control_rejected
+from .port import (
+    Dispatcher,
+    Keeper,
+    LoadedRun,
+    OutboxRow,
+    PreludeRefused,
+    RunBusy,
+    TickStore,
+    TickTransaction,
+    VersionConflict,
+    WorkflowIdTaken,
+)
+
+# The logger of the tick loop since before it moved here (operators filter on it).
+log = logging.getLogger("ductor_celery.coordinator")
+
+MAX_CONFLICT_RETRIES = 50
+
+TxT = TypeVar("TxT", bound=TickTransaction)
+
+
+@dataclass
+class TickStats:
+    """What ticks did, for benchmarks and metrics: outcomes and recomputes."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    #: Ticks computed again because the run or one of its attempts changed under them.
+    conflicts: int = 0
+
+    def count(self, outcome: str) -> None:
+        self.outcomes[outcome] += 1
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TickResult:
+    """What one tick did. ``outcome``: "missing", "noop", "committed", "conflict" (gave up
+    after ``MAX_CONFLICT_RETRIES`` recomputes) or "busy" (an eager tick found the run locked).
+    ``payload``: what the last computation decided (None when nothing was computed);
+    ``outbox``: the rows the commit wrote and the dispatcher was handed.
+
+    Compares equal to its outcome's string, as ``run_tick``'s answer does:
+    ``coordinator.tick(run_id) == "committed"``."""
+
+    outcome: str
+    payload: TickPayload | None = None
+    outbox: list[OutboxRow] = field(default_factory=list)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return self.outcome == other
+        if isinstance(other, TickResult):
+            return (self.outcome, self.payload, self.outbox) == (
+                other.outcome,
+                other.payload,
+                other.outbox,
+            )
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.outcome)
+
+    def __str__(self) -> str:
+        return self.outcome
+
+
+class TickObserver(Protocol):
+    """Told what each tick did, for metrics and traces (runtime/observe.py): ``started``
+    first, ``computed`` when a change is about to commit, ``conflict`` per recompute,
+    ``ended`` last (after the dispatch of a committed tick)."""
+
+    def started(self) -> None: ...
+
+    def computed(self, loaded: LoadedRun, payload: TickPayload) -> None: ...
+
+    def conflict(self) -> None: ...
+
+    def ended(self, outcome: str) -> None: ...
+
+
+class _Rejected(Exception):
+    """A control was rejected by a store rule; the tick is computed again."""
+
+
+_NOTHING = TickResult("missing")
+
+#: The failpoint between commit and dispatch, for a coordinator tick and an eager one.
+_AFTER_COMMIT = {False: "after_commit_before_dispatch", True: "eager_after_commit_before_dispatch"}
+
+
+class Coordinator(Generic[TxT]):
+    """Ticks runs of one store, sending what each commit wrote through one dispatcher."""
+
+    __slots__ = ("store", "dispatcher", "failpoint", "stats", "observer")
+
+    def __init__(
+        self,
+        store: TickStore[TxT],
+        dispatcher: Dispatcher,
+        *,
+        failpoint: Callable[[str], None] | None = None,
+        stats: TickStats | None = None,
+        observer: TickObserver | None = None,
+    ) -> None:
+        self.store = store
+        self.dispatcher = dispatcher
+        #: Fault tests: called at named points of the tick (runtime/failpoints.py).
+        self.failpoint = failpoint
+        self.stats = stats if stats is not None else TickStats()
+        self.observer = observer
+
+    def tick(
+        self,
+        run_id: str,
+        *,
+        eager: bool = False,
+        prelude: Callable[[TxT], bool] | None = None,
+        keep: Keeper | None = None,
+    ) -> TickResult:
+        """One tick of one run (docs/architecture.md, "One writer per run").
+
+        ``eager``: a step worker's tick: it does not wait for the run's lock ("busy" instead)
+        and leaves the coalesced wake-up alone (a tick message is queued whose tick has not
+        started; that tick clears it).
+
+        ``prelude`` (eager ticks only): a write made first in the tick's own transaction (the
+        worker's outcome), committed with the tick; committed alone when the run is busy;
+        rolled back with a conflicting tick and written again by the recomputed one.
+        ``PreludeRefused`` when it wrote nothing: no tick is run.
+
+        ``keep`` (eager ticks only): may choose one of the tick's new attempts, which the
+        commit inserts claimed by that worker, with no step message (runtime/inline.py).
+        """
+        store, stats, observer = self.store, self.stats, self.observer
+        if observer is not None:
+            observer.started()
+        if not eager:
+            # Before the load: a result committed after this point wakes the run again.
+            store.clear_wake(run_id)
+        for _ in range(MAX_CONFLICT_RETRIES):
+            try:
+                result = store.retrying(
+                    functools.partial(self._load_compute_commit, run_id, eager, prelude, keep),
+                    "tick",
+                )
+            except VersionConflict as conflict:
+                stats.conflicts += 1
+                if observer is not None:
+                    observer.conflict()
+                log.debug("run %s: %s; recomputing", run_id, conflict)
+                continue
+            except RunBusy:
+                stats.count("busy")
+                return TickResult("busy")
+            except _Rejected:
+                continue
+            stats.count(result.outcome)
+            if result.outcome != "committed":  # "busy" too, when a prelude's write was alone
+                if observer is not None:
+                    observer.ended(result.outcome)
+                return result
+            if self.failpoint is not None:
+                self.failpoint(
+                    "eager_after_commit_before_dispatch"
+                    if eager
+                    else "after_commit_before_dispatch"
+                )
+            if keep is not None:
+                keep.committed()
+            if result.outbox:
+                self.dispatcher.send(result.outbox)
+            if observer is not None:
+                observer.ended("committed")
+            return result
+        log.error("run %s: gave up after %d conflicting ticks", run_id, MAX_CONFLICT_RETRIES)
+        return TickResult("conflict")
+
+    def _load_compute_commit(
+        self,
+        run_id: str,
+        eager: bool,
+        prelude: Callable[[TxT], bool] | None,
+        keep: Keeper | None,
+    ) -> TickResult:
+        payload: TickPayload | None = None
+        try:
+            with self.store.transaction() as tx:
+                if prelude is not None and not prelude(tx):
+                    raise PreludeRefused(run_id)
+                try:
+                    found = tx.load(run_id, wait_for_lock=not eager)
+                except RunBusy:
+                    if prelude is None:
+                        raise
+                    return TickResult("busy")  # leaving the block commits the prelude's write
+                if found is None:
+                    log.warning("tick for unknown run %s ignored", run_id)
+                    return _NOTHING
+                loaded, spec, inputs = found
+                payload = compute_tick(spec, loaded.state, inputs, loaded.now)
+                if not payload.changed:
+                    # Nothing to commit; only a timer row that came due early is moved.
+                    tx.refresh_stale_timer(loaded, payload.next_wake_at)
+                    return TickResult("noop", payload)
+                if self.failpoint is not None:
+                    self.failpoint("before_commit")
+                claim = None if keep is None else keep.choose(loaded, payload)
+                if self.observer is not None:
+                    self.observer.computed(loaded, payload)
+                return TickResult("committed", payload, tx.commit(loaded, payload, claim))
+        except WorkflowIdTaken:
+            # A redrive reopening the run while another run of its workflow id is open (the
+            # client checked, but a start raced it): refuse the redrive, keep the run as it is.
+            if payload is None or payload.handled_control is None:
+                raise
+            self.store.reject_control(
+                payload.handled_control.id,
+                control_rejected("another run of this workflow id is open"),
+            )
+            raise _Rejected() from None

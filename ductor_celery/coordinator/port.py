@@ -1,0 +1,143 @@
+"""The coordinator's narrow interfaces: the store it ticks against and the dispatcher it
+sends through, with the values and errors that cross them.
+
+Two stores implement ``TickStore``: ``store.tick_store.SqlTickStore`` (PostgreSQL and SQLite,
+production) and ``fakes.InMemoryStore`` (pure Python, for tests). Both are driven by the same
+``Coordinator`` (``coordinator/loop.py``), so a test of the fake exercises the production
+tick loop: only the rows are kept elsewhere.
+
+Nothing here imports SQLAlchemy, Celery, ``store/`` or ``runtime/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol, TypeVar
+
+from ..definition.spec import WorkflowSpec
+from ..engine import RunState, TickInputs, TickPayload
+from ..engine.kinds import DispatchKind
+
+T = TypeVar("T")
+TxT_co = TypeVar("TxT_co", bound="TickTransaction", covariant=True)
+
+
+@dataclass(slots=True)
+class LoadedRun:
+    """The run row as a tick's load read it: what the commit is conditional on."""
+
+    run_id: str
+    workflow_id: str
+    workflow: str
+    spec_hash: str
+    record_version: int
+    state: RunState
+    now: datetime
+    parent_run_id: str | None = None
+    #: When the run's timer row fires (None: no row), so a commit can leave a good one alone.
+    timer_at: datetime | None = None
+    #: When the run was inserted (its duration, for metrics).
+    created_at: datetime | None = None
+    #: The run's W3C traceparent (ductor_celery/tracing.py); None: not traced.
+    trace_context: str | None = None
+
+
+#: What a load returns: the run, its pinned definition, and the tick's inputs.
+Loaded = tuple[LoadedRun, WorkflowSpec, TickInputs]
+
+
+@dataclass(frozen=True, slots=True)
+class TickClaim:
+    """One of the tick's new attempts, claimed in the tick's own commit by the step worker
+    running the tick, which runs it next (runtime/inline.py): it gets no outbox row."""
+
+    token: str
+    worker: str
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """One dispatch intent written by a commit, sent after it."""
+
+    id: int
+    run_id: str
+    #: A str only for a kind this version does not know (a row written by a newer ductor,
+    #: read back by the sweeper): the dispatcher logs it and drops the row.
+    kind: DispatchKind | str
+    task: str
+    queue: str | None
+    payload: dict[str, Any]
+
+
+class VersionConflict(Exception):
+    """Someone else committed this run (or an attempt changed) since we loaded it."""
+
+
+class WorkflowIdTaken(Exception):
+    """A redrive would reopen the run while another run of its workflow id is open (a start
+    raced the client's check): the store refused it; roll back."""
+
+
+class RunBusy(Exception):
+    """Another tick holds the run's lock (only raised when asked not to wait for it)."""
+
+
+class PreludeRefused(Exception):
+    """The prelude wrote nothing (the attempt was closed or leased): no tick was run, and the
+    caller takes its ordinary path."""
+
+
+class TickTransaction(Protocol):
+    """One tick's transaction: the load holds the run's lock until it ends. Leaving its
+    context normally commits everything written in it; an exception rolls it all back."""
+
+    def load(self, run_id: str, *, wait_for_lock: bool) -> Loaded | None:
+        """The run and everything its tick reads, the run locked for this transaction. None:
+        no such run. ``wait_for_lock=False``: raise ``RunBusy`` if another tick holds it."""
+
+    def commit(
+        self, loaded: LoadedRun, payload: TickPayload, claim: TickClaim | None
+    ) -> list[OutboxRow]:
+        """Write the payload, conditional on ``loaded.record_version``: the outbox rows to send
+        after the transaction. ``VersionConflict`` and ``WorkflowIdTaken`` mean roll back."""
+
+    def refresh_stale_timer(self, loaded: LoadedRun, fire_at: datetime | None) -> bool:
+        """A tick with nothing to commit still moves a timer row that came due early."""
+
+
+class TickStore(Protocol[TxT_co]):
+    """Where runs live, as the coordinator sees them."""
+
+    def transaction(self) -> AbstractContextManager[TxT_co]:
+        """Begin one tick's transaction."""
+
+    def retrying(self, fn: Callable[[], T], what: str) -> T:
+        """Run ``fn`` (one tick attempt, its transaction included), again while the store is
+        briefly unreachable."""
+
+    def clear_wake(self, run_id: str) -> None:
+        """A coordinator tick of the run starts: later results need a wake-up of their own."""
+
+    def reject_control(self, control_id: int, result: str) -> None:
+        """Mark a control handled without applying it (its commit broke a store rule), in a
+        transaction of its own."""
+
+
+class Dispatcher(Protocol):
+    """Sends a commit's outbox rows: a hint channel, at least once."""
+
+    def send(self, rows: list[OutboxRow]) -> None: ...
+
+
+class Keeper(Protocol):
+    """The step worker running an eager tick, which may run one of its new attempts itself
+    (runtime/inline.py)."""
+
+    def choose(self, loaded: LoadedRun, payload: TickPayload) -> TickClaim | None:
+        """Before the commit: the new attempt to claim in it, if any."""
+
+    def committed(self) -> None:
+        """After the commit: the attempt last chosen is this worker's to run."""

@@ -1,0 +1,67 @@
+"""The rows a commit writes for a payload, shaped once for every store: the outbox intents
+and the transitions. ``store/ticks.py`` inserts them in SQL, ``fakes.InMemoryStore`` keeps
+them in dicts; sharing this code is what makes the two commits agree."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from ..engine import TickPayload
+from ..engine.kinds import DispatchKind
+from .port import TickClaim
+
+
+def step_intent(run_id: str, token: str, node: str, step: str, queue: str | None) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "kind": DispatchKind.STEP,
+        "task": step,
+        "queue": queue,
+        "payload": {"token": token, "run_id": run_id, "node": node},
+    }
+
+
+def wakeup_intent(run_id: str) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "kind": DispatchKind.WAKEUP,
+        "task": "ductor.tick",
+        "queue": None,
+        "payload": {"run_id": run_id},
+    }
+
+
+def unsent(claim: TickClaim | None) -> set[str]:
+    """The attempt the tick's worker claimed gets no message: it runs it itself."""
+    return set() if claim is None else {claim.token}
+
+
+def outbox_intents(payload: TickPayload, waiting: set[str]) -> list[dict[str, Any]]:
+    """The payload's dispatches as outbox rows. A step message for an attempt in ``waiting``
+    (for its lease, or claimed by the tick's worker) is not written: the release that hands it
+    a slot sends it, or the worker runs it."""
+    return [
+        wakeup_intent(d.run_id)
+        if d.kind == DispatchKind.WAKEUP
+        else step_intent(d.run_id, d.token, d.node, d.step, d.queue) | {"kind": d.kind}
+        for d in payload.dispatches
+        if not (d.kind == DispatchKind.STEP and d.token in waiting)
+    ]
+
+
+def transition_rows(run_id: str, now: datetime, payload: TickPayload) -> list[dict[str, Any]]:
+    """The payload's transitions, numbered on from the run's count before this tick."""
+    first = payload.state.transitions - len(payload.transitions)
+    return [
+        {
+            "run_id": run_id,
+            "seq": first + i,
+            "node": tr.node,
+            "from_status": str(tr.from_status) if tr.from_status is not None else None,
+            "to_status": str(tr.to_status),
+            "reason": tr.reason[:2000],
+            "at": now,
+        }
+        for i, tr in enumerate(payload.transitions)
+    ]

@@ -1,0 +1,269 @@
+"""``InMemoryStore``: the coordinator's store port over dicts, with a clock the test moves.
+
+It plays three parts a test needs, each as the SQL store would: the tick's store (``load``,
+``commit`` conditional on ``record_version``, timers, controls), the step workers' side of an
+attempt row (``claim``, ``heartbeat``, ``finish``: the token's one write) and the client's
+inserts (``start``, ``signal``, ``control``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from types import TracebackType
+from typing import Any, TypeVar
+
+from ..coordinator.port import Loaded, LoadedRun, OutboxRow, RunBusy, TickClaim
+from ..definition.spec import WorkflowSpec
+from ..engine import EngineConfig, RunState, TickPayload
+from ..engine.kinds import ControlKind
+from ..engine.status import OPEN_RUN_STATUSES
+from . import commit as committing
+from .load import load
+from .tables import AttemptRow, ControlRow, RunRow, SignalRow, Tables, json_copy
+
+T = TypeVar("T")
+
+#: Where the clock starts unless told otherwise: a fixed instant, so runs repeat exactly.
+EPOCH = datetime(2024, 1, 1, tzinfo=UTC)
+
+
+class InMemoryStore:
+    """Runs, attempts, signals, controls, outbox and timer rows in memory; one thread."""
+
+    def __init__(self, *, now: datetime | None = None, config: EngineConfig | None = None) -> None:
+        if now is not None and now.tzinfo is None:
+            raise ValueError("InMemoryStore(now=...) needs an aware datetime")
+        #: The store's clock: what a tick's load reads as ``now`` (the database's now()).
+        self.now = now or EPOCH
+        self.config = config or EngineConfig()
+        self.tables = Tables()
+        self.specs: dict[str, WorkflowSpec] = {}
+        #: Runs whose lock another (pretend) tick holds: ``held_elsewhere``.
+        self._held: set[str] = set()
+
+    # -- the clock ---------------------------------------------------------------------------
+
+    def advance(self, seconds: float) -> datetime:
+        if seconds < 0:
+            raise ValueError(f"the clock only moves forward (advance({seconds}))")
+        self.now += timedelta(seconds=seconds)
+        return self.now
+
+    # -- the coordinator's port ----------------------------------------------------------------
+
+    def transaction(self) -> InMemoryTransaction:
+        return InMemoryTransaction(self)
+
+    def retrying(self, fn: Callable[[], T], what: str) -> T:
+        del what  # memory is never briefly unreachable
+        return fn()
+
+    def clear_wake(self, run_id: str) -> None:
+        self.tables.wakes.discard(run_id)
+
+    def reject_control(self, control_id: int, result: str) -> None:
+        for c in self.tables.controls:
+            if c.id == control_id and c.handled_at is None:
+                c.handled_at, c.result = self.now, result[:2000]
+
+    @contextmanager
+    def held_elsewhere(self, run_id: str) -> Iterator[None]:
+        """While inside, another tick holds the run's lock: an eager tick finds it busy."""
+        self._held.add(run_id)
+        try:
+            yield
+        finally:
+            self._held.discard(run_id)
+
+    # -- the client's inserts ------------------------------------------------------------------
+
+    def add_definition(self, spec: WorkflowSpec) -> str:
+        """Store a definition (``register`` + the start's definition row); its hash."""
+        self.specs[spec.spec_hash] = spec
+        return spec.spec_hash
+
+    def start(
+        self,
+        spec: WorkflowSpec,
+        input: Any = None,
+        *,
+        run_id: str | None = None,
+        workflow_id: str | None = None,
+    ) -> str:
+        """Insert a pending run (no tick yet). An open run of ``workflow_id`` wins: its id is
+        returned and nothing is inserted, as ``ductor.start`` does."""
+        self.add_definition(spec)
+        run_id = run_id or uuid.uuid4().hex
+        workflow_id = workflow_id or run_id
+        if run_id in self.tables.runs:
+            raise ValueError(f"run {run_id!r} exists")
+        open_statuses = {s.value for s in OPEN_RUN_STATUSES}
+        for row in self.tables.runs.values():
+            if row.workflow_id == workflow_id and row.status in open_statuses:
+                return row.run_id
+        self.tables.runs[run_id] = committing.new_run(
+            run_id=run_id,
+            workflow_id=workflow_id,
+            spec=spec,
+            state=RunState.initial(list(spec.graph.order)),
+            input=input,
+            now=self.now,
+        )
+        self.tables.wakes.add(run_id)
+        return run_id
+
+    def signal(self, run_id: str, name: str, payload: Any = None) -> int:
+        """Accept a signal (or an approval decision, named ``approval_signal(node)``)."""
+        run = self.run(run_id)
+        row = SignalRow(
+            id=self.tables.next_id("signal"),
+            run_id=run_id,
+            workflow_id=run.workflow_id,
+            name=name,
+            payload=json_copy(payload),
+            created_at=self.now,
+        )
+        self.tables.signals.append(row)
+        return row.id
+
+    def control(
+        self, run_id: str, kind: ControlKind | str, *, reason: str | None = None, **input: Any
+    ) -> int:
+        """Queue an operator control. ``input=...`` (continue-as-new) is passed through."""
+        self.run(run_id)
+        unknown = set(input) - {"input"}
+        if unknown:
+            raise TypeError(f"control() got unexpected keyword arguments {sorted(unknown)}")
+        row = ControlRow(
+            id=self.tables.next_id("control"),
+            run_id=run_id,
+            kind=str(kind),
+            reason=reason,
+            input=json_copy(input.get("input")),
+            has_input="input" in input,
+            requested_by=None,
+            created_at=self.now,
+        )
+        self.tables.controls.append(row)
+        return row.id
+
+    # -- the step worker's writes --------------------------------------------------------------
+
+    def claim(self, token: str, worker: str = "fake-worker") -> bool:
+        """The worker's claim: only an attempt nobody claimed and nobody closed."""
+        row = self.attempt(token)
+        if row.claimed_at is not None or row.finished_at is not None:
+            return False
+        row.claimed_at, row.claimed_by = self.now, worker
+        return True
+
+    def heartbeat(self, token: str) -> bool:
+        row = self.attempt(token)
+        if row.finished_at is not None:
+            return False
+        row.heartbeat_at = self.now
+        return True
+
+    def finish(
+        self,
+        token: str,
+        *,
+        output: Any = None,
+        error: dict[str, Any] | None = None,
+        retryable: bool = True,
+        patch: dict[str, Any] | None = None,
+    ) -> bool:
+        """The outcome, written once: succeeded unless ``error`` is given. False: the
+        attempt was finished or closed already (a late or duplicate outcome)."""
+        row = self.attempt(token)
+        if row.finished_at is not None:
+            return False
+        row.finished_at, row.finished_seq = self.now, self.tables.next_id("finish")
+        row.outcome = "failed" if error is not None else "succeeded"
+        row.output, row.error = json_copy(output), json_copy(error)
+        row.retryable, row.patch = retryable, json_copy(patch)
+        self.tables.wakes.add(row.run_id)
+        return True
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def run(self, run_id: str) -> RunRow:
+        found = self.tables.runs.get(run_id)
+        if found is None:
+            raise KeyError(f"no run {run_id!r}")
+        return found
+
+    def state(self, run_id: str) -> RunState:
+        return RunState.from_json(self.run(run_id).state)
+
+    def attempt(self, token: str) -> AttemptRow:
+        found = self.tables.attempts.get(token)
+        if found is None:
+            raise KeyError(f"no attempt {token!r}")
+        return found
+
+    def open_attempts(self, run_id: str | None = None) -> list[AttemptRow]:
+        """Attempts not finished yet, oldest first (of one run, or of every run)."""
+        return [
+            a
+            for a in self.tables.attempts.values()
+            if a.finished_at is None and run_id in (None, a.run_id)
+        ]
+
+    def delete_outbox(self, ids: list[int]) -> None:
+        """What the outbox janitor does with rows once they are sent."""
+        for i in ids:
+            self.tables.outbox.pop(i, None)
+
+
+class InMemoryTransaction:
+    """One tick's transaction: everything written in it is undone if it ends in an error
+    (it keeps a copy of the tables from its start: fine for a test's few runs)."""
+
+    __slots__ = ("_store", "_before")
+
+    def __init__(self, store: InMemoryStore) -> None:
+        self._store = store
+        self._before: Tables | None = None
+
+    def __enter__(self) -> InMemoryTransaction:
+        self._before = self._store.tables.snapshot()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None and self._before is not None:
+            self._store.tables = self._before
+
+    @property
+    def store(self) -> InMemoryStore:
+        """For a prelude: the store it writes on, inside this transaction."""
+        return self._store
+
+    def load(self, run_id: str, *, wait_for_lock: bool) -> Loaded | None:
+        store = self._store
+        if run_id in store._held:
+            if not wait_for_lock:
+                raise RunBusy(run_id)
+            raise RuntimeError(f"run {run_id} is held by another tick; one thread cannot wait")
+        return load(store.tables, store.specs, run_id, store.now, store.config)
+
+    def commit(
+        self, loaded: LoadedRun, payload: TickPayload, claim: TickClaim | None
+    ) -> list[OutboxRow]:
+        store = self._store
+        return committing.commit(store.tables, store.specs, loaded, payload, claim)
+
+    def refresh_stale_timer(self, loaded: LoadedRun, fire_at: datetime | None) -> bool:
+        current = loaded.timer_at
+        if current is None or current > loaded.now or current == fire_at:
+            return False
+        committing.set_timer(self._store.tables, loaded, fire_at)
+        return True

@@ -1,0 +1,330 @@
+"""The shipped fakes (``ductor_celery.fakes``) under the production tick loop
+(``coordinator.Coordinator``): runs driven with no database and no broker, version checks,
+rollback, the busy lock, and what the fake refuses to pretend."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from support import FakeStep
+
+from ductor_celery.coordinator import Coordinator, TickClaim, TickStats, VersionConflict
+from ductor_celery.definition import RetryPolicy, Workflow
+from ductor_celery.definition.retry import ConcurrencyLimit
+from ductor_celery.definition.spec import approval_signal
+from ductor_celery.engine import RunStatus, compute_tick
+from ductor_celery.engine.kinds import DispatchKind
+from ductor_celery.fakes import (
+    InMemoryStore,
+    InMemoryTransaction,
+    NotModelled,
+    RecordingDispatcher,
+)
+
+
+def _world() -> tuple[InMemoryStore, RecordingDispatcher, Coordinator[Any]]:
+    store = InMemoryStore()
+    sent = RecordingDispatcher(store)
+    return store, sent, Coordinator(store, sent)
+
+
+def _work(store: InMemoryStore, sent: RecordingDispatcher, results: dict[str, Any]) -> int:
+    """Play the step workers for every step message sent since the last call: claim, then
+    finish with ``results[node]`` (an exception instance fails it). How many ran."""
+    ran = 0
+    for row in sent.take():
+        if row.kind != DispatchKind.STEP:
+            continue
+        token = row.payload["token"]
+        assert store.claim(token)
+        outcome = results[row.payload["node"]]
+        if isinstance(outcome, Exception):
+            store.finish(token, error={"type": type(outcome).__name__, "message": str(outcome)})
+        elif callable(outcome):
+            store.finish(token, output=outcome(store.attempt(token).args))
+        else:
+            store.finish(token, output=outcome)
+        ran += 1
+    return ran
+
+
+def test_a_run_goes_from_start_to_its_output_through_the_real_tick_loop() -> None:
+    store, sent, coordinator = _world()
+    wf = Workflow("two")
+    wf.step("a", "s.a", args={"x": "$.input.x"})
+    wf.step("b", "s.b", after=["a"], args={"y": "$.nodes.a.output"})
+    wf.output({"a": "$.nodes.a.output", "b": "$.nodes.b.output"})
+    run_id = store.start(wf.build(), input={"x": 2})
+
+    assert coordinator.tick(run_id).outcome == "committed"
+    assert store.run(run_id).status == "running"
+    assert _work(store, sent, {"a": lambda args: args["x"] * 10}) == 1
+    assert coordinator.tick(run_id).outcome == "committed"
+    assert _work(store, sent, {"b": lambda args: args["y"] + 1}) == 1
+    result = coordinator.tick(run_id)
+
+    run = store.run(run_id)
+    assert (run.status, run.output, run.record_version) == ("succeeded", {"a": 20, "b": 21}, 3)
+    assert result.payload is not None and result.payload.status == RunStatus.SUCCEEDED
+    assert [(t.node, t.to_status) for t in store.tables.transitions] == [
+        (None, "running"),
+        ("a", "running"),
+        ("a", "succeeded"),
+        ("b", "running"),
+        ("b", "succeeded"),
+        (None, "succeeded"),
+    ]
+    assert store.tables.outbox == {}, "every sent row was deleted, as the janitor does"
+    assert run_id not in store.tables.timers
+    assert coordinator.tick(run_id) == "noop", "a duplicate wake-up commits nothing"
+    assert str(result) == "committed" and result != "noop"
+    assert store.run(run_id).record_version == 3
+
+
+def test_a_retry_waits_for_its_backoff_on_the_store_clock_and_copies_its_arguments() -> None:
+    store, sent, coordinator = _world()
+    wf = Workflow("flaky")
+    wf.step("a", "s.a", args={"n": 1}, retry=RetryPolicy(max_attempts=2, initial_interval=5.0))
+    run_id = store.start(wf.build())
+    coordinator.tick(run_id)
+    _work(store, sent, {"a": RuntimeError("first time")})
+    coordinator.tick(run_id)
+    assert store.state(run_id).nodes["a"].retry_at is not None
+    assert store.tables.timers[run_id] == store.now + timedelta(seconds=5)
+    assert coordinator.tick(run_id).outcome == "noop", "the backoff has not passed"
+    store.advance(5)
+    assert coordinator.tick(run_id).outcome == "committed"
+    [retry] = store.open_attempts(run_id)
+    assert (retry.attempt, retry.args) == (2, {"n": 1})
+    _work(store, sent, {"a": "ok"})
+    coordinator.tick(run_id)
+    assert (store.run(run_id).status, store.run(run_id).output) == ("succeeded", None)
+    assert store.state(run_id).nodes["a"].attempt == 2
+
+
+def test_a_commit_on_a_version_that_moved_is_refused_and_writes_nothing() -> None:
+    store, sent, coordinator = _world()
+    wf = Workflow("one")
+    wf.step("a", "s.a")
+    run_id = store.start(wf.build())
+    with store.transaction() as tx:
+        found = tx.load(run_id, wait_for_lock=True)
+    assert found is not None
+    loaded, spec, inputs = found
+    stale = compute_tick(spec, loaded.state, inputs, loaded.now)
+    assert coordinator.tick(run_id).outcome == "committed"  # another tick commits first
+    before = store.tables.snapshot()
+    with pytest.raises(VersionConflict):
+        with store.transaction() as tx:
+            tx.commit(loaded, stale, None)
+    assert store.tables == before, "the refused commit left every row as it was"
+
+
+def test_a_conflict_found_half_way_rolls_the_whole_commit_back() -> None:
+    store, sent, coordinator = _world()
+    wf = Workflow("timeout")
+    wf.step("a", "s.a", timeout=10.0, retry=RetryPolicy(max_attempts=2))
+    run_id = store.start(wf.build())
+    coordinator.tick(run_id)
+    [token] = sent.step_tokens()
+    store.claim(token)
+    store.advance(11)  # past its timeout: the next tick closes it as timed out
+
+    with store.transaction() as tx:
+        found = tx.load(run_id, wait_for_lock=True)
+    assert found is not None
+    loaded, spec, inputs = found
+    closing = compute_tick(spec, loaded.state, inputs, loaded.now)
+    assert [c.token for c in closing.closed] == [token]
+    store.finish(token, output="late but in time")  # the worker finishes it meanwhile
+    before = store.tables.snapshot()
+    with pytest.raises(VersionConflict, match="finished meanwhile"):
+        with store.transaction() as tx:
+            tx.commit(loaded, closing, None)
+    assert store.tables == before, "the run update made before the conflict was undone"
+    # The coordinator recomputes from the store as it is: the worker's result is folded.
+    coordinator.tick(run_id)
+    assert store.run(run_id).output is None and store.run(run_id).status == "succeeded"
+    assert store.attempt(token).outcome == "succeeded"
+
+
+def test_the_coordinator_recomputes_after_a_conflict_and_counts_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = InMemoryStore()
+    stats = TickStats()
+    coordinator = Coordinator(store, RecordingDispatcher(store), stats=stats)
+    wf = Workflow("one")
+    wf.step("a", "s.a")
+    run_id = store.start(wf.build())
+    real_load = InMemoryTransaction.load
+    raced: list[int] = []
+
+    def load_then_race(self: InMemoryTransaction, rid: str, *, wait_for_lock: bool) -> Any:
+        found = real_load(self, rid, wait_for_lock=wait_for_lock)
+        if not raced:  # another writer commits the run between this load and its commit
+            store.run(rid).record_version += 1
+            raced.append(1)
+        return found
+
+    monkeypatch.setattr(InMemoryTransaction, "load", load_then_race)
+    assert coordinator.tick(run_id).outcome == "committed"
+    assert (stats.conflicts, stats.outcomes["committed"]) == (1, 1)
+    # The first commit rolled back with the race's bump; the recomputed one committed.
+    assert store.run(run_id).record_version == 1
+    assert len(store.open_attempts(run_id)) == 1
+
+
+def test_an_eager_tick_finds_a_run_held_by_another_tick_busy_and_commits_its_prelude() -> None:
+    store, sent, coordinator = _world()
+    wf = Workflow("one")
+    wf.step("a", "s.a")
+    run_id = store.start(wf.build())
+    coordinator.tick(run_id)
+    [token] = sent.step_tokens()
+    store.claim(token)
+
+    def prelude(tx: Any) -> bool:
+        return bool(tx.store.finish(token, output=5))
+
+    with store.held_elsewhere(run_id):
+        assert coordinator.tick(run_id, eager=True, prelude=prelude).outcome == "busy"
+    assert store.attempt(token).outcome == "succeeded", "the outcome is committed alone"
+    assert store.run(run_id).status == "running", "and not folded: the run was busy"
+    assert coordinator.tick(run_id).outcome == "committed"
+    assert store.run(run_id).status == "succeeded"
+
+
+def test_signals_approvals_and_controls_go_through_the_fake_as_through_the_tables() -> None:
+    store, sent, coordinator = _world()
+    wf = Workflow("wait")
+    wf.wait_signal("paid", signal="payment")
+    wf.approval("review", after=["paid"])
+    wf.step("ship", "s.ship", after=["review"], args={"paid": "$.nodes.paid.output"})
+    wf.output({"paid": "$.nodes.paid.output", "review": "$.nodes.review.output.approved"})
+    run_id = store.start(wf.build(), workflow_id="order-1")
+    coordinator.tick(run_id)
+    assert store.state(run_id).nodes["paid"].status == "waiting"
+    signal_id = store.signal(run_id, "payment", {"amount": 3})
+    coordinator.tick(run_id)
+    assert store.tables.signals[0].applied_to == "paid" and signal_id == store.tables.signals[0].id
+    store.signal(run_id, approval_signal("review"), {"approved": True, "by": "al"})
+    coordinator.tick(run_id)
+    assert _work(store, sent, {"ship": lambda args: args["paid"]}) == 1
+    coordinator.tick(run_id)
+    assert store.run(run_id).output == {"paid": {"amount": 3}, "review": True}
+
+    second = store.start(wf.build(), workflow_id="order-2")
+    coordinator.tick(second)
+    store.control(second, "cancel", reason="changed my mind")
+    coordinator.tick(second)
+    assert store.run(second).status == "cancelled"
+    assert store.tables.controls[-1].result == "applied"
+
+
+def test_scatters_and_child_runs_gather_from_the_fake_rows() -> None:
+    store, sent, coordinator = _world()
+    child = Workflow("child")
+    child.step("c", "s.c", args={"v": "$.input.v"})
+    child.output("$.nodes.c.output")
+    child_spec = child.build()
+    parent = Workflow("parent")
+    parent.scatter("each", "s.each", over="$.input.items", item_arg="item", max_parallel=2)
+    parent.subworkflow("sub", workflow="child", input={"v": "$.nodes.each.output"}, after=["each"])
+    parent.output("$.nodes.sub.output")
+    store.add_definition(child_spec)
+    run_id = store.start(parent.build(None, {"child": child_spec}.get), input={"items": [1, 2, 3]})
+
+    results = {"each": lambda args: args["item"] * 2, "c": lambda args: sum(args["v"])}
+    for _ in range(20):
+        woken = [r.run_id for r in sent.sent if r.kind == DispatchKind.WAKEUP]
+        _work(store, sent, results)
+        for rid in [run_id, *woken, *(r for r in store.tables.runs if r != run_id)]:
+            coordinator.tick(rid)
+        if store.run(run_id).status == "succeeded":
+            break
+    assert store.run(run_id).output == 12
+    [child_row] = [r for r in store.tables.runs.values() if r.parent_run_id == run_id]
+    assert child_row.input == {"v": [2, 4, 6]} and child_row.status == "succeeded"
+
+
+def test_a_concurrency_limit_is_refused_as_not_modelled_and_nothing_is_written() -> None:
+    store, sent, coordinator = _world()
+    wf = Workflow("limited")
+    wf.step("a", FakeStep(concurrency=ConcurrencyLimit(key="$.input.k", limit=1)))
+    run_id = store.start(wf.build(), input={"k": "x"})
+    with pytest.raises(NotModelled, match="concurrency leases"):
+        coordinator.tick(run_id)
+    assert store.run(run_id).record_version == 0 and store.tables.attempts == {}
+
+
+def test_the_fake_refuses_values_json_cannot_hold_and_a_clock_that_goes_back() -> None:
+    store = InMemoryStore()
+    wf = Workflow("one")
+    wf.step("a", "s.a")
+    with pytest.raises(ValueError, match="not storable as JSON"):
+        store.start(wf.build(), input={"when": object()})
+    assert store.tables.runs == {}
+    with pytest.raises(ValueError, match="only moves forward"):
+        store.advance(-1)
+    with pytest.raises(ValueError, match="aware datetime"):
+        InMemoryStore(now=datetime(2024, 1, 1))  # noqa: DTZ001 - the naive clock refused
+
+
+def test_an_eager_tick_claims_the_attempt_its_worker_keeps_and_sends_no_message_for_it() -> None:
+    store, sent, coordinator = _world()
+    wf = Workflow("two")
+    wf.step("a", "s.a")
+    wf.step("b", "s.b", after=["a"])
+    run_id = store.start(wf.build())
+    coordinator.tick(run_id)
+    [first] = sent.step_tokens()
+    sent.take()
+    store.claim(first)
+    store.finish(first, output=1)
+
+    class Keep:
+        chosen: list[str] = []
+
+        def choose(self, loaded: Any, payload: Any) -> TickClaim | None:
+            return TickClaim(payload.new_attempts[0].token, "w-inline")
+
+        def committed(self) -> None:
+            self.chosen.append("committed")
+
+    keep = Keep()
+    result = coordinator.tick(run_id, eager=True, keep=keep)
+    assert result.outcome == "committed" and keep.chosen == ["committed"]
+    [second] = store.open_attempts(run_id)
+    assert (second.claimed_by, second.claimed_at) == ("w-inline", store.now)
+    assert sent.step_tokens() == [], "the worker runs it itself: no step message"
+    assert not store.claim(second.token), "a duplicate message would find it claimed"
+
+
+def test_a_coordinator_tick_cannot_wait_for_a_lock_in_one_thread_and_says_so() -> None:
+    store, _, coordinator = _world()
+    wf = Workflow("one")
+    wf.step("a", "s.a")
+    run_id = store.start(wf.build())
+    with store.held_elsewhere(run_id), pytest.raises(RuntimeError, match="cannot wait"):
+        coordinator.tick(run_id)
+    assert store.run(run_id).record_version == 0
+
+
+def test_a_redrive_racing_a_start_of_its_workflow_id_is_rejected_and_the_run_kept() -> None:
+    store, sent, coordinator = _world()
+    wf = Workflow("one")
+    wf.step("a", "s.a", retry=RetryPolicy(max_attempts=1))
+    spec = wf.build()
+    failed = store.start(spec, workflow_id="order-7")
+    coordinator.tick(failed)
+    _work(store, sent, {"a": RuntimeError("no")})
+    coordinator.tick(failed)
+    assert store.run(failed).status == "failed"
+    newer = store.start(spec, workflow_id="order-7")  # the workflow id is free again
+    store.control(failed, "redrive")
+    assert coordinator.tick(failed).outcome == "noop"  # recomputed after the rejection
+    assert store.run(failed).status == "failed" and store.run(newer).status == "pending"
+    assert store.tables.controls[-1].result == ("rejected: another run of this workflow id is open")
