@@ -15,6 +15,7 @@ from .errors import (
     PayloadNotSerializable,
     PayloadTooLarge,
     RunNotFound,
+    SecretNotFound,
     WorkflowNotFound,
 )
 from .runtime.steps import Step, StepContext
@@ -36,6 +37,7 @@ __all__ = [
     "RunNotFound",
     "RunStatus",
     "RunView",
+    "SecretNotFound",
     "Step",
     "StepContext",
     "Workflow",

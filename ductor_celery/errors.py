@@ -11,6 +11,7 @@
       PayloadNotSerializable     a value that cannot be stored exactly (NaN, NUL, too deep, ...)
       StoreUnavailable           the database could not be reached
     NonRetryableError            raise it inside a step to fail without retry
+      SecretNotFound             a step's secret the provider does not have (names it)
 
 ``TimeoutError`` (the builtin) is what ``wait()`` raises when it runs out of time.
 """
@@ -59,3 +60,9 @@ class NonRetryableError(Exception):
 
     Deliberately not a DuctorError: it is raised by user code, not by ductor.
     """
+
+
+class SecretNotFound(NonRetryableError):
+    """A secret (``$.secret.<name>`` or ``ctx.secret(name)``) that ``ductor_secret_provider``
+    does not have: the attempt fails without retry. The message names the secret, never a
+    value."""

@@ -30,6 +30,9 @@ class Settings:
     #: With eager ticks, a step worker runs up to this many of a run's next steps itself, one
     #: after another, instead of sending each through the broker (runtime/inline.py); 0: off.
     inline_steps: int = 50
+    #: Dotted path to a callable ``name -> str`` resolving ``$.secret.<name>`` and
+    #: ``ctx.secret(name)`` in the step worker; ``None``: ``DUCTOR_SECRET_<NAME>`` env vars.
+    secret_provider: str | None = None
 
     @property
     def embedded(self) -> bool:
@@ -72,7 +75,17 @@ class Settings:
             outbox_grace=get("outbox_grace", defaults.outbox_grace, float),
             eager_ticks=get("eager_ticks", defaults.eager_ticks, _flag),
             inline_steps=get("inline_steps", defaults.inline_steps, _count("inline_steps")),
+            secret_provider=get("secret_provider", defaults.secret_provider, _dotted_path),
         )
+
+
+def _dotted_path(value: Any) -> str:
+    """A setting naming a callable by import path; a callable itself is taken by its path."""
+    if callable(value) and hasattr(value, "__module__") and hasattr(value, "__qualname__"):
+        return f"{value.__module__}:{value.__qualname__}"
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"a ductor dotted-path setting must be a non-empty string, got {value!r}")
+    return value.strip()
 
 
 def _flag(value: Any) -> bool:

@@ -1,4 +1,10 @@
-"""What readers get: RunHandle, RunView and NodeView, frozen."""
+"""What readers get: RunHandle, RunView and NodeView, frozen.
+
+Their values (input, context, outputs) are the Python values the run was given and its steps
+returned: typed values are rebuilt from their stored encoding (``ductor_celery.values``); a
+model or dataclass whose class cannot be imported in the reading process stays as its JSON
+envelope, so a run can always be read (by the CLI, say).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from .engine.status import NodeStatus, RunStatus
+from .values import decode_lenient
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +33,8 @@ class NodeView(BaseModel):
     error: Any = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
+
+    _typed_output = field_validator("output", mode="before")(decode_lenient)
 
 
 class RunView(BaseModel):
@@ -46,6 +55,8 @@ class RunView(BaseModel):
     continued_to: str | None = None
     created_at: datetime
     finished_at: datetime | None = None
+
+    _typed_values = field_validator("input", "context", "output", mode="before")(decode_lenient)
 
     @property
     def done(self) -> bool:
