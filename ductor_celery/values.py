@@ -195,7 +195,9 @@ def _decode_model(value: Any) -> Any:
         # base64 and the like back even in strict models.
         return cls.model_validate_json(json.dumps(value.get("data")))
     except Exception as exc:  # noqa: BLE001 - a ValidationError, or the model's own validator
-        raise ValueNotDecodable(f"{value['class']}: the stored data does not validate: {exc}")
+        raise ValueNotDecodable(
+            f"{value['class']}: the stored data does not validate: {exc}"
+        ) from None
 
 
 def _decode_dataclass(value: Any, lenient: bool) -> Any:

@@ -1,7 +1,8 @@
 """The one rule for payloads (inputs, arguments, results, patches, signals, heartbeat details):
-JSON that both databases store exactly (typed values such as ``datetime``, ``Decimal``,
-``UUID``, pydantic models and dataclasses in their tagged form, ``ductor_celery.values``), and at most ``ductor_max_payload_bytes`` once serialized
-as UTF-8. Client, worker and tick all apply it.
+JSON that both databases store exactly, and at most ``ductor_max_payload_bytes`` once
+serialized as UTF-8. Client, worker and tick all apply it. Typed values (``datetime``,
+``Decimal``, ``UUID``, pydantic models, dataclasses...) are checked and returned in their
+tagged form (``ductor_celery.values``): what is stored, resolved and measured is that JSON.
 
 "Stored exactly" is stricter than ``json.dumps`` succeeding: PostgreSQL's jsonb refuses NaN and
 Infinity, ``\\u0000`` and text that is not valid UTF-8 (a lone surrogate), and a value nested

@@ -125,7 +125,7 @@ class AttemptSecrets:
             return args
         filled: Any = dict(args)
         for keys, name in slots:
-            filled = _put(filled, keys, f"$.secret.{name}", lambda n=name: self.get(n))
+            filled = _put(filled, keys, f"$.secret.{name}", functools.partial(self.get, name))
         return filled  # type: ignore[no-any-return]
 
     def redact(self, value: Any) -> Any:
@@ -167,9 +167,7 @@ def _redact_value(value: Any, secrets: list[str]) -> Any:
     if isinstance(value, str):
         return redact_text(value, secrets)
     if isinstance(value, dict):
-        return {
-            _redact_value(k, secrets): _redact_value(v, secrets) for k, v in value.items()
-        }
+        return {_redact_value(k, secrets): _redact_value(v, secrets) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_redact_value(v, secrets) for v in value]
     return value
