@@ -12,7 +12,7 @@ Python value                    ``__type__``     ``__value__``
 ``Decimal``                     ``decimal``      ``str(value)`` (every digit, the exponent kept)
 ``UUID``                        ``uuid``         ``{"hex": value.hex}``
 ``bytes``                       ``bytes`` /      UTF-8 text, or base64 text when not UTF-8
-                                ``base64``
+                                ``base64``       (or holding NUL, which jsonb cannot)
 pydantic model                  ``pydantic``     ``{"class": "module:Qual.Name", "data": ...}``
                                                  (``data``: ``model_dump(mode="json")``)
 dataclass instance              ``dataclass``    ``{"class": "module:Qual.Name", "fields":
@@ -72,10 +72,13 @@ def _envelope(kind: str, value: Any) -> dict[str, Any]:
 
 
 def _encode_bytes(value: bytes) -> dict[str, Any]:
-    try:
-        return _envelope("bytes", value.decode("utf-8"))
-    except UnicodeDecodeError:
-        return _envelope("base64", base64.b64encode(value).decode("ascii"))
+    # Text when it is UTF-8 that PostgreSQL can hold (no NUL), as kombu does; base64 otherwise.
+    if b"\x00" not in value:
+        try:
+            return _envelope("bytes", value.decode("utf-8"))
+        except UnicodeDecodeError:
+            pass
+    return _envelope("base64", base64.b64encode(value).decode("ascii"))
 
 
 #: Exact types first (a dict lookup); subclasses are found by ``isinstance`` below, datetime

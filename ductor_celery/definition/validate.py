@@ -62,6 +62,7 @@ def validate_spec(spec: WorkflowSpec) -> None:
                     "(write '$.input.flag' or '!$.input.flag')"
                 )
             parse_path_at(node.when, f"{wf}: node {node.id!r}")
+        _check_secrets_only_in_args(node, f"{wf}: node {node.id!r}")
         for path in _paths_at(node_templates(node), f"{wf}: node {node.id!r}"):
             _check_path(
                 spec,
