@@ -66,7 +66,7 @@ ORDER = Order(
 VALUES: list[Any] = [
     datetime(2024, 1, 2, 3, 4, 5, 6, tzinfo=UTC),
     datetime(2024, 1, 2, 3, 4, 5, tzinfo=timezone(timedelta(hours=-5, minutes=-30))),
-    datetime(2024, 1, 2, 3, 4, 5),  # naive stays naive
+    datetime(2024, 1, 2, 3, 4, 5),  # noqa: DTZ001 - a naive one stays naive
     date(2024, 2, 29),
     time(23, 59, 59, 999999),
     Decimal("10.50"),
