@@ -26,12 +26,33 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..definition.paths import secret_slots
+from ..definition.spec import ScatterNodeSpec, WorkflowSpec
 from ..errors import SecretNotFound
 
 REDACTED = "***"
 
 Provider = Callable[[str], Any]
 Slots = tuple[tuple[tuple[str | int, ...], str], ...]
+
+
+#: Secret slots per (definition hash, node): a hash names one definition forever.
+_slots: dict[tuple[str, str], Slots] = {}
+
+
+def slots_for(spec_hash: str, node_id: str, read_spec: Callable[[str], WorkflowSpec]) -> Slots:
+    """Where a node's argument template (a scatter's: per branch) holds secret references,
+    computed once per definition and node."""
+    key = (spec_hash, node_id)
+    found = _slots.get(key)
+    if found is None:
+        node = read_spec(spec_hash).graph.nodes.get(node_id)
+        if isinstance(node, ScatterNodeSpec):
+            template: Any = node.branch_args()
+        else:
+            template = getattr(node, "args", None)
+        found = _slots[key] = secret_slots(template) if template else ()
+    return found
 
 
 class SecretUnavailable(Exception):

@@ -12,9 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..definition.paths import secret_slots
 from ..definition.retry import ConcurrencyLimit, RetryPolicy
-from ..definition.spec import BATCH_ARG, ScatterNodeSpec
+from ..definition.spec import BATCH_ARG
 from ..engine.payloads import json_problem, storable_text
 from ..errors import NonRetryableError, SecretNotFound
 from ..store import attempts, wakes
@@ -26,7 +25,7 @@ from .arguments import ArgumentRefused, prepare
 from .coordinator import Keeper, PreludeRefused, run_tick
 from .inline import InlineChain, TaskEvents, as_current_task, flush_events
 from .outbox_janitor import sent_outbox
-from .secrets import AttemptSecrets, SecretUnavailable, Slots, load_provider
+from .secrets import AttemptSecrets, SecretUnavailable, Slots, load_provider, slots_for
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -384,28 +383,15 @@ class _Call:
     non_retryable: Callable[[], frozenset[str]] = frozenset
 
 
-#: Secret slots per (definition hash, node): a hash names one definition forever.
-_slots_cache: dict[tuple[str, str], Slots] = {}
-
-
 def _slots_of(rt: Runtime, claimed: attempts.ClaimedAttempt) -> Slots:
-    """Where the node's argument template holds secret references (definition/paths.py)."""
+    """Where the node's argument template holds secret references (none known: none)."""
     if claimed.spec_hash is None:
         return ()
-    key = (claimed.spec_hash, claimed.node)
-    found = _slots_cache.get(key)
-    if found is None:
-        try:
-            node = rt.spec_for(claimed.spec_hash).graph.nodes.get(claimed.node)
-        except Exception as exc:  # noqa: BLE001 - not cached: the next attempt reads again
-            log.warning("attempt %s: definition not readable (%s)", claimed.token, exc)
-            return ()
-        if isinstance(node, ScatterNodeSpec):
-            template: Any = node.branch_args()
-        else:
-            template = getattr(node, "args", None)
-        found = _slots_cache[key] = secret_slots(template) if template else ()
-    return found
+    try:
+        return slots_for(claimed.spec_hash, claimed.node, rt.spec_for)
+    except Exception as exc:  # noqa: BLE001 - not cached: the next attempt reads again
+        log.warning("attempt %s: definition not readable (%s)", claimed.token, exc)
+        return ()
 
 
 def _input_reader(engine: Any, run_id: str) -> Callable[[], Any]:
