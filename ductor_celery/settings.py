@@ -31,8 +31,9 @@ class Settings:
     #: after another, instead of sending each through the broker (runtime/inline.py); 0: off.
     inline_steps: int = 50
     #: Dotted path to a callable ``name -> str`` resolving ``$.secret.<name>`` and
-    #: ``ctx.secret(name)`` in the step worker; ``None``: ``DUCTOR_SECRET_<NAME>`` env vars.
-    secret_provider: str | None = None
+    #: ``ctx.secret(name)`` in the step worker (or the callable itself, set in this process);
+    #: ``None``: ``DUCTOR_SECRET_<NAME>`` env vars.
+    secret_provider: str | Callable[[str], Any] | None = None
 
     @property
     def embedded(self) -> bool:
@@ -75,16 +76,19 @@ class Settings:
             outbox_grace=get("outbox_grace", defaults.outbox_grace, float),
             eager_ticks=get("eager_ticks", defaults.eager_ticks, _flag),
             inline_steps=get("inline_steps", defaults.inline_steps, _count("inline_steps")),
-            secret_provider=get("secret_provider", defaults.secret_provider, _dotted_path),
+            secret_provider=get("secret_provider", defaults.secret_provider, _provider),
         )
 
 
-def _dotted_path(value: Any) -> str:
-    """A setting naming a callable by import path; a callable itself is taken by its path."""
-    if callable(value) and hasattr(value, "__module__") and hasattr(value, "__qualname__"):
-        return f"{value.__module__}:{value.__qualname__}"
+def _provider(value: Any) -> str | Callable[[str], Any]:
+    """A dotted path to a callable, or the callable itself (a config module can hold either)."""
+    if callable(value):
+        return value  # type: ignore[no-any-return]
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"a ductor dotted-path setting must be a non-empty string, got {value!r}")
+        raise ValueError(
+            f"ductor_secret_provider must be a dotted path such as 'pkg.module:function' or a "
+            f"callable, got {value!r}"
+        )
     return value.strip()
 
 

@@ -76,10 +76,12 @@ def env_var(name: str) -> str:
 
 
 @functools.cache
-def load_provider(path: str | None) -> Provider:
+def load_provider(path: str | Provider | None) -> Provider:
     """The provider a ``ductor_secret_provider`` setting names (imported once per process)."""
     if not path:
         return env_provider
+    if callable(path):
+        return path
     module, sep, attr = path.partition(":")
     if not sep:
         module, _, attr = path.rpartition(".")
@@ -99,9 +101,25 @@ def load_provider(path: str | None) -> Provider:
 class AttemptSecrets:
     """The secrets one attempt resolved: reads them and redacts what the attempt writes."""
 
-    def __init__(self, provider: Provider) -> None:
-        self._provider = provider
+    def __init__(self, provider: str | Provider | None = None) -> None:
+        """``provider``: the ``ductor_secret_provider`` setting (a dotted path, a callable, or
+        ``None`` for the environment). A path is imported on first use: an attempt that uses
+        no secret never loads it, and one that cannot be loaded fails only the attempts that
+        need it (with retry: a deploy may fix it)."""
+        self._setting = provider
+        self._provider: Provider | None = None
         self._values: dict[str, str] = {}
+
+    def _call_provider(self, name: str) -> Any:
+        if self._provider is None:
+            try:
+                self._provider = load_provider(self._setting)
+            except Exception as exc:  # noqa: BLE001 - a bad path, an import error
+                raise SecretUnavailable(
+                    f"secret {name!r}: ductor_secret_provider {self._setting!r} cannot be "
+                    f"loaded: {type(exc).__name__}: {exc}"
+                ) from None
+        return self._provider(name)
 
     def get(self, name: str) -> str:
         """The secret's value: ``SecretNotFound`` (no retry) if the provider has none,
@@ -112,8 +130,8 @@ class AttemptSecrets:
         if known is not None:
             return known
         try:
-            value = self._provider(name)
-        except SecretNotFound:
+            value = self._call_provider(name)
+        except (SecretNotFound, SecretUnavailable):
             raise
         except LookupError:
             raise SecretNotFound(

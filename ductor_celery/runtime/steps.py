@@ -25,7 +25,7 @@ from .arguments import ArgumentRefused, prepare
 from .coordinator import Keeper, PreludeRefused, run_tick
 from .inline import InlineChain, TaskEvents, as_current_task, flush_events
 from .outbox_janitor import sent_outbox
-from .secrets import AttemptSecrets, SecretUnavailable, Slots, load_provider, slots_for
+from .secrets import AttemptSecrets, SecretUnavailable, Slots, slots_for
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -353,7 +353,7 @@ def _run_claimed(
     # Read only when the step raises: most attempts succeed.
     non_retryable = functools.cache(lambda: _non_retryable_of(rt, step, claimed))
     call = _Call(
-        AttemptSecrets(load_provider(rt.settings.secret_provider)),
+        AttemptSecrets(rt.settings.secret_provider),
         _slots_of(rt, claimed),
         non_retryable,
     )

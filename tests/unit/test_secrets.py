@@ -84,7 +84,7 @@ def test_redaction_covers_text_keys_and_nested_values() -> None:
 
 def test_a_missing_secret_names_it_and_is_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DUCTOR_SECRET_NOPE", raising=False)
-    s = AttemptSecrets(load_provider(None))
+    s = AttemptSecrets(None)
     with pytest.raises(SecretNotFound, match="secret 'nope' .* DUCTOR_SECRET_NOPE is not set"):
         s.get("nope")
     assert issubclass(SecretNotFound, Exception) and not s.used
@@ -97,7 +97,7 @@ def test_the_default_provider_reads_the_upper_cased_env_var(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("DUCTOR_SECRET_STRIPE", "sk_test_1")
-    assert AttemptSecrets(load_provider(None)).get("stripe") == "sk_test_1"
+    assert AttemptSecrets().get("stripe") == "sk_test_1"
 
 
 def vault(name: str) -> str:
@@ -108,13 +108,18 @@ def vault(name: str) -> str:
 
 def test_a_provider_by_dotted_path(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = Settings.from_conf({"ductor_secret_provider": f"{__name__}:vault"})
-    s = AttemptSecrets(load_provider(settings.secret_provider))
+    s = AttemptSecrets(settings.secret_provider)
     assert s.get("x") == "value-of-x"
     with pytest.raises(SecretUnavailable, match="'down': the provider raised ConnectionError"):
         s.get("down")
     assert load_provider(f"{__name__}.vault") is vault
     with pytest.raises(ValueError, match="dotted path"):
         load_provider("novault")
+    with pytest.raises(SecretUnavailable, match="'x': ductor_secret_provider 'no.such:thing'"):
+        AttemptSecrets("no.such:thing").get("x")  # loaded only when a secret is needed
+    local = {"k": "v"}
+    callable_setting = Settings.from_conf({"ductor_secret_provider": local.__getitem__})
+    assert AttemptSecrets(callable_setting.secret_provider).get("k") == "v"
 
 
 def test_log_lines_of_the_process_are_redacted(caplog: pytest.LogCaptureFixture) -> None:
