@@ -211,3 +211,34 @@ def test_a_missing_secret_fails_without_retry_naming_it(db_url: str) -> None:
 
 def only_known(name: str) -> str:
     return {"known": "v"}[name]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_typed_items_scatter_and_gather_exactly(db_url: str, batch_size: int) -> None:
+    d = _ductor(db_url)
+
+    @d.step(name="typed.double")
+    def double(ctx: StepContext, item: Decimal, at: datetime) -> dict[str, Any]:
+        assert isinstance(item, Decimal) and isinstance(at, datetime)
+        return {"twice": item * 2, "at": at, "id": uuid.UUID(int=abs(int(item * 100)))}
+
+    wf = Workflow("typed_scatter")
+    wf.scatter(
+        "double",
+        double,
+        over="$.input.items",
+        item_arg="item",
+        args={"at": "$.input.at"},
+        batch_size=batch_size,
+    )
+    wf.output("$.nodes.double.output")
+    d.register(wf)
+    items = [Decimal("0.10"), Decimal("1.25"), Decimal("-3"), Decimal("7.5"), Decimal("1E+2")]
+    at = datetime(2024, 1, 1, tzinfo=UTC)
+    with d.local_workers():
+        view = d.wait(d.start("typed_scatter", input={"items": items, "at": at}).run_id, 30)
+    assert view.status == RunStatus.SUCCEEDED, view.error
+    assert view.output == [
+        {"twice": i * 2, "at": at, "id": uuid.UUID(int=abs(int(i * 100)))} for i in items
+    ]
+    assert [type(o["twice"]) for o in view.output] == [Decimal] * len(items)
