@@ -203,7 +203,11 @@ def _decode_model(value: Any) -> Any:
         ) from None
 
 
-def _decode_dataclass(value: Any, lenient: bool) -> Any:
+#: What ``_decode`` does with an envelope it cannot rebuild: ``None`` raises.
+_Fallback = Callable[[dict[str, Any]], Any] | None
+
+
+def _decode_dataclass(value: Any, lenient: _Fallback) -> Any:
     if not isinstance(value, dict) or not isinstance(value.get("fields"), dict):
         raise ValueNotDecodable("a dataclass envelope without its class and fields")
     cls = _class_of(value.get("class"), "dataclass", dataclasses.is_dataclass)
@@ -255,7 +259,7 @@ def envelope_fields(value: Any) -> Any:
     return value
 
 
-def _decode_envelope(kind: str, value: Any, lenient: bool) -> Any:
+def _decode_envelope(kind: str, value: Any, lenient: _Fallback) -> Any:
     if kind == "pydantic":
         return _decode_model(value)
     if kind == "dataclass":
@@ -266,7 +270,7 @@ def _decode_envelope(kind: str, value: Any, lenient: bool) -> Any:
         raise ValueNotDecodable(f"a {kind} envelope holding {value!r:.100}: {exc}") from None
 
 
-def _decode(value: Any, lenient: bool) -> Any:
+def _decode(value: Any, lenient: _Fallback) -> Any:
     kind = type(value)
     if kind is dict:
         envelope = envelope_kind(value)
@@ -274,9 +278,9 @@ def _decode(value: Any, lenient: bool) -> Any:
             try:
                 return _decode_envelope(envelope, value[VALUE_KEY], lenient)
             except ValueNotDecodable:
-                if not lenient:
+                if lenient is None:
                     raise
-                return value
+                return lenient(value)
         out: dict[Any, Any] | None = None
         for key, item in value.items():
             if type(item) is dict or type(item) is list:
@@ -302,10 +306,27 @@ def _decode(value: Any, lenient: bool) -> Any:
 def decode(value: Any) -> Any:
     """The Python value of encoded JSON: envelopes rebuilt, everything else as it is (the same
     objects when nothing inside is an envelope). Raises ``ValueNotDecodable``."""
-    return _decode(value, False)
+    return _decode(value, None)
 
 
 def decode_lenient(value: Any) -> Any:
     """``decode`` for readers (run views): an envelope that cannot be rebuilt in this process
     (its class is not importable here) stays as its JSON instead of failing the read."""
-    return _decode(value, True)
+    return _decode(value, _as_is)
+
+
+def decode_as_data(value: Any) -> Any:
+    """``decode``, but a model or dataclass that cannot be rebuilt here becomes its data (a
+    dict, decoded in turn): for a parameter whose annotation rebuilds it instead."""
+    return _decode(value, _its_data)
+
+
+def _as_is(envelope: dict[str, Any]) -> Any:
+    return envelope
+
+
+def _its_data(envelope: dict[str, Any]) -> Any:
+    data = envelope_fields(envelope)
+    if data is envelope:  # a scalar envelope that does not parse: nothing to fall back on
+        raise ValueNotDecodable(f"a {envelope[TYPE_KEY]} envelope that cannot be read")
+    return _decode(data, _its_data)

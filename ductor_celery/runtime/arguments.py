@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from ..values import ValueNotDecodable, decode
+from ..values import ValueNotDecodable, decode, decode_as_data
 
 log = logging.getLogger("ductor_celery.step")
 
@@ -89,11 +89,18 @@ def prepare(fn: Callable[..., Any], step: str, args: Mapping[str, Any]) -> dict[
     converters = converters_for(fn)
     out: dict[str, Any] = {}
     for name, value in args.items():
+        adapter = converters.get(name)
         try:
             decoded = decode(value)
         except ValueNotDecodable as exc:
-            raise ArgumentRefused(f"step {step!r} parameter {name!r}: {exc}") from None
-        adapter = converters.get(name)
+            if adapter is None:
+                raise ArgumentRefused(f"step {step!r} parameter {name!r}: {exc}") from None
+            # The annotation rebuilds it: a model whose stored path does not import here
+            # (moved, or defined elsewhere in the client) still validates from its data.
+            try:
+                decoded = decode_as_data(value)
+            except ValueNotDecodable:
+                raise ArgumentRefused(f"step {step!r} parameter {name!r}: {exc}") from None
         if adapter is not None:
             try:
                 decoded = adapter.validate_python(decoded)

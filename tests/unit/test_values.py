@@ -192,3 +192,12 @@ def test_an_argument_that_does_not_convert_names_the_parameter_not_the_value() -
     message = str(refused.value)
     assert "step 'shop.charge' parameter 'amount'" in message and "Decimal" in message
     assert "sk_live_not_a_number" not in message
+
+
+def test_an_annotated_parameter_rebuilds_a_model_whose_path_does_not_import_here() -> None:
+    moved = encode(ORDER)
+    moved["__value__"]["class"] = "shop.old_models:Order"  # as a client elsewhere wrote it
+    got = prepare(_step, "s", {"order": moved})
+    assert got["order"] == ORDER
+    with pytest.raises(ArgumentRefused, match="parameter 'note': class shop.old_models:Order"):
+        prepare(_step, "s", {"note": moved})  # unannotated: nothing to rebuild it with
