@@ -248,6 +248,19 @@ def envelope_kind(value: Any) -> str | None:
     return None
 
 
+def truthy(value: Any) -> bool:
+    """Python's truth of the value an encoded value stands for (``Decimal("0")`` and ``b""``
+    are false, as they are in Python), without importing any class: a model or dataclass is
+    true. For ``when`` conditions, which the tick evaluates on encoded values."""
+    kind = envelope_kind(value)
+    if kind is None or kind in ("pydantic", "dataclass"):
+        return bool(value)
+    try:
+        return bool(_SCALAR_DECODERS[kind](value[VALUE_KEY]))
+    except Exception:  # noqa: BLE001 - a malformed envelope is a non-empty object
+        return True
+
+
 def envelope_fields(value: Any) -> Any:
     """What a path reads inside an envelope: a model's data or a dataclass's fields (so
     ``$.input.order.total`` reads ``total`` of an encoded ``Order``); other values as they are."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DefinitionError
-from ..values import envelope_fields
+from ..values import envelope_fields, truthy
 
 ROOTS = ("input", "context", "nodes", "item", "secret")
 SECRET_PREFIX = "$.secret."
@@ -138,7 +138,7 @@ def resolve_path(path: Path, scope: Scope) -> Any:
         assert path.node is not None
         value = _dig(scope.outputs.get(path.node), path.keys)
     if path.text.startswith("!"):
-        return not value
+        return not truthy(value)
     return value
 
 

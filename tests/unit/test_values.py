@@ -22,6 +22,7 @@ from ductor_celery.values import (
     decode,
     decode_lenient,
     encode,
+    truthy,
 )
 
 
@@ -201,3 +202,17 @@ def test_an_annotated_parameter_rebuilds_a_model_whose_path_does_not_import_here
     assert got["order"] == ORDER
     with pytest.raises(ArgumentRefused, match="parameter 'note': class shop.old_models:Order"):
         prepare(_step, "s", {"note": moved})  # unannotated: nothing to rebuild it with
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(Decimal("0"), False), (Decimal("0.01"), True), (b"", False), (b"x", True)]
+    + [(time(0, 0), True), (ORDER, True), (Point(0, 0), True), ({"a": 1}, True), ([], False)],
+)
+def test_a_condition_on_an_encoded_value_is_as_true_as_the_value(
+    value: Any, expected: bool
+) -> None:
+    encoded = encode({"v": value})
+    assert truthy(encoded["v"]) is expected
+    scope = Scope(input=encoded, context={}, outputs={})
+    assert resolve("!$.input.v", scope) is (not expected)
