@@ -16,6 +16,7 @@ from .errors import (
     PayloadTooLarge,
     RunNotFound,
     ScheduleNotFound,
+    SecretNotFound,
     WorkflowNotFound,
     WrongDatabase,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "RunView",
     "ScheduleNotFound",
     "ScheduleView",
+    "SecretNotFound",
     "Step",
     "StepContext",
     "Workflow",

@@ -353,7 +353,11 @@ def show(ctx: click.Context, target: str, as_json: bool) -> None:
 
 
 def _short(value: Any, width: int = 60) -> str:
-    text = "" if value is None else (value if isinstance(value, str) else json.dumps(value))
+    text = (
+        ""
+        if value is None
+        else (value if isinstance(value, str) else json.dumps(value, default=str))
+    )
     return text if len(text) <= width else text[: width - 1] + "…"
 
 

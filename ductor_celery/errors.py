@@ -13,6 +13,7 @@
       StoreUnavailable           the database could not be reached
       WrongDatabase              start(connection=/using=) on another database than ductor's
     NonRetryableError            raise it inside a step to fail without retry
+      SecretNotFound             a step's secret the provider does not have (names it)
 
 ``TimeoutError`` (the builtin) is what ``wait()`` raises when it runs out of time.
 """
@@ -69,3 +70,9 @@ class NonRetryableError(Exception):
 
     Deliberately not a DuctorError: it is raised by user code, not by ductor.
     """
+
+
+class SecretNotFound(NonRetryableError):
+    """A secret (``$.secret.<name>`` or ``ctx.secret(name)``) that ``ductor_secret_provider``
+    does not have: the attempt fails without retry. The message names the secret, never a
+    value."""

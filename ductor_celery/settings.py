@@ -37,6 +37,10 @@ class Settings:
     metrics_host: str = "0.0.0.0"
     #: The sweeper prunes finished runs older than this many days (``None``: keep everything).
     retention_days: float | None = None
+    #: Dotted path to a callable ``name -> str`` resolving ``$.secret.<name>`` and
+    #: ``ctx.secret(name)`` in the step worker (or the callable itself, set in this process);
+    #: ``None``: ``DUCTOR_SECRET_<NAME>`` env vars.
+    secret_provider: str | Callable[[str], Any] | None = None
 
     @property
     def embedded(self) -> bool:
@@ -82,7 +86,20 @@ class Settings:
             metrics_port=get("metrics_port", defaults.metrics_port, _port("metrics_port")),
             metrics_host=get("metrics_host", defaults.metrics_host, str),
             retention_days=get("retention_days", defaults.retention_days, _days),
+            secret_provider=get("secret_provider", defaults.secret_provider, _provider),
         )
+
+
+def _provider(value: Any) -> str | Callable[[str], Any]:
+    """A dotted path to a callable, or the callable itself (a config module can hold either)."""
+    if callable(value):
+        return value  # type: ignore[no-any-return]
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(
+            f"ductor_secret_provider must be a dotted path such as 'pkg.module:function' or a "
+            f"callable, got {value!r}"
+        )
+    return value.strip()
 
 
 def _flag(value: Any) -> bool:

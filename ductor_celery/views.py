@@ -1,4 +1,10 @@
-"""What readers get: RunHandle, RunView, NodeView and RunPage, frozen."""
+"""What readers get: RunHandle, RunView, NodeView, RunPage and ScheduleView, frozen.
+
+Their values (input, context, outputs) are the Python values the run was given and its steps
+returned: typed values are rebuilt from their stored encoding (``ductor_celery.values``); a
+model or dataclass whose class cannot be imported in the reading process stays as its JSON
+envelope, so a run can always be read (by the CLI, say).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, overload
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from .engine.status import NodeStatus, RunStatus
+from .values import decode_lenient
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +34,8 @@ class NodeView(BaseModel):
     error: Any = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
+
+    _typed_output = field_validator("output", mode="before")(decode_lenient)
 
 
 class RunView(BaseModel):
@@ -51,6 +60,8 @@ class RunView(BaseModel):
     start_at: datetime | None = None
     #: When the whole run times out, if it has a deadline.
     deadline_at: datetime | None = None
+
+    _typed_values = field_validator("input", "context", "output", mode="before")(decode_lenient)
 
     @property
     def done(self) -> bool:

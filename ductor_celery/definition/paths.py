@@ -1,8 +1,16 @@
-"""Path expressions: ``$.input.a.b``, ``$.context.k``, ``$.nodes.<id>.output[0].x``, ``$.item``.
+"""Path expressions: ``$.input.a.b``, ``$.context.k``, ``$.nodes.<id>.output[0].x``, ``$.item``,
+and secret references ``$.secret.<name>``.
 
 A string that starts with ``$.`` is a path; every other value is a literal. Dicts and lists are
 resolved element by element. A path that points at nothing resolves to ``None`` (the way a
-missing key reads in JSONPath), so a ``when`` on an absent field is simply falsy.
+missing key reads in JSONPath), so a ``when`` on an absent field is simply falsy. Paths read
+encoded values (``ductor_celery.values``): a key below an encoded model or dataclass reads its
+field, so ``$.input.order.total`` works whether ``order`` was a dict or an ``Order``.
+
+A secret reference is never resolved here: the tick leaves ``"$.secret.<name>"`` in the
+arguments it stores, and only the step worker, just before the call, puts the value in its
+place (``secret_slots`` says where; runtime/secrets.py). It is allowed only in a step's or a
+scatter's ``args``.
 """
 
 from __future__ import annotations
@@ -13,8 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DefinitionError
+from ..values import envelope_fields, truthy
 
-ROOTS = ("input", "context", "nodes", "item")
+ROOTS = ("input", "context", "nodes", "item", "secret")
+SECRET_PREFIX = "$.secret."
 _SEGMENT = re.compile(r"\.([A-Za-z_][A-Za-z0-9_\-]*)|\[(\d+)\]")
 
 
@@ -55,6 +65,13 @@ def parse_path(text: str) -> Path:
             + ", ".join(f"$.{r}" for r in ROOTS)
         )
     root = str(keys[0])
+    if root == "secret":
+        if text.startswith("!") or len(keys) != 2 or not isinstance(keys[1], str):
+            raise DefinitionError(
+                f"malformed path {text!r}: a secret reference reads '$.secret.<name>', "
+                "nothing before or below it"
+            )
+        return Path(text, root, None, (keys[1],))
     if root == "nodes":
         if len(keys) < 3 or not isinstance(keys[1], str) or keys[2] != "output":
             raise DefinitionError(
@@ -94,6 +111,8 @@ class Scope:
 
 def _dig(value: Any, keys: tuple[str | int, ...]) -> Any:
     for key in keys:
+        if type(value) is dict:
+            value = envelope_fields(value)
         if isinstance(key, int):
             if isinstance(value, list) and -len(value) <= key < len(value):
                 value = value[key]
@@ -113,11 +132,13 @@ def resolve_path(path: Path, scope: Scope) -> Any:
         value = _dig(scope.context, path.keys)
     elif path.root == "item":
         value = _dig(scope.item, path.keys)
+    elif path.root == "secret":
+        return path.text  # the reference itself: only the step worker resolves it
     else:
         assert path.node is not None
         value = _dig(scope.outputs.get(path.node), path.keys)
     if path.text.startswith("!"):
-        return not value
+        return not truthy(value)
     return value
 
 
@@ -130,3 +151,26 @@ def resolve(template: Any, scope: Scope) -> Any:
     if isinstance(template, list | tuple):
         return [resolve(v, scope) for v in template]
     return template
+
+
+def secret_slots(template: Any) -> tuple[tuple[tuple[str | int, ...], str], ...]:
+    """Where an argument template holds secret references: (keys down to it, secret name).
+
+    Resolving a template keeps its dicts' keys and its lists' lengths, so the same keys find
+    the same place in the resolved arguments. The worker fills only these places: a string
+    ``"$.secret.x"`` that arrives in a run's input or a step's output is data, never resolved.
+    """
+    found: list[tuple[tuple[str | int, ...], str]] = []
+
+    def walk(value: Any, where: tuple[str | int, ...]) -> None:
+        if isinstance(value, str) and value.startswith(SECRET_PREFIX):
+            found.append((where, str(parse_path(value).keys[0])))
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(v, (*where, k))
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                walk(v, (*where, i))
+
+    walk(template, ())
+    return tuple(found)

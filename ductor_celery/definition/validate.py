@@ -62,6 +62,7 @@ def validate_spec(spec: WorkflowSpec) -> None:
                     "(write '$.input.flag' or '!$.input.flag')"
                 )
             parse_path_at(node.when, f"{wf}: node {node.id!r}")
+        _check_secrets_only_in_args(node, f"{wf}: node {node.id!r}")
         for path in _paths_at(node_templates(node), f"{wf}: node {node.id!r}"):
             _check_path(
                 spec,
@@ -72,7 +73,28 @@ def validate_spec(spec: WorkflowSpec) -> None:
                 and path.text != node.over,
             )
     for path in _paths_at(spec.output, f"{wf}: output"):
+        if path.root == "secret":
+            raise DefinitionError(f"{wf}: output: {_SECRET_ONLY_IN_ARGS.format(path.text)}")
         _check_path(spec, path, f"{wf}: output", None)
+
+
+_SECRET_ONLY_IN_ARGS = (
+    "secret reference {!r} is allowed only in a step's args (a secret is resolved in the "
+    "step worker, never where it could be stored)"
+)
+
+
+def _check_secrets_only_in_args(node: object, where: str) -> None:
+    """A secret is resolved only in the worker, just before the call: a condition, a lease
+    key, a scatter list or a child's input would need it in the tick, and be stored."""
+    templates = node_templates(node)  # type: ignore[arg-type]
+    args = getattr(node, "args", None)
+    for template in templates:
+        if template is args:
+            continue
+        for path in _paths_at(template, where):
+            if path.root == "secret":
+                raise DefinitionError(f"{where}: {_SECRET_ONLY_IN_ARGS.format(path.text)}")
 
 
 def parse_path_at(text: str, where: str) -> Path:

@@ -1,6 +1,8 @@
 """The one rule for payloads (inputs, arguments, results, patches, signals, heartbeat details):
-JSON that both databases store exactly, and at most ``ductor_max_payload_bytes`` once serialized
-as UTF-8. Client, worker and tick all apply it.
+JSON that both databases store exactly, and at most ``ductor_max_payload_bytes`` once
+serialized as UTF-8. Client, worker and tick all apply it. Typed values (``datetime``,
+``Decimal``, ``UUID``, pydantic models, dataclasses...) are checked and returned in their
+tagged form (``ductor_celery.values``): what is stored, resolved and measured is that JSON.
 
 "Stored exactly" is stricter than ``json.dumps`` succeeding: PostgreSQL's jsonb refuses NaN and
 Infinity, ``\\u0000`` and text that is not valid UTF-8 (a lone surrogate), and a value nested
@@ -19,10 +21,15 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from ..limits import MAX_JSON_DEPTH
+from ..values import encode_default, encoding_problem, is_typed
 
 #: ``\u0000`` in the serialized text, not preceded by an escaping backslash (``"\\u0000"``,
 #: a literal backslash followed by ``u0000``, is harmless text).
 _NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+#: The check's serializer, built once: typed values become their envelopes (``default`` is
+#: called only for values JSON has no type for, so plain JSON pays nothing for it).
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, default=encode_default)
 
 #: Longest path shown in a message; deeper paths keep their tail.
 _PATH_WIDTH = 120
@@ -31,8 +38,8 @@ _PATH_WIDTH = 120
 class JsonCheck(NamedTuple):
     """The verdict on one payload."""
 
-    #: The value normalized through JSON (tuples become lists, keys strings); ``None`` when
-    #: refused.
+    #: The value normalized through JSON (tuples become lists, keys strings, typed values
+    #: their envelopes); ``None`` when refused.
     value: Any
     #: What is wrong, naming the payload; ``None`` when the value is accepted.
     problem: str | None = None
@@ -75,7 +82,7 @@ def _check(value: Any, what: str, limit: int) -> JsonCheck:
     try:
         # ensure_ascii=False: the text's UTF-8 encoding is what is measured, and encoding it
         # is what finds a lone surrogate.
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text = _ENCODER.encode(value)
         data = text.encode("utf-8")
     except Exception as exc:  # noqa: BLE001 - TypeError, ValueError, RecursionError, ...
         return _refused(value, what, exc)
@@ -130,6 +137,11 @@ def _first_problem(value: Any) -> str | None:
                 if key is not None and (problem := _scalar_problem(key)) is not None:
                     return f"key {_show(key)} at {_short(path)}: {problem}"
             stack += [(child, where, depth + 1) for (_, (child, where)) in reversed(children)]
+        elif is_typed(item):
+            # A model or dataclass may hold the problem inside: walk its encoded form.
+            if (problem := encoding_problem(item)) is not None:
+                return f"{problem} at {_short(path)}"
+            stack.append((encode_default(item), path, depth))
         elif (problem := _scalar_problem(item)) is not None:
             return f"{problem} at {_short(path)}"
     return None

@@ -13,6 +13,7 @@ from ..definition.spec import (
     StepNodeSpec,
     SubworkflowNodeSpec,
 )
+from ..values import truthy
 from .children import close_child, start_subworkflow
 from .context import TickContext
 from .delay import waiting_to_start
@@ -91,8 +92,9 @@ def start_ready_nodes(t: TickContext) -> bool:
             t.move_node(node_id, NodeStatus.SKIPPED, "every dependency was skipped")
             continue
         if spec.when is not None:
-            truthy = spec.when if isinstance(spec.when, bool) else resolve(spec.when, scope)
-            if not truthy:
+            # truthy: a Decimal("0") in its encoded form is as false as in Python.
+            when = spec.when if isinstance(spec.when, bool) else truthy(resolve(spec.when, scope))
+            if not when:
                 ns.finished_at = t.now
                 t.move_node(node_id, NodeStatus.SKIPPED, f"when {spec.when!r} is falsy")
                 continue

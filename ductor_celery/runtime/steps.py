@@ -17,14 +17,17 @@ from .. import tracing
 from ..definition.retry import ConcurrencyLimit, RetryPolicy
 from ..definition.spec import BATCH_ARG
 from ..engine.payloads import json_problem, storable_text
-from ..errors import NonRetryableError
+from ..errors import NonRetryableError, SecretNotFound
 from ..store import attempts, wakes
 from ..store.db import ValuesRefused, with_retry
 from ..store.outbox import OutboxRow
+from ..values import decode, decode_lenient
 from . import batch, metrics
+from .arguments import ArgumentRefused, prepare
 from .coordinator import Keeper, PreludeRefused, run_tick
 from .inline import InlineChain, TaskEvents, as_current_task, flush_events
 from .outbox_janitor import sent_outbox
+from .secrets import AttemptSecrets, SecretUnavailable, Slots, slots_for
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -79,6 +82,7 @@ class StepContext:
         context: Mapping[str, Any],
         heartbeat_fn: Callable[[Any], None] | None = None,
         input_fn: Callable[[], Any] | None = None,
+        secret_fn: Callable[[str], str] | None = None,
     ) -> None:
         self.run_id = run_id
         self.workflow_id = workflow_id
@@ -87,17 +91,27 @@ class StepContext:
         self.attempt = attempt
         self._input = input
         self._input_fn = input_fn
-        self.context: Mapping[str, Any] = _ReadOnly(context)
+        # Typed values rebuilt (a class this process cannot import stays as its JSON).
+        self.context: Mapping[str, Any] = _ReadOnly(decode_lenient(context))
         self._patch: dict[str, Any] = {}
         self._heartbeat_fn = heartbeat_fn
+        self._secret_fn = secret_fn
 
     @property
     def input(self) -> Any:
         """The run's input, read from the database on first use (it can be a large list
         that a scatter hands out item by item; most steps never need it whole)."""
         if self._input_fn is not None:
-            self._input, self._input_fn = self._input_fn(), None
+            self._input, self._input_fn = decode(self._input_fn()), None
         return self._input
+
+    def secret(self, name: str) -> str:
+        """The secret ``name`` from ``ductor_secret_provider``, read in this worker; its value
+        is redacted (``***``) from everything this attempt writes and from log lines.
+        Raises ``SecretNotFound`` (the attempt fails without retry) if there is none."""
+        if self._secret_fn is None:
+            raise SecretNotFound(f"secret {name!r} is not available outside a step worker")
+        return self._secret_fn(name)
 
     @property
     def idempotency_key(self) -> str:
@@ -218,10 +232,18 @@ def _describe(exc: BaseException) -> str:
 # -- heartbeats ---------------------------------------------------------------------------------
 
 
-def _heartbeat(engine: Any, token: str, details: Any, limit: int) -> None:
+def _heartbeat(
+    engine: Any,
+    token: str,
+    details: Any,
+    limit: int,
+    redact: Callable[[Any], Any] = lambda value: value,
+) -> None:
     """A heartbeat is a hint: a database blip or odd details must not fail the user's step,
-    and details the database refuses must not cost the heartbeat itself."""
+    and details the database refuses must not cost the heartbeat itself. ``redact``: the
+    attempt's secrets out of the (encoded) details."""
     value, problem = _payload(details, "heartbeat details", min(limit, 65536))
+    value = redact(value)
     if problem is not None:
         log.warning("attempt %s: %s; recording the heartbeat without them", token, problem)
     try:
@@ -332,6 +354,11 @@ def _run_claimed(
     limit = rt.settings.max_payload_bytes
     # Read only when the step raises: most attempts succeed.
     non_retryable = functools.cache(lambda: _non_retryable_of(rt, step, claimed))
+    call = _Call(
+        AttemptSecrets(rt.settings.secret_provider),
+        _slots_of(rt, claimed),
+        non_retryable,
+    )
     metrics.record_claim(step.name, claimed.queued_s)
     began = time.perf_counter()
     # The attempt's span is current while the step runs: the user's own spans nest under it.
@@ -344,11 +371,11 @@ def _run_claimed(
         step.name,
     ) as span:
         if batch.is_batch(claimed.args, BATCH_ARG):
-            result, interrupt = _run_batch(engine, step, claimed, me, limit, non_retryable)
+            result, interrupt = _run_batch(engine, step, claimed, me, limit, call)
         else:
             read_input = _input_reader(engine, claimed.run_id)
-            ctx = _context(engine, claimed, claimed.branch, read_input, limit)
-            result, interrupt = _run(step, ctx, claimed.args, claimed.token, limit, non_retryable)
+            ctx = _context(engine, claimed, claimed.branch, read_input, limit, call.secrets)
+            result, interrupt = _run(step, ctx, claimed.args, claimed.token, limit, call)
         tracing.mark_outcome(span, result.outcome, result.error)
     ran_s = time.perf_counter() - began
     # A process about to stop takes no next step (it would be left claimed until its timeout).
@@ -361,6 +388,27 @@ def _run_claimed(
         if interrupt is not None:
             raise interrupt
     return outcome
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """What every call of one attempt shares: its secrets, where its arguments hold secret
+    references, and (read lazily) the exceptions that fail it without retry."""
+
+    secrets: AttemptSecrets
+    slots: Slots
+    non_retryable: Callable[[], frozenset[str]] = frozenset
+
+
+def _slots_of(rt: Runtime, claimed: attempts.ClaimedAttempt) -> Slots:
+    """Where the node's argument template holds secret references (none known: none)."""
+    if claimed.spec_hash is None:
+        return ()
+    try:
+        return slots_for(claimed.spec_hash, claimed.node, rt.spec_for)
+    except Exception as exc:  # noqa: BLE001 - not cached: the next attempt reads again
+        log.warning("attempt %s: definition not readable (%s)", claimed.token, exc)
+        return ()
 
 
 def _input_reader(engine: Any, run_id: str) -> Callable[[], Any]:
@@ -376,6 +424,7 @@ def _context(
     branch: int | None,
     read_input: Callable[[], Any],
     limit: int,
+    secrets: AttemptSecrets,
 ) -> StepContext:
     return StepContext(
         run_id=claimed.run_id,
@@ -385,7 +434,10 @@ def _context(
         attempt=claimed.attempt,
         input_fn=read_input,
         context=claimed.context,
-        heartbeat_fn=lambda details: _heartbeat(engine, claimed.token, details, limit),
+        heartbeat_fn=lambda details: _heartbeat(
+            engine, claimed.token, details, limit, secrets.redact
+        ),
+        secret_fn=secrets.get,
     )
 
 
@@ -395,7 +447,7 @@ def _run_batch(
     claimed: attempts.ClaimedAttempt,
     me: str,
     limit: int,
-    non_retryable: Callable[[], frozenset[str]],
+    call_info: _Call,
 ) -> tuple[_Outcome, BaseException | None]:
     """A batch attempt (runtime/batch.py): the step once per item without a recorded output;
     each item gets its own context (``ctx.branch`` is the item's index) and the same checks
@@ -414,8 +466,8 @@ def _run_batch(
     read_input = _input_reader(engine, claimed.run_id)
 
     def call(index: int, args: dict[str, Any]) -> tuple[batch.ItemOutcome, BaseException | None]:
-        ctx = _context(engine, claimed, index, read_input, limit)
-        item, interrupt = _run(step, ctx, args, token, limit, non_retryable)
+        ctx = _context(engine, claimed, index, read_input, limit, call_info.secrets)
+        item, interrupt = _run(step, ctx, args, token, limit, call_info)
         return (
             batch.ItemOutcome(
                 item.outcome == "succeeded", item.output, item.patch, item.error, item.retryable
@@ -525,14 +577,46 @@ def _run(
     args: dict[str, Any],
     token: str,
     limit: int,
-    non_retryable: Callable[[], frozenset[str]] = frozenset,
+    call: _Call,
 ) -> tuple[_Outcome, BaseException | None]:
-    """Call the step: its outcome, and the interrupt to re-raise once that is written."""
+    """Call the step: its outcome (every secret it used redacted), and the interrupt to
+    re-raise once that is written."""
+    outcome, interrupt = _call(step, ctx, args, token, limit, call)
+    if call.secrets.used:
+        outcome = _Outcome(
+            outcome.outcome,
+            output=call.secrets.redact(outcome.output),
+            patch=call.secrets.redact(outcome.patch),
+            error=call.secrets.redact(outcome.error),
+            retryable=outcome.retryable,
+        )
+    return outcome, interrupt
+
+
+def _call(
+    step: Step,
+    ctx: StepContext,
+    args: dict[str, Any],
+    token: str,
+    limit: int,
+    call: _Call,
+) -> tuple[_Outcome, BaseException | None]:
     try:
-        value = step.fn(ctx, **args)
+        kwargs = prepare(step.fn, step.name, call.secrets.fill(args, call.slots))
+    except (ArgumentRefused, SecretNotFound) as exc:
+        kind = "SecretNotFound" if isinstance(exc, SecretNotFound) else "InvalidArgument"
+        error = {"type": kind, "message": storable_text(str(exc))}
+        return _Outcome("failed", error=error, retryable=False), None
+    except SecretUnavailable as exc:
+        error = {"type": "SecretUnavailable", "message": storable_text(str(exc))}
+        return _Outcome("failed", error=error, retryable=True), None
+    try:
+        value = step.fn(ctx, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - a step's failure is data, not a crash
         failed = _Outcome(
-            "failed", error=_error_of(exc), retryable=not _is_non_retryable(exc, non_retryable())
+            "failed",
+            error=_error_of(exc),
+            retryable=not _is_non_retryable(exc, call.non_retryable()),
         )
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             return failed, exc

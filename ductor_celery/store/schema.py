@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
+from ..values import encode_default
 
 metadata = sa.MetaData()
 
@@ -31,14 +32,20 @@ def _float_as_decimal(match: re.Match[str]) -> str:
     return format(decimal.Decimal(number), "f") + ".0"
 
 
+#: Built once: ``json.dumps`` with arguments builds an encoder per call.
+_STORE_ENCODER = json.JSONEncoder(separators=(",", ":"), default=encode_default)
+
+
 def dumps_json(value: Any) -> str:
     """The JSON text ductor stores, the same on every database.
 
     A float with a positive exponent is written out in full with a trailing ``.0``
     (``1e+16`` -> ``10000000000000000.0``): PostgreSQL's jsonb prints ``1e+16`` back as
     ``10000000000000000``, which would read back as an int. Everything else is ``json.dumps``.
+    Values reach it checked (``engine.payloads``), so already in the tagged encoding of
+    ``ductor_celery.values``; a typed value that did not is encoded the same way here.
     """
-    text = json.dumps(value, separators=(",", ":"))
+    text = _STORE_ENCODER.encode(value)
     if "e+" in text or "E+" in text:
         text = _STRING_OR_BIG_FLOAT.sub(_float_as_decimal, text)
     return text
