@@ -39,7 +39,12 @@ class ArgumentRefused(Exception):
 
 def converters_for(fn: Callable[..., Any]) -> Converters:
     """The pydantic adapter of each annotated keyword parameter of ``fn`` (its first
-    parameter, the ``StepContext``, excluded), built once per function."""
+    parameter, the ``StepContext``, excluded), built once per function (a callable object
+    that cannot be hashed, built per call)."""
+    try:
+        hash(fn)
+    except TypeError:
+        return _build(fn)
     found = _cache.get(fn)
     if found is None:
         with _cache_lock:

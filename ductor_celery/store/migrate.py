@@ -9,6 +9,7 @@ package finds them there; in a checkout or an editable install, in ``alembic/``.
 
 from __future__ import annotations
 
+import threading
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,16 @@ def alembic_config(url: str) -> Config:
     return cfg
 
 
+#: Alembic runs a migration through module-level proxies (``alembic.op``, ``alembic.context``):
+#: two threads migrating at once (an embedded app's first use in a worker thread while its
+#: main thread migrates) tear each other's proxy down mid-migration. One at a time per process.
+_ALEMBIC_LOCK = threading.RLock()
+
+
 def upgrade(url: str, revision: str = "head") -> None:
     cfg = alembic_config(url)
     engine = get_engine(url)
-    with engine.begin() as conn:
+    with _ALEMBIC_LOCK, engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
 
@@ -66,7 +73,7 @@ def upgrade(url: str, revision: str = "head") -> None:
 def downgrade(url: str, revision: str) -> None:
     cfg = alembic_config(url)
     engine = get_engine(url)
-    with engine.begin() as conn:
+    with _ALEMBIC_LOCK, engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.downgrade(cfg, revision)
 
