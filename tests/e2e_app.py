@@ -396,3 +396,25 @@ traced_wf.step("a", traced, args={"value": "$.input.value"})
 traced_wf.step("b", echo, after=["a"], args={"value": "$.nodes.a.output"})
 traced_wf.output("$.nodes.b.output")
 ductor.register(traced_wf)
+
+# -- pause on exhaustion, fix, deploy, resume (tests/e2e/test_lifecycle_versions_e2e.py) -------
+
+
+@ductor.step(
+    name="e2e.buggy",
+    retry=RetryPolicy(max_attempts=2, initial_interval=0.1, on_exhausted="pause"),
+)
+def buggy(ctx: StepContext, value: int) -> int:
+    """Has a bug while E2E_BUG=1 (the deploy before the fix)."""
+    _ledger(ctx)
+    if os.environ.get("E2E_BUG") == "1":
+        raise RuntimeError("bug: off by one")
+    return value + 1
+
+
+deployable = Workflow("deployable")
+deployable.step("a", echo, args={"value": "$.input.value"})
+deployable.step("fix", buggy, after=["a"], args={"value": "$.nodes.a.output"})
+deployable.step("c", echo, after=["fix"], args={"value": "$.nodes.fix.output"})
+deployable.output("$.nodes.c.output")
+ductor.register(deployable)

@@ -6,6 +6,7 @@ import hashlib
 
 from .context import TickContext
 from .delay import resumed_status
+from .exhausted import rerun_exhausted
 from .inputs import HandledControl, SuccessorRun
 from .kinds import CONTROL_ALLOWED, CONTROL_APPLIED, ControlKind, control_rejected
 from .schedule import close_in_flight
@@ -46,6 +47,7 @@ def apply_control(t: TickContext) -> None:
     if kind == ControlKind.PAUSE:
         t.move_run(RunStatus.PAUSED, reason)
     elif kind == ControlKind.RESUME:
+        rerun_exhausted(t, reason)
         t.move_run(resumed_status(state, t.now), reason)
     elif kind in (ControlKind.CANCEL, ControlKind.TERMINATE):
         revoke_and_close(t, reason)

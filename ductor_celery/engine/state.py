@@ -269,6 +269,9 @@ class NodeState:
     scatter: ScatterState | None = None
     #: A sub-workflow node: the child run it started (its output is read from there).
     child_run: str | None = None
+    #: Failed on its last attempt under ``on_exhausted="pause"``: the run is paused on it
+    #: instead of failing, and a resume runs it again with a fresh budget (engine/exhausted.py).
+    awaiting_resume: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": self.status.value}

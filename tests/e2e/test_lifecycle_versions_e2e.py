@@ -1,0 +1,47 @@
+"""Issue 14 items 6-8 with real workers: pause on exhaustion, fix the code, deploy, resume;
+rerun from a node; versions with runs in flight."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from ductor_celery import NodeStatus, RunStatus
+
+pytestmark = pytest.mark.e2e
+
+
+def _wait_status(ductor: Any, run_id: str, status: str, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        view = ductor.get(run_id)
+        if view.status == status:
+            return view
+        assert time.monotonic() < deadline, f"run is {view.status}, not {status}"
+        time.sleep(0.1)
+
+
+def test_a_bug_pauses_the_run_then_the_fixed_deploy_resumes_it(
+    cluster_factory: Any, client_for: Any
+) -> None:
+    cluster = cluster_factory()
+    buggy = cluster.start_steps(E2E_BUG="1")
+    cluster.start_coordinator()
+    ductor = client_for(cluster)
+    handle = ductor.start("deployable", input={"value": 41})
+    view = _wait_status(ductor, handle.run_id, RunStatus.PAUSED)
+    fix = view.nodes["fix"]
+    assert fix.status == NodeStatus.FAILED and fix.attempts == 2
+    assert fix.error is not None and "off by one" in fix.error["message"]
+    assert view.nodes["c"].status == NodeStatus.PENDING
+    assert cluster.executions(handle.run_id, "fix") == 2
+
+    buggy.stop()  # deploy the fix: a new worker without the bug
+    cluster.start_steps(name="fixed")
+    ductor.resume(handle.run_id)
+    done = ductor.wait(handle.run_id, timeout=30)
+    assert done.status == RunStatus.SUCCEEDED and done.output == 42
+    assert done.nodes["fix"].attempts == 3
+    assert cluster.executions(handle.run_id, "a") == 1  # upstream did not run again
