@@ -453,9 +453,11 @@ def _control(kind: str, with_reason: bool) -> click.Command:
         kwargs: dict[str, Any] = {}
         if with_reason and options.get("reason") is not None:
             kwargs["reason"] = options["reason"]
+        if kind == "redrive" and options.get("from_node") is not None:
+            kwargs["from_node"] = options["from_node"]
         if _bulk_control(d, kind, target, options, kwargs):
             return
-        if kind == "continue_as_new" and options.get("input_json") is not None:
+        if kind in ("continue_as_new", "redrive") and options.get("input_json") is not None:
             kwargs["input"] = _parse_json(options["input_json"], "--input")
         _call(getattr(d, kind), target, **kwargs)
         click.echo(f"{name} requested")
@@ -468,6 +470,18 @@ def _control(kind: str, with_reason: bool) -> click.Command:
             "input_json",
             default=None,
             help="Start the successor from the top with this JSON input.",
+        )(control)
+    if kind == "redrive":
+        control = click.option(
+            "--input",
+            "input_json",
+            default=None,
+            help="The rerun's nodes see this JSON input instead of the run's.",
+        )(control)
+        control = click.option(
+            "--from-node",
+            default=None,
+            help="Rerun this node and every node after it (any finished run).",
         )(control)
     return control
 
@@ -509,15 +523,18 @@ def _bulk_control(
         status=filters["status"],
         since=since,
         limit=filters["limit"],
+        from_node="from_node" in kwargs,
     )
     name = kind.replace("_", "-")
     count = len(selection.run_ids)
     if not options.get("yes"):
         click.echo(f"{count} runs match; nothing done (add --yes to {name} them)")
         return True
-    if kind == "continue_as_new" and options.get("input_json") is not None:
+    if kind in ("continue_as_new", "redrive") and options.get("input_json") is not None:
         kwargs["input"] = _parse_json(options["input_json"], "--input")
         kwargs["has_input"] = True
+    if "from_node" in kwargs:  # the client's name for it
+        kwargs["node"] = kwargs.pop("from_node")
     result = _call(bulk.apply, d.client, selection, **kwargs)
     for run_id, why in result.refused:
         click.echo(f"refused {run_id}: {why}", err=True)

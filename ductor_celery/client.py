@@ -19,19 +19,25 @@ from sqlalchemy.engine import Engine
 
 from . import limits, tracing
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
-from .engine.kinds import CONTROL_ALLOWED, ControlKind, statuses_allowing
+from .engine.kinds import (
+    CONTROL_ALLOWED,
+    REDRIVE_FROM_NODE_ALLOWED,
+    ControlKind,
+    statuses_allowing,
+)
 from .engine.outputs import output_ref, resolve_outputs
 from .engine.payloads import check_json
 from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
 from .errors import (
     InvalidOperation,
+    NodeNotFound,
     PayloadNotSerializable,
     PayloadTooLarge,
     RunNotFound,
     WorkflowNotFound,
 )
 from .settings import Settings
-from .store import clock, external, finishes, joined, runs
+from .store import clock, external, finishes, inputs, joined, runs
 from .store.db import db_now, get_engine, with_retry
 from .store.outputs import EngineOutputs
 from .store.runs import RunRow
@@ -508,17 +514,29 @@ class Client:
         input: Any = None,
         has_input: bool = False,
         requested_by: str | None = None,
+        node: str | None = None,
+        spec_hash: str | None = None,
     ) -> None:
-        """Queue an operator control after checking it makes sense for the run's state."""
+        """Queue an operator control after checking it makes sense for the run's state.
+        ``node``: a redrive's from-node; ``spec_hash``: a continue-as-new's target definition
+        (``continue_as_new``)."""
         kind = ControlKind(kind)  # a caller's plain string too ("pause"); ValueError if unknown
         check_target(target)
         check_text(reason, "reason", self.settings.max_payload_bytes)
         if requested_by is not None:
             check_id(requested_by, "requested_by")
+        if node is not None:
+            if kind != ControlKind.REDRIVE:
+                raise ValueError(f"from_node is for redrive, not {kind}")
+            check_id(node, "from_node")
         if has_input:
-            input = check_payload(input, "continue-as-new input", self.settings.max_payload_bytes)
+            what = f"{kind.replace('_', '-')} input"
+            input = check_payload(input, what, self.settings.max_payload_bytes)
         row = self._row(target)
-        check_control(row.run_id, row.status, kind)
+        if node is not None:
+            self._check_redrive_from(row, node)
+        else:
+            check_control(row.run_id, row.status, kind)
         if kind == ControlKind.REDRIVE:
             other = self._read(runs.open_run_id, self.engine, row.workflow_id)
             if other is not None:
@@ -535,10 +553,29 @@ class Client:
                 requested_by=requested_by,
                 input=input,
                 has_input=has_input,
+                node=node,
+                spec_hash=spec_hash,
             ),
             what=f"insert {kind}",
         )
         self._safe_wake(row.run_id)
+
+    def _check_redrive_from(self, row: RunRow, node: str) -> None:
+        """A redrive from a node: any finished run but a continued one, and a node its
+        definition has (the tick checks both again, against the state it applies it to)."""
+        if row.status not in REDRIVE_FROM_NODE_ALLOWED:
+            allowed = ", ".join(sorted(s.value for s in REDRIVE_FROM_NODE_ALLOWED))
+            raise InvalidOperation(
+                f"cannot redrive run {row.run_id} from {node!r}: it is {row.status.value} "
+                f"(allowed when {allowed})"
+            )
+        spec = self._definition(row.spec_hash)
+        if node not in spec.graph.nodes:
+            known = ", ".join(spec.graph.order)
+            raise NodeNotFound(
+                f"cannot redrive run {row.run_id} from {node!r}: workflow {spec.name!r} "
+                f"version {spec.version} has no such node (its nodes: {known})"
+            )
 
     def _open_row(self, target: str, what: str) -> RunRow:
         row = self._row(target)
@@ -605,7 +642,7 @@ class Client:
             workflow=row.workflow,
             version=row.version,
             status=row.status,
-            input=row.input,
+            input=self._read(inputs.input_for_view, self.engine, row.state, row.input),
             context=row.state.context,
             output=row.output,
             error=row.error,

@@ -238,8 +238,19 @@ class Ductor:
     def terminate(self, target: str, reason: str | None = None) -> None:
         self.client.control(target, ControlKind.TERMINATE, reason=reason)
 
-    def redrive(self, target: str) -> None:
-        self.client.control(target, ControlKind.REDRIVE)
+    def redrive(self, target: str, from_node: str | None = None, input: Any = None) -> None:
+        """Reopen a finished run: failed and cancelled nodes run again with a fresh retry
+        budget (a failed, cancelled or terminated run). ``from_node``: that node and every
+        node after it run again too, upstream outputs kept; any finished run, a succeeded one
+        too. ``input``: the rerun's nodes see this input instead of the run's
+        (docs/operations.md)."""
+        self.client.control(
+            target,
+            ControlKind.REDRIVE,
+            node=from_node,
+            input=input,
+            has_input=input is not None,
+        )
 
     def continue_as_new(self, target: str, input: Any = None) -> None:
         """Close the run as ``continued`` and start its successor with the same workflow id.

@@ -8,10 +8,17 @@ from .context import TickContext
 from .delay import resumed_status
 from .exhausted import rerun_exhausted
 from .inputs import HandledControl, SuccessorRun
-from .kinds import CONTROL_ALLOWED, CONTROL_APPLIED, ControlKind, control_rejected
+from .kinds import (
+    CONTROL_ALLOWED,
+    CONTROL_APPLIED,
+    REDRIVE_FROM_NODE_ALLOWED,
+    ControlKind,
+    control_rejected,
+)
+from .redrive import from_node_problem, redrive
 from .schedule import close_in_flight
 from .slots import slots
-from .state import NodeState, RunState
+from .state import RunState
 from .status import NodeStatus, RunStatus
 
 #: Why a control is rejected, by kind, when ``CONTROL_ALLOWED`` says the run's status does not
@@ -35,7 +42,9 @@ def apply_control(t: TickContext) -> None:
     if control is None:
         return
     status = t.payload.state.status
-    problem = control_problem(status, control.kind)
+    problem = control_problem(status, control.kind, control.node)
+    if problem is None and control.kind == ControlKind.REDRIVE:
+        problem = from_node_problem(t, control.node)
     if problem is not None:
         t.payload.handled_control = HandledControl(control.id, control_rejected(problem))
         t.record(None, status, status, f"{control.kind} rejected: {problem}")
@@ -57,17 +66,24 @@ def apply_control(t: TickContext) -> None:
             RunStatus.CANCELLED if kind == ControlKind.CANCEL else RunStatus.TERMINATED, reason
         )
     elif kind == ControlKind.REDRIVE:
-        _redrive(t, reason)
+        redrive(t, control, reason + (f" from {control.node!r}" if control.node else ""))
     elif kind == ControlKind.CONTINUE_AS_NEW:
         state.continue_pending = {"input": control.input, "has_input": control.has_input}
         t.record(None, state.status, state.status, f"{reason}: draining attempts in flight")
 
 
-def control_problem(status: RunStatus, kind: ControlKind | str) -> str | None:
-    """Why a run in ``status`` rejects a control of ``kind``; ``None`` if it accepts it."""
+def control_problem(
+    status: RunStatus, kind: ControlKind | str, node: str | None = None
+) -> str | None:
+    """Why a run in ``status`` rejects a control of ``kind`` (a redrive: from ``node``);
+    ``None`` if it accepts it."""
     known = ControlKind.parse(kind)
     if not isinstance(known, ControlKind):
         return f"unknown control {kind!r}"
+    if known == ControlKind.REDRIVE and node is not None:
+        if status in REDRIVE_FROM_NODE_ALLOWED:
+            return None
+        return f"run is {status.value}; only a finished run can be redriven from a node"
     if known in CONTROL_ALLOWED[status]:
         return None
     return _REFUSED[known].format(status=status.value)
@@ -76,17 +92,6 @@ def control_problem(status: RunStatus, kind: ControlKind | str) -> str | None:
 def revoke_and_close(t: TickContext, reason: str) -> None:
     """Close every open attempt and parked node; ask workers to drop attempts in flight."""
     close_in_flight(t, reason, revoke=True)
-
-
-def _redrive(t: TickContext, reason: str) -> None:
-    """Failed, cancelled and pending nodes run again, each with a fresh retry budget."""
-    for node_id, ns in t.nodes.items():
-        if ns.status in (NodeStatus.FAILED, NodeStatus.CANCELLED):
-            t.nodes[node_id] = NodeState(generation=ns.generation)
-            t.record(node_id, ns.status, NodeStatus.PENDING, reason)
-    t.payload.reopened = True
-    t.payload.error = None
-    t.move_run(RunStatus.RUNNING, reason)
 
 
 def request_auto_continue(t: TickContext) -> None:

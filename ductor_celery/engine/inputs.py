@@ -69,6 +69,11 @@ class ControlIn:
     reason: str | None = None
     input: Any = None
     has_input: bool = False
+    #: A redrive from a node: that node (it and every node after it rerun).
+    node: str | None = None
+    #: A continue-as-new to another definition (``version=``): the successor's spec hash;
+    #: its spec is in ``TickInputs.successor_spec``.
+    spec_hash: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,3 +45,19 @@ def test_a_bug_pauses_the_run_then_the_fixed_deploy_resumes_it(
     assert done.status == RunStatus.SUCCEEDED and done.output == 42
     assert done.nodes["fix"].attempts == 3
     assert cluster.executions(handle.run_id, "a") == 1  # upstream did not run again
+
+
+def test_rerun_from_a_node_of_a_succeeded_run(shared_cluster: Any, client_for: Any) -> None:
+    ductor = client_for(shared_cluster)
+    handle = ductor.start("deployable", input={"value": 1})
+    assert ductor.wait(handle.run_id, timeout=30).output == 2
+    ductor.redrive(handle.run_id, from_node="fix")
+    again = ductor.wait(handle.run_id, timeout=30)
+    assert again.status == RunStatus.SUCCEEDED and again.output == 2
+    assert shared_cluster.executions(handle.run_id, "a") == 1
+    assert shared_cluster.executions(handle.run_id, "fix") == 2
+    ductor.redrive(handle.workflow_id, from_node="a", input={"value": 10})
+    third = ductor.wait(handle.run_id, timeout=30)
+    assert third.status == RunStatus.SUCCEEDED and third.output == 11
+    assert third.input == {"value": 10}
+    assert shared_cluster.executions(handle.run_id, "a") == 2

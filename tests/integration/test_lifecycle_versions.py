@@ -11,7 +11,19 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from ductor_celery import Ductor, NodeStatus, RetryPolicy, RunStatus, StepContext, Workflow
+import sqlalchemy as sa
+
+from ductor_celery import (
+    Ductor,
+    InvalidOperation,
+    NodeNotFound,
+    NodeStatus,
+    RetryPolicy,
+    RunStatus,
+    StepContext,
+    Workflow,
+)
+from ductor_celery.store.schema import workflow_control
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -66,7 +78,7 @@ class _Shop:
         @self.d.step(name="shop.ship")
         def ship(ctx: StepContext, charged: Any) -> Any:
             count(ctx)
-            return {"shipped": charged}
+            return {"shipped": charged, "seen_total": ctx.input["total"]}
 
         wf = Workflow("shop")
         wf.step("reserve", reserve, args={"order": "$.input.id"})
@@ -90,8 +102,118 @@ def test_pause_on_exhaustion_then_resume_after_the_fix(db_url: str) -> None:
         shop.d.resume(handle.run_id)
         done = shop.d.wait(handle.run_id, timeout=30)
     assert done.status == RunStatus.SUCCEEDED, done.error
-    assert done.output == {"ship": {"shipped": {"charged": 30}}, "reserve": {"reserved": 7}}
+    assert done.output == {
+        "ship": {"shipped": {"charged": 30}, "seen_total": 30},
+        "reserve": {"reserved": 7},
+    }
     assert shop.calls == {"reserve": 1, "charge": 3, "ship": 1}
     reasons = [t.reason for t in shop.d.client.history(handle.run_id)[1]]
     assert any("on_exhausted='pause'" in r for r in reasons)
     assert "resume: fresh retry budget" in reasons
+
+
+def _controls(d: Ductor) -> int:
+    with d.client.engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(workflow_control)).scalar())
+
+
+def test_redrive_from_a_node_of_a_succeeded_run_with_a_new_input(db_url: str) -> None:
+    shop = _Shop(db_url)
+    with shop.d.local_workers():
+        handle = shop.d.start("shop", input={"id": 7, "total": 30})
+        first = shop.d.wait(handle.run_id, timeout=30)
+        assert first.status == RunStatus.SUCCEEDED
+        shop.d.redrive(handle.workflow_id, from_node="charge", input={"id": 7, "total": 50})
+        again = shop.d.wait(handle.run_id, timeout=30)
+    assert again.status == RunStatus.SUCCEEDED, again.error
+    assert again.output == {
+        "ship": {"shipped": {"charged": 50}, "seen_total": 50},
+        "reserve": {"reserved": 7},  # upstream output kept: reserve did not run again
+    }
+    assert shop.calls == {"reserve": 1, "charge": 2, "ship": 2}
+    assert again.input == {"id": 7, "total": 50}
+    assert again.nodes["charge"].attempts == 2 and again.nodes["reserve"].attempts == 1
+    history = [
+        (t.node, t.from_status, t.to_status, t.reason)
+        for t in shop.d.client.history(handle.run_id)[1]
+    ]
+    assert ("charge", "succeeded", "pending", "redrive from 'charge'") in history
+    assert ("ship", "succeeded", "pending", "redrive from 'charge'") in history
+    assert (None, "succeeded", "running", "redrive from 'charge'") in history
+
+
+def test_a_redrive_from_a_failed_node_keeps_upstream(db_url: str) -> None:
+    shop = _Shop(db_url)
+    shop.bug = True
+    with shop.d.local_workers():
+        handle = shop.d.start("shop", input={"id": 1, "total": 5})
+        assert shop.d.wait(handle.run_id, timeout=30).status == RunStatus.FAILED
+        shop.bug = False
+        shop.d.redrive(handle.run_id, from_node="charge")
+        again = shop.d.wait(handle.run_id, timeout=30)
+    assert again.status == RunStatus.SUCCEEDED and again.input == {"id": 1, "total": 5}
+    assert shop.calls == {"reserve": 1, "charge": 3, "ship": 1}
+
+
+def test_bad_redrives_raise_one_clear_error_and_write_nothing(db_url: str) -> None:
+    shop = _Shop(db_url)
+    with shop.d.local_workers():
+        handle = shop.d.start("shop", input={"id": 7, "total": 30})
+        assert shop.d.wait(handle.run_id, timeout=30).status == RunStatus.SUCCEEDED
+        before = _controls(shop.d)
+        with pytest.raises(NodeNotFound, match=r"'nope'.*no such node.*reserve, charge, ship"):
+            shop.d.redrive(handle.run_id, from_node="nope")
+        with pytest.raises(InvalidOperation, match="succeeded"):
+            shop.d.redrive(handle.run_id)  # a plain redrive of a succeeded run
+        with pytest.raises(ValueError, match="from_node"):
+            shop.d.redrive(handle.run_id, from_node="")
+        with pytest.raises(TypeError, match="from_node"):
+            shop.d.redrive(handle.run_id, from_node=5)  # type: ignore[arg-type]
+        with pytest.raises(Exception, match="redrive input"):
+            shop.d.redrive(handle.run_id, from_node="charge", input={"x": float("nan")})
+        assert _controls(shop.d) == before
+        assert shop.d.get(handle.run_id).status == RunStatus.SUCCEEDED
+
+
+def _cli(d: Ductor, *args: str) -> Any:
+    from types import SimpleNamespace
+
+    from click.testing import CliRunner
+
+    from ductor_celery.cli import ductor as ductor_cli
+
+    return CliRunner().invoke(ductor_cli, list(args), obj=SimpleNamespace(app=d.app))
+
+
+def _one_line_error(result: Any, words: str) -> None:
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], lines
+
+
+def test_the_cli_redrives_from_a_node_with_an_input(db_url: str) -> None:
+    shop = _Shop(db_url)
+    with shop.d.local_workers():
+        handle = shop.d.start("shop", input={"id": 3, "total": 1})
+        assert shop.d.wait(handle.run_id, timeout=30).status == RunStatus.SUCCEEDED
+        before = _controls(shop.d)
+        _one_line_error(_cli(shop.d, "redrive", handle.run_id, "--from-node", "nope"), "nope")
+        _one_line_error(
+            _cli(shop.d, "redrive", handle.run_id, "--from-node", "ship", "--input", "{bad"),
+            "--input",
+        )
+        assert _controls(shop.d) == before
+        done = _cli(
+            shop.d,
+            "redrive",
+            handle.run_id,
+            "--from-node",
+            "ship",
+            "--input",
+            '{"id": 3, "total": 9}',
+        )
+        assert done.exit_code == 0, done.output
+        again = shop.d.wait(handle.run_id, timeout=30)
+    assert again.status == RunStatus.SUCCEEDED
+    assert again.output["ship"] == {"shipped": {"charged": 1}, "seen_total": 9}
+    assert shop.calls == {"reserve": 1, "charge": 1, "ship": 2}
