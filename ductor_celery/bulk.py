@@ -90,11 +90,15 @@ def select(
 
 
 def apply(client: Client, selection: Selection, **options: Any) -> BulkResult:
-    """Send the control to every selected run (``options``: reason)."""
+    """Send the control to every selected run (``options``: reason; a redrive's node and
+    input; a continue-as-new's input and version)."""
     result = BulkResult()
     for run_id in selection.run_ids:
         try:
-            client.control(run_id, selection.kind, **options)
+            if selection.kind == ControlKind.CONTINUE_AS_NEW and "version" in options:
+                client.continue_as_new(run_id, **options)
+            else:
+                client.control(run_id, selection.kind, **options)
         except (InvalidOperation, RunNotFound) as exc:
             result.refused.append((run_id, str(exc)))
         else:

@@ -35,6 +35,7 @@ from ..engine.slots import slots
 from ..engine.state import ScatterState
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..engine.tick import ACTIVE, read_nodes
+from ..engine.versions import successor_spec_hash
 from .tables import AttemptRow, RunRow, Tables
 
 
@@ -83,6 +84,7 @@ def load(
             if ns.status in ACTIVE and ns.scatter is not None and ns.scatter.gathering
         },
         children=_children_of(tables, spec, state),
+        successor_spec=specs.get(successor_spec_hash(state, control) or ""),
     )
     return loaded, spec, inputs
 

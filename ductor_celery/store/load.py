@@ -34,6 +34,7 @@ from ..engine.redrive import reads_for
 from ..engine.slots import slots
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..engine.tick import ACTIVE, read_nodes
+from ..engine.versions import successor_spec_hash
 from . import clock
 from .composed import ImmutableCache, children_of, gather_any
 from .db import aware, is_postgres
@@ -138,8 +139,22 @@ def load_on(
             if ns.status in ACTIVE and ns.scatter is not None and ns.scatter.gathering
         },
         children=children_of(conn, spec, state),
+        successor_spec=_successor_spec(conn, spec_for, successor_spec_hash(state, control)),
     )
     return loaded, spec, inputs
+
+
+def _successor_spec(
+    conn: Connection, spec_for: Callable[[str, Connection], WorkflowSpec], spec_hash: str | None
+) -> WorkflowSpec | None:
+    """The definition a continue-as-new moves the run to (``version=``). Missing (deleted by
+    hand): None, and the tick drops the continue-as-new, saying so."""
+    if spec_hash is None:
+        return None
+    try:
+        return spec_for(spec_hash, conn)
+    except LookupError:
+        return None
 
 
 def _run_exists(conn: Connection, run_id: str) -> bool:

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery
-
 import sqlalchemy as sa
+from celery import Celery
 
 from ductor_celery import (
     Ductor,
@@ -217,3 +216,123 @@ def test_the_cli_redrives_from_a_node_with_an_input(db_url: str) -> None:
     assert again.status == RunStatus.SUCCEEDED
     assert again.output["ship"] == {"shipped": {"charged": 1}, "seen_total": 9}
     assert shop.calls == {"reserve": 1, "charge": 1, "ship": 2}
+
+
+def _deploy(url: str, version: int, register_older: bool = False) -> Ductor:
+    """One deploy of the "order" workflow: version 1 is a -> hold -> b; version 2 adds c
+    after b and changes the output."""
+    d = _ductor(url)
+
+    @d.step(name="v.a")
+    def a(ctx: StepContext) -> str:
+        return "a"
+
+    @d.step(name="v.b")
+    def b(ctx: StepContext) -> str:
+        return "b"
+
+    @d.step(name="v.c")
+    def c(ctx: StepContext) -> str:
+        return "c"
+
+    def build(v: int) -> Workflow:
+        wf = Workflow("order", version=v)
+        wf.step("a", a)
+        wf.wait_signal("hold", signal="go", after=["a"])
+        wf.step("b", b, after=["hold"])
+        if v == 1:
+            wf.output({"v": 1, "b": "$.nodes.b.output"})
+        else:
+            wf.step("c", c, after=["b"])
+            wf.output({"v": 2, "c": "$.nodes.c.output"})
+        return wf
+
+    if register_older:
+        d.register(build(1))
+    d.register(build(version))
+    return d
+
+
+def _runs(d: Ductor) -> int:
+    with d.client.engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text("SELECT count(*) FROM eec_workflow_run")  # every run, any status
+            ).scalar_one()
+        )
+
+
+def test_a_run_keeps_its_version_while_a_new_one_is_deployed(db_url: str) -> None:
+    old = _deploy(db_url, 1)
+    with old.local_workers():
+        first = old.start("order")
+        _until(old, first.run_id, RunStatus.RUNNING)
+        deadline = time.monotonic() + 30
+        while old.get(first.run_id).nodes["hold"].status != NodeStatus.WAITING:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    new = _deploy(db_url, 2)  # the new deploy knows only version 2
+    with new.local_workers():
+        second = new.start("order")
+        pinned = new.start("order", version=1)  # stored by the old deploy's start
+        assert new.get(second.run_id).version == 2 and new.get(pinned.run_id).version == 1
+        for handle in (first, second, pinned):
+            _until(new, handle.run_id, RunStatus.RUNNING)
+        time.sleep(0.3)
+        for handle in (first, second, pinned):
+            new.signal(handle.run_id, "go")
+        views = [new.wait(h.run_id, timeout=30) for h in (first, second, pinned)]
+    assert [v.status for v in views] == [RunStatus.SUCCEEDED] * 3
+    assert [v.version for v in views] == [1, 2, 1]
+    assert views[0].output == {"v": 1, "b": "b"} and "c" not in views[0].nodes
+    assert views[1].output == {"v": 2, "c": "c"}
+    assert views[2].output == {"v": 1, "b": "b"}
+
+
+def test_continue_as_new_moves_a_run_to_the_newest_version(db_url: str) -> None:
+    d = _deploy(db_url, 2, register_older=True)
+    with d.local_workers():
+        handle = d.start("order", workflow_id="order-1", version=1)
+        deadline = time.monotonic() + 30
+        while d.get(handle.run_id).nodes["hold"].status != NodeStatus.WAITING:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        d.continue_as_new("order-1", version="latest")
+        moved = _until(d, handle.run_id, RunStatus.CONTINUED)
+        assert moved.continued_to is not None
+        successor = d.get(moved.continued_to)
+        assert successor.version == 2 and successor.continued_from == handle.run_id
+        # a and hold are unchanged in version 2: carried, a does not run again
+        assert successor.nodes["a"].status == NodeStatus.SUCCEEDED
+        assert successor.nodes["hold"].status == NodeStatus.WAITING
+        d.signal("order-1", "go")
+        done = d.wait("order-1", timeout=30)
+    assert done.run_id == moved.continued_to and done.version == 2
+    assert done.output == {"v": 2, "c": "c"}
+
+
+def test_unknown_versions_raise_one_clear_error_and_write_nothing(db_url: str) -> None:
+    from ductor_celery import VersionNotFound, WorkflowNotFound
+
+    d = _deploy(db_url, 2, register_older=True)
+    with pytest.raises(VersionNotFound, match=r"no version 3 \(registered: 1, 2\)"):
+        d.start("order", version=3)
+    with pytest.raises(WorkflowNotFound):
+        d.start("nope", version=1)
+    with pytest.raises(TypeError, match="version"):
+        d.start("order", version="1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="version"):
+        d.start("order", version=0)
+    assert _runs(d) == 0
+    with d.local_workers():
+        handle = d.start("order", version=1)
+        _until(d, handle.run_id, RunStatus.RUNNING)
+        before = _controls(d)
+        with pytest.raises(VersionNotFound, match="no version 7"):
+            d.continue_as_new(handle.run_id, version=7)
+        with pytest.raises(TypeError, match="'latest'"):
+            d.continue_as_new(handle.run_id, version="newest")
+        assert _controls(d) == before
+        d.cancel(handle.run_id)
+        d.wait(handle.run_id, timeout=30)
+    assert _runs(d) == 1
