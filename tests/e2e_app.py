@@ -418,3 +418,17 @@ deployable.step("fix", buggy, after=["a"], args={"value": "$.nodes.a.output"})
 deployable.step("c", echo, after=["fix"], args={"value": "$.nodes.fix.output"})
 deployable.output("$.nodes.c.output")
 ductor.register(deployable)
+
+# -- versions with runs in flight (tests/e2e/test_lifecycle_versions_e2e.py) -----------------
+# E2E_VERSIONED picks the deploy: "1" (the default) registers version 1 only, "2" version 2
+# only, as a rolling deploy of new code would.
+
+_deployed_version = int(os.environ.get("E2E_VERSIONED", "1"))
+versioned = Workflow("versioned", version=_deployed_version)
+versioned.step("a", echo, args={"value": "a"})
+versioned.wait_signal("hold", signal="go", after=["a"])
+versioned.step("b", echo, after=["hold"], args={"value": "b"})
+if _deployed_version >= 2:
+    versioned.step("c", echo, after=["b"], args={"value": "c"})
+versioned.output({"version": _deployed_version})
+ductor.register(versioned)

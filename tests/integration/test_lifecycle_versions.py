@@ -4,6 +4,7 @@ versions."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -336,3 +337,34 @@ def test_unknown_versions_raise_one_clear_error_and_write_nothing(db_url: str) -
         d.cancel(handle.run_id)
         d.wait(handle.run_id, timeout=30)
     assert _runs(d) == 1
+
+
+def test_the_cli_starts_a_version_moves_a_run_and_shows_versions(db_url: str) -> None:
+    d = _deploy(db_url, 2, register_older=True)
+    _one_line_error(_cli(d, "start", "order", "--version", "9"), "no version 9")
+    _one_line_error(_cli(d, "start", "order", "--version", "two"), "--version")
+    assert _runs(d) == 0
+    with d.local_workers():
+        started = _cli(d, "start", "order", "--version", "1", "--workflow-id", "o-1")
+        assert started.exit_code == 0, started.output
+        run_id = json.loads(started.output)["run_id"]
+        assert d.get(run_id).version == 1
+        deadline = time.monotonic() + 30
+        while d.get(run_id).nodes["hold"].status != NodeStatus.WAITING:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        listed = _cli(d, "runs")
+        assert listed.exit_code == 0 and "order v1" in listed.output
+        shown = _cli(d, "show", run_id)
+        assert shown.exit_code == 0 and "order v1" in shown.output
+        before = _controls(d)
+        _one_line_error(_cli(d, "continue-as-new", "o-1", "--version", "5"), "no version 5")
+        assert _controls(d) == before
+        moved = _cli(d, "continue-as-new", "o-1", "--version", "latest")
+        assert moved.exit_code == 0, moved.output
+        view = _until(d, run_id, RunStatus.CONTINUED)
+        assert view.continued_to is not None and d.get(view.continued_to).version == 2
+        d.cancel("o-1")
+        d.wait("o-1", timeout=30)
+    listed = _cli(d, "runs")
+    assert "order v2" in listed.output and "order v1" in listed.output
