@@ -368,3 +368,21 @@ def test_the_cli_starts_a_version_moves_a_run_and_shows_versions(db_url: str) ->
         d.wait("o-1", timeout=30)
     listed = _cli(d, "runs")
     assert "order v2" in listed.output and "order v1" in listed.output
+
+
+def test_a_bulk_redrive_from_a_node_takes_succeeded_runs(db_url: str) -> None:
+    shop = _Shop(db_url)
+    with shop.d.local_workers():
+        handles = [shop.d.start("shop", input={"id": i, "total": i}) for i in (1, 2)]
+        for h in handles:
+            assert shop.d.wait(h.run_id, timeout=30).status == RunStatus.SUCCEEDED
+        counted = _cli(shop.d, "redrive", "--workflow", "shop", "--status", "succeeded")
+        _one_line_error(counted, "cannot redrive succeeded runs")
+        args = ("redrive", "--workflow", "shop", "--status", "succeeded", "--from-node", "ship")
+        counted = _cli(shop.d, *args)
+        assert counted.exit_code == 0 and "2 runs match; nothing done" in counted.output
+        done = _cli(shop.d, *args, "--yes")
+        assert done.exit_code == 0 and "for 2 of 2 runs" in done.output, done.output
+        views = [shop.d.wait(h.run_id, timeout=30) for h in handles]
+    assert [v.status for v in views] == [RunStatus.SUCCEEDED] * 2
+    assert shop.calls == {"reserve": 2, "charge": 2, "ship": 4}
