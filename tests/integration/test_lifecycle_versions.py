@@ -386,3 +386,23 @@ def test_a_bulk_redrive_from_a_node_takes_succeeded_runs(db_url: str) -> None:
         views = [shop.d.wait(h.run_id, timeout=30) for h in handles]
     assert [v.status for v in views] == [RunStatus.SUCCEEDED] * 2
     assert shop.calls == {"reserve": 2, "charge": 2, "ship": 4}
+
+
+def test_pause_on_exhaustion_in_the_testing_harness_with_its_clock(tmp_path: Path) -> None:
+    """The same cycle a user's own test writes: retries with backoff in one advance(), the
+    run paused, the fix (a stub), resume."""
+    from ductor_celery import testing
+
+    shop = _Shop(f"sqlite:///{tmp_path}/user.sqlite3", on_exhausted="pause")
+    with testing.harness(shop.d) as h:
+        h.stub("shop.charge", raises=RuntimeError("card service down"))
+        handle = h.start("shop", input={"id": 1, "total": 3})
+        h.advance(seconds=60)
+        view = h.run(handle)
+        assert view.status == RunStatus.PAUSED
+        assert view.nodes["charge"].attempts == 2
+        h.stub("shop.charge", returns={"charged": 3})
+        shop.d.resume(handle.run_id)
+        done = h.run(handle)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert done.nodes["charge"].attempts == 3
