@@ -14,7 +14,7 @@ from typing import Any
 
 from . import limits
 from .client import Client, check_id
-from .engine.kinds import ControlKind, statuses_allowing
+from .engine.kinds import REDRIVE_FROM_NODE_ALLOWED, ControlKind, statuses_allowing
 from .engine.status import RunStatus
 from .errors import InvalidOperation, RunNotFound
 from .store import bulk
@@ -40,14 +40,20 @@ def select(
     status: str | None = None,
     since: datetime | None = None,
     limit: int | None = None,
+    from_node: bool = False,
 ) -> Selection:
-    """The runs the control would act on; checks every filter first."""
+    """The runs the control would act on; checks every filter first. ``from_node``: a
+    redrive from a node, which any finished run allows."""
     kind = ControlKind(kind)
     if workflow is None and status is None:
         raise ValueError("a bulk control needs --workflow or --status (or both)")
     if workflow is not None:
         check_id(workflow, "workflow")
-    allowed = statuses_allowing(kind)
+    allowed = (
+        REDRIVE_FROM_NODE_ALLOWED
+        if from_node and kind == ControlKind.REDRIVE
+        else statuses_allowing(kind)
+    )
     if status is None:
         statuses = sorted(allowed)
     else:
@@ -84,11 +90,15 @@ def select(
 
 
 def apply(client: Client, selection: Selection, **options: Any) -> BulkResult:
-    """Send the control to every selected run (``options``: reason)."""
+    """Send the control to every selected run (``options``: reason; a redrive's node and
+    input; a continue-as-new's input and version)."""
     result = BulkResult()
     for run_id in selection.run_ids:
         try:
-            client.control(run_id, selection.kind, **options)
+            if selection.kind == ControlKind.CONTINUE_AS_NEW and "version" in options:
+                client.continue_as_new(run_id, **options)
+            else:
+                client.control(run_id, selection.kind, **options)
         except (InvalidOperation, RunNotFound) as exc:
             result.refused.append((run_id, str(exc)))
         else:

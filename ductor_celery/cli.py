@@ -99,6 +99,17 @@ def _parse_json(text: str | None, option: str) -> Any:
         _fail(f"{option} is not valid JSON: {_one_line(exc)}")
 
 
+def _parse_version(text: str | None, *, latest: bool = False) -> int | str | None:
+    """--version: a version number (or, where allowed, ``latest``)."""
+    if text is None or (latest and text == "latest"):
+        return text
+    try:
+        return int(text.strip())
+    except ValueError:
+        also = " or 'latest'" if latest else ""
+        _fail(f"--version must be a version number{also}, got {text!r}")
+
+
 def _console() -> Any:
     from rich.console import Console
 
@@ -152,6 +163,9 @@ def migrate(ctx: click.Context, database_url: str | None) -> None:
 @click.option("--wait", "wait_", is_flag=True, help="Wait for the run to finish; print it.")
 @click.option("--timeout", default=None, type=float, help="With --wait: give up after seconds.")
 @click.option("--delay", default=None, type=float, help="Start in this many seconds (pending).")
+@click.option(
+    "--version", "version_text", default=None, help="This registered version (default: newest)."
+)
 @click.pass_context
 def start(
     ctx: click.Context,
@@ -161,15 +175,19 @@ def start(
     wait_: bool,
     timeout: float | None,
     delay: float | None,
+    version_text: str | None,
 ) -> None:
     """Start a run of WORKFLOW; prints {"run_id", "workflow_id"} (then the run, with --wait)."""
     value = _parse_json(input_json, "--input")
+    version = _parse_version(version_text)
     if wait_:
         from .client import check_timeout
 
         _call(check_timeout, timeout)  # before the run starts, not after
     d = _load_ductor(ctx)
-    handle = _call(d.start, workflow, input=value, workflow_id=workflow_id, delay=delay)
+    handle = _call(
+        d.start, workflow, input=value, workflow_id=workflow_id, delay=delay, version=version
+    )
     click.echo(json.dumps({"run_id": handle.run_id, "workflow_id": handle.workflow_id}))
     if wait_:
         view = _call(d.wait, handle.run_id, timeout=timeout)
@@ -457,10 +475,14 @@ def _control(kind: str, with_reason: bool) -> click.Command:
         kwargs: dict[str, Any] = {}
         if with_reason and options.get("reason") is not None:
             kwargs["reason"] = options["reason"]
+        if kind == "redrive" and options.get("from_node") is not None:
+            kwargs["from_node"] = options["from_node"]
         if _bulk_control(d, kind, target, options, kwargs):
             return
-        if kind == "continue_as_new" and options.get("input_json") is not None:
+        if kind in ("continue_as_new", "redrive") and options.get("input_json") is not None:
             kwargs["input"] = _parse_json(options["input_json"], "--input")
+        if kind == "continue_as_new" and options.get("version_text") is not None:
+            kwargs["version"] = _parse_version(options["version_text"], latest=True)
         _call(getattr(d, kind), target, **kwargs)
         click.echo(f"{name} requested")
 
@@ -472,6 +494,24 @@ def _control(kind: str, with_reason: bool) -> click.Command:
             "input_json",
             default=None,
             help="Start the successor from the top with this JSON input.",
+        )(control)
+        control = click.option(
+            "--version",
+            "version_text",
+            default=None,
+            help="Move the successor to this registered version, or 'latest'.",
+        )(control)
+    if kind == "redrive":
+        control = click.option(
+            "--input",
+            "input_json",
+            default=None,
+            help="The rerun's nodes see this JSON input instead of the run's.",
+        )(control)
+        control = click.option(
+            "--from-node",
+            default=None,
+            help="Rerun this node and every node after it (any finished run).",
         )(control)
     return control
 
@@ -513,15 +553,20 @@ def _bulk_control(
         status=filters["status"],
         since=since,
         limit=filters["limit"],
+        from_node="from_node" in kwargs,
     )
     name = kind.replace("_", "-")
     count = len(selection.run_ids)
     if not options.get("yes"):
         click.echo(f"{count} runs match; nothing done (add --yes to {name} them)")
         return True
-    if kind == "continue_as_new" and options.get("input_json") is not None:
+    if kind in ("continue_as_new", "redrive") and options.get("input_json") is not None:
         kwargs["input"] = _parse_json(options["input_json"], "--input")
         kwargs["has_input"] = True
+    if "from_node" in kwargs:  # the client's name for it
+        kwargs["node"] = kwargs.pop("from_node")
+    if kind == "continue_as_new" and options.get("version_text") is not None:
+        kwargs["version"] = _parse_version(options["version_text"], latest=True)
     result = _call(bulk.apply, d.client, selection, **kwargs)
     for run_id, why in result.refused:
         click.echo(f"refused {run_id}: {why}", err=True)

@@ -19,19 +19,26 @@ from sqlalchemy.engine import Engine
 
 from . import limits, tracing
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
-from .engine.kinds import CONTROL_ALLOWED, ControlKind, statuses_allowing
+from .engine.kinds import (
+    CONTROL_ALLOWED,
+    REDRIVE_FROM_NODE_ALLOWED,
+    ControlKind,
+    statuses_allowing,
+)
 from .engine.outputs import output_ref, resolve_outputs
 from .engine.payloads import check_json
 from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
 from .errors import (
     InvalidOperation,
+    NodeNotFound,
     PayloadNotSerializable,
     PayloadTooLarge,
     RunNotFound,
+    VersionNotFound,
     WorkflowNotFound,
 )
 from .settings import Settings
-from .store import clock, external, finishes, joined, runs
+from .store import clock, external, finishes, inputs, joined, runs
 from .store.db import db_now, get_engine, with_retry
 from .store.outputs import EngineOutputs
 from .store.runs import RunRow
@@ -52,6 +59,18 @@ def check_control(run_id: str, status: RunStatus, kind: ControlKind) -> None:
         f"cannot {kind.replace('_', '-')} run {run_id}: it is {status.value} "
         f"(allowed when {', '.join(s.value for s in allowed)})"
     )
+
+
+def check_version(version: Any, also: str = "") -> int:
+    """A workflow version number: an int >= 1 (TypeError / ValueError otherwise)."""
+    alternatives = f" or {also}" if also else ""
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise TypeError(f"version must be an integer{alternatives}, got {limits.show(version)}")
+    if not 1 <= version <= limits.MAX_INT:
+        raise ValueError(
+            f"version must be between 1 and {limits.MAX_INT}{alternatives}, got {version}"
+        )
+    return version
 
 
 def check_payload(value: Any, what: str, limit: int) -> Any:
@@ -229,8 +248,12 @@ class Client:
         remember_spec: Callable[[WorkflowSpec], None] | None = None,
         get_engine: Callable[[], Engine] | None = None,
         spec_by_hash: Callable[[str], WorkflowSpec] | None = None,
+        find_version: Callable[[str, int], WorkflowSpec | None] | None = None,
+        registered_versions: Callable[[str], list[int]] | None = None,
     ) -> None:
         self.settings = settings
+        self._find_version = find_version
+        self._registered_versions = registered_versions
         self._spec_by_hash = spec_by_hash
         self._wake = wake
         self._find_spec = find_spec
@@ -255,8 +278,10 @@ class Client:
         start_at: datetime | None = None,
         connection: Any = None,
         using: str | None = None,
+        version: int | None = None,
     ) -> RunHandle:
-        """Insert a pending run and wake it. ``delay``/``start_at``: it stays pending until
+        """Insert a pending run and wake it. ``version``: that registered version of the
+        workflow (default: the newest). ``delay``/``start_at``: it stays pending until
         then (a timer row wakes it). ``connection=`` (a SQLAlchemy Connection or Session) or
         ``using=`` (a Django database alias): inserted in that transaction, woken once it
         commits (store/joined.py)."""
@@ -266,10 +291,12 @@ class Client:
         if workflow_id is not None:
             check_id(workflow_id, "workflow_id")
         check_start_time(delay, start_at)
+        if version is not None:
+            check_version(version)
         value = check_payload(
             input, f"input of workflow {workflow!r}", self.settings.max_payload_bytes
         )
-        spec = self.find_definition(workflow)
+        spec = self.find_definition(workflow, version)
         if self._remember_spec is not None:
             self._remember_spec(spec)
         run_id = uuid.uuid4().hex
@@ -508,17 +535,29 @@ class Client:
         input: Any = None,
         has_input: bool = False,
         requested_by: str | None = None,
+        node: str | None = None,
+        spec_hash: str | None = None,
     ) -> None:
-        """Queue an operator control after checking it makes sense for the run's state."""
+        """Queue an operator control after checking it makes sense for the run's state.
+        ``node``: a redrive's from-node; ``spec_hash``: a continue-as-new's target definition
+        (``continue_as_new``)."""
         kind = ControlKind(kind)  # a caller's plain string too ("pause"); ValueError if unknown
         check_target(target)
         check_text(reason, "reason", self.settings.max_payload_bytes)
         if requested_by is not None:
             check_id(requested_by, "requested_by")
+        if node is not None:
+            if kind != ControlKind.REDRIVE:
+                raise ValueError(f"from_node is for redrive, not {kind}")
+            check_id(node, "from_node")
         if has_input:
-            input = check_payload(input, "continue-as-new input", self.settings.max_payload_bytes)
+            what = f"{kind.replace('_', '-')} input"
+            input = check_payload(input, what, self.settings.max_payload_bytes)
         row = self._row(target)
-        check_control(row.run_id, row.status, kind)
+        if node is not None:
+            self._check_redrive_from(row, node)
+        else:
+            check_control(row.run_id, row.status, kind)
         if kind == ControlKind.REDRIVE:
             other = self._read(runs.open_run_id, self.engine, row.workflow_id)
             if other is not None:
@@ -535,10 +574,29 @@ class Client:
                 requested_by=requested_by,
                 input=input,
                 has_input=has_input,
+                node=node,
+                spec_hash=spec_hash,
             ),
             what=f"insert {kind}",
         )
         self._safe_wake(row.run_id)
+
+    def _check_redrive_from(self, row: RunRow, node: str) -> None:
+        """A redrive from a node: any finished run but a continued one, and a node its
+        definition has (the tick checks both again, against the state it applies it to)."""
+        if row.status not in REDRIVE_FROM_NODE_ALLOWED:
+            allowed = ", ".join(sorted(s.value for s in REDRIVE_FROM_NODE_ALLOWED))
+            raise InvalidOperation(
+                f"cannot redrive run {row.run_id} from {node!r}: it is {row.status.value} "
+                f"(allowed when {allowed})"
+            )
+        spec = self._definition(row.spec_hash)
+        if node not in spec.graph.nodes:
+            known = ", ".join(spec.graph.order)
+            raise NodeNotFound(
+                f"cannot redrive run {row.run_id} from {node!r}: workflow {spec.name!r} "
+                f"version {spec.version} has no such node (its nodes: {known})"
+            )
 
     def _open_row(self, target: str, what: str) -> RunRow:
         row = self._row(target)
@@ -605,7 +663,7 @@ class Client:
             workflow=row.workflow,
             version=row.version,
             status=row.status,
-            input=row.input,
+            input=self._read(inputs.input_for_view, self.engine, row.state, row.input),
             context=row.state.context,
             output=row.output,
             error=row.error,
@@ -633,11 +691,64 @@ class Client:
             self.engine, row.run_id, limit
         )
 
-    def find_definition(self, name: str) -> WorkflowSpec:
+    def find_definition(self, name: str, version: int | None = None) -> WorkflowSpec:
+        """The definition to start: ``version`` of ``name`` (registered in this process, or
+        stored by a process that started it), or the newest one."""
+        if version is not None:
+            return self._version(name, version)
         spec = self._find_spec(name) or self._read(runs.latest_definition, self.engine, name)
         if spec is None:
             raise WorkflowNotFound(f"no workflow named {name!r} is registered")
         return spec
+
+    def _version(self, name: str, version: int) -> WorkflowSpec:
+        found = self._find_version(name, version) if self._find_version is not None else None
+        if found is None:
+            found = self._read(runs.definition_of_version, self.engine, name, version)
+        if found is not None:
+            return found
+        known = set(self._registered_versions(name)) if self._registered_versions else set()
+        known |= set(self._read(runs.stored_versions, self.engine, name))
+        if not known:
+            raise WorkflowNotFound(f"no workflow named {name!r} is registered")
+        raise VersionNotFound(
+            f"workflow {name!r} has no version {version} (registered: "
+            f"{', '.join(str(v) for v in sorted(known))})"
+        )
+
+    def continue_as_new(
+        self, target: str, *, input: Any = None, has_input: bool = False, version: Any = None
+    ) -> None:
+        """Queue a continue-as-new; ``version``: ``"latest"`` (the newest definition) or a
+        registered version number moves the successor to that definition."""
+        if version is not None and version != "latest":
+            check_version(version, also="'latest'")
+        spec_hash = None
+        if version is not None:
+            check_target(target)
+            row = self._row(target)
+            check_control(row.run_id, row.status, ControlKind.CONTINUE_AS_NEW)
+            spec = self.find_definition(row.workflow, None if version == "latest" else version)
+            if spec.spec_hash != row.spec_hash:
+                # Stored before the control: the successor row pins it (a foreign key).
+                self._save_definitions(spec)
+                spec_hash = spec.spec_hash
+        self.control(
+            target,
+            ControlKind.CONTINUE_AS_NEW,
+            input=input,
+            has_input=has_input,
+            spec_hash=spec_hash,
+        )
+
+    def _save_definitions(self, spec: WorkflowSpec) -> None:
+        if self._remember_spec is not None:
+            self._remember_spec(spec)
+        for needed in self._with_children(spec):
+            with_retry(
+                functools.partial(runs.save_definition, self.engine, needed),
+                what="save definition",
+            )
 
     def wait(self, target: str, timeout: float | None = None) -> RunView:
         """Block until the run is terminal: told by the commit that finishes it on PostgreSQL

@@ -33,7 +33,10 @@ class Ductor:
         self.app = app
         self.settings = Settings.from_conf(app.conf, database_url)
         self._steps: dict[str, Step] = {}
+        #: The newest registered version of each workflow (what start() runs by default).
         self._workflows: dict[str, WorkflowSpec] = {}
+        #: Every registered version: start(version=) and continue_as_new(version=) pick one.
+        self._versions: dict[tuple[str, int], WorkflowSpec] = {}
         self._runtime = Runtime(app, self.settings)
         self.client = Client(
             self.settings,
@@ -42,6 +45,8 @@ class Ductor:
             remember_spec=self._runtime.remember_spec,
             get_engine=self._runtime.engine,
             spec_by_hash=self._runtime.spec_for,
+            find_version=lambda name, version: self._versions.get((name, version)),
+            registered_versions=lambda name: [v for n, v in self._versions if n == name],
         )
         self.schedules = Schedules(self.client)
         app._ductor = self
@@ -152,7 +157,12 @@ class Ductor:
         if not isinstance(workflow, Workflow):
             raise DefinitionError(f"register() takes a Workflow, got {type(workflow).__name__}")
         spec = workflow.build(self._steps.get, self._workflows.get)
-        self._workflows[spec.name] = spec
+        self._versions[(spec.name, spec.version)] = spec
+        newest = self._workflows.get(spec.name)
+        # Registering an older version (to keep starting it with version=) leaves the newest
+        # the default; the same version again replaces it.
+        if newest is None or spec.version >= newest.version:
+            self._workflows[spec.name] = spec
         self._runtime.remember_spec(spec)
         return spec
 
@@ -168,11 +178,13 @@ class Ductor:
         start_at: datetime | None = None,
         connection: Any = None,
         using: str | None = None,
+        version: int | None = None,
     ) -> RunHandle:
         """Start a run; with ``delay`` (seconds) or ``start_at`` (an aware datetime) it stays
         ``pending`` until then (a timer row, cancellable like any open run). ``connection=``
         (SQLAlchemy) or ``using=`` (a Django alias): inside the caller's transaction on
-        ductor's database, woken once it commits."""
+        ductor's database, woken once it commits. ``version``: that registered version of
+        the workflow (default: the newest); the run keeps it to the end."""
         return self.client.start(
             workflow,
             input=input,
@@ -181,6 +193,7 @@ class Ductor:
             start_at=start_at,
             connection=connection,
             using=using,
+            version=version,
         )
 
     def get(self, target: str) -> RunView:
@@ -238,17 +251,32 @@ class Ductor:
     def terminate(self, target: str, reason: str | None = None) -> None:
         self.client.control(target, ControlKind.TERMINATE, reason=reason)
 
-    def redrive(self, target: str) -> None:
-        self.client.control(target, ControlKind.REDRIVE)
+    def redrive(self, target: str, from_node: str | None = None, input: Any = None) -> None:
+        """Reopen a finished run: failed and cancelled nodes run again with a fresh retry
+        budget (a failed, cancelled or terminated run). ``from_node``: that node and every
+        node after it run again too, upstream outputs kept; any finished run, a succeeded one
+        too. ``input``: the rerun's nodes see this input instead of the run's
+        (docs/operations.md)."""
+        self.client.control(
+            target,
+            ControlKind.REDRIVE,
+            node=from_node,
+            input=input,
+            has_input=input is not None,
+        )
 
-    def continue_as_new(self, target: str, input: Any = None) -> None:
+    def continue_as_new(
+        self, target: str, input: Any = None, version: int | str | None = None
+    ) -> None:
         """Close the run as ``continued`` and start its successor with the same workflow id.
 
         Without ``input`` the successor carries the context and every finished node forward;
-        with ``input`` it starts the workflow from the top with that input.
+        with ``input`` it starts the workflow from the top with that input. ``version``:
+        ``"latest"`` (the newest registered definition) or a registered version number: the
+        successor runs that definition (docs/operations.md); default: the run's own.
         """
-        self.client.control(
-            target, ControlKind.CONTINUE_AS_NEW, input=input, has_input=input is not None
+        self.client.continue_as_new(
+            target, input=input, has_input=input is not None, version=version
         )
 
     # -- schedules ------------------------------------------------------------------------------

@@ -5,9 +5,11 @@
     DuctorError                  base of everything ductor raises
       DefinitionError            a workflow that cannot be registered (names the node or path)
       WorkflowNotFound           start of an unregistered workflow name
+        VersionNotFound          start(version=) / continue_as_new(version=) never registered
       RunNotFound                no run with that id or workflow id
       ScheduleNotFound           no schedule with that name
       InvalidOperation           a control, approval or signal the run's state does not allow
+        NodeNotFound             redrive(from_node=) naming no node of the run's workflow
       PayloadTooLarge            an input or payload over ductor_max_payload_bytes
       PayloadNotSerializable     a value that cannot be stored exactly (NaN, NUL, too deep, ...)
       StoreUnavailable           the database could not be reached
@@ -36,6 +38,10 @@ class WorkflowNotFound(DuctorError):
     """No workflow registered under that name."""
 
 
+class VersionNotFound(WorkflowNotFound, ValueError):
+    """No definition of that workflow with that version was ever registered."""
+
+
 class RunNotFound(DuctorError):
     """No run with that run id or workflow id."""
 
@@ -46,6 +52,10 @@ class ScheduleNotFound(DuctorError):
 
 class InvalidOperation(DuctorError):
     """The run's state does not allow this operation."""
+
+
+class NodeNotFound(InvalidOperation, ValueError):
+    """The run's workflow has no node with that id."""
 
 
 class PayloadTooLarge(DuctorError):

@@ -396,3 +396,39 @@ traced_wf.step("a", traced, args={"value": "$.input.value"})
 traced_wf.step("b", echo, after=["a"], args={"value": "$.nodes.a.output"})
 traced_wf.output("$.nodes.b.output")
 ductor.register(traced_wf)
+
+# -- pause on exhaustion, fix, deploy, resume (tests/e2e/test_lifecycle_versions_e2e.py) -------
+
+
+@ductor.step(
+    name="e2e.buggy",
+    retry=RetryPolicy(max_attempts=2, initial_interval=0.1, on_exhausted="pause"),
+)
+def buggy(ctx: StepContext, value: int) -> int:
+    """Has a bug while E2E_BUG=1 (the deploy before the fix)."""
+    _ledger(ctx)
+    if os.environ.get("E2E_BUG") == "1":
+        raise RuntimeError("bug: off by one")
+    return value + 1
+
+
+deployable = Workflow("deployable")
+deployable.step("a", echo, args={"value": "$.input.value"})
+deployable.step("fix", buggy, after=["a"], args={"value": "$.nodes.a.output"})
+deployable.step("c", echo, after=["fix"], args={"value": "$.nodes.fix.output"})
+deployable.output("$.nodes.c.output")
+ductor.register(deployable)
+
+# -- versions with runs in flight (tests/e2e/test_lifecycle_versions_e2e.py) -----------------
+# E2E_VERSIONED picks the deploy: "1" (the default) registers version 1 only, "2" version 2
+# only, as a rolling deploy of new code would.
+
+_deployed_version = int(os.environ.get("E2E_VERSIONED", "1"))
+versioned = Workflow("versioned", version=_deployed_version)
+versioned.step("a", echo, args={"value": "a"})
+versioned.wait_signal("hold", signal="go", after=["a"])
+versioned.step("b", echo, after=["hold"], args={"value": "b"})
+if _deployed_version >= 2:
+    versioned.step("c", echo, after=["b"], args={"value": "c"})
+versioned.output({"version": _deployed_version})
+ductor.register(versioned)

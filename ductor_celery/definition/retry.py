@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from ..errors import DefinitionError
 from ..limits import (
@@ -16,6 +17,9 @@ from ..limits import (
     show,
 )
 from .spec import ConcurrencySpec, RetrySpec
+
+#: The values of ``RetryPolicy.on_exhausted``.
+ON_EXHAUSTED = ("fail", "pause")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,11 @@ class RetryPolicy:
     #: failing together do not retry in lockstep. The spread of an attempt is fixed by its
     #: token (the tick stays a pure function of its inputs).
     jitter: float = 0.0
+    #: When the node has used ``max_attempts`` (or timed out on its last one): ``"fail"`` the
+    #: node and the run, or ``"pause"`` the run with the node failed and its error kept, so
+    #: the code can be fixed and deployed; ``resume`` then runs the node again with a fresh
+    #: budget. A non-retryable error fails the node either way (retrying cannot help).
+    on_exhausted: Literal["fail", "pause"] = "fail"
 
     def __post_init__(self) -> None:
         # Checked here, where the user wrote them: a nan or an infinite interval accepted now
@@ -60,6 +69,11 @@ class RetryPolicy:
             raise DefinitionError(
                 f"RetryPolicy.jitter must be a fraction between 0 and 1, got {show(self.jitter)}"
             )
+        if self.on_exhausted not in ON_EXHAUSTED:
+            raise DefinitionError(
+                f"RetryPolicy.on_exhausted must be one of {', '.join(map(repr, ON_EXHAUSTED))}, "
+                f"got {show(self.on_exhausted)}"
+            )
         if not isinstance(self.non_retryable, tuple | list):  # e.g. a bare ValueError
             raise DefinitionError(
                 "RetryPolicy.non_retryable takes a tuple of exception classes, "
@@ -81,6 +95,7 @@ class RetryPolicy:
             max_interval=self.max_interval,
             non_retryable=tuple(f"{e.__module__}.{e.__qualname__}" for e in self.non_retryable),
             jitter=float(self.jitter),
+            on_exhausted="pause" if self.on_exhausted == "pause" else "fail",
         )
 
 

@@ -55,14 +55,20 @@ class RetrySpec(BaseModel):
     max_interval: Seconds = 60.0
     non_retryable: tuple[str, ...] = ()
     jitter: float = Field(default=0.0, ge=0, le=1, allow_inf_nan=False)
+    #: What a node that has used every attempt does: fail (and the run with it) or pause the
+    #: run with the node failed, until an operator resumes it (docs/operations.md).
+    on_exhausted: Literal["fail", "pause"] = "fail"
 
     @model_serializer(mode="wrap")
-    def _without_zero_jitter(self, handler: Any) -> Any:
-        # Left out when 0: a definition that does not use it keeps the hash it had before
-        # jitter existed, so runs in flight and re-registered workflows match.
+    def _without_defaults_added_later(self, handler: Any) -> Any:
+        # Left out at their defaults: a definition that does not use them keeps the hash it
+        # had before they existed, so runs in flight and re-registered workflows match.
         data = handler(self)
-        if isinstance(data, dict) and not data.get("jitter"):
-            data.pop("jitter", None)
+        if isinstance(data, dict):
+            if not data.get("jitter"):
+                data.pop("jitter", None)
+            if data.get("on_exhausted") == "fail":
+                data.pop("on_exhausted", None)
         return data
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from ..definition.retry import backoff_delay
 from . import scatter
 from .context import TickContext
+from .exhausted import pause_on_exhausted
 from .inputs import AttemptResult, ClosedAttempt, Dispatch
 from .kinds import DispatchKind
 from .payloads import json_problem
@@ -141,6 +142,8 @@ def attempt_failed(
     ns = t.nodes[node]
     ns.finished_at = t.now
     t.move_node(node, NodeStatus.FAILED, f"attempt {ns.attempt} failed ({why}): {message}")
+    if retryable and spec.retry.on_exhausted == "pause":
+        pause_on_exhausted(t, node)
 
 
 def check_in_flight(t: TickContext) -> None:

@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
+from ..definition.spec import WorkflowSpec
 from .context import TickContext
 from .delay import resumed_status
+from .exhausted import rerun_exhausted
 from .inputs import HandledControl, SuccessorRun
-from .kinds import CONTROL_ALLOWED, CONTROL_APPLIED, ControlKind, control_rejected
+from .kinds import (
+    CONTROL_ALLOWED,
+    CONTROL_APPLIED,
+    REDRIVE_FROM_NODE_ALLOWED,
+    ControlKind,
+    control_rejected,
+)
+from .redrive import from_node_problem, redrive
 from .schedule import close_in_flight
 from .slots import slots
-from .state import NodeState, RunState
+from .state import RunState
 from .status import NodeStatus, RunStatus
+from .versions import carried_into
 
 #: Why a control is rejected, by kind, when ``CONTROL_ALLOWED`` says the run's status does not
 #: allow it (the run moved on between the client's check and this tick).
@@ -34,7 +45,9 @@ def apply_control(t: TickContext) -> None:
     if control is None:
         return
     status = t.payload.state.status
-    problem = control_problem(status, control.kind)
+    problem = control_problem(status, control.kind, control.node)
+    if problem is None and control.kind == ControlKind.REDRIVE:
+        problem = from_node_problem(t, control.node)
     if problem is not None:
         t.payload.handled_control = HandledControl(control.id, control_rejected(problem))
         t.record(None, status, status, f"{control.kind} rejected: {problem}")
@@ -46,6 +59,7 @@ def apply_control(t: TickContext) -> None:
     if kind == ControlKind.PAUSE:
         t.move_run(RunStatus.PAUSED, reason)
     elif kind == ControlKind.RESUME:
+        rerun_exhausted(t, reason)
         t.move_run(resumed_status(state, t.now), reason)
     elif kind in (ControlKind.CANCEL, ControlKind.TERMINATE):
         revoke_and_close(t, reason)
@@ -55,17 +69,26 @@ def apply_control(t: TickContext) -> None:
             RunStatus.CANCELLED if kind == ControlKind.CANCEL else RunStatus.TERMINATED, reason
         )
     elif kind == ControlKind.REDRIVE:
-        _redrive(t, reason)
+        redrive(t, control, reason + (f" from {control.node!r}" if control.node else ""))
     elif kind == ControlKind.CONTINUE_AS_NEW:
         state.continue_pending = {"input": control.input, "has_input": control.has_input}
+        if control.spec_hash:  # version=: the successor runs that definition
+            state.continue_pending["spec_hash"] = control.spec_hash
         t.record(None, state.status, state.status, f"{reason}: draining attempts in flight")
 
 
-def control_problem(status: RunStatus, kind: ControlKind | str) -> str | None:
-    """Why a run in ``status`` rejects a control of ``kind``; ``None`` if it accepts it."""
+def control_problem(
+    status: RunStatus, kind: ControlKind | str, node: str | None = None
+) -> str | None:
+    """Why a run in ``status`` rejects a control of ``kind`` (a redrive: from ``node``);
+    ``None`` if it accepts it."""
     known = ControlKind.parse(kind)
     if not isinstance(known, ControlKind):
         return f"unknown control {kind!r}"
+    if known == ControlKind.REDRIVE and node is not None:
+        if status in REDRIVE_FROM_NODE_ALLOWED:
+            return None
+        return f"run is {status.value}; only a finished run can be redriven from a node"
     if known in CONTROL_ALLOWED[status]:
         return None
     return _REFUSED[known].format(status=status.value)
@@ -74,17 +97,6 @@ def control_problem(status: RunStatus, kind: ControlKind | str) -> str | None:
 def revoke_and_close(t: TickContext, reason: str) -> None:
     """Close every open attempt and parked node; ask workers to drop attempts in flight."""
     close_in_flight(t, reason, revoke=True)
-
-
-def _redrive(t: TickContext, reason: str) -> None:
-    """Failed, cancelled and pending nodes run again, each with a fresh retry budget."""
-    for node_id, ns in t.nodes.items():
-        if ns.status in (NodeStatus.FAILED, NodeStatus.CANCELLED):
-            t.nodes[node_id] = NodeState(generation=ns.generation)
-            t.record(node_id, ns.status, NodeStatus.PENDING, reason)
-    t.payload.reopened = True
-    t.payload.error = None
-    t.move_run(RunStatus.RUNNING, reason)
 
 
 def request_auto_continue(t: TickContext) -> None:
@@ -110,14 +122,24 @@ def maybe_continue_as_new(t: TickContext) -> bool:
         return False
     if any(slot.token is not None for ns in t.nodes.values() for _, slot in slots(ns)):
         return False  # drain: let attempts in flight finish and be folded first
+    target = _successor_spec(t, pending)
+    if target is None:
+        return False
     successor_id = hashlib.sha256(f"{t.inputs.run_id}:continued".encode()).hexdigest()[:32]
     if pending.get("has_input"):
-        new_state = RunState.initial(t.spec.graph.order)
+        new_state = RunState.initial(target.graph.order)
         new_input = pending.get("input")
     else:
-        new_state = _carried(t)
+        new_state = _carried(t, target)
         new_input = t.inputs.input
-    t.payload.successor = SuccessorRun(run_id=successor_id, state=new_state, input=new_input)
+    moved = target.spec_hash != t.spec.spec_hash
+    t.payload.successor = SuccessorRun(
+        run_id=successor_id,
+        state=new_state,
+        input=new_input,
+        spec_hash=target.spec_hash if moved else None,
+        version=target.version if moved else None,
+    )
     # Child runs carried to the successor keep running: no parent-close for them. Starting
     # over with new input carries nothing, so its children are closed like any parent's.
     close_in_flight(t, "continued as new", children=bool(pending.get("has_input")))
@@ -126,8 +148,25 @@ def maybe_continue_as_new(t: TickContext) -> bool:
     return True
 
 
-def _carried(t: TickContext) -> RunState:
-    """The successor keeps the context and every finished node, so no finished step reruns.
+def _successor_spec(t: TickContext, pending: dict[str, Any]) -> WorkflowSpec | None:
+    """The definition the successor runs: the run's own, or the one ``version=`` named. None
+    (and the continue-as-new dropped, saying why) if that one was not loaded: a definition
+    row deleted by hand; the client stores it before it queues the control."""
+    wanted = pending.get("spec_hash")
+    if not wanted or wanted == t.spec.spec_hash:
+        return t.spec
+    found = t.inputs.successor_spec
+    if found is not None and found.spec_hash == wanted:
+        return found
+    state = t.payload.state
+    state.continue_pending = None
+    t.record(None, state.status, state.status, f"continue-as-new dropped: no definition {wanted}")
+    return None
+
+
+def _carried(t: TickContext, target: WorkflowSpec) -> RunState:
+    """The successor keeps the context and every finished node, so no finished step reruns
+    (on another definition: those it has unchanged, engine/versions.py).
 
     Parked nodes stay parked: their deadline keeps counting and the events an event set already
     consumed stay received (those signals are applied and would never come again).
@@ -145,4 +184,6 @@ def _carried(t: TickContext) -> RunState:
             kept.resend_at = None
             kept.retry_at = None
             carried.nodes[node_id] = kept
-    return carried
+    if target.spec_hash == t.spec.spec_hash:
+        return carried
+    return carried_into(t.spec, target, carried.nodes, carried.context)

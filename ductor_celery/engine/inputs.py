@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from ..definition.spec import WorkflowSpec
 from .kinds import ControlKind, ControlResult, DispatchKind
 from .state import RunState
 from .status import RunStatus
@@ -69,6 +70,11 @@ class ControlIn:
     reason: str | None = None
     input: Any = None
     has_input: bool = False
+    #: A redrive from a node: that node (it and every node after it rerun).
+    node: str | None = None
+    #: A continue-as-new to another definition (``version=``): the successor's spec hash;
+    #: its spec is in ``TickInputs.successor_spec``.
+    spec_hash: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +107,9 @@ class TickInputs:
     gathered: dict[str, list[Any]] = field(default_factory=dict)
     #: Snapshots of the child runs the run waits on, by the child run id it started.
     children: dict[str, ChildSnapshot] = field(default_factory=dict)
+    #: A continue-as-new to another definition (``version=``) being applied or drained: that
+    #: definition (``successor_spec_hash`` names the one the loader should read).
+    successor_spec: WorkflowSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +184,10 @@ class SuccessorRun:
     run_id: str
     state: RunState
     input: Any
+    #: ``continue_as_new(version=...)``: the successor's definition and its version
+    #: (None: the predecessor's own).
+    spec_hash: str | None = None
+    version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

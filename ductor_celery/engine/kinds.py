@@ -12,7 +12,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import NewType, Self
 
-from .status import RunStatus
+from .status import TERMINAL_RUN_STATUSES, RunStatus
 
 
 class StoredKind(StrEnum):
@@ -66,6 +66,11 @@ CONTROL_ALLOWED: dict[RunStatus, frozenset[ControlKind]] = {
     RunStatus.TERMINATED: _REDRIVE,
     RunStatus.CONTINUED: frozenset(),  # its successor is the run to control
 }
+
+
+#: A redrive from a node (``redrive(t, from_node=...)``) reopens any finished run, a succeeded
+#: one too, but a continued one: its successor is the run to redrive.
+REDRIVE_FROM_NODE_ALLOWED: frozenset[RunStatus] = TERMINAL_RUN_STATUSES - {RunStatus.CONTINUED}
 
 
 def statuses_allowing(kind: ControlKind) -> frozenset[RunStatus]:

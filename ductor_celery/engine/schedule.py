@@ -29,6 +29,8 @@ def fail_run_on_fatal_node(t: TickContext) -> bool:
     """A failed node without continue_on_failure fails the run. Returns True if it did."""
     for node_id in t.spec.graph.order:
         ns = t.nodes[node_id]
+        if ns.awaiting_resume:
+            continue  # on_exhausted="pause": the run is paused on it (engine/exhausted.py)
         if ns.status == NodeStatus.FAILED and not t.spec.graph.nodes[node_id].continue_on_failure:
             error = dict(ns.error or {})
             error["node"] = node_id

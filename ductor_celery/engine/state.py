@@ -269,6 +269,9 @@ class NodeState:
     scatter: ScatterState | None = None
     #: A sub-workflow node: the child run it started (its output is read from there).
     child_run: str | None = None
+    #: Failed on its last attempt under ``on_exhausted="pause"``: the run is paused on it
+    #: instead of failing, and a resume runs it again with a fresh budget (engine/exhausted.py).
+    awaiting_resume: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": self.status.value}
@@ -311,6 +314,9 @@ class RunState:
     #: A delayed start (``start(delay=...)`` / ``start_at=``): the run stays pending until
     #: then (engine/delay.py); its timer row wakes it.
     start_at: datetime | None = None
+    #: A redrive with ``input=``: the control row whose input replaced the run's (the run
+    #: row's input column is never updated; engine/redrive.py).
+    input_from: int | None = None
 
     @classmethod
     def initial(cls, node_ids: list[str], start_at: datetime | None = None) -> RunState:
@@ -324,6 +330,7 @@ class RunState:
             transitions=self.transitions,
             continue_pending=copy.deepcopy(self.continue_pending),
             start_at=self.start_at,
+            input_from=self.input_from,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -334,6 +341,7 @@ class RunState:
             "transitions": self.transitions,
             **({"continue_pending": self.continue_pending} if self.continue_pending else {}),
             **({"start_at": self.start_at.isoformat()} if self.start_at else {}),
+            **({"input_from": self.input_from} if self.input_from is not None else {}),
         }
 
     @classmethod
@@ -345,4 +353,5 @@ class RunState:
             transitions=int(data.get("transitions", 0)),
             continue_pending=data.get("continue_pending"),
             start_at=datetime.fromisoformat(data["start_at"]) if data.get("start_at") else None,
+            input_from=int(data["input_from"]) if data.get("input_from") is not None else None,
         )

@@ -29,11 +29,13 @@ from ..engine.outputs import (
     received_events,
     resolve_outputs,
 )
+from ..engine.redrive import reads_for
 from ..engine.scatter import BatchAttempt, assemble, assemble_batched
 from ..engine.slots import slots
 from ..engine.state import ScatterState
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..engine.tick import ACTIVE, read_nodes
+from ..engine.versions import successor_spec_hash
 from .tables import AttemptRow, RunRow, Tables
 
 
@@ -64,10 +66,10 @@ def load(
         return loaded, spec, TickInputs(run_id=run_id, results=results, config=config)
     inputs = TickInputs(
         run_id=run_id,
-        input=run.input,
+        input=run_input(tables, run),
         results=results,
         checks=_checks(tables, state, now),
-        outputs=_outputs_for(tables, spec, state),
+        outputs=_outputs_for(tables, spec, state, reads_for(spec, control)),
         config=config,
         signals=tuple(
             SignalIn(id=s.id, name=s.name, payload=s.payload)
@@ -82,6 +84,7 @@ def load(
             if ns.status in ACTIVE and ns.scatter is not None and ns.scatter.gathering
         },
         children=_children_of(tables, spec, state),
+        successor_spec=specs.get(successor_spec_hash(state, control) or ""),
     )
     return loaded, spec, inputs
 
@@ -123,6 +126,8 @@ def _control(tables: Tables, run_id: str) -> ControlIn | None:
                 reason=c.reason,
                 input=c.input,
                 has_input=c.has_input,
+                node=c.node,
+                spec_hash=c.spec_hash,
             )
     return None
 
@@ -180,10 +185,24 @@ def _received(tables: Tables, spec: WorkflowSpec, state: RunState) -> dict[int, 
     return dict(_TableOutputs(tables, spec).signal_payloads(ids)) if ids else {}
 
 
-def _outputs_for(tables: Tables, spec: WorkflowSpec, state: RunState) -> dict[str, Any]:
-    """Outputs of earlier-finished nodes that pending nodes (or the run output) read."""
+def run_input(tables: Tables, run: RunRow) -> Any:
+    """The run's input: a redrive's ``input=`` (in its control row) replaces the inserted one."""
+    input_from = RunState.from_json(run.state).input_from
+    if input_from is None:
+        return run.input
+    for c in tables.controls:
+        if c.id == input_from:
+            return c.input
+    return None
+
+
+def _outputs_for(
+    tables: Tables, spec: WorkflowSpec, state: RunState, also: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """Outputs of earlier-finished nodes that pending nodes (or the run output) read, and the
+    nodes in ``also``."""
     refs: dict[str, OutputRef | None] = {}
-    for node_id in read_nodes(spec, state):
+    for node_id in read_nodes(spec, state) | also:
         ns = state.nodes.get(node_id)
         if ns is not None and ns.status == NodeStatus.SUCCEEDED:
             refs[node_id] = output_ref(ns)

@@ -132,8 +132,11 @@ class InMemoryStore:
     def control(
         self, run_id: str, kind: ControlKind | str, *, reason: str | None = None, **input: Any
     ) -> int:
-        """Queue an operator control. ``input=...`` (continue-as-new) is passed through."""
+        """Queue an operator control. ``input=...`` (continue-as-new, redrive), ``node=`` (a
+        redrive's from-node) and ``spec_hash=`` (a continue-as-new's target definition, added
+        with ``add_definition``) are passed through."""
         self.run(run_id)
+        target = {k: input.pop(k) for k in ("node", "spec_hash") if k in input}
         unknown = set(input) - {"input"}
         if unknown:
             raise TypeError(f"control() got unexpected keyword arguments {sorted(unknown)}")
@@ -146,6 +149,7 @@ class InMemoryStore:
             has_input="input" in input,
             requested_by=None,
             created_at=self.now,
+            **target,
         )
         self.tables.controls.append(row)
         return row.id

@@ -101,6 +101,8 @@ class ControlRow:
     created_at: datetime
     handled_at: datetime | None = None
     result: str | None = None
+    node: str | None = None
+    spec_hash: str | None = None
 
 
 @dataclass

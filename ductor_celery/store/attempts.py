@@ -15,6 +15,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from . import clock, leases
 from .db import autocommit, aware, is_postgres, refusing_values
+from .inputs import current_input
 from .leases import holds_lease
 from .outbox import OutboxRow
 from .schema import step_attempt, workflow_run
@@ -222,11 +223,8 @@ _CLAIM_COLUMNS = (
 
 def run_input(engine: Engine, run_id: str) -> Any:
     """The run's input, read only when a step asks for ``ctx.input`` (it can be large: a
-    scatter's whole item list)."""
-    with engine.connect() as conn:
-        return conn.execute(
-            sa.select(workflow_run.c.input).where(workflow_run.c.run_id == run_id)
-        ).scalar_one_or_none()
+    scatter's whole item list); a redrive's ``input=`` if one replaced it."""
+    return current_input(engine, run_id)
 
 
 @refusing_values()

@@ -112,7 +112,11 @@ def insert_control(
     requested_by: str | None = None,
     input: Any = None,
     has_input: bool = False,
+    node: str | None = None,
+    spec_hash: str | None = None,
 ) -> int:
+    """Queue a control. ``node``: a redrive's from-node; ``spec_hash``: a continue-as-new's
+    target definition (stored by the caller first)."""
     with engine.begin() as conn:
         return int(
             conn.execute(
@@ -124,6 +128,8 @@ def insert_control(
                     requested_by=requested_by,
                     input=input,
                     has_input=has_input,
+                    node=node,
+                    spec_hash=spec_hash,
                 )
                 .returning(workflow_control.c.id)
             ).scalar_one()

@@ -30,12 +30,15 @@ from ..engine import (
 )
 from ..engine.kinds import ControlKind
 from ..engine.outputs import OutputRef, output_ref, received_events, resolve_outputs
+from ..engine.redrive import reads_for
 from ..engine.slots import slots
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..engine.tick import ACTIVE, read_nodes
+from ..engine.versions import successor_spec_hash
 from . import clock
 from .composed import ImmutableCache, children_of, gather_any
 from .db import aware, is_postgres
+from .inputs import redriven_input
 from .leases import holds_lease
 from .outputs import ConnectionOutputs, signal_payloads
 from .schema import (
@@ -114,12 +117,18 @@ def load_on(
     control = _control(conn, run_id) if row.has_control else None
     if state.status in TERMINAL_RUN_STATUSES and control is None:
         return loaded, spec, TickInputs(run_id=run_id, results=results, config=config)
+    if state.input_from is not None:  # a redrive replaced the input (engine/redrive.py)
+        run_input = redriven_input(conn, input_cache, run_id, state.input_from)
+    elif run_id in cached:
+        run_input = cached[run_id]
+    else:
+        run_input = _remember(input_cache, run_id, row.input)
     inputs = TickInputs(
         run_id=run_id,
-        input=cached[run_id] if run_id in cached else _remember(input_cache, run_id, row.input),
+        input=run_input,
         results=results,
         checks=_checks(conn, state, now),
-        outputs=_outputs_for(conn, spec, state),
+        outputs=_outputs_for(conn, spec, state, reads_for(spec, control)),
         config=config,
         signals=_signals(conn, run_id) if row.has_signals else (),
         control=control,
@@ -130,8 +139,22 @@ def load_on(
             if ns.status in ACTIVE and ns.scatter is not None and ns.scatter.gathering
         },
         children=children_of(conn, spec, state),
+        successor_spec=_successor_spec(conn, spec_for, successor_spec_hash(state, control)),
     )
     return loaded, spec, inputs
+
+
+def _successor_spec(
+    conn: Connection, spec_for: Callable[[str, Connection], WorkflowSpec], spec_hash: str | None
+) -> WorkflowSpec | None:
+    """The definition a continue-as-new moves the run to (``version=``). Missing (deleted by
+    hand): None, and the tick drops the continue-as-new, saying so."""
+    if spec_hash is None:
+        return None
+    try:
+        return spec_for(spec_hash, conn)
+    except LookupError:
+        return None
 
 
 def _run_exists(conn: Connection, run_id: str) -> bool:
@@ -298,6 +321,8 @@ def _control(conn: Connection, run_id: str) -> ControlIn | None:
             workflow_control.c.reason,
             workflow_control.c.input,
             workflow_control.c.has_input,
+            workflow_control.c.node,
+            workflow_control.c.spec_hash,
         )
         .where(workflow_control.c.run_id == run_id, workflow_control.c.handled_at.is_(None))
         .order_by(workflow_control.c.id)
@@ -311,6 +336,8 @@ def _control(conn: Connection, run_id: str) -> ControlIn | None:
         reason=row.reason,
         input=row.input,
         has_input=bool(row.has_input),
+        node=row.node,
+        spec_hash=row.spec_hash,
     )
 
 
@@ -355,11 +382,14 @@ def _checks(conn: Connection, state: RunState, now: datetime) -> dict[str, Attem
     }
 
 
-def _outputs_for(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[str, Any]:
-    """Outputs of earlier-finished nodes that pending nodes (or the run output) read, from
-    their references (``engine.outputs``): a batched read per kind of row."""
+def _outputs_for(
+    conn: Connection, spec: WorkflowSpec, state: RunState, also: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """Outputs of earlier-finished nodes that pending nodes (or the run output) read, and the
+    nodes in ``also``, from their references (``engine.outputs``): a batched read per kind of
+    row."""
     refs: dict[str, OutputRef | None] = {}
-    for node_id in read_nodes(spec, state):
+    for node_id in read_nodes(spec, state) | also:
         found = state.nodes.get(node_id)
         if found is not None and found.status == NodeStatus.SUCCEEDED:
             refs[node_id] = output_ref(found)

@@ -145,6 +145,30 @@ def latest_definition(engine: Engine, name: str) -> WorkflowSpec | None:
     return WorkflowSpec.model_validate(spec) if spec is not None else None
 
 
+def definition_of_version(engine: Engine, name: str, version: int) -> WorkflowSpec | None:
+    """The stored definition of ``name`` at ``version`` (the newest stored, were there two)."""
+    with engine.connect() as conn:
+        spec = conn.execute(
+            sa.select(workflow_definition.c.spec)
+            .where(workflow_definition.c.name == name, workflow_definition.c.version == version)
+            .order_by(workflow_definition.c.created_at.desc())
+            .limit(1)
+        ).scalar_one_or_none()
+    return WorkflowSpec.model_validate(spec) if spec is not None else None
+
+
+def stored_versions(engine: Engine, name: str) -> list[int]:
+    """The versions of ``name`` stored (each started at least once), ascending."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(workflow_definition.c.version)
+            .where(workflow_definition.c.name == name)
+            .distinct()
+            .order_by(workflow_definition.c.version)
+        )
+        return [int(v) for (v,) in rows]
+
+
 def pending_run(
     *,
     run_id: str,

@@ -307,6 +307,11 @@ workflow_control = sa.Table(
     sa.Column("requested_by", sa.String(200), nullable=True),
     sa.Column("input", Json, nullable=True),
     sa.Column("has_input", sa.Boolean, nullable=False, server_default=sa.false()),
+    # A redrive from a node: that node (it and everything after it rerun). NULL otherwise.
+    sa.Column("node", sa.String(200), nullable=True),
+    # A continue-as-new to another definition (version=): the successor's spec. NULL: the
+    # run's own definition.
+    sa.Column("spec_hash", sa.String(64), nullable=True),
     sa.Column("created_at", Ts, nullable=False, server_default=sa.func.now()),
     sa.Column("handled_at", Ts, nullable=True),
     # a ControlResult (engine/kinds.py): "applied", or "rejected: <why>" when the run's state

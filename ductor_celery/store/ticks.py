@@ -292,8 +292,9 @@ def _insert_successor(
                 run_id=successor.run_id,
                 workflow_id=loaded.workflow_id,
                 workflow=run.workflow,
-                version=run.version,
-                spec_hash=loaded.spec_hash,
+                # continue_as_new(version=): the definition the successor moves to.
+                version=successor.version or run.version,
+                spec_hash=successor.spec_hash or loaded.spec_hash,
                 state=successor.state,
                 input=successor.input,
                 parent_run_id=run.parent_run_id,

@@ -72,7 +72,7 @@ class _World(Protocol):
     def start(self, spec: WorkflowSpec, run_id: str, input: Any) -> None: ...
     def claim_and_finish(self, token: str, output: Any, error: Any) -> None: ...
     def signal(self, run_id: str, name: str, payload: Any) -> None: ...
-    def control(self, run_id: str, kind: ControlKind) -> None: ...
+    def control(self, run_id: str, kind: ControlKind, **target: Any) -> None: ...
     def wait(self, seconds: float) -> None: ...
     def open_runs(self) -> list[str]: ...
     def rows(self) -> dict[str, Any]: ...
@@ -96,8 +96,8 @@ class _Fake:
     def signal(self, run_id: str, name: str, payload: Any) -> None:
         self.store.signal(run_id, name, payload)
 
-    def control(self, run_id: str, kind: ControlKind) -> None:
-        self.store.control(run_id, kind, reason="test")
+    def control(self, run_id: str, kind: ControlKind, **target: Any) -> None:
+        self.store.control(run_id, kind, reason="test", **target)
 
     def wait(self, seconds: float) -> None:
         self.store.advance(seconds)
@@ -175,8 +175,24 @@ class _Sql:
             idempotency_key=None,
         )
 
-    def control(self, run_id: str, kind: ControlKind) -> None:
-        external.insert_control(self.engine, run_id=run_id, kind=kind, reason="test")
+    def control(self, run_id: str, kind: ControlKind, **target: Any) -> None:
+        external.insert_control(
+            self.engine,
+            run_id=run_id,
+            kind=kind,
+            reason="test",
+            has_input="input" in target,
+            **target,
+        )
+
+    def version_of(self, run_id: str) -> tuple[int, str]:
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                sa.select(workflow_run.c.version, workflow_run.c.spec_hash).where(
+                    workflow_run.c.run_id == run_id
+                )
+            ).one()
+            return int(row.version), str(row.spec_hash)
 
     def wait(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -364,3 +380,59 @@ def test_a_cancel_with_branches_in_flight_is_handled_alike_by_both_stores(db_url
     for table in ("runs", "attempts", "transitions", "controls"):
         assert fake_rows[table] == sql_rows[table], table
     assert _sent(worlds[0]) == _sent(worlds[1])
+
+
+def _settle(world: _World, run_id: str, done: set[str]) -> None:
+    """Tick and run steps until nothing moves (a parked or finished run)."""
+    for _ in range(20):
+        for open_run in world.open_runs() or [run_id]:
+            world.coordinator.tick(open_run)
+        if not _work(world, done):
+            return
+    raise AssertionError("the run never settled")
+
+
+def test_a_redrive_from_a_node_with_input_and_a_move_to_another_version_agree(
+    db_url: str,
+) -> None:
+    v1 = Workflow("agree_v", version=1)
+    v1.step("p", "s.p", args={"x": "$.input.x"})
+    v1.step("q", "s.q", after=["p"], args={"p": "$.nodes.p.output", "x": "$.input.x"})
+    v1.wait_signal("hold", signal="go", after=["q"])
+    v2 = Workflow("agree_v", version=2)
+    v2.step("p", "s.p", args={"x": "$.input.x"})
+    v2.step("q", "s.q", after=["p"], args={"p": "$.nodes.p.output", "x": "$.input.x"})
+    v2.wait_signal("hold", signal="go", after=["q"])
+    v2.step("r", "s.r", after=["hold"])
+    spec1, spec2 = v1.build(), v2.build()
+    fake, sql = _Fake([spec1, spec2]), _Sql(db_url, [spec1, spec2])
+    for world in (fake, sql):
+        done: set[str] = set()
+        world.start(spec1, "agree-3", {"x": 1})
+        _settle(world, "agree-3", done)
+        world.control("agree-3", ControlKind.CANCEL)
+        _settle(world, "agree-3", done)
+        world.control("agree-3", ControlKind.REDRIVE, node="q", input={"x": 2})
+        _settle(world, "agree-3", done)
+        assert _node_status(world, "agree-3", "hold") == "waiting"
+        world.control("agree-3", ControlKind.CONTINUE_AS_NEW, spec_hash=spec2.spec_hash)
+        _settle(world, "agree-3", done)
+        (successor,) = world.open_runs()
+        world.signal(successor, "go", None)
+        _settle(world, successor, done)
+        assert world.open_runs() == []
+    fake_rows, sql_rows = _strip_ids(fake.rows()), _strip_ids(sql.rows())
+    for table in ("runs", "attempts", "transitions", "signals", "controls"):
+        assert fake_rows[table] == sql_rows[table], table
+    assert _sent(fake) == _sent(sql)
+    by_run = {r[0]: r for r in sql_rows["runs"]}
+    assert by_run["agree-3"][2] == "continued" and by_run["agree-3"][3]["input_from"] == 2
+    q_args = [a[6] for a in sql_rows["attempts"] if a[1] == "q"]
+    assert q_args == [{"p": {"saw": "agree-3:p:1"}, "x": 1}, {"p": {"saw": "agree-3:p:1"}, "x": 2}]
+    (successor_id,) = set(by_run) - {"agree-3"}
+    assert sql.version_of(successor_id) == (2, spec2.spec_hash)
+    fake_successor = fake.store.tables.runs[successor_id]
+    assert (fake_successor.version, fake_successor.spec_hash) == (2, spec2.spec_hash)
+    assert by_run[successor_id][2] == "succeeded"
+    # p and q were carried to version 2 (unchanged there): only r ran in the successor
+    assert [a[1] for a in sql_rows["attempts"] if a[0].startswith(successor_id)] == ["r"]

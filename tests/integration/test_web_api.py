@@ -440,3 +440,23 @@ def test_the_console_works_on_the_embedded_sqlite_database(tmp_path: Any) -> Non
         world.drive(run_id)
         assert client.get(f"/api/runs/{run_id}").json()["status"] == "succeeded"
         assert 'ductor_runs{status="running"' not in client.get("/metrics").text
+
+
+def test_redrive_from_a_node_with_an_input_through_the_api(world: World, api: TestClient) -> None:
+    run_id = _waiting_run(world, workflow_id="order-redrive")
+    world.d.approve(run_id, "review", by="alice")
+    world.drive(run_id)
+    assert world.d.get(run_id).status == "succeeded"
+    unknown = api.post(f"/api/runs/{run_id}/redrive", json={"from_node": "nope"}, headers=_auth())
+    assert unknown.status_code == 409 and "no such node" in unknown.json()["error"]
+    redrive = api.post(
+        f"/api/runs/{run_id}/redrive",
+        json={"from_node": "b", "input": {"x": 9}},
+        headers=_auth(),
+    )
+    assert redrive.status_code == 200, redrive.json()
+    world.drive(run_id)
+    view = api.get(f"/api/runs/{run_id}").json()
+    assert view["status"] == "succeeded" and view["input"] == {"x": 9}
+    assert view["nodes"]["b"]["attempts"] == 2 and view["nodes"]["a"]["attempts"] == 1
+    assert view["version"] == 1
