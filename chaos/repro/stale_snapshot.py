@@ -46,7 +46,7 @@ def reproduce(url: str) -> dict[str, object]:
 
     from ductor_celery import Ductor, StepContext, Workflow
     from ductor_celery.runtime import coordinator
-    from ductor_celery.store import attempts
+    from ductor_celery.store import attempts, tick_store
 
     app = Celery("repro", broker="memory://")
     app.conf.update(ductor_database_url=url)
@@ -73,7 +73,8 @@ def reproduce(url: str) -> dict[str, object]:
     attempts.finish(engine, token, outcome="succeeded", output=1)
 
     # Tick A folds s1 and then holds the run's lock for 1.5 s before it commits.
-    original = coordinator.commit_on
+    # The tick loop's SQL adapter commits through store.tick_store.commit_on.
+    original = tick_store.commit_on
 
     def slow_commit(conn, loaded, payload, claim=None):  # type: ignore[no-untyped-def]
         out = original(conn, loaded, payload, claim)
@@ -82,7 +83,7 @@ def reproduce(url: str) -> dict[str, object]:
         return out
 
     ticks: dict[str, str] = {}
-    coordinator.commit_on = slow_commit
+    tick_store.commit_on = slow_commit
     try:
         a = threading.Thread(
             target=lambda: ticks.update(A=coordinator.run_tick(rt, run_id)), name="tick-A"
@@ -99,7 +100,7 @@ def reproduce(url: str) -> dict[str, object]:
         a.join()
         b.join()
     finally:
-        coordinator.commit_on = original
+        tick_store.commit_on = original
 
     with engine.connect() as conn:
         log = [
