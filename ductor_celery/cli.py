@@ -253,6 +253,7 @@ _COLORS = {
     "failed": "red",
     "cancelled": "magenta",
     "terminated": "magenta",
+    "timed_out": "red",
     "skipped": "dim",
     "pending": "white",
 }

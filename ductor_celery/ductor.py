@@ -166,19 +166,22 @@ class Ductor:
         *,
         delay: float | None = None,
         start_at: datetime | None = None,
+        deadline: float | None = None,
         connection: Any = None,
         using: str | None = None,
     ) -> RunHandle:
         """Start a run; with ``delay`` (seconds) or ``start_at`` (an aware datetime) it stays
-        ``pending`` until then (a timer row, cancellable like any open run). ``connection=``
-        (SQLAlchemy) or ``using=`` (a Django alias): inside the caller's transaction on
-        ductor's database, woken once it commits."""
+        ``pending`` until then (a timer row, cancellable like any open run). ``deadline``:
+        seconds from its start after which it ends ``timed_out`` (default: the workflow's).
+        ``connection=`` (SQLAlchemy) or ``using=`` (a Django alias): inside the caller's
+        transaction on ductor's database, woken once it commits."""
         return self.client.start(
             workflow,
             input=input,
             workflow_id=workflow_id,
             delay=delay,
             start_at=start_at,
+            deadline=deadline,
             connection=connection,
             using=using,
         )

@@ -329,6 +329,17 @@ class WorkflowSpec(BaseModel):
     version: PositiveCount = 1
     nodes: tuple[NodeSpec, ...]
     output: Any = None
+    #: The default deadline of its runs, in seconds from their start (``start(deadline=...)``
+    #: overrides it). Left out of the stored form when unset, so a workflow without one keeps
+    #: the hash it had before deadlines existed.
+    deadline: Timeout | None = None
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("deadline") is None:
+            data.pop("deadline", None)
+        return data
 
     def canonical_json(self) -> str:
         """The text the spec hash is taken of: the stored form, keys sorted, and ``-0.0``

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 
 from .context import TickContext
+from .deadline import hard_revokes
 from .delay import resumed_status
 from .inputs import HandledControl, SuccessorRun
 from .kinds import CONTROL_ALLOWED, CONTROL_APPLIED, ControlKind, control_rejected
@@ -49,6 +50,8 @@ def apply_control(t: TickContext) -> None:
         t.move_run(resumed_status(state, t.now), reason)
     elif kind in (ControlKind.CANCEL, ControlKind.TERMINATE):
         revoke_and_close(t, reason)
+        if kind == ControlKind.TERMINATE:
+            hard_revokes(t)  # terminate kills steps still running; cancel lets them stop
         state.continue_pending = None
         t.payload.error = {"type": kind.capitalize(), "message": reason}
         t.move_run(

@@ -146,6 +146,9 @@ class Dispatch:
     token: str
     step: str
     queue: str | None
+    #: A revoke that also kills the step if it is running (``revoke(terminate=True)``):
+    #: terminate and a run deadline; cancel only drops queued messages.
+    terminate: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -311,10 +311,20 @@ class RunState:
     #: A delayed start (``start(delay=...)`` / ``start_at=``): the run stays pending until
     #: then (engine/delay.py); its timer row wakes it.
     start_at: datetime | None = None
+    #: A run deadline (``start(deadline=...)`` or the workflow's ``deadline``): past it the
+    #: run ends ``timed_out`` (engine/deadline.py); its timer row wakes it then.
+    deadline_at: datetime | None = None
 
     @classmethod
-    def initial(cls, node_ids: list[str], start_at: datetime | None = None) -> RunState:
-        return cls(nodes={n: NodeState() for n in node_ids}, start_at=start_at)
+    def initial(
+        cls,
+        node_ids: list[str],
+        start_at: datetime | None = None,
+        deadline_at: datetime | None = None,
+    ) -> RunState:
+        return cls(
+            nodes={n: NodeState() for n in node_ids}, start_at=start_at, deadline_at=deadline_at
+        )
 
     def copy(self) -> RunState:
         return RunState(
@@ -324,6 +334,7 @@ class RunState:
             transitions=self.transitions,
             continue_pending=copy.deepcopy(self.continue_pending),
             start_at=self.start_at,
+            deadline_at=self.deadline_at,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -334,6 +345,7 @@ class RunState:
             "transitions": self.transitions,
             **({"continue_pending": self.continue_pending} if self.continue_pending else {}),
             **({"start_at": self.start_at.isoformat()} if self.start_at else {}),
+            **({"deadline_at": self.deadline_at.isoformat()} if self.deadline_at else {}),
         }
 
     @classmethod
@@ -345,4 +357,7 @@ class RunState:
             transitions=int(data.get("transitions", 0)),
             continue_pending=data.get("continue_pending"),
             start_at=datetime.fromisoformat(data["start_at"]) if data.get("start_at") else None,
+            deadline_at=(
+                datetime.fromisoformat(data["deadline_at"]) if data.get("deadline_at") else None
+            ),
         )

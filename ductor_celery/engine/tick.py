@@ -15,6 +15,7 @@ from .advance import check_in_flight, fire_retries, fold_results
 from .children import absorb_subworkflows
 from .context import TickContext
 from .controls import apply_control, maybe_continue_as_new, request_auto_continue
+from .deadline import time_out_if_due
 from .delay import waiting_to_start
 from .external import absorb_external
 from .inputs import TickInputs, TickPayload
@@ -33,6 +34,7 @@ def compute_tick(
     t.outputs.update(inputs.outputs)
     _ensure_nodes(t)
     apply_control(t)
+    time_out_if_due(t)  # before anything else moves: past its deadline nothing new starts
     if payload.state.status in TERMINAL_RUN_STATUSES:
         # Late results for a finished run are folded so nobody wakes the run for them again.
         for result in inputs.results:

@@ -28,8 +28,8 @@ from celery import bootsteps
 from ..engine.status import TERMINAL_RUN_STATUSES, RunStatus
 
 if TYPE_CHECKING:
-    from ..engine import TickPayload
     from ..coordinator.port import LoadedRun
+    from ..engine import TickPayload
 
 log = logging.getLogger("ductor_celery.metrics")
 

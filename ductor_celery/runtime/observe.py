@@ -18,8 +18,8 @@ from .. import tracing
 from . import metrics
 
 if TYPE_CHECKING:
-    from ..engine import TickPayload
     from ..coordinator.port import LoadedRun
+    from ..engine import TickPayload
 
 
 class _Tick(threading.local):
