@@ -16,6 +16,7 @@ from .errors import (
     PayloadTooLarge,
     RunNotFound,
     ScheduleNotFound,
+    StepCancelled,
     WorkflowNotFound,
     WrongDatabase,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "NodeStatus",
     "NodeView",
     "NonRetryableError",
+    "StepCancelled",
     "PayloadNotSerializable",
     "PayloadTooLarge",
     "RetryPolicy",

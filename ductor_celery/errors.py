@@ -13,6 +13,7 @@
       StoreUnavailable           the database could not be reached
       WrongDatabase              start(connection=/using=) on another database than ductor's
     NonRetryableError            raise it inside a step to fail without retry
+    StepCancelled                ctx.heartbeat() raises it once the run is cancelled
 
 ``TimeoutError`` (the builtin) is what ``wait()`` raises when it runs out of time.
 """
@@ -68,4 +69,14 @@ class NonRetryableError(Exception):
     """Raise inside a step to fail the attempt without retrying it.
 
     Deliberately not a DuctorError: it is raised by user code, not by ductor.
+    """
+
+
+class StepCancelled(Exception):
+    """The run was cancelled (or the attempt closed): stop the step.
+
+    ``ctx.heartbeat()`` raises it once a cancel is requested; let it propagate (or raise it
+    yourself after seeing ``ctx.cancelled``): the attempt is recorded as ``cancelled``, never
+    retried and never counted as a failure. Not a DuctorError: it reaches user code, like
+    ``NonRetryableError``.
     """

@@ -75,7 +75,10 @@ def literal_of(ns: NodeState) -> Any:
 
 RUN = "r1"
 NOW = datetime(2024, 1, 1, 12, 0, tzinfo=UTC)
-CFG = EngineConfig(resend_unclaimed_after=30.0, default_step_timeout=300.0)
+#: cancel_grace=0: a cancel closes what is in flight at once, the behaviour these pure-tick
+#: tests were written for; the cooperative cancel (a grace) has its own tests
+#: (tests/unit/test_tick_cancel.py).
+CFG = EngineConfig(resend_unclaimed_after=30.0, default_step_timeout=300.0, cancel_grace=0)
 #: The run's own transition on its first tick.
 RUN_STARTED = (None, "pending", "running", "started")
 

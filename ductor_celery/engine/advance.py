@@ -36,6 +36,9 @@ def fold_results(t: TickContext) -> None:
             continue
         branch = result.branch if ns.scatter is not None else None
         batched = ns.scatter is not None and ns.scatter.batch > 1 and branch is not None
+        if result.outcome == "cancelled":
+            _stopped(t, result, slot, branch)
+            continue
         if result.outcome == "succeeded":
             problem = _bad_success(result, t.inputs.config.max_payload_bytes)
             if problem is None and batched:
@@ -57,6 +60,20 @@ def fold_results(t: TickContext) -> None:
                 # The batch gave up: its items with a recorded output count as succeeded, so
                 # their context patches (merged by the worker into this attempt's) apply.
                 t.payload.state.context.update(result.patch)
+
+
+def _stopped(t: TickContext, result: AttemptResult, slot: Slot, branch: int | None) -> None:
+    """The step stopped on a cancel (``StepCancelled``): never a failure to retry. While the
+    run's cancel is pending the slot is only cleared (the cancel closes the node); a step
+    that raised it on its own fails its node without retry."""
+    where = "attempt" if branch is None else f"branch {branch} attempt"
+    if t.payload.state.cancel is None:
+        error = result.error or {"type": "StepCancelled", "message": "the step stopped itself"}
+        attempt_failed(t, result.node, slot, branch, error, False)
+        return
+    _clear(slot)
+    status = t.nodes[result.node].status
+    t.record(result.node, status, status, f"{where} {slot.attempt} stopped on the cancel")
 
 
 def _waiting_on(ns: NodeState | None, result: AttemptResult) -> Slot | None:

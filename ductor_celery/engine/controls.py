@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+from .cancel import request_cancel
 from .context import TickContext
 from .deadline import hard_revokes
 from .delay import resumed_status
@@ -48,6 +49,8 @@ def apply_control(t: TickContext) -> None:
         t.move_run(RunStatus.PAUSED, reason)
     elif kind == ControlKind.RESUME:
         t.move_run(resumed_status(state, t.now), reason)
+    elif kind == ControlKind.CANCEL and request_cancel(t, reason):
+        pass  # cooperative: the run closes once its attempts stop (engine/cancel.py)
     elif kind in (ControlKind.CANCEL, ControlKind.TERMINATE):
         revoke_and_close(t, reason)
         if kind == ControlKind.TERMINATE:

@@ -13,11 +13,20 @@ timers and parked nodes are dropped, and open child runs get their node's parent
 from __future__ import annotations
 
 import dataclasses
+from datetime import datetime, timedelta
+from typing import Any
 
 from .context import TickContext
 from .kinds import DispatchKind
 from .schedule import close_in_flight
 from .status import OPEN_RUN_STATUSES, RunStatus
+
+
+def deadline_after(start: datetime, seconds: Any) -> datetime | None:
+    """A new run's ``deadline_at``: ``seconds`` (its workflow's ``deadline``, or the one
+    ``start`` was given) after ``start``; ``None`` without one. Used by every store path that
+    inserts a run (a client's start, a schedule's fire time, a parent's child run)."""
+    return None if seconds is None else start + timedelta(seconds=float(seconds))
 
 
 def time_out_if_due(t: TickContext) -> bool:

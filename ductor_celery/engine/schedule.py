@@ -157,6 +157,8 @@ def next_wake_at(t: TickContext) -> datetime | None:
     due: list[datetime] = []
     if t.payload.state.deadline_at is not None:
         due.append(t.payload.state.deadline_at)
+    if t.payload.state.cancel is not None:  # a cancel's grace (engine/cancel.py)
+        due.append(datetime.fromisoformat(str(t.payload.state.cancel["grace_until"])))
     if waiting_to_start(t.payload.state, t.now):
         assert t.payload.state.start_at is not None
         due.append(t.payload.state.start_at)

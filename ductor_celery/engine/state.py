@@ -314,6 +314,9 @@ class RunState:
     #: A run deadline (``start(deadline=...)`` or the workflow's ``deadline``): past it the
     #: run ends ``timed_out`` (engine/deadline.py); its timer row wakes it then.
     deadline_at: datetime | None = None
+    #: A cooperative cancel waiting for attempts in flight to stop (engine/cancel.py):
+    #: ``{"reason": str, "grace_until": ISO time}``.
+    cancel: dict[str, Any] | None = None
 
     @classmethod
     def initial(
@@ -335,6 +338,7 @@ class RunState:
             continue_pending=copy.deepcopy(self.continue_pending),
             start_at=self.start_at,
             deadline_at=self.deadline_at,
+            cancel=dict(self.cancel) if self.cancel else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -346,6 +350,7 @@ class RunState:
             **({"continue_pending": self.continue_pending} if self.continue_pending else {}),
             **({"start_at": self.start_at.isoformat()} if self.start_at else {}),
             **({"deadline_at": self.deadline_at.isoformat()} if self.deadline_at else {}),
+            **({"cancel": self.cancel} if self.cancel else {}),
         }
 
     @classmethod
@@ -360,4 +365,5 @@ class RunState:
             deadline_at=(
                 datetime.fromisoformat(data["deadline_at"]) if data.get("deadline_at") else None
             ),
+            cancel=data.get("cancel"),
         )

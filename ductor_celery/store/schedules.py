@@ -24,6 +24,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from ..definition.spec import WorkflowSpec
+from ..engine.deadline import deadline_after
 from ..engine.fire_times import Cadence, DueFires, due_fires, fire_id
 from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES
@@ -362,6 +363,9 @@ def latest_spec(conn: Connection, workflow: str) -> WorkflowSpec | None:
 def insert_run_on(
     conn: Connection, run_id: str, workflow_id: str, spec: WorkflowSpec, input: Any
 ) -> None:
+    # The workflow's default deadline counts from when the sweeper starts the run (a fire
+    # time caught up late still gets its whole deadline).
+    deadline_at = None if spec.deadline is None else deadline_after(db_now_on(conn), spec.deadline)
     conn.execute(
         sa.insert(workflow_run).values(
             pending_run(
@@ -370,7 +374,7 @@ def insert_run_on(
                 workflow=spec.name,
                 version=spec.version,
                 spec_hash=spec.spec_hash,
-                state=RunState.initial(spec.graph.order),
+                state=RunState.initial(spec.graph.order, deadline_at=deadline_at),
                 input=input,
             )
         )

@@ -44,6 +44,12 @@ def _make(url: str, name: str) -> Ductor:
     parent = Workflow("parent", deadline=600)
     parent.subworkflow("kid", workflow="child", parent_close="cancel")
     d.register(parent)
+    quick = Workflow("quick_child", deadline=30)
+    quick.step("c", slow)
+    d.register(quick)
+    waiting = Workflow("waits_for_quick")
+    waiting.subworkflow("kid", workflow="quick_child")
+    d.register(waiting)
     return d
 
 
@@ -80,6 +86,22 @@ def test_the_workflows_deadline_closes_its_children_by_their_policy(local: Ducto
         assert h.get(handle).status == RunStatus.TIMED_OUT
         children = [r for r in local.list_runs(workflow="child")]
         assert [c.status for c in children] == [RunStatus.CANCELLED]  # parent_close="cancel"
+
+
+def test_a_child_times_out_by_its_own_workflows_deadline_and_fails_its_parent(
+    local: Ductor,
+) -> None:
+    with testing.harness(local, start_at=T0) as h:
+        h.stub("dl.slow", hangs=True)
+        handle = h.start("waits_for_quick")
+        assert h.get(handle).deadline_at is None
+        (child,) = local.list_runs(workflow="quick_child")
+        assert child.deadline_at == T0 + timedelta(seconds=30)
+        h.advance(seconds=30)
+        assert local.get(child.run_id).status == RunStatus.TIMED_OUT
+        view = h.get(handle)
+        assert view.status == RunStatus.FAILED
+        assert view.nodes["kid"].status == NodeStatus.FAILED
 
 
 def test_a_timed_out_run_is_redriven_like_a_failed_one(local: Ductor) -> None:
