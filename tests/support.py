@@ -6,6 +6,8 @@ and ``cluster``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -146,8 +148,10 @@ def summary(**overrides: Any) -> dict[str, Any]:
 # two transactions on purpose, for tests that change the store between the load and the
 # commit (a conflicting writer, a worker finishing meanwhile).
 
-#: The engine settings of a default ``Settings()``.
-CONFIG = Settings().engine_config()
+#: The engine settings of a default ``Settings()``, but with a cancel closing what is in flight
+#: at once (no grace), the behaviour these hand-driven ticks were written for; the cooperative
+#: cancel has its own tests (tests/integration/test_cooperative_cancel.py).
+CONFIG = dataclasses.replace(Settings().engine_config(), cancel_grace=0)
 
 
 def load_tick(
