@@ -6,9 +6,8 @@ and ``cluster``).
 
 from __future__ import annotations
 
-import dataclasses
-
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta

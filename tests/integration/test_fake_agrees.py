@@ -11,7 +11,6 @@ test's), and outbox ids (sequences are per store).
 from __future__ import annotations
 
 import dataclasses
-
 import time
 from pathlib import Path
 from typing import Any, Protocol
