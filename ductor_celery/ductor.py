@@ -92,6 +92,7 @@ class Ductor:
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
         heartbeat_timeout: float | None = None,
+        schedule_to_start_timeout: float | None = None,
         queue: str | None = None,
         concurrency: ConcurrencyLimit | None = None,
     ) -> Callable[[Callable[..., Any]], Step]: ...
@@ -105,6 +106,7 @@ class Ductor:
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
         heartbeat_timeout: float | None = None,
+        schedule_to_start_timeout: float | None = None,
         queue: str | None = None,
         concurrency: ConcurrencyLimit | None = None,
     ) -> Any:
@@ -123,6 +125,7 @@ class Ductor:
                 retry=retry,
                 timeout=timeout,
                 heartbeat_timeout=heartbeat_timeout,
+                schedule_to_start_timeout=schedule_to_start_timeout,
                 queue=queue,
                 concurrency=concurrency,
             )
@@ -136,6 +139,7 @@ class Ductor:
                 retry=retry or RetryPolicy(),
                 timeout=timeout,
                 heartbeat_timeout=heartbeat_timeout,
+                schedule_to_start_timeout=schedule_to_start_timeout,
                 queue=queue,
                 concurrency=concurrency,
             )

@@ -41,7 +41,8 @@ from ductor_celery.store.ticks import commit_on
 @dataclass
 class FakeStep:
     """Stands in for a ``@ductor.step`` object: what the workflow builder reads of one (the
-    ``StepLike`` protocol, plus the optional ``heartbeat_timeout`` and ``concurrency``)."""
+    ``StepLike`` protocol, plus the optional ``heartbeat_timeout``, ``concurrency`` and
+    ``schedule_to_start_timeout``)."""
 
     name: str = "s.x"
     retry: RetryPolicy = RetryPolicy()
@@ -49,6 +50,7 @@ class FakeStep:
     queue: str | None = None
     heartbeat_timeout: float | None = None
     concurrency: ConcurrencyLimit | None = None
+    schedule_to_start_timeout: float | None = None
 
 
 # -- the pure tick ------------------------------------------------------------------------------

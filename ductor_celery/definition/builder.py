@@ -461,6 +461,8 @@ def _attempt_settings(raw: dict[str, Any], step: StepLike | str, where: str) -> 
     check_timeout(where, "timeout", timeout)
     heartbeat_timeout = getattr(known, "heartbeat_timeout", None)
     check_timeout(where, "heartbeat_timeout", heartbeat_timeout)
+    schedule_to_start = getattr(known, "schedule_to_start_timeout", None)
+    check_timeout(where, "schedule_to_start_timeout", schedule_to_start)
     queue = getattr(known, "queue", None)
     if queue is not None:
         refuse(where, "queue", id_problem(queue))
@@ -468,6 +470,7 @@ def _attempt_settings(raw: dict[str, Any], step: StepLike | str, where: str) -> 
         "retry": policy.to_spec() if policy is not None else RetrySpec(),
         "timeout": timeout,
         "heartbeat_timeout": heartbeat_timeout,
+        "schedule_to_start_timeout": schedule_to_start,
         "queue": queue,
         "concurrency": _concurrency_of(known),
     }

@@ -25,6 +25,7 @@ _DATETIME_FIELDS = (
     "claimed_at",
     "deadline",
     "resend_at",
+    "queued_until",
 )
 
 
@@ -155,6 +156,8 @@ class BranchState:
     #: A batch (``batch_size`` > 1): how many of its items have a recorded output, as its
     #: latest failed attempt reported; they count as succeeded if the batch gives up.
     done: int = 0
+    #: The in-flight attempt's schedule-to-start deadline (``NodeState.queued_until``).
+    queued_until: datetime | None = None
 
     def to_json(self) -> dict[str, Any]:
         return _dump(self)
@@ -269,6 +272,9 @@ class NodeState:
     scatter: ScatterState | None = None
     #: A sub-workflow node: the child run it started (its output is read from there).
     child_run: str | None = None
+    #: The in-flight attempt must be claimed by then (the step's ``schedule_to_start_timeout``
+    #: after its dispatch), or it times out; cleared once a check finds it claimed.
+    queued_until: datetime | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": self.status.value}

@@ -59,6 +59,8 @@ class Step:
     queue: str | None = None
     concurrency: ConcurrencyLimit | None = None
     task: Any = None  # the Celery task, set when registered
+    #: Not claimed within this many seconds of its dispatch: the attempt times out.
+    schedule_to_start_timeout: float | None = None  # the Celery task, set when registered
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
