@@ -231,7 +231,7 @@ def _fire(
             window,
         )
     result.missed += due.missed
-    starter = _Starter(conn, s)
+    starter = _Starter(conn, s, now)
     buffered = s.buffered_fire_at
     if buffered is not None and not starter.previous_open():
         starter.start(buffered)
@@ -260,9 +260,11 @@ def _fire(
 class _Starter:
     """Inserts a schedule's runs on the schedule's transaction, tracking its newest run."""
 
-    def __init__(self, conn: Connection, s: ScheduleRow) -> None:
+    def __init__(self, conn: Connection, s: ScheduleRow, now: datetime) -> None:
         self.conn = conn
         self.s = s
+        #: When the runs are started: a run's deadline (its workflow's) counts from then.
+        self.now = now
         self.last = s.last_workflow_id
         self.started: list[str] = []
         self._spec: WorkflowSpec | None = None
@@ -288,7 +290,7 @@ class _Starter:
         run_id = uuid.uuid4().hex
         try:
             with self.conn.begin_nested():
-                insert_run_on(self.conn, run_id, workflow_id, self._spec, self.s.input)
+                insert_run_on(self.conn, run_id, workflow_id, self._spec, self.s.input, self.now)
         except IntegrityError:
             # An open run took the id meanwhile (someone started "<name>@<time>" by hand):
             # that is the fire time's run. Without the savepoint the schedule's transaction
@@ -311,8 +313,9 @@ def trigger(engine: Engine, name: str) -> tuple[str, str] | None:
         if row is None:
             return None
         s = ScheduleRow.from_row(row)
-        starter = _Starter(conn, s)
-        run_id = starter.start(db_now_on(conn))
+        now = db_now_on(conn)
+        starter = _Starter(conn, s, now)
+        run_id = starter.start(now)
         if run_id is None:
             raise LookupError(f"workflow {s.workflow!r} has no stored definition")
         conn.execute(
@@ -361,11 +364,16 @@ def latest_spec(conn: Connection, workflow: str) -> WorkflowSpec | None:
 
 
 def insert_run_on(
-    conn: Connection, run_id: str, workflow_id: str, spec: WorkflowSpec, input: Any
+    conn: Connection,
+    run_id: str,
+    workflow_id: str,
+    spec: WorkflowSpec,
+    input: Any,
+    now: datetime,
 ) -> None:
     # The workflow's default deadline counts from when the sweeper starts the run (a fire
     # time caught up late still gets its whole deadline).
-    deadline_at = None if spec.deadline is None else deadline_after(db_now_on(conn), spec.deadline)
+    deadline_at = deadline_after(now, spec.deadline)
     conn.execute(
         sa.insert(workflow_run).values(
             pending_run(

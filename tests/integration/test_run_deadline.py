@@ -108,6 +108,19 @@ def test_a_child_times_out_by_its_own_workflows_deadline_and_fails_its_parent(
         assert view.nodes["kid"].status == NodeStatus.FAILED
 
 
+def test_a_delayed_or_scheduled_run_counts_its_deadline_from_its_start(local: Ductor) -> None:
+    with testing.harness(local, start_at=T0) as h:
+        h.stub("dl.slow", hangs=True)
+        delayed = h.start("report", delay=60, deadline=30)
+        assert h.get(delayed).deadline_at == T0 + timedelta(seconds=90)
+        local.schedule("every_hour", workflow="parent", every=3600)
+        h.advance(seconds=3600)
+        assert h.get(delayed).status == RunStatus.TIMED_OUT
+        (scheduled,) = [r for r in local.list_runs(workflow="parent")]
+        # Started by the sweeper at its fire time: the workflow's 600 s count from then.
+        assert scheduled.deadline_at == T0 + timedelta(seconds=3600 + 600)
+
+
 def test_a_timed_out_run_is_redriven_like_a_failed_one(local: Ductor) -> None:
     with testing.harness(local, start_at=T0) as h:
         stub = h.stub("dl.slow", hangs=True)
