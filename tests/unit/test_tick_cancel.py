@@ -128,3 +128,27 @@ def test_step_cancelled_outside_a_cancel_fails_the_node_without_retry() -> None:
     assert p.state.nodes["a"].error == {"type": "StepCancelled", "message": "stop"}
     assert p.new_attempts == []
     assert p.state.status == RunStatus.FAILED
+
+
+def test_a_scatter_waits_for_its_branches_and_starts_no_new_one() -> None:
+    wf = Workflow("sc")
+    wf.scatter("each", "s.x", over="$.input", max_parallel=3)
+    spec = wf.build()
+
+    def step(state: RunState, now: datetime, **kw: object) -> TickPayload:
+        inputs = TickInputs(run_id="r", input=[1, 2, 3, 4], config=CFG, **kw)  # type: ignore[arg-type]
+        return pure_tick(spec, RunState.from_json(state.to_json()), inputs, now)
+
+    p = step(RunState(), T0)
+    tokens = [a.token for a in p.new_attempts]
+    p = step(p.state, _at(1), control=ControlIn(id=1, kind="cancel"))
+    assert p.state.status == RunStatus.RUNNING and p.cancel_requested == tokens
+    stopped = AttemptResult(token=tokens[0], node="each", outcome="cancelled", branch=0)
+    done = AttemptResult(token=tokens[1], node="each", outcome="succeeded", output=5, branch=1)
+    p = step(p.state, _at(2), results=(stopped, done))
+    assert p.state.status == RunStatus.RUNNING
+    assert p.new_attempts == []  # the fourth item never starts
+    last = AttemptResult(token=tokens[2], node="each", outcome="cancelled", branch=2)
+    p = step(p.state, _at(3), results=(last,))
+    assert p.state.status == RunStatus.CANCELLED and p.closed == []
+    assert p.state.nodes["each"].status == "cancelled"
