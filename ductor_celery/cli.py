@@ -152,6 +152,9 @@ def migrate(ctx: click.Context, database_url: str | None) -> None:
 @click.option("--wait", "wait_", is_flag=True, help="Wait for the run to finish; print it.")
 @click.option("--timeout", default=None, type=float, help="With --wait: give up after seconds.")
 @click.option("--delay", default=None, type=float, help="Start in this many seconds (pending).")
+@click.option(
+    "--deadline", default=None, type=float, help="Seconds from its start; then it is timed_out."
+)
 @click.pass_context
 def start(
     ctx: click.Context,
@@ -161,6 +164,7 @@ def start(
     wait_: bool,
     timeout: float | None,
     delay: float | None,
+    deadline: float | None,
 ) -> None:
     """Start a run of WORKFLOW; prints {"run_id", "workflow_id"} (then the run, with --wait)."""
     value = _parse_json(input_json, "--input")
@@ -169,7 +173,9 @@ def start(
 
         _call(check_timeout, timeout)  # before the run starts, not after
     d = _load_ductor(ctx)
-    handle = _call(d.start, workflow, input=value, workflow_id=workflow_id, delay=delay)
+    handle = _call(
+        d.start, workflow, input=value, workflow_id=workflow_id, delay=delay, deadline=deadline
+    )
     click.echo(json.dumps({"run_id": handle.run_id, "workflow_id": handle.workflow_id}))
     if wait_:
         view = _call(d.wait, handle.run_id, timeout=timeout)

@@ -189,3 +189,26 @@ def test_a_bad_deadline_is_refused_and_writes_nothing(
     with pytest.raises(error, match=match):
         ductor.start("report", deadline=bad)
     assert _rows(ductor) == before
+
+
+def test_start_with_a_deadline_at_the_command_line(ductor: Ductor) -> None:
+    import json
+    from types import SimpleNamespace
+
+    from click.testing import CliRunner
+
+    from ductor_celery.cli import ductor as ductor_cli
+
+    ductor.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+
+    def cli(*args: str) -> Any:
+        return CliRunner().invoke(ductor_cli, list(args), obj=SimpleNamespace(app=ductor.app))
+
+    result = cli("start", "report", "--deadline", "3600")
+    assert result.exit_code == 0, result.output
+    view = ductor.get(json.loads(result.output)["run_id"])
+    assert view.deadline_at is not None
+    before = _rows(ductor)
+    refused = cli("start", "report", "--deadline", "0")
+    assert refused.exit_code == 1 and "in the past" in refused.output
+    assert _rows(ductor) == before
