@@ -166,6 +166,9 @@ def migrate(ctx: click.Context, database_url: str | None) -> None:
 @click.option(
     "--version", "version_text", default=None, help="This registered version (default: newest)."
 )
+@click.option(
+    "--deadline", default=None, type=float, help="Seconds from its start; then it is timed_out."
+)
 @click.pass_context
 def start(
     ctx: click.Context,
@@ -176,6 +179,7 @@ def start(
     timeout: float | None,
     delay: float | None,
     version_text: str | None,
+    deadline: float | None,
 ) -> None:
     """Start a run of WORKFLOW; prints {"run_id", "workflow_id"} (then the run, with --wait)."""
     value = _parse_json(input_json, "--input")
@@ -186,7 +190,13 @@ def start(
         _call(check_timeout, timeout)  # before the run starts, not after
     d = _load_ductor(ctx)
     handle = _call(
-        d.start, workflow, input=value, workflow_id=workflow_id, delay=delay, version=version
+        d.start,
+        workflow,
+        input=value,
+        workflow_id=workflow_id,
+        delay=delay,
+        version=version,
+        deadline=deadline,
     )
     click.echo(json.dumps({"run_id": handle.run_id, "workflow_id": handle.workflow_id}))
     if wait_:
@@ -271,6 +281,7 @@ _COLORS = {
     "failed": "red",
     "cancelled": "magenta",
     "terminated": "magenta",
+    "timed_out": "red",
     "skipped": "dim",
     "pending": "white",
 }

@@ -229,6 +229,24 @@ def check_start_time(delay: Any, start_at: Any) -> None:
             )
 
 
+def check_deadline(deadline: Any) -> None:
+    """``start``'s ``deadline``: seconds from the run's start, positive and finite (zero or
+    less would be a deadline in the past: the run would time out before it began)."""
+    if deadline is None:
+        return
+    problem = limits.duration_problem(deadline)
+    if problem is None:
+        return
+    if not limits.is_number(deadline):
+        raise TypeError(f"deadline {problem}")
+    if deadline <= 0:
+        raise ValueError(
+            f"deadline must be a positive number of seconds from the run's start, got "
+            f"{deadline!r}: that deadline is in the past"
+        )
+    raise ValueError(f"deadline {problem}")
+
+
 def decision_key(run_id: str, node: str, started: str) -> str:
     """The idempotency key of one decision on one waiting episode, within the column's
     MAX_ID_LENGTH (a long node id would overflow it: then a digest of it)."""
@@ -276,15 +294,17 @@ class Client:
         *,
         delay: float | None = None,
         start_at: datetime | None = None,
+        deadline: float | None = None,
         connection: Any = None,
         using: str | None = None,
         version: int | None = None,
     ) -> RunHandle:
         """Insert a pending run and wake it. ``version``: that registered version of the
         workflow (default: the newest). ``delay``/``start_at``: it stays pending until
-        then (a timer row wakes it). ``connection=`` (a SQLAlchemy Connection or Session) or
-        ``using=`` (a Django database alias): inserted in that transaction, woken once it
-        commits (store/joined.py)."""
+        then (a timer row wakes it). ``deadline``: seconds from the run's start (the
+        workflow's ``deadline`` when not given) after which it ends ``timed_out``.
+        ``connection=`` (a SQLAlchemy Connection or Session) or ``using=`` (a Django database
+        alias): inserted in that transaction, woken once it commits (store/joined.py)."""
         # Every argument is checked before the first query: a bad id must not reach a
         # VARCHAR(200) column (PostgreSQL raises a DataError; SQLite would store it).
         check_id(workflow, "workflow")
@@ -293,6 +313,7 @@ class Client:
         check_start_time(delay, start_at)
         if version is not None:
             check_version(version)
+        check_deadline(deadline)
         value = check_payload(
             input, f"input of workflow {workflow!r}", self.settings.max_payload_bytes
         )
@@ -310,7 +331,14 @@ class Client:
                 else self._start_time(self.engine, delay, start_at)
             )
             return self._start_joined(
-                caller, spec, run_id, workflow_id or run_id, value, fire_at, due_now
+                caller,
+                spec,
+                run_id,
+                workflow_id or run_id,
+                value,
+                fire_at,
+                due_now,
+                self._deadline_at(spec, deadline, fire_at),
             )
         engine = self.engine
         for needed in self._with_children(spec):
@@ -318,6 +346,7 @@ class Client:
                 functools.partial(runs.save_definition, engine, needed), what="save definition"
             )
         start_at, due_now = self._start_time(engine, delay, start_at)
+        deadline_at = self._deadline_at(spec, deadline, start_at)
         traceparent = tracing.start_run(run_id, spec.name)
         actual, created = with_retry(
             lambda: runs.insert_run(
@@ -328,6 +357,7 @@ class Client:
                 input=value,
                 trace_context=traceparent,
                 start_at=start_at,
+                deadline_at=deadline_at,
             ),
             what="insert run",
         )
@@ -344,6 +374,7 @@ class Client:
         value: Any,
         start_at: datetime | None,
         due_now: bool,
+        deadline_at: datetime | None = None,
     ) -> RunHandle:
         """The run's rows in the caller's transaction (not retried here: a transaction is the
         caller's to retry); the wake-up once it commits (a delayed run: its timer's)."""
@@ -356,6 +387,7 @@ class Client:
             input=value,
             trace_context=tracing.start_run(run_id, spec.name),
             start_at=start_at,
+            deadline_at=deadline_at,
         )
         if created and due_now:
             caller.on_commit(
@@ -376,6 +408,17 @@ class Client:
         assert when is not None
         when = when.astimezone(UTC)  # SQLite keeps a datetime's wall time only
         return when, when <= now
+
+    def _deadline_at(
+        self, spec: WorkflowSpec, deadline: float | None, start_at: datetime | None
+    ) -> datetime | None:
+        """When the run times out: ``deadline`` (else the workflow's) seconds after its start,
+        its delayed start time or now, on the database's clock (the one ticks compare with)."""
+        seconds = deadline if deadline is not None else spec.deadline
+        if seconds is None:
+            return None
+        began = start_at if start_at is not None else self._read(db_now, self.engine)
+        return began.astimezone(UTC) + timedelta(seconds=seconds)
 
     def _definition(self, spec_hash: str) -> WorkflowSpec:
         if self._spec_by_hash is not None:
@@ -674,6 +717,7 @@ class Client:
             created_at=row.created_at,
             finished_at=row.finished_at,
             start_at=row.state.start_at,
+            deadline_at=row.state.deadline_at,
         )
 
     def definition_of(self, target: str) -> WorkflowSpec:

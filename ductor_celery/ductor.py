@@ -97,6 +97,7 @@ class Ductor:
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
         heartbeat_timeout: float | None = None,
+        schedule_to_start_timeout: float | None = None,
         queue: str | None = None,
         concurrency: ConcurrencyLimit | None = None,
     ) -> Callable[[Callable[..., Any]], Step]: ...
@@ -110,6 +111,7 @@ class Ductor:
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
         heartbeat_timeout: float | None = None,
+        schedule_to_start_timeout: float | None = None,
         queue: str | None = None,
         concurrency: ConcurrencyLimit | None = None,
     ) -> Any:
@@ -128,6 +130,7 @@ class Ductor:
                 retry=retry,
                 timeout=timeout,
                 heartbeat_timeout=heartbeat_timeout,
+                schedule_to_start_timeout=schedule_to_start_timeout,
                 queue=queue,
                 concurrency=concurrency,
             )
@@ -141,6 +144,7 @@ class Ductor:
                 retry=retry or RetryPolicy(),
                 timeout=timeout,
                 heartbeat_timeout=heartbeat_timeout,
+                schedule_to_start_timeout=schedule_to_start_timeout,
                 queue=queue,
                 concurrency=concurrency,
             )
@@ -176,21 +180,24 @@ class Ductor:
         *,
         delay: float | None = None,
         start_at: datetime | None = None,
+        deadline: float | None = None,
         connection: Any = None,
         using: str | None = None,
         version: int | None = None,
     ) -> RunHandle:
         """Start a run; with ``delay`` (seconds) or ``start_at`` (an aware datetime) it stays
-        ``pending`` until then (a timer row, cancellable like any open run). ``connection=``
-        (SQLAlchemy) or ``using=`` (a Django alias): inside the caller's transaction on
-        ductor's database, woken once it commits. ``version``: that registered version of
-        the workflow (default: the newest); the run keeps it to the end."""
+        ``pending`` until then (a timer row, cancellable like any open run). ``deadline``:
+        seconds from its start after which it ends ``timed_out`` (default: the workflow's).
+        ``connection=`` (SQLAlchemy) or ``using=`` (a Django alias): inside the caller's
+        transaction on ductor's database, woken once it commits. ``version``: that registered
+        version of the workflow (default: the newest); the run keeps it to the end."""
         return self.client.start(
             workflow,
             input=input,
             workflow_id=workflow_id,
             delay=delay,
             start_at=start_at,
+            deadline=deadline,
             connection=connection,
             using=using,
             version=version,

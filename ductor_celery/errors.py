@@ -16,6 +16,7 @@
       WrongDatabase              start(connection=/using=) on another database than ductor's
     NonRetryableError            raise it inside a step to fail without retry
       SecretNotFound             a step's secret the provider does not have (names it)
+    StepCancelled                ctx.heartbeat() raises it once the run is cancelled
 
 ``TimeoutError`` (the builtin) is what ``wait()`` raises when it runs out of time.
 """
@@ -86,3 +87,13 @@ class SecretNotFound(NonRetryableError):
     """A secret (``$.secret.<name>`` or ``ctx.secret(name)``) that ``ductor_secret_provider``
     does not have: the attempt fails without retry. The message names the secret, never a
     value."""
+
+
+class StepCancelled(Exception):
+    """The run was cancelled (or the attempt closed): stop the step.
+
+    ``ctx.heartbeat()`` raises it once a cancel is requested; let it propagate (or raise it
+    yourself after seeing ``ctx.cancelled``): the attempt is recorded as ``cancelled``, never
+    retried and never counted as a failure. Not a DuctorError: it reaches user code, like
+    ``NonRetryableError``.
+    """

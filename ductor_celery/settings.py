@@ -41,6 +41,9 @@ class Settings:
     #: ``ctx.secret(name)`` in the step worker (or the callable itself, set in this process);
     #: ``None``: ``DUCTOR_SECRET_<NAME>`` env vars.
     secret_provider: str | Callable[[str], Any] | None = None
+    #: A cancelled run's attempts in flight get this many seconds to stop on their own
+    #: (``ctx.cancelled``, ``StepCancelled``) before they are closed.
+    cancel_grace: float = 30.0
 
     @property
     def embedded(self) -> bool:
@@ -52,6 +55,7 @@ class Settings:
             default_step_timeout=self.default_step_timeout,
             max_payload_bytes=self.max_payload_bytes,
             max_transitions=self.max_transitions,
+            cancel_grace=self.cancel_grace,
         )
 
     @classmethod
@@ -87,6 +91,7 @@ class Settings:
             metrics_host=get("metrics_host", defaults.metrics_host, str),
             retention_days=get("retention_days", defaults.retention_days, _days),
             secret_provider=get("secret_provider", defaults.secret_provider, _provider),
+            cancel_grace=get("cancel_grace", defaults.cancel_grace, _grace),
         )
 
 
@@ -125,6 +130,19 @@ def _days(value: Any) -> float:
             f"ductor_retention_days must be a positive number of days (or None), got {value!r}"
         )
     return days
+
+
+def _grace(value: Any) -> float:
+    """``ductor_cancel_grace``: seconds, 0 or more (0: close attempts at once, as before)."""
+    try:
+        seconds = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(
+            f"ductor_cancel_grace must be a number of seconds, 0 or more; got {value!r}"
+        )
+    return seconds
 
 
 def _count(key: str) -> Callable[[Any], int]:

@@ -239,6 +239,44 @@ heartbeats.output("$.nodes.beat.output")
 ductor.register(heartbeats)
 
 
+# --- cancel vs terminate, run deadlines (tests/e2e/test_cancel_terminate.py) ---------------
+
+
+@ductor.step(name="e2e.patient", timeout=120.0)
+def patient(ctx: StepContext, seconds: float) -> str:
+    """A long step that heartbeats: a cancel reaches it through ctx.heartbeat()."""
+    _ledger(ctx)
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        ctx.heartbeat({"left": until - time.monotonic()})  # raises StepCancelled on a cancel
+        time.sleep(0.1)
+    return "ran to the end"
+
+
+@ductor.step(name="e2e.stubborn", timeout=120.0)
+def stubborn(ctx: StepContext, seconds: float, marker: str) -> str:
+    """A long step that never looks: only a kill (terminate, a run deadline) stops it early.
+    It writes its pid to ``marker`` first, and ``marker.done`` if it ever ends."""
+    _ledger(ctx)
+    with open(marker, "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(seconds)
+    with open(f"{marker}.done", "w") as fh:
+        fh.write("ran to the end")
+    return "ran to the end"
+
+
+cancellable = Workflow("cancellable")
+cancellable.step("work", patient, args={"seconds": "$.input.seconds"})
+cancellable.step("after", echo, after=["work"], args={"value": 1})
+ductor.register(cancellable)
+
+killable = Workflow("killable")
+killable.step("work", stubborn, args={"seconds": "$.input.seconds", "marker": "$.input.marker"})
+killable.step("after", echo, after=["work"], args={"value": 1})
+ductor.register(killable)
+
+
 # --- scatter/gather --------------------------------------------------------------------------
 
 

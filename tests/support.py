@@ -7,6 +7,7 @@ and ``cluster``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -40,7 +41,8 @@ from ductor_celery.store.ticks import commit_on
 @dataclass
 class FakeStep:
     """Stands in for a ``@ductor.step`` object: what the workflow builder reads of one (the
-    ``StepLike`` protocol, plus the optional ``heartbeat_timeout`` and ``concurrency``)."""
+    ``StepLike`` protocol, plus the optional ``heartbeat_timeout``, ``concurrency`` and
+    ``schedule_to_start_timeout``)."""
 
     name: str = "s.x"
     retry: RetryPolicy = RetryPolicy()
@@ -48,6 +50,7 @@ class FakeStep:
     queue: str | None = None
     heartbeat_timeout: float | None = None
     concurrency: ConcurrencyLimit | None = None
+    schedule_to_start_timeout: float | None = None
 
 
 # -- the pure tick ------------------------------------------------------------------------------
@@ -75,7 +78,10 @@ def literal_of(ns: NodeState) -> Any:
 
 RUN = "r1"
 NOW = datetime(2024, 1, 1, 12, 0, tzinfo=UTC)
-CFG = EngineConfig(resend_unclaimed_after=30.0, default_step_timeout=300.0)
+#: cancel_grace=0: a cancel closes what is in flight at once, the behaviour these pure-tick
+#: tests were written for; the cooperative cancel (a grace) has its own tests
+#: (tests/unit/test_tick_cancel.py).
+CFG = EngineConfig(resend_unclaimed_after=30.0, default_step_timeout=300.0, cancel_grace=0)
 #: The run's own transition on its first tick.
 RUN_STARTED = (None, "pending", "running", "started")
 
@@ -143,8 +149,10 @@ def summary(**overrides: Any) -> dict[str, Any]:
 # two transactions on purpose, for tests that change the store between the load and the
 # commit (a conflicting writer, a worker finishing meanwhile).
 
-#: The engine settings of a default ``Settings()``.
-CONFIG = Settings().engine_config()
+#: The engine settings of a default ``Settings()``, but with a cancel closing what is in flight
+#: at once (no grace), the behaviour these hand-driven ticks were written for; the cooperative
+#: cancel has its own tests (tests/integration/test_cooperative_cancel.py).
+CONFIG = dataclasses.replace(Settings().engine_config(), cancel_grace=0)
 
 
 def load_tick(

@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from ..engine import TickPayload
+from ..engine.inputs import Dispatch
 from ..engine.kinds import DispatchKind
 from .port import TickClaim
 
@@ -42,12 +43,19 @@ def outbox_intents(payload: TickPayload, waiting: set[str]) -> list[dict[str, An
     (for its lease, or claimed by the tick's worker) is not written: the release that hands it
     a slot sends it, or the worker runs it."""
     return [
-        wakeup_intent(d.run_id)
-        if d.kind == DispatchKind.WAKEUP
-        else step_intent(d.run_id, d.token, d.node, d.step, d.queue) | {"kind": d.kind}
+        wakeup_intent(d.run_id) if d.kind == DispatchKind.WAKEUP else _attempt_intent(d)
         for d in payload.dispatches
         if not (d.kind == DispatchKind.STEP and d.token in waiting)
     ]
+
+
+def _attempt_intent(d: Dispatch) -> dict[str, Any]:
+    """A step or revoke row; a revoke that kills a running step says so in its payload (a
+    version that does not know the key revokes without terminating, as it always did)."""
+    row = step_intent(d.run_id, d.token, d.node, d.step, d.queue) | {"kind": d.kind}
+    if d.terminate:
+        row["payload"] = row["payload"] | {"terminate": True}
+    return row
 
 
 def transition_rows(run_id: str, now: datetime, payload: TickPayload) -> list[dict[str, Any]]:

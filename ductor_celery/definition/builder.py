@@ -66,15 +66,18 @@ WorkflowResolver = Callable[[str], WorkflowSpec | None]
 class Workflow:
     """A DAG of nodes: ``Workflow("order", version=1)``, then ``wf.step(...)`` and friends."""
 
-    def __init__(self, name: str, version: int = 1) -> None:
+    def __init__(self, name: str, version: int = 1, *, deadline: float | None = None) -> None:
         problem = id_problem(name)
         if problem is not None:
             raise DefinitionError(f"workflow name {short(name)}: the name {problem}")
         problem = int_problem(version, minimum=1)
         if problem is not None:
             raise DefinitionError(f"workflow {name!r}: version {problem}")
+        # Seconds from a run's start; each run may set its own with start(deadline=...).
+        check_timeout(f"workflow {name!r}", "deadline", deadline)
         self.name = name
         self.version = version
+        self.deadline = deadline
         self._nodes: list[dict[str, Any]] = []
         self._output: Any = None
 
@@ -337,7 +340,11 @@ class Workflow:
         output = check_literals(self._output, f"workflow {self.name!r}", "output")
         try:
             spec = WorkflowSpec(
-                name=self.name, version=self.version, nodes=tuple(nodes), output=output
+                name=self.name,
+                version=self.version,
+                nodes=tuple(nodes),
+                output=output,
+                deadline=self.deadline,
             )
         except ValueError as exc:  # pydantic: the output is not JSON-like
             raise DefinitionError(f"workflow {self.name!r}: invalid output: {exc}") from None
@@ -454,6 +461,8 @@ def _attempt_settings(raw: dict[str, Any], step: StepLike | str, where: str) -> 
     check_timeout(where, "timeout", timeout)
     heartbeat_timeout = getattr(known, "heartbeat_timeout", None)
     check_timeout(where, "heartbeat_timeout", heartbeat_timeout)
+    schedule_to_start = getattr(known, "schedule_to_start_timeout", None)
+    check_timeout(where, "schedule_to_start_timeout", schedule_to_start)
     queue = getattr(known, "queue", None)
     if queue is not None:
         refuse(where, "queue", id_problem(queue))
@@ -461,6 +470,7 @@ def _attempt_settings(raw: dict[str, Any], step: StepLike | str, where: str) -> 
         "retry": policy.to_spec() if policy is not None else RetrySpec(),
         "timeout": timeout,
         "heartbeat_timeout": heartbeat_timeout,
+        "schedule_to_start_timeout": schedule_to_start,
         "queue": queue,
         "concurrency": _concurrency_of(known),
     }

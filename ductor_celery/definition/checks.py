@@ -202,6 +202,7 @@ def check_step_options(
     heartbeat_timeout: object,
     queue: object,
     concurrency: object,
+    schedule_to_start_timeout: object = None,
 ) -> None:
     """The options of ``@ductor.step``, checked when the function is decorated."""
     where = f"step {step!r}"
@@ -209,6 +210,7 @@ def check_step_options(
         raise DefinitionError(f"{where}: retry= takes a RetryPolicy(...), got {short(retry)}")
     check_timeout(where, "timeout", timeout)
     check_timeout(where, "heartbeat_timeout", heartbeat_timeout)
+    check_timeout(where, "schedule_to_start_timeout", schedule_to_start_timeout)
     if queue is not None:
         refuse(where, "queue", id_problem(queue))
     if concurrency is not None and not isinstance(concurrency, ConcurrencyLimit):

@@ -99,6 +99,12 @@ class _NodeBase(BaseModel):
     continue_on_failure: bool = False
 
 
+def _without_unset_schedule_to_start(data: dict[str, Any]) -> dict[str, Any]:
+    if data.get("schedule_to_start_timeout", 0) is None:
+        del data["schedule_to_start_timeout"]
+    return data
+
+
 class AttemptNodeSpec(_NodeBase):
     """What every node that runs step attempts shares: the step, its arguments and policies."""
 
@@ -111,6 +117,14 @@ class AttemptNodeSpec(_NodeBase):
     queue: Id | None = None
     #: At most ``limit`` attempts of this step with the same resolved key run at once.
     concurrency: ConcurrencySpec | None = None
+    #: An attempt not claimed within this long of its dispatch (no worker took its message,
+    #: or it waited for a concurrency lease) times out and retries. Left out of the stored
+    #: form when unset, so specs (and hashes) without it are what they were.
+    schedule_to_start_timeout: Timeout | None = None
+
+    @model_serializer(mode="wrap")
+    def _dump_attempt(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_unset_schedule_to_start(handler(self))
 
 
 class StepNodeSpec(AttemptNodeSpec):
@@ -137,7 +151,7 @@ class ScatterNodeSpec(AttemptNodeSpec):
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
+        data: dict[str, Any] = _without_unset_schedule_to_start(handler(self))
         if data.get("batch_size") == 1:
             del data["batch_size"]
         return data
@@ -335,6 +349,17 @@ class WorkflowSpec(BaseModel):
     version: PositiveCount = 1
     nodes: tuple[NodeSpec, ...]
     output: Any = None
+    #: The default deadline of its runs, in seconds from their start (``start(deadline=...)``
+    #: overrides it). Left out of the stored form when unset, so a workflow without one keeps
+    #: the hash it had before deadlines existed.
+    deadline: Timeout | None = None
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("deadline") is None:
+            data.pop("deadline", None)
+        return data
 
     def canonical_json(self) -> str:
         """The text the spec hash is taken of: the stored form, keys sorted, and ``-0.0``

@@ -9,7 +9,7 @@ written once.
 from __future__ import annotations
 
 import hashlib
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from ..definition.retry import backoff_delay
@@ -37,6 +37,9 @@ def fold_results(t: TickContext) -> None:
             continue
         branch = result.branch if ns.scatter is not None else None
         batched = ns.scatter is not None and ns.scatter.batch > 1 and branch is not None
+        if result.outcome == "cancelled":
+            _stopped(t, result, slot, branch)
+            continue
         if result.outcome == "succeeded":
             problem = _bad_success(result, t.inputs.config.max_payload_bytes)
             if problem is None and batched:
@@ -58,6 +61,20 @@ def fold_results(t: TickContext) -> None:
                 # The batch gave up: its items with a recorded output count as succeeded, so
                 # their context patches (merged by the worker into this attempt's) apply.
                 t.payload.state.context.update(result.patch)
+
+
+def _stopped(t: TickContext, result: AttemptResult, slot: Slot, branch: int | None) -> None:
+    """The step stopped on a cancel (``StepCancelled``): never a failure to retry. While the
+    run's cancel is pending the slot is only cleared (the cancel closes the node); a step
+    that raised it on its own fails its node without retry."""
+    where = "attempt" if branch is None else f"branch {branch} attempt"
+    if t.payload.state.cancel is None:
+        error = result.error or {"type": "StepCancelled", "message": "the step stopped itself"}
+        attempt_failed(t, result.node, slot, branch, error, False)
+        return
+    _clear(slot)
+    status = t.nodes[result.node].status
+    t.record(result.node, status, status, f"{where} {slot.attempt} stopped on the cancel")
 
 
 def _waiting_on(ns: NodeState | None, result: AttemptResult) -> Slot | None:
@@ -101,6 +118,7 @@ def _clear(slot: Slot) -> None:
     slot.check_at = None
     slot.resend_at = None
     slot.claimed_at = None
+    slot.queued_until = None
 
 
 def _spread(token: str | None) -> float:
@@ -163,12 +181,18 @@ def _check_slot(t: TickContext, node: str, slot: Slot, branch: int | None) -> No
     spec = t.attempt_spec(node)
     timeout = spec.timeout or cfg.default_step_timeout
     where = "attempt" if branch is None else f"branch {branch} attempt"
+    if check.claimed_at is None and slot.queued_until is not None:
+        if slot.queued_until <= t.now:
+            _not_started_in_time(t, node, slot, branch, check.lease_waiting)
+            return
     if check.claimed_at is None and check.lease_waiting:
         # Waiting for a lease: whoever frees one sends the message. Look again after one
         # step timeout (the sweeper re-sends a granted message that got lost).
         slot.resends = 0
         slot.resend_at = None
-        slot.check_at = t.now + timedelta(seconds=first_limit(spec, cfg))
+        slot.check_at = _no_later_than_queued(
+            slot, t.now + timedelta(seconds=first_limit(spec, cfg))
+        )
         t.payload.changed = True
         return
     if check.claimed_at is None:
@@ -187,9 +211,14 @@ def _check_slot(t: TickContext, node: str, slot: Slot, branch: int | None) -> No
             status = t.nodes[node].status
             t.record(node, status, status, f"{where} {slot.attempt} unclaimed: re-sent")
         slot.resend_at = resend_at
-        slot.check_at = min(resend_at, t.now + timedelta(seconds=first_limit(spec, cfg)))
+        slot.check_at = _no_later_than_queued(
+            slot, min(resend_at, t.now + timedelta(seconds=first_limit(spec, cfg)))
+        )
         t.payload.changed = True
         return
+    if slot.queued_until is not None:
+        slot.queued_until = None  # claimed in time: the start-to-close rules apply now
+        t.payload.changed = True
     deadline = check.claimed_at + timedelta(seconds=timeout)
     why = f"did not finish within {timeout:g}s of its start (worker lost or step too slow)"
     silent = False
@@ -211,6 +240,31 @@ def _check_slot(t: TickContext, node: str, slot: Slot, branch: int | None) -> No
     t.payload.closed.append(
         ClosedAttempt(slot.token, "timed_out", error, step=spec.step, lost=silent)
     )
+    attempt_failed(t, node, slot, branch, error, True)
+
+
+def _no_later_than_queued(slot: Slot, check_at: datetime) -> datetime:
+    """An unclaimed attempt is looked at again by its schedule-to-start deadline at the latest."""
+    return check_at if slot.queued_until is None else min(check_at, slot.queued_until)
+
+
+def _not_started_in_time(
+    t: TickContext, node: str, slot: Slot, branch: int | None, lease_waiting: bool
+) -> None:
+    """Schedule-to-start: nobody claimed the attempt in time. Closed as timed out (the commit
+    withdraws it from its lease queue, if it waited for one) and retried per the policy."""
+    assert slot.token is not None
+    spec = t.attempt_spec(node)
+    where = "attempt" if branch is None else f"branch {branch} attempt"
+    why = "waited for a concurrency lease" if lease_waiting else "no worker claimed it"
+    error = {
+        "type": "ScheduleToStartTimeout",
+        "message": (
+            f"{where} {slot.attempt} was not started within "
+            f"{spec.schedule_to_start_timeout:g}s of its dispatch ({why})"
+        ),
+    }
+    t.payload.closed.append(ClosedAttempt(slot.token, "timed_out", error, step=spec.step))
     attempt_failed(t, node, slot, branch, error, True)
 
 

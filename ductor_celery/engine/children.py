@@ -23,7 +23,7 @@ from .payloads import refusal
 from .status import OPEN_RUN_STATUSES, NodeStatus
 
 #: Child statuses that end the parent's wait with a failure.
-FAILED_CHILD = frozenset({"failed", "cancelled", "terminated", "missing"})
+FAILED_CHILD = frozenset({"failed", "cancelled", "terminated", "timed_out", "missing"})
 
 
 def child_run_id(run_id: str, node: str, branch: int | None, generation: int) -> str:

@@ -6,7 +6,9 @@ import hashlib
 from typing import Any
 
 from ..definition.spec import WorkflowSpec
+from .cancel import request_cancel
 from .context import TickContext
+from .deadline import hard_revokes
 from .delay import resumed_status
 from .exhausted import rerun_exhausted
 from .inputs import HandledControl, SuccessorRun
@@ -32,7 +34,8 @@ _REFUSED: dict[ControlKind, str] = {
     ControlKind.CANCEL: "run is already {status}",
     ControlKind.TERMINATE: "run is already {status}",
     ControlKind.REDRIVE: (
-        "run is {status}; only failed, cancelled or terminated runs can be redriven"
+        "run is {status}; only failed, cancelled, terminated or timed-out runs can be redriven"
+        " (a succeeded run: with from_node)"
     ),
     ControlKind.CONTINUE_AS_NEW: (
         "run is {status}, only a running or paused run can continue as new"
@@ -61,8 +64,12 @@ def apply_control(t: TickContext) -> None:
     elif kind == ControlKind.RESUME:
         rerun_exhausted(t, reason)
         t.move_run(resumed_status(state, t.now), reason)
+    elif kind == ControlKind.CANCEL and request_cancel(t, reason):
+        pass  # cooperative: the run closes once its attempts stop (engine/cancel.py)
     elif kind in (ControlKind.CANCEL, ControlKind.TERMINATE):
         revoke_and_close(t, reason)
+        if kind == ControlKind.TERMINATE:
+            hard_revokes(t)  # terminate kills steps still running; cancel lets them stop
         state.continue_pending = None
         t.payload.error = {"type": kind.capitalize(), "message": reason}
         t.move_run(

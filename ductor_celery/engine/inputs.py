@@ -21,6 +21,8 @@ class EngineConfig:
     #: A node waiting on child runs looks at them at least this often, whatever wake-ups were
     #: lost on the way (a cheap backstop: one small commit per period).
     child_poll_after: float = 60.0
+    #: How long a cancel waits for attempts in flight to stop on their own (engine/cancel.py).
+    cancel_grace: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +157,9 @@ class Dispatch:
     token: str
     step: str
     queue: str | None
+    #: A revoke that also kills the step if it is running (``revoke(terminate=True)``):
+    #: terminate and a run deadline; cancel only drops queued messages.
+    terminate: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +239,9 @@ class TickPayload:
     child_controls: list[ChildControl] = field(default_factory=list)
     #: A checkpoint was reached: a parent waiting for it is woken.
     checkpoint_reached: bool = False
+    #: A cooperative cancel was requested: the commit sets ``cancel_requested_at`` on these
+    #: open attempts, which their workers read back with their next heartbeat.
+    cancel_requested: list[str] = field(default_factory=list)
 
     @property
     def status(self) -> RunStatus:

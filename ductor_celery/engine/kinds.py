@@ -65,6 +65,7 @@ CONTROL_ALLOWED: dict[RunStatus, frozenset[ControlKind]] = {
     RunStatus.CANCELLED: _REDRIVE,
     RunStatus.TERMINATED: _REDRIVE,
     RunStatus.CONTINUED: frozenset(),  # its successor is the run to control
+    RunStatus.TIMED_OUT: _REDRIVE,  # redriven like a failed run (with a fresh deadline)
 }
 
 

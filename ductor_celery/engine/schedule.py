@@ -155,9 +155,14 @@ def finish_if_done(t: TickContext) -> None:
 
 
 def next_wake_at(t: TickContext) -> datetime | None:
-    """The earliest check, retry or deadline. A paused run's timers fire only after resume."""
+    """The earliest check, retry or deadline. A paused run's timers fire only after resume,
+    except the run's own deadline, which counts while paused too."""
     paused = t.payload.state.status == RunStatus.PAUSED
     due: list[datetime] = []
+    if t.payload.state.deadline_at is not None:
+        due.append(t.payload.state.deadline_at)
+    if t.payload.state.cancel is not None:  # a cancel's grace (engine/cancel.py)
+        due.append(datetime.fromisoformat(str(t.payload.state.cancel["grace_until"])))
     if waiting_to_start(t.payload.state, t.now):
         assert t.payload.state.start_at is not None
         due.append(t.payload.state.start_at)

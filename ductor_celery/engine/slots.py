@@ -83,6 +83,11 @@ def start_attempt(
     slot.check_at = min(slot.resend_at, t.now + timedelta(seconds=first_limit(spec, cfg)))
     slot.resends = 0
     slot.claimed_at = None
+    slot.queued_until = None
+    if spec.schedule_to_start_timeout is not None:
+        # Not claimed by then (no worker took it, or it waits for a lease): it times out.
+        slot.queued_until = t.now + timedelta(seconds=spec.schedule_to_start_timeout)
+        slot.check_at = min(slot.check_at, slot.queued_until)
     if ns.started_at is None:
         ns.started_at = t.now
     t.payload.new_attempts.append(

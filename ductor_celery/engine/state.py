@@ -25,6 +25,7 @@ _DATETIME_FIELDS = (
     "claimed_at",
     "deadline",
     "resend_at",
+    "queued_until",
 )
 
 
@@ -155,6 +156,8 @@ class BranchState:
     #: A batch (``batch_size`` > 1): how many of its items have a recorded output, as its
     #: latest failed attempt reported; they count as succeeded if the batch gives up.
     done: int = 0
+    #: The in-flight attempt's schedule-to-start deadline (``NodeState.queued_until``).
+    queued_until: datetime | None = None
 
     def to_json(self) -> dict[str, Any]:
         return _dump(self)
@@ -272,6 +275,9 @@ class NodeState:
     #: Failed on its last attempt under ``on_exhausted="pause"``: the run is paused on it
     #: instead of failing, and a resume runs it again with a fresh budget (engine/exhausted.py).
     awaiting_resume: bool = False
+    #: The in-flight attempt must be claimed by then (the step's ``schedule_to_start_timeout``
+    #: after its dispatch), or it times out; cleared once a check finds it claimed.
+    queued_until: datetime | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": self.status.value}
@@ -317,10 +323,23 @@ class RunState:
     #: A redrive with ``input=``: the control row whose input replaced the run's (the run
     #: row's input column is never updated; engine/redrive.py).
     input_from: int | None = None
+    #: A run deadline (``start(deadline=...)`` or the workflow's ``deadline``): past it the
+    #: run ends ``timed_out`` (engine/deadline.py); its timer row wakes it then.
+    deadline_at: datetime | None = None
+    #: A cooperative cancel waiting for attempts in flight to stop (engine/cancel.py):
+    #: ``{"reason": str, "grace_until": ISO time}``.
+    cancel: dict[str, Any] | None = None
 
     @classmethod
-    def initial(cls, node_ids: list[str], start_at: datetime | None = None) -> RunState:
-        return cls(nodes={n: NodeState() for n in node_ids}, start_at=start_at)
+    def initial(
+        cls,
+        node_ids: list[str],
+        start_at: datetime | None = None,
+        deadline_at: datetime | None = None,
+    ) -> RunState:
+        return cls(
+            nodes={n: NodeState() for n in node_ids}, start_at=start_at, deadline_at=deadline_at
+        )
 
     def copy(self) -> RunState:
         return RunState(
@@ -331,6 +350,8 @@ class RunState:
             continue_pending=copy.deepcopy(self.continue_pending),
             start_at=self.start_at,
             input_from=self.input_from,
+            deadline_at=self.deadline_at,
+            cancel=dict(self.cancel) if self.cancel else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -342,6 +363,8 @@ class RunState:
             **({"continue_pending": self.continue_pending} if self.continue_pending else {}),
             **({"start_at": self.start_at.isoformat()} if self.start_at else {}),
             **({"input_from": self.input_from} if self.input_from is not None else {}),
+            **({"deadline_at": self.deadline_at.isoformat()} if self.deadline_at else {}),
+            **({"cancel": self.cancel} if self.cancel else {}),
         }
 
     @classmethod
@@ -354,4 +377,8 @@ class RunState:
             continue_pending=data.get("continue_pending"),
             start_at=datetime.fromisoformat(data["start_at"]) if data.get("start_at") else None,
             input_from=int(data["input_from"]) if data.get("input_from") is not None else None,
+            deadline_at=(
+                datetime.fromisoformat(data["deadline_at"]) if data.get("deadline_at") else None
+            ),
+            cancel=data.get("cancel"),
         )

@@ -20,6 +20,7 @@ class RunStatus(StrEnum):
     CANCELLED = "cancelled"  #: an operator cancelled it
     TERMINATED = "terminated"  #: an operator terminated it
     CONTINUED = "continued"  #: closed in favour of a successor run
+    TIMED_OUT = "timed_out"  #: its deadline (``start(deadline=...)``) passed before it finished
 
 
 class NodeStatus(StrEnum):
@@ -34,8 +35,9 @@ class NodeStatus(StrEnum):
     CANCELLED = "cancelled"  #: the run ended while this node was in flight
 
 
-#: Run statuses a run never leaves by itself: only a redrive reopens a failed, cancelled or
-#: terminated run. A tick of a terminal run applies its control, if any, and nothing else.
+#: Run statuses a run never leaves by itself: only a redrive reopens a failed, cancelled,
+#: terminated or timed-out run. A tick of a terminal run applies its control, if any, and
+#: nothing else.
 TERMINAL_RUN_STATUSES: frozenset[RunStatus] = frozenset(
     {
         RunStatus.SUCCEEDED,
@@ -43,6 +45,7 @@ TERMINAL_RUN_STATUSES: frozenset[RunStatus] = frozenset(
         RunStatus.CANCELLED,
         RunStatus.TERMINATED,
         RunStatus.CONTINUED,
+        RunStatus.TIMED_OUT,
     }
 )
 #: Run statuses of a run still in progress: pending, running, paused. At most one run per

@@ -12,9 +12,11 @@ from typing import Any
 
 from ..definition.spec import WorkflowSpec
 from .advance import check_in_flight, fire_retries, fold_results
+from .cancel import settle_cancel
 from .children import absorb_subworkflows
 from .context import TickContext
 from .controls import apply_control, maybe_continue_as_new, request_auto_continue
+from .deadline import time_out_if_due
 from .delay import waiting_to_start
 from .external import absorb_external
 from .inputs import TickInputs, TickPayload
@@ -33,6 +35,7 @@ def compute_tick(
     t.outputs.update(inputs.outputs)
     _ensure_nodes(t)
     apply_control(t)
+    time_out_if_due(t)  # before anything else moves: past its deadline nothing new starts
     if payload.state.status in TERMINAL_RUN_STATUSES:
         # Late results for a finished run are folded so nobody wakes the run for them again.
         for result in inputs.results:
@@ -45,6 +48,9 @@ def compute_tick(
         t.move_run(RunStatus.RUNNING, "started")
     fold_results(t)
     check_in_flight(t)
+    if payload.state.cancel is not None:
+        settle_cancel(t)  # a cancel waiting for attempts to stop: nothing else moves
+        return _finish(t)
     if fail_run_on_fatal_node(t):
         return _finish(t)
     request_auto_continue(t)
@@ -76,6 +82,8 @@ def _ensure_nodes(t: TickContext) -> None:
 
 def _finish(t: TickContext) -> TickPayload:
     payload = t.payload
+    if payload.state.status in TERMINAL_RUN_STATUSES:
+        payload.state.cancel = None  # ended otherwise (terminate, deadline) while cancelling
     payload.next_wake_at = (
         None if payload.state.status in TERMINAL_RUN_STATUSES else next_wake_at(t)
     )

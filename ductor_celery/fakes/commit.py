@@ -22,6 +22,7 @@ from ..coordinator.rows import outbox_intents, transition_rows, unsent, wakeup_i
 from ..definition.spec import WorkflowSpec
 from ..engine import RunState, TickPayload
 from ..engine.children import child_workflow_id
+from ..engine.deadline import deadline_after
 from ..engine.status import OPEN_RUN_STATUSES, TERMINAL_RUN_STATUSES
 from .load import newest_of_chain
 from .tables import AttemptRow, ControlRow, RunRow, Tables, TransitionRow, json_copy
@@ -78,6 +79,10 @@ def commit(
     for token in payload.folded:
         if token in tables.attempts:
             tables.attempts[token].folded = True
+    for token in payload.cancel_requested:  # as store/ticks.py: open attempts only
+        asked = tables.attempts.get(token)
+        if asked is not None and asked.finished_at is None:
+            asked.cancel_requested_at = now
     _insert_attempts(tables, loaded, payload, now, claim)
     for t in transition_rows(loaded.run_id, now, payload):
         tables.transitions.append(TransitionRow(**t))
@@ -248,7 +253,9 @@ def _children(
             run_id=child.run_id,
             workflow_id=workflow_id,
             spec=spec,
-            state=RunState.initial([n.id for n in spec.nodes]),
+            state=RunState.initial(
+                [n.id for n in spec.nodes], deadline_at=deadline_after(now, spec.deadline)
+            ),
             input=child.input,
             now=now,
             parent_run_id=run.run_id,

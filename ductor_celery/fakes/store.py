@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from ..coordinator.port import Loaded, LoadedRun, OutboxRow, RunBusy, TickClaim
 from ..definition.spec import WorkflowSpec
 from ..engine import EngineConfig, RunState, TickPayload
+from ..engine.deadline import deadline_after
 from ..engine.kinds import ControlKind
 from ..engine.status import OPEN_RUN_STATUSES
 from . import commit as committing
@@ -92,9 +93,11 @@ class InMemoryStore:
         *,
         run_id: str | None = None,
         workflow_id: str | None = None,
+        deadline: float | None = None,
     ) -> str:
         """Insert a pending run (no tick yet). An open run of ``workflow_id`` wins: its id is
-        returned and nothing is inserted, as ``ductor.start`` does."""
+        returned and nothing is inserted, as ``ductor.start`` does. ``deadline``: seconds from
+        now (default: the workflow's), as ``ductor.start(deadline=...)``."""
         self.add_definition(spec)
         run_id = run_id or uuid.uuid4().hex
         workflow_id = workflow_id or run_id
@@ -108,7 +111,12 @@ class InMemoryStore:
             run_id=run_id,
             workflow_id=workflow_id,
             spec=spec,
-            state=RunState.initial(list(spec.graph.order)),
+            state=RunState.initial(
+                list(spec.graph.order),
+                deadline_at=deadline_after(
+                    self.now, deadline if deadline is not None else spec.deadline
+                ),
+            ),
             input=input,
             now=self.now,
         )
@@ -171,6 +179,12 @@ class InMemoryStore:
         row.heartbeat_at = self.now
         return True
 
+    def should_stop(self, token: str) -> bool:
+        """What the worker's heartbeat learns (``store.attempts.heartbeat``): its run's
+        cooperative cancel was requested, or the attempt was closed."""
+        row = self.attempt(token)
+        return row.cancel_requested_at is not None or row.finished_at is not None
+
     def finish(
         self,
         token: str,
@@ -179,14 +193,16 @@ class InMemoryStore:
         error: dict[str, Any] | None = None,
         retryable: bool = True,
         patch: dict[str, Any] | None = None,
+        cancelled: bool = False,
     ) -> bool:
-        """The outcome, written once: succeeded unless ``error`` is given. False: the
-        attempt was finished or closed already (a late or duplicate outcome)."""
+        """The outcome, written once: succeeded unless ``error`` is given (``cancelled``: the
+        step stopped on a cancel, ``StepCancelled``). False: the attempt was finished or
+        closed already (a late or duplicate outcome)."""
         row = self.attempt(token)
         if row.finished_at is not None:
             return False
         row.finished_at, row.finished_seq = self.now, self.tables.next_id("finish")
-        row.outcome = "failed" if error is not None else "succeeded"
+        row.outcome = "cancelled" if cancelled else "failed" if error is not None else "succeeded"
         row.output, row.error = json_copy(output), json_copy(error)
         row.retryable, row.patch = retryable, json_copy(patch)
         self.tables.wakes.add(row.run_id)

@@ -65,6 +65,8 @@ class AttemptRow:
     claimed_at: datetime | None = None
     claimed_by: str | None = None
     heartbeat_at: datetime | None = None
+    #: A cooperative cancel asked this attempt to stop (the commit of the cancel's tick).
+    cancel_requested_at: datetime | None = None
     finished_at: datetime | None = None
     #: The order attempts finished in: the test clock can give several the same
     #: ``finished_at``, the database's clock does not.

@@ -45,9 +45,11 @@ class Dispatcher:
                         kwargsrepr=repr({"run_id": row.run_id, "node": row.payload.get("node")}),
                     )
                 elif row.kind == DispatchKind.REVOKE:
-                    # Drops the message if it is still queued; a step already running finishes,
-                    # but its attempt is closed, so its outcome is discarded.
-                    self.app.control.revoke(row.payload["token"])
+                    # Drops the message if it is still queued; a step already running finishes
+                    # (its attempt is closed, so its outcome is discarded), unless the revoke
+                    # terminates (terminate, a run deadline): then its worker kills it.
+                    terminate = bool(row.payload.get("terminate"))
+                    self.app.control.revoke(row.payload["token"], terminate=terminate)
                 elif row.kind == DispatchKind.WAKEUP:
                     self._wake(row.run_id, producer)
                 else:  # written by a newer version of ductor: leave a trace, do not crash

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import socket
 import time
@@ -17,7 +18,7 @@ from .. import tracing
 from ..definition.retry import ConcurrencyLimit, RetryPolicy
 from ..definition.spec import BATCH_ARG
 from ..engine.payloads import json_problem, storable_text
-from ..errors import NonRetryableError, SecretNotFound
+from ..errors import NonRetryableError, SecretNotFound, StepCancelled
 from ..store import attempts, wakes
 from ..store.db import ValuesRefused, with_retry
 from ..store.outbox import OutboxRow
@@ -36,6 +37,8 @@ log = logging.getLogger("ductor_celery.step")
 
 #: How long a worker keeps trying to write a finished attempt's outcome to the database.
 FINISH_DEADLINE_S = 600.0
+#: ``ctx.cancelled`` reads its attempt row at most this often (a step may poll it in a loop).
+CANCEL_LOOK_INTERVAL_S = 1.0
 
 #: The longest exception message and traceback tail kept in an attempt's error, and the
 #: longest database or exception cause quoted in a message.
@@ -59,6 +62,8 @@ class Step:
     queue: str | None = None
     concurrency: ConcurrencyLimit | None = None
     task: Any = None  # the Celery task, set when registered
+    #: Not claimed within this many seconds of its dispatch: the attempt times out.
+    schedule_to_start_timeout: float | None = None  # the Celery task, set when registered
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -80,9 +85,11 @@ class StepContext:
         attempt: int,
         input: Any = None,
         context: Mapping[str, Any],
-        heartbeat_fn: Callable[[Any], None] | None = None,
+        heartbeat_fn: Callable[[Any], bool | None] | None = None,
         input_fn: Callable[[], Any] | None = None,
         secret_fn: Callable[[str], str] | None = None,
+        cancelled_fn: Callable[[], bool] | None = None,
+        cancelled: bool = False,
     ) -> None:
         self.run_id = run_id
         self.workflow_id = workflow_id
@@ -96,6 +103,9 @@ class StepContext:
         self._patch: dict[str, Any] = {}
         self._heartbeat_fn = heartbeat_fn
         self._secret_fn = secret_fn
+        self._cancelled_fn = cancelled_fn
+        self._stop = cancelled
+        self._looked = -math.inf
 
     @property
     def input(self) -> Any:
@@ -120,8 +130,25 @@ class StepContext:
         return f"{self.run_id}:{self.node}{branch}"
 
     def heartbeat(self, details: Any = None) -> None:
-        if self._heartbeat_fn is not None:
-            self._heartbeat_fn(details)
+        """Record that the attempt is alive (``details``: how far it got). Raises
+        ``StepCancelled`` once the run's cancel is requested (learned in the same round trip
+        as the heartbeat's write) or the attempt was closed: let it propagate."""
+        if self._heartbeat_fn is not None and self._heartbeat_fn(details):
+            self._stop = True
+        if self._stop:
+            raise StepCancelled(f"run {self.run_id} was cancelled: attempt {self.attempt} stops")
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the run's cancel is requested (or the attempt was closed): the step
+        should stop soon. Read from the database at most once a second; a heartbeat refreshes
+        it too."""
+        if not self._stop and self._cancelled_fn is not None:
+            now = time.monotonic()
+            if now - self._looked >= CANCEL_LOOK_INTERVAL_S:
+                self._looked = now
+                self._stop = self._cancelled_fn()
+        return self._stop
 
     def patch(self, mapping: Mapping[str, Any]) -> None:
         """Merge ``mapping`` into the run context when this attempt succeeds."""
@@ -238,23 +265,25 @@ def _heartbeat(
     details: Any,
     limit: int,
     redact: Callable[[Any], Any] = lambda value: value,
-) -> None:
+) -> bool:
     """A heartbeat is a hint: a database blip or odd details must not fail the user's step,
     and details the database refuses must not cost the heartbeat itself. ``redact``: the
-    attempt's secrets out of the (encoded) details."""
+    attempt's secrets out of the (encoded) details. Returns whether the attempt should stop
+    (its run's cancel requested, or the attempt closed)."""
     value, problem = _payload(details, "heartbeat details", min(limit, 65536))
     value = redact(value)
     if problem is not None:
         log.warning("attempt %s: %s; recording the heartbeat without them", token, problem)
     try:
-        _record_heartbeat(engine, token, value)
+        return _record_heartbeat(engine, token, value)
     except Exception as exc:  # noqa: BLE001
         log.warning("heartbeat for %s not recorded: %s", token, _describe(exc))
+        return False  # unknown: the next heartbeat asks again
 
 
-def _record_heartbeat(engine: Any, token: str, details: Any) -> None:
+def _record_heartbeat(engine: Any, token: str, details: Any) -> bool:
     try:
-        attempts.heartbeat(engine, token, details)
+        return attempts.heartbeat(engine, token, details)
     except ValuesRefused as refused:
         if details is None:
             raise
@@ -263,7 +292,16 @@ def _record_heartbeat(engine: Any, token: str, details: Any) -> None:
             token,
             refused.cause,
         )
-        attempts.heartbeat(engine, token, None)
+        return attempts.heartbeat(engine, token, None)
+
+
+def _should_stop(engine: Any, token: str) -> bool:
+    """``ctx.cancelled``'s look at the attempt row; a database blip reads as "go on"."""
+    try:
+        return attempts.should_stop(engine, token)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("attempt %s: cancel flag not read: %s", token, _describe(exc))
+        return False
 
 
 def _wake_needed(engine: Any, run_id: str) -> bool:
@@ -286,6 +324,14 @@ class _Outcome:
     patch: Any = None
     error: dict[str, Any] | None = None
     retryable: bool = True
+
+
+#: An attempt claimed after its run's cancel was requested: never run.
+_CANCELLED_BEFORE_START = _Outcome(
+    "cancelled",
+    error={"type": "StepCancelled", "message": "the run was cancelled before the step began"},
+    retryable=False,
+)
 
 
 def _invalid(problem: str) -> _Outcome:
@@ -370,7 +416,10 @@ def _run_claimed(
         claimed.attempt,
         step.name,
     ) as span:
-        if batch.is_batch(claimed.args, BATCH_ARG):
+        if claimed.cancel_requested:
+            # Claimed after its run's cancel was requested: stopped before it began.
+            result, interrupt = _CANCELLED_BEFORE_START, None
+        elif batch.is_batch(claimed.args, BATCH_ARG):
             result, interrupt = _run_batch(engine, step, claimed, me, limit, call)
         else:
             read_input = _input_reader(engine, claimed.run_id)
@@ -438,6 +487,8 @@ def _context(
             engine, claimed.token, details, limit, secrets.redact
         ),
         secret_fn=secrets.get,
+        cancelled_fn=lambda: _should_stop(engine, claimed.token),
+        cancelled=claimed.cancel_requested,
     )
 
 
@@ -612,6 +663,9 @@ def _call(
         return _Outcome("failed", error=error, retryable=True), None
     try:
         value = step.fn(ctx, **kwargs)
+    except StepCancelled as exc:
+        # Stopped on a cancel: recorded as cancelled, never a failure to retry.
+        return _Outcome("cancelled", error=_error_of(exc), retryable=False), None
     except BaseException as exc:  # noqa: BLE001 - a step's failure is data, not a crash
         failed = _Outcome(
             "failed",

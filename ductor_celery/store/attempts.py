@@ -40,6 +40,9 @@ class ClaimedAttempt:
     #: The run's workflow name and W3C traceparent (ductor_celery/tracing.py).
     workflow: str = ""
     trace_context: str | None = None
+    #: Its run's cancel was requested before the claim: the worker writes it as cancelled
+    #: without running the step (docs/operations.md, "Cancel and terminate").
+    cancel_requested: bool = False
 
 
 def _now(engine: Engine) -> Any:
@@ -147,6 +150,7 @@ def _claimed(
         queued_s=_seconds_between(row.created_at, row.claimed_at),
         workflow=run.workflow,
         trace_context=run.trace_context,
+        cancel_requested=row.cancel_requested_at is not None,
     )
 
 
@@ -218,6 +222,7 @@ _CLAIM_COLUMNS = (
     step_attempt.c.args,
     step_attempt.c.created_at,
     step_attempt.c.claimed_at,
+    step_attempt.c.cancel_requested_at,
 )
 
 
@@ -327,14 +332,32 @@ def _pg_finish_unleased() -> Any:
 
 
 @refusing_values()
-def heartbeat(engine: Engine, token: str, details: Any = None) -> None:
-    """Record that the attempt is alive (and how far it got); a closed attempt is left alone."""
+def heartbeat(engine: Engine, token: str, details: Any = None) -> bool:
+    """Record that the attempt is alive (and how far it got); a closed attempt is left alone.
+
+    Returns whether the attempt should stop, in the same round trip: its run's cancel was
+    requested (``cancel_requested_at``), or it is no longer open (closed by a terminate, a
+    cancel's grace, a timeout: whatever it produces now is discarded).
+    """
     with engine.begin() as conn:
-        conn.execute(
+        row = conn.execute(
             sa.update(step_attempt)
             .where(step_attempt.c.token == token, step_attempt.c.finished_at.is_(None))
             .values(heartbeat_at=_now(engine), heartbeat_details=details)
-        )
+            .returning(step_attempt.c.cancel_requested_at)
+        ).one_or_none()
+    return row is None or row.cancel_requested_at is not None
+
+
+def should_stop(engine: Engine, token: str) -> bool:
+    """``heartbeat``'s answer without recording a heartbeat (``ctx.cancelled``)."""
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(step_attempt.c.cancel_requested_at, step_attempt.c.finished_at).where(
+                step_attempt.c.token == token
+            )
+        ).one_or_none()
+    return row is None or row.cancel_requested_at is not None or row.finished_at is not None
 
 
 # -- batch attempts (a scatter with batch_size > 1) ----------------------------------------------

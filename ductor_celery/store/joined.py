@@ -334,6 +334,7 @@ def insert_run_on(
     input: Any,
     trace_context: str | None = None,
     start_at: datetime | None = None,
+    deadline_at: datetime | None = None,
 ) -> tuple[str, bool]:
     """``runs.insert_run`` in the caller's transaction: the definitions the run pins, then the
     run. Returns (run_id, created); an open run of the same workflow id wins (a savepoint keeps
@@ -350,6 +351,7 @@ def insert_run_on(
         input=input,
         trace_context=trace_context,
         start_at=start_at,
+        deadline_at=deadline_at,
     )
     try:
         with joined.savepoint():

@@ -207,6 +207,7 @@ def run_insert(
     created_at: datetime | None = None,
     trace_context: str | None = None,
     start_at: datetime | None = None,
+    deadline_at: datetime | None = None,
 ) -> sa.Insert:
     """The row of a run a client starts (``insert_run``, or ``store/joined.py`` in the
     caller's own transaction). ``created_at``: the store's clock when one is injected
@@ -219,7 +220,7 @@ def run_insert(
             workflow=spec.name,
             version=spec.version,
             spec_hash=spec.spec_hash,
-            state=RunState.initial(spec.graph.order, start_at=start_at),
+            state=RunState.initial(spec.graph.order, start_at=start_at, deadline_at=deadline_at),
             input=input,
             parent_run_id=parent_run_id,
             trace_context=trace_context,
@@ -251,6 +252,7 @@ def insert_run(
     parent_run_id: str | None = None,
     trace_context: str | None = None,
     start_at: datetime | None = None,
+    deadline_at: datetime | None = None,
 ) -> tuple[str, bool]:
     """Insert a pending run. Returns (run_id, created); an open run of the same workflow id wins.
 
@@ -266,6 +268,7 @@ def insert_run(
         created_at=clock.injected_now(engine),
         trace_context=trace_context,
         start_at=start_at,
+        deadline_at=deadline_at,
     )
     try:
         with engine.begin() as conn:

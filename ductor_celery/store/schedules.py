@@ -24,6 +24,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from ..definition.spec import WorkflowSpec
+from ..engine.deadline import deadline_after
 from ..engine.fire_times import Cadence, DueFires, due_fires, fire_id
 from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES
@@ -230,7 +231,7 @@ def _fire(
             window,
         )
     result.missed += due.missed
-    starter = _Starter(conn, s)
+    starter = _Starter(conn, s, now)
     buffered = s.buffered_fire_at
     if buffered is not None and not starter.previous_open():
         starter.start(buffered)
@@ -259,9 +260,11 @@ def _fire(
 class _Starter:
     """Inserts a schedule's runs on the schedule's transaction, tracking its newest run."""
 
-    def __init__(self, conn: Connection, s: ScheduleRow) -> None:
+    def __init__(self, conn: Connection, s: ScheduleRow, now: datetime) -> None:
         self.conn = conn
         self.s = s
+        #: When the runs are started: a run's deadline (its workflow's) counts from then.
+        self.now = now
         self.last = s.last_workflow_id
         self.started: list[str] = []
         self._spec: WorkflowSpec | None = None
@@ -287,7 +290,7 @@ class _Starter:
         run_id = uuid.uuid4().hex
         try:
             with self.conn.begin_nested():
-                insert_run_on(self.conn, run_id, workflow_id, self._spec, self.s.input)
+                insert_run_on(self.conn, run_id, workflow_id, self._spec, self.s.input, self.now)
         except IntegrityError:
             # An open run took the id meanwhile (someone started "<name>@<time>" by hand):
             # that is the fire time's run. Without the savepoint the schedule's transaction
@@ -310,8 +313,9 @@ def trigger(engine: Engine, name: str) -> tuple[str, str] | None:
         if row is None:
             return None
         s = ScheduleRow.from_row(row)
-        starter = _Starter(conn, s)
-        run_id = starter.start(db_now_on(conn))
+        now = db_now_on(conn)
+        starter = _Starter(conn, s, now)
+        run_id = starter.start(now)
         if run_id is None:
             raise LookupError(f"workflow {s.workflow!r} has no stored definition")
         conn.execute(
@@ -360,8 +364,16 @@ def latest_spec(conn: Connection, workflow: str) -> WorkflowSpec | None:
 
 
 def insert_run_on(
-    conn: Connection, run_id: str, workflow_id: str, spec: WorkflowSpec, input: Any
+    conn: Connection,
+    run_id: str,
+    workflow_id: str,
+    spec: WorkflowSpec,
+    input: Any,
+    now: datetime,
 ) -> None:
+    # The workflow's default deadline counts from when the sweeper starts the run (a fire
+    # time caught up late still gets its whole deadline).
+    deadline_at = deadline_after(now, spec.deadline)
     conn.execute(
         sa.insert(workflow_run).values(
             pending_run(
@@ -370,7 +382,7 @@ def insert_run_on(
                 workflow=spec.name,
                 version=spec.version,
                 spec_hash=spec.spec_hash,
-                state=RunState.initial(spec.graph.order),
+                state=RunState.initial(spec.graph.order, deadline_at=deadline_at),
                 input=input,
             )
         )

@@ -178,8 +178,12 @@ step_attempt = sa.Table(
     sa.Column("heartbeat_at", Ts, nullable=True),
     # The details of the latest ctx.heartbeat(details), shown by `ductor show`.
     sa.Column("heartbeat_details", Json, nullable=True),
+    # Set by the tick that applied a cooperative cancel: the heartbeat and the claim return
+    # it (ctx.cancelled, StepCancelled); docs/operations.md, "Cancel and terminate".
+    sa.Column("cancel_requested_at", Ts, nullable=True),
     sa.Column("finished_at", Ts, nullable=True),
-    # succeeded | failed (by the worker), timed_out | cancelled (closed by the coordinator)
+    # succeeded | failed | cancelled (by the worker: StepCancelled), timed_out | cancelled
+    # (closed by the coordinator)
     sa.Column("outcome", sa.String(20), nullable=True),
     sa.Column("output", Json, nullable=True),
     sa.Column("error", Json, nullable=True),

@@ -21,6 +21,7 @@ from ..coordinator.port import LoadedRun, OutboxRow, TickClaim, VersionConflict,
 from ..coordinator.rows import outbox_intents, transition_rows, unsent, wakeup_intent
 from ..engine import RunState, TickPayload
 from ..engine.children import child_workflow_id
+from ..engine.deadline import deadline_after
 from ..engine.status import TERMINAL_RUN_STATUSES
 from . import leases, pg_commit
 from .db import is_postgres
@@ -108,6 +109,16 @@ def _commit_on(
         parent = newest_of_chain(conn, loaded.parent_run_id)
         outbox.extend(insert_outbox(conn, [wakeup_intent(parent)], now))
 
+    if payload.cancel_requested:
+        # A cooperative cancel: the workers of these attempts read it with their heartbeat.
+        conn.execute(
+            sa.update(step_attempt)
+            .where(
+                step_attempt.c.token.in_(payload.cancel_requested),
+                step_attempt.c.finished_at.is_(None),
+            )
+            .values(cancel_requested_at=now)
+        )
     _set_timer(conn, loaded, payload.next_wake_at)
 
     if finished and loaded.state.status not in TERMINAL_RUN_STATUSES and is_postgres(conn.engine):
@@ -379,7 +390,11 @@ def _children(
                     workflow=found.name,
                     version=found.version,
                     spec_hash=found.spec_hash,
-                    state=RunState.initial([n["id"] for n in found.spec["nodes"]]),
+                    state=RunState.initial(
+                        [n["id"] for n in found.spec["nodes"]],
+                        # the child workflow's own default deadline, from its start
+                        deadline_at=deadline_after(now, found.spec.get("deadline")),
+                    ),
                     input=child.input,
                     parent_run_id=loaded.run_id,
                     parent_node=child.node,

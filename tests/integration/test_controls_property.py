@@ -290,6 +290,9 @@ def make_world(url: str, *, eager: bool, max_transitions: int) -> World:
     # ones are not sent again, and a sleep does not come due (examples repeat exactly).
     app.conf.ductor_default_step_timeout = 86_400
     app.conf.ductor_resend_unclaimed_after = 86_400
+    # A cancel closes the zoo's attempts in flight at once (the cooperative cancel, with a
+    # grace, has its own tests: test_cooperative_cancel.py).
+    app.conf.ductor_cancel_grace = 0
     d = Ductor(app, database_url=url)
     step = d.step(name="ctl.work")(work)
     for wf in workflows(step):

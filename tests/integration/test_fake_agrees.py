@@ -10,6 +10,7 @@ test's), and outbox ids (sequences are per store).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,11 +36,23 @@ from ductor_celery.store.schema import (
     workflow_transition,
 )
 
-CONFIG = EngineConfig(resend_unclaimed_after=30.0, default_step_timeout=300.0)
+#: cancel_grace=0: a cancel closes what is in flight in its own tick (the cooperative cancel's
+#: rows are compared in test_a_cooperative_cancel_marks_the_same_attempts_in_both_stores).
+CONFIG = EngineConfig(resend_unclaimed_after=30.0, default_step_timeout=300.0, cancel_grace=0)
 #: Retry backoff: short, since the SQL store's clock is the real one.
 BACKOFF = 0.2
 TIME_FIELDS = frozenset(
-    {"check_at", "retry_at", "started_at", "finished_at", "claimed_at", "deadline", "resend_at"}
+    {
+        "check_at",
+        "retry_at",
+        "started_at",
+        "finished_at",
+        "claimed_at",
+        "deadline",
+        "resend_at",
+        "grace_until",
+        "deadline_at",
+    }
 )
 TERMINAL = frozenset(s.value for s in TERMINAL_RUN_STATUSES)
 
@@ -75,12 +88,35 @@ class _World(Protocol):
     def control(self, run_id: str, kind: ControlKind, **target: Any) -> None: ...
     def wait(self, seconds: float) -> None: ...
     def open_runs(self) -> list[str]: ...
+
+    def asked_to_stop(self) -> list[str]: ...
     def rows(self) -> dict[str, Any]: ...
 
 
+def test_a_cooperative_cancel_marks_the_same_attempts_in_both_stores(db_url: str) -> None:
+    wf = Workflow("agree_coop")
+    wf.scatter("each", "s.each", over="$.input.items", item_arg="item", max_parallel=3)
+    spec = wf.build()
+    graceful = dataclasses.replace(CONFIG, cancel_grace=30.0)
+    worlds = [_Fake([spec], graceful), _Sql(db_url, [spec], graceful)]
+    for world in worlds:
+        world.start(spec, "agree-3", {"items": [1, 2, 3]})
+        world.coordinator.tick("agree-3")
+        first = world.sent.sent[0].payload["token"]
+        world.claim_and_finish(first, "one", None)
+        world.control("agree-3", ControlKind.CANCEL)
+        world.coordinator.tick("agree-3")  # folds the first branch, asks the other two
+        assert world.open_runs() == ["agree-3"]
+        assert world.asked_to_stop() == ["agree-3:each:2", "agree-3:each:3"]
+    fake_rows, sql_rows = (_strip_ids(w.rows()) for w in worlds)
+    for table in ("runs", "attempts", "transitions", "controls"):
+        assert fake_rows[table] == sql_rows[table], table
+    assert _sent(worlds[0]) == _sent(worlds[1])
+
+
 class _Fake:
-    def __init__(self, specs: list[WorkflowSpec]) -> None:
-        self.store = InMemoryStore(config=CONFIG)
+    def __init__(self, specs: list[WorkflowSpec], config: EngineConfig = CONFIG) -> None:
+        self.store = InMemoryStore(config=config)
         for spec in specs:
             self.store.add_definition(spec)
         self.sent = RecordingDispatcher(self.store)
@@ -104,6 +140,9 @@ class _Fake:
 
     def open_runs(self) -> list[str]:
         return sorted(r.run_id for r in self.store.tables.runs.values() if r.status not in TERMINAL)
+
+    def asked_to_stop(self) -> list[str]:
+        return sorted(a.token for a in self.store.tables.attempts.values() if a.cancel_requested_at)
 
     def rows(self) -> dict[str, Any]:
         t = self.store.tables
@@ -150,12 +189,12 @@ class _Fake:
 
 
 class _Sql:
-    def __init__(self, url: str, specs: list[WorkflowSpec]) -> None:
+    def __init__(self, url: str, specs: list[WorkflowSpec], config: EngineConfig = CONFIG) -> None:
         self.engine = get_engine(url)
         by_hash = {s.spec_hash: s for s in specs}
         for spec in specs:
             runs.save_definition(self.engine, spec)
-        self.coordinator, self.sent = sql_coordinator(self.engine, by_hash.__getitem__, CONFIG)
+        self.coordinator, self.sent = sql_coordinator(self.engine, by_hash.__getitem__, config)
 
     def start(self, spec: WorkflowSpec, run_id: str, input: Any) -> None:
         runs.insert_run(self.engine, run_id=run_id, workflow_id=run_id, spec=spec, input=input)
@@ -196,6 +235,15 @@ class _Sql:
 
     def wait(self, seconds: float) -> None:
         time.sleep(seconds)
+
+    def asked_to_stop(self) -> list[str]:
+        with self.engine.connect() as conn:
+            found = conn.execute(
+                sa.select(step_attempt.c.token).where(
+                    step_attempt.c.cancel_requested_at.is_not(None)
+                )
+            )
+            return sorted(found.scalars())
 
     def open_runs(self) -> list[str]:
         with self.engine.connect() as conn:

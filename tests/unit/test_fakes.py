@@ -328,3 +328,30 @@ def test_a_redrive_racing_a_start_of_its_workflow_id_is_rejected_and_the_run_kep
     assert coordinator.tick(failed).outcome == "noop"  # recomputed after the rejection
     assert store.run(failed).status == "failed" and store.run(newer).status == "pending"
     assert store.tables.controls[-1].result == ("rejected: another run of this workflow id is open")
+
+
+def test_the_fake_keeps_deadlines_and_the_cooperative_cancel_as_the_tables_do() -> None:
+    store, sent, coordinator = _world()
+    wf = Workflow("long")
+    wf.step("a", "s.a")
+    spec = wf.build()
+    timed = store.start(spec, deadline=60)
+    coordinator.tick(timed)
+    assert store.state(timed).deadline_at == store.now + timedelta(seconds=60)
+    store.advance(60)
+    coordinator.tick(timed)
+    assert store.run(timed).status == "timed_out"
+    revoke = [r for r in sent.take() if r.kind == DispatchKind.REVOKE]
+    assert [r.payload.get("terminate") for r in revoke] == [True]
+
+    asked = store.start(spec)
+    coordinator.tick(asked)
+    token = sent.take()[0].payload["token"]
+    assert store.claim(token) and not store.should_stop(token)
+    store.control(asked, "cancel")
+    coordinator.tick(asked)
+    assert store.run(asked).status == "running" and store.should_stop(token)
+    assert store.finish(token, error={"type": "StepCancelled"}, cancelled=True)
+    coordinator.tick(asked)
+    assert store.run(asked).status == "cancelled"
+    assert store.attempt(token).outcome == "cancelled"

@@ -725,7 +725,10 @@ def test_cancel_and_terminate_close_everything_open_and_revoke_in_flight(
         ],
         error={"type": kind.capitalize(), "message": reason},
     )
-    assert p3.dispatches == [Dispatch("revoke", RUN, "a", "r1:a:1", "s", None)]
+    # Terminate kills the step if it is running (revoke with terminate=True).
+    assert p3.dispatches == [
+        Dispatch("revoke", RUN, "a", "r1:a:1", "s", None, terminate=kind == "terminate")
+    ]
     assert p3.closed == [
         ClosedAttempt("r1:a:1", "cancelled", {"type": "Cancelled", "message": reason})
     ]
@@ -783,7 +786,8 @@ def finished(status: RunStatus) -> tuple[WorkflowSpec, RunState]:
         (
             RunStatus.SUCCEEDED,
             "redrive",
-            "run is succeeded; only failed, cancelled or terminated runs can be redriven",
+            "run is succeeded; only failed, cancelled, terminated or timed-out runs can be redriven"
+            " (a succeeded run: with from_node)",
         ),
         (
             RunStatus.FAILED,

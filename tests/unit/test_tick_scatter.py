@@ -325,12 +325,12 @@ def test_a_late_result_for_a_closed_branch_is_stale() -> None:
     sim.tick()
     sim.tick(sim.run_workers())
     tokens = [t for t, a in sim.attempts.items() if a.node == "each"]
-    p = sim.tick(control=ControlIn(id=1, kind="cancel"))
-    assert p.state.status == RunStatus.CANCELLED
+    p = sim.tick(control=ControlIn(id=1, kind="terminate"))  # closes at once
+    assert p.state.status == RunStatus.TERMINATED
     assert sorted(c.token for c in p.closed) == sorted(tokens)
     late = AttemptResult(token=tokens[0], node="each", outcome="succeeded", output=1, branch=0)
     p2 = compute_tick(sim.spec, p.state, TickInputs(run_id="r", results=(late,)), sim.now)
-    assert p2.folded == [tokens[0]] and p2.state.status == RunStatus.CANCELLED
+    assert p2.folded == [tokens[0]] and p2.state.status == RunStatus.TERMINATED
 
 
 def test_a_burst_of_results_is_folded_in_one_tick() -> None:

@@ -113,7 +113,13 @@ def test_control_allowed_says_what_the_client_and_the_coordinator_always_did() -
         ControlKind.RESUME: {RunStatus.PAUSED},
         ControlKind.CANCEL: OPEN_RUN_STATUSES,
         ControlKind.TERMINATE: OPEN_RUN_STATUSES,
-        ControlKind.REDRIVE: {RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.TERMINATED},
+        # A timed-out run (issue 14 item 2) is redriven like a failed one.
+        ControlKind.REDRIVE: {
+            RunStatus.FAILED,
+            RunStatus.CANCELLED,
+            RunStatus.TERMINATED,
+            RunStatus.TIMED_OUT,
+        },
         ControlKind.CONTINUE_AS_NEW: OPEN_RUN_STATUSES,
     }
     assert {kind: statuses_allowing(kind) for kind in ControlKind} == expected
@@ -173,7 +179,7 @@ class _App:
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, list[Any]]] = []
-        self.revoked: list[str] = []
+        self.revoked: list[tuple[str, bool]] = []
         self.control = self
 
     @contextmanager
@@ -183,8 +189,8 @@ class _App:
     def send_task(self, name: str, args: list[Any], **_: Any) -> None:
         self.sent.append((name, args))
 
-    def revoke(self, token: str) -> None:
-        self.revoked.append(token)
+    def revoke(self, token: str, terminate: bool = False) -> None:
+        self.revoked.append((token, terminate))
 
 
 def test_the_dispatcher_sends_each_kind_and_logs_an_unknown_one(
@@ -196,9 +202,11 @@ def test_the_dispatcher_sends_each_kind_and_logs_an_unknown_one(
         OutboxRow(2, "r1", "teleport", "x", None, {}),  # a newer ductor's kind, read back
         OutboxRow(3, "r1", DispatchKind.REVOKE, "s.a", None, {"token": "r1:a:0"}),
         OutboxRow(4, "r2", "wakeup", "ductor.tick", None, {"run_id": "r2"}),  # plain text too
+        # terminate and a run deadline: the worker kills the step if it is running
+        OutboxRow(5, "r1", DispatchKind.REVOKE, "s.a", None, {"token": "r1:a:2", "terminate": 1}),
     ]
     with caplog.at_level(logging.ERROR, logger="ductor_celery.dispatch"):
         Dispatcher(app, "steps", "coord").send(rows)
     assert app.sent == [("s.a", ["r1:a:1"]), ("ductor.tick", ["r2"])]
-    assert app.revoked == ["r1:a:0"]
+    assert app.revoked == [("r1:a:0", False), ("r1:a:2", True)]
     assert [r.getMessage() for r in caplog.records] == ["unknown outbox kind 'teleport' for run r1"]
