@@ -378,6 +378,18 @@ def close_slot(t: TickContext, node_id: str, slot: Slot, reason: str, *, revoke:
     p.changed = True
 
 
+def child_final(run_id: str, status: str, output: Any, error: Any) -> tuple[bool, Any]:
+    """A finished child run as a child-run scatter branch's final (ok, value): its output, or
+    a ``ChildRunFailed`` error naming it (the SQL store and the fake read rows the same way)."""
+    if status == "succeeded":
+        return True, output
+    return False, {
+        "type": "ChildRunFailed",
+        "message": f"child run {run_id} {status}",
+        "child_error": error,
+    }
+
+
 def assemble(sc: ScatterState, finals: dict[int, tuple[bool, Any]]) -> list[Any]:
     """The gathered list from each branch's final attempt, by branch index:
     ``(succeeded, output or error)``. A failed branch's place holds ``{"error": ...}``."""

@@ -30,7 +30,7 @@ from ..engine.outputs import (
     resolve_outputs,
 )
 from ..engine.redrive import reads_for
-from ..engine.scatter import BatchAttempt, assemble, assemble_batched
+from ..engine.scatter import BatchAttempt, assemble, assemble_batched, child_final
 from ..engine.slots import slots
 from ..engine.state import ScatterState
 from ..engine.status import TERMINAL_RUN_STATUSES
@@ -265,17 +265,7 @@ def _gather_children(tables: Tables, node: str, sc: ScatterState) -> list[Any]:
         row = newest_of_chain(tables, child_run_id(sc.run, node, index, sc.base))
         if row is None:
             continue
-        if row.status == "succeeded":
-            finals[index] = (True, row.output)
-        else:
-            finals[index] = (
-                False,
-                {
-                    "type": "ChildRunFailed",
-                    "message": f"child run {row.run_id} {row.status}",
-                    "child_error": row.error,
-                },
-            )
+        finals[index] = child_final(row.run_id, row.status, row.output, row.error)
     return assemble(sc, finals)
 
 

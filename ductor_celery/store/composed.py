@@ -17,7 +17,7 @@ from ..engine import NodeStatus, RunState
 from ..engine.children import child_run_id
 from ..engine.inputs import ChildSnapshot
 from ..engine.outputs import checkpoint_of
-from ..engine.scatter import BatchAttempt, assemble, assemble_batched
+from ..engine.scatter import BatchAttempt, assemble, assemble_batched, child_final
 from ..engine.state import ScatterState
 from .schema import step_attempt, workflow_run
 
@@ -129,17 +129,7 @@ def gather_children(conn: Connection, node: str, sc: ScatterState) -> list[Any]:
         row = rows.get(child)
         if row is None:
             continue
-        if row.status == "succeeded":
-            finals[index] = (True, row.output)
-        else:
-            finals[index] = (
-                False,
-                {
-                    "type": "ChildRunFailed",
-                    "message": f"child run {row.run_id} {row.status}",
-                    "child_error": row.error,
-                },
-            )
+        finals[index] = child_final(row.run_id, row.status, row.output, row.error)
     return assemble(sc, finals)
 
 
