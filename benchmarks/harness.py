@@ -167,7 +167,10 @@ class Bench:
             extra["BENCH_TIMERS_DIR"] = str(self.timers_dir)
         self.worker_env = extra
         self.steps_w = self.start_worker(
-            f"steps-{tag}", "bench_app", ["-Q", self.app.STEPS_QUEUE, "-c", "2"], extra
+            f"steps-{tag}",
+            "bench_app",
+            ["-Q", self.app.STEPS_QUEUE, "-c", str(self.args.step_concurrency)],
+            extra,
         )
         self.coord_w = self.start_coordinator(f"coord-{tag}", extra)
         self.ductor_workers = [self.steps_w, self.coord_w]

@@ -11,9 +11,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from common import log
+from common import log, scatter_sizes
 from ductor_phases import ductor_run
 from harness import Bench
+from scatters import ductor_scatter
 
 
 def profile(bench: Bench) -> None:
@@ -22,10 +23,14 @@ def profile(bench: Bench) -> None:
     prof_dir = bench.workdir / "profile"
     prof_dir.mkdir()
     bench.use_mode(bench.mode or "on", "-prof", {"BENCH_PROFILE_DIR": str(prof_dir)}, timers=False)
-    for _ in range(bench.args.warmup):
-        ductor_run(bench)
-    for _ in range(bench.args.runs):
-        ductor_run(bench)
+    if bench.args.profile_workload == "scatter":
+        # One inline scatter of the smallest size: where a branch's tick and step spend.
+        ductor_scatter(bench, min(scatter_sizes(bench.args) or [1000]), "bench_scatter")
+    else:
+        for _ in range(bench.args.warmup):
+            ductor_run(bench)
+        for _ in range(bench.args.runs):
+            ductor_run(bench)
     bench.stop_workers(bench.ductor_workers)
     bench.ductor_workers = []
     report = profile_report(prof_dir, top=bench.args.profile_top)

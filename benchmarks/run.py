@@ -131,6 +131,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="afterwards, rerun the ductor latency workload with cProfile in workers",
     )
+    p.add_argument(
+        "--step-concurrency",
+        type=int,
+        default=2,
+        help="-c of the ductor step worker (1: no two processes tick one run at once)",
+    )
+    p.add_argument(
+        "--profile-workload",
+        choices=["chain", "scatter"],
+        default="chain",
+        help="what --profile runs: the sequential 10-step runs, or one scatter of the smallest"
+        " --scatter-sizes (1,000 if none)",
+    )
     p.add_argument("--profile-top", type=int, default=15, help="rows per profile table")
     p.add_argument("--profile-out", help="directory for the merged tick.prof / step.prof")
     p.add_argument(

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 from ductor_celery import Ductor, NonRetryableError, RetryPolicy, StepContext, Workflow
+from ductor_celery.runtime import inline
 
 app = Celery("e2e")
 app.conf.update(
@@ -313,6 +314,24 @@ def _scatter_wf(name: str, **policy: Any) -> Workflow:
 ductor.register(_scatter_wf("scatter"))
 ductor.register(_scatter_wf("scatter_tolerant", tolerated_failures=2))
 ductor.register(_scatter_wf("scatter_ratio", tolerated_failure_ratio=0.1))
+
+
+# Held branches (runtime/inline.py): E2E_HOLD_QUICKER sets which step counts as quick, so
+# that a test holds branches however busy the machine is.
+if os.environ.get("E2E_HOLD_QUICKER"):
+    inline.HOLD_IF_QUICKER_S = float(os.environ["E2E_HOLD_QUICKER"])
+
+
+@ductor.step(name="e2e.bump")
+def bump(ctx: StepContext, item: int) -> int:
+    _ledger(ctx)
+    return item + 1
+
+
+quick_scatter = Workflow("quick_scatter")
+quick_scatter.scatter("each", bump, over="$.input.items", max_parallel=8)
+quick_scatter.output("$.nodes.each.output")
+ductor.register(quick_scatter)
 
 
 # --- child runs: sub-workflows, checkpoints, child-run scatter ------------------------------

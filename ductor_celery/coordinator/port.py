@@ -56,6 +56,11 @@ class TickClaim:
 
     token: str
     worker: str
+    #: More new attempts the same worker runs after that one, one at a time (a scatter's
+    #: quick branches, runtime/inline.py): no outbox row, and inserted unclaimed; the worker
+    #: claims each as it starts it, as a message would. Left unclaimed (the worker died),
+    #: the tick re-sends them as messages after ``ductor_resend_unclaimed_after``.
+    held: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,8 +34,8 @@ def wakeup_intent(run_id: str) -> dict[str, Any]:
 
 
 def unsent(claim: TickClaim | None) -> set[str]:
-    """The attempt the tick's worker claimed gets no message: it runs it itself."""
-    return set() if claim is None else {claim.token}
+    """The attempts the tick's worker claimed or holds get no message: it runs them itself."""
+    return set() if claim is None else {claim.token, *claim.held}
 
 
 def outbox_intents(payload: TickPayload, waiting: set[str]) -> list[dict[str, Any]]:

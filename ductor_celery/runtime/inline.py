@@ -33,19 +33,20 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from celery._state import pop_current_task, push_current_task
 
-from ..coordinator.port import TickClaim
+from ..coordinator.port import OutboxRow, TickClaim
+from ..coordinator.rows import step_intent
 from ..engine.kinds import DispatchKind
 from ..store.attempts import ClaimedAttempt
 from ..store.schema import dumps_json
 
 if TYPE_CHECKING:
     from ..coordinator.port import LoadedRun
-    from ..engine import TickPayload
+    from ..engine import NewAttempt, TickPayload
     from .runtime import Runtime
     from .steps import Step
 
@@ -53,6 +54,23 @@ log = logging.getLogger("ductor_celery.step")
 
 #: No inline attempt starts later than this after the message that began the chain.
 INLINE_BUDGET_S = 5.0
+#: At most this many branches of one scatter per tick for one worker (the one claimed in the
+#: commit and the ones held after it), and only after a step quicker than HOLD_IF_QUICKER_S.
+HOLD_MAX = 16
+HOLD_IF_QUICKER_S = 0.005
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A new attempt the tick left unclaimed, with no message, for this worker to run."""
+
+    token: str
+    step: Step
+    run_id: str
+    node: str
+    queue: str
+    #: Dispatched by an earlier tick, with a message (not this tick's new attempt).
+    adopted: bool = False
 
 
 @dataclass
@@ -68,6 +86,12 @@ class InlineChain:
     deadline: float
     _chosen: tuple[ClaimedAttempt, Step, str] | None = None
     _kept: tuple[ClaimedAttempt, Step, str] | None = None
+    _chosen_held: list[_Held] = field(default_factory=list)
+    _held: list[_Held] = field(default_factory=list)
+    #: How long the attempt this worker ran last took (``_holdable``).
+    last_ran_s: float | None = None
+    #: A run whose outcome this worker wrote alone, to tick after its held branches.
+    unticked: str | None = None
 
     @classmethod
     def start(
@@ -80,19 +104,25 @@ class InlineChain:
         return cls(rt, queue, identity, limit, time.monotonic() + INLINE_BUDGET_S)
 
     def choose(self, loaded: LoadedRun, payload: TickPayload) -> TickClaim | None:
-        """``Keeper.choose``: the first of the tick's new attempts this worker may run."""
+        """``Keeper.choose``: the first of the tick's new attempts this worker may run, and,
+        after a quick step, more branches of the same scatter to run after it (``held``)."""
         self._chosen = None
+        self._chosen_held = []
         if self._kept is not None or self.left <= 0 or time.monotonic() > self.deadline:
             return None
         new = {a.token: a for a in payload.new_attempts}
+        first: TickClaim | None = None
+        first_node: str | None = None
         for dispatch in payload.dispatches:
             attempt = new.get(dispatch.token) if dispatch.kind == DispatchKind.STEP else None
-            if attempt is None or attempt.args_from is not None or attempt.lease_key is not None:
+            step = None if attempt is None else self._runnable(attempt)
+            if attempt is None or step is None:
                 continue
-            if (attempt.queue or self.rt.settings.steps_queue) != self.queue:
-                continue
-            step = self.rt.step_named(attempt.step)
-            if step is None or step.concurrency is not None:
+            if first is not None:
+                if attempt.node == first_node and len(self._chosen_held) < self._holdable():
+                    self._chosen_held.append(
+                        _Held(attempt.token, step, loaded.run_id, attempt.node, self.queue)
+                    )
                 continue
             worker = self.identity()
             # The values as a claim would read them back: JSON, and no object the tick shares.
@@ -114,14 +144,78 @@ class InlineChain:
                 trace_context=loaded.trace_context,
             )
             self._chosen = (claimed, step, worker)
-            return TickClaim(attempt.token, worker)
-        return None
+            first, first_node = TickClaim(attempt.token, worker), attempt.node
+        if first is None:
+            return None
+        self._adopt(payload, first.token)
+        if not any(not h.adopted for h in self._chosen_held):
+            return first
+        return TickClaim(
+            first.token, first.worker, tuple(h.token for h in self._chosen_held if not h.adopted)
+        )
+
+    def _adopt(self, payload: TickPayload, first: str) -> None:
+        """Room left after the new branches: earlier branches of the same scatter still in
+        flight, whose messages may still wait in the broker. The worker tries to claim each
+        as it gets to it; one another worker claimed first is skipped, and a message for one
+        this worker claimed is dropped as a duplicate where it arrives."""
+        assert self._chosen is not None
+        claimed = self._chosen[0]
+        room = self._holdable() - len(self._chosen_held)
+        node = payload.state.nodes.get(claimed.node)
+        if room <= 0 or node is None or node.scatter is None:
+            return
+        taken = {first, *(h.token for h in self._chosen_held)}
+        step = self._chosen[1]
+        queue = self.queue
+        for _, branch in sorted(node.scatter.branches.items(), reverse=True):
+            if room <= 0:
+                break
+            if branch.token is None or branch.token in taken:
+                continue
+            self._chosen_held.append(
+                _Held(branch.token, step, claimed.run_id, claimed.node, queue, adopted=True)
+            )
+            room -= 1
+
+    def _runnable(self, attempt: NewAttempt) -> Step | None:
+        """The step of a new attempt this worker may run itself: registered here, routed to
+        this queue, with no concurrency limit (a lease is handed on through the broker path),
+        not a retry (the store copies a retry's arguments from the earlier attempt row)."""
+        if attempt.args_from is not None or attempt.lease_key is not None:
+            return None
+        if (attempt.queue or self.rt.settings.steps_queue) != self.queue:
+            return None
+        step = self.rt.step_named(attempt.step)
+        return None if step is None or step.concurrency is not None else step
+
+    def _holdable(self) -> int:
+        """How many more branches to hold after the chosen one: none after a slow step (held
+        branches run one after another here while other workers might run them at once)."""
+        if self.last_ran_s is None or self.last_ran_s > HOLD_IF_QUICKER_S:
+            return 0
+        return max(0, min(HOLD_MAX - 1, self.left - 1))
 
     def committed(self) -> None:
-        """``Keeper.committed``: the attempt chosen for the commit is now this worker's."""
+        """``Keeper.committed``: the attempts chosen for the commit are now this worker's."""
         if self._chosen is not None:
             self._kept, self._chosen = self._chosen, None
-            self.left -= 1
+            self.left -= 1 + len(self._chosen_held)
+            self._held.extend(self._chosen_held)
+            self._chosen_held = []
+
+    def ran(self, seconds: float) -> None:
+        """The attempt just run took ``seconds``. After a slow one, the branches held behind
+        it go back to the broker: other workers may run them at once."""
+        self.last_ran_s = seconds
+        if seconds > HOLD_IF_QUICKER_S:
+            self.release()
+
+    @property
+    def holding(self) -> bool:
+        """Branches are held for this worker after the attempt it is running: its outcome is
+        written alone, and the tick waits for the last of them."""
+        return bool(self._held)
 
     @property
     def kept(self) -> tuple[ClaimedAttempt, Step, str] | None:
@@ -131,6 +225,30 @@ class InlineChain:
         """The attempt to run next (claimed by the worker identity returned with it)."""
         kept, self._kept = self._kept, None
         return kept
+
+    def pop_held(self) -> tuple[str, Step] | None:
+        """The next held branch (not claimed yet: the caller claims it, as for a message)."""
+        if not self._held:
+            return None
+        held = self._held.pop(0)
+        return held.token, held.step
+
+    def release(self) -> None:
+        """Send the step messages of held branches this worker will not run (it is stopping,
+        or a step raised through the chain), so another worker takes them now rather than
+        when the tick re-sends them. A message lost here is re-sent by that tick."""
+        held, self._held = [h for h in self._held if not h.adopted], []
+        if not held:
+            return
+        rows = [
+            OutboxRow(0, h.run_id, DispatchKind.STEP, h.step.name, h.queue, intent["payload"])
+            for h in held
+            for intent in [step_intent(h.run_id, h.token, h.node, h.step.name, h.queue)]
+        ]
+        try:
+            self.rt.dispatcher.send(rows)
+        except Exception as exc:  # noqa: BLE001 - the tick re-sends unclaimed attempts
+            log.warning("held attempts not handed back (%s); they are re-sent later", exc)
 
 
 @contextlib.contextmanager
@@ -181,7 +299,8 @@ class TaskEvents:
         self.enabled = bool(app.conf.get("worker_send_task_events"))
         self.started_at = 0.0
 
-    def started(self) -> None:
+    def started(self, flush: bool = True) -> None:
+        """``flush``: publish it now (with what is buffered); else with the next flush."""
         self.started_at = time.monotonic()
         if self.enabled:
             claimed = self.claimed
@@ -193,7 +312,8 @@ class TaskEvents:
                 root_id=claimed.token,
                 retries=0,
             )
-            flush_events(self.app, self.hostname)
+            if flush:
+                flush_events(self.app, self.hostname)
 
     def finished(self, outcome: str) -> None:
         if self.enabled:

@@ -26,6 +26,7 @@ from ..values import decode, decode_lenient
 from . import batch, metrics
 from .arguments import ArgumentRefused, prepare
 from .coordinator import Keeper, PreludeRefused, run_tick
+from .failpoints import failpoint
 from .inline import InlineChain, TaskEvents, as_current_task, flush_events
 from .outbox_janitor import sent_outbox
 from .secrets import AttemptSecrets, SecretUnavailable, Slots, slots_for
@@ -376,16 +377,47 @@ def execute_attempt(
     if chain is None or chain.kept is None:
         return outcome
     try:
-        while (kept := chain.pop()) is not None:
-            next_claimed, next_step, next_me = kept
+        while (kept := _next_inline(rt, engine, chain)) is not None:
+            next_claimed, next_step, next_me, held = kept
             events = TaskEvents(rt.app, hostname, next_claimed)
-            events.started()
+            # A held branch follows a quick step: its events wait for the next flush.
+            events.started(flush=not held)
             with as_current_task(next_step, next_claimed, hostname, chain.queue):
                 next_outcome = _run_claimed(rt, engine, next_step, next_claimed, next_me, chain)
             events.finished(next_outcome)
     finally:
         flush_events(rt.app, hostname)
+        chain.release()
     return outcome
+
+
+def _next_inline(
+    rt: Runtime, engine: Any, chain: InlineChain
+) -> tuple[attempts.ClaimedAttempt, Step, str, bool] | None:
+    """The chain's next attempt: the one its last tick claimed, else the next held branch
+    this worker can still claim (one closed or taken meanwhile is skipped, as a message for
+    it would be); once none is left, the tick of outcomes written alone (which may hold more)."""
+    while True:
+        kept = chain.pop()
+        if kept is not None:
+            return (*kept, False)
+        held = chain.pop_held()
+        if held is not None:
+            token, step = held
+            # Fault tests: die holding branches, with outcomes written alone and not ticked.
+            failpoint("held_before_claim")
+            me = chain.identity()
+            claimed = with_retry(
+                functools.partial(attempts.claim, engine, token, me, step=step.name),
+                what="claim attempt",
+            )
+            if isinstance(claimed, attempts.ClaimedAttempt):
+                return claimed, step, me, True
+            continue
+        if chain.unticked is None:
+            return None
+        run_id, chain.unticked = chain.unticked, None
+        _advance_run(rt, engine, run_id, chain)
 
 
 def _run_claimed(
@@ -430,7 +462,17 @@ def _run_claimed(
     # A process about to stop takes no next step (it would be left claimed until its timeout).
     keep = None if interrupt is not None else chain
     try:
-        outcome = _record_and_advance(rt, engine, step, claimed.token, claimed.run_id, result, keep)
+        if keep is not None:
+            keep.ran(ran_s)
+        if keep is not None and keep.holding:
+            # More branches of this run are held for this worker: write the outcome alone;
+            # the tick after the last of them folds them all.
+            outcome = _record(rt, engine, step, claimed.token, result)
+            keep.unticked = claimed.run_id
+        else:
+            outcome = _record_and_advance(
+                rt, engine, step, claimed.token, claimed.run_id, result, keep
+            )
         if outcome != "closed":  # a closed attempt was counted by the tick that closed it
             metrics.record_attempt(step.name, outcome, ran_s)
     finally:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from ductor_celery import RunStatus
 
@@ -101,3 +102,60 @@ def test_two_coordinators_under_load_finish_every_run_exactly_once(
         assert cluster.executions(handle.run_id) == 10
         attempts = cluster.attempts(handle.run_id)
         assert len(attempts) == 10 and all(a.folded for a in attempts)
+
+
+def _run_version(cluster: Any, run_id: str) -> int:
+    with cluster.engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text("SELECT record_version FROM eec_workflow_run WHERE run_id = :r"),
+                {"r": run_id},
+            ).scalar_one()
+        )
+
+
+def test_a_quick_scatter_runs_several_branches_per_tick_on_real_workers(
+    cluster_factory: Any, client_for: Any
+) -> None:
+    """Held branches (runtime/inline.py): two step processes, 120 quick items, every branch
+    exactly once, and far fewer ticks than branches."""
+    cluster = cluster_factory(E2E_HOLD_QUICKER="1.0")
+    cluster.start_coordinator()
+    cluster.start_steps(concurrency=2)
+    ductor = client_for(cluster)
+    handle = ductor.start("quick_scatter", input={"items": list(range(120))})
+    view = ductor.wait(handle.run_id, timeout=60)
+    assert view.status == RunStatus.SUCCEEDED, cluster.logs()
+    assert view.output == [i + 1 for i in range(120)]
+    assert cluster.executions(handle.run_id) == 120
+    attempts = cluster.attempts(handle.run_id)
+    assert len(attempts) == 120 and all(a.folded and a.outcome == "succeeded" for a in attempts)
+    # Without holding every branch is folded by a tick of its own (120 and more commits).
+    assert _run_version(cluster, handle.run_id) < 90
+
+
+def test_a_step_worker_killed_while_holding_branches_loses_none_and_runs_none_twice(
+    cluster_factory: Any, client_for: Any, tmp_path: Path
+) -> None:
+    """The pool child dies about to claim a held branch: outcomes it wrote alone wait unfolded
+    (the sweeper wakes the run), the new branches it held have no message and are re-sent
+    once unclaimed for ``ductor_resend_unclaimed_after``, adopted ones still have theirs."""
+    fired = tmp_path / "held-failpoint-fired"
+    cluster = cluster_factory(E2E_HOLD_QUICKER="1.0", E2E_RESEND_AFTER="2")
+    cluster.start_coordinator()
+    cluster.start_steps(
+        concurrency=1,
+        DUCTOR_FAILPOINT="held_before_claim",
+        DUCTOR_FAILPOINT_MARKER=str(fired),
+    )
+    ductor = client_for(cluster)
+    handle = ductor.start("quick_scatter", input={"items": list(range(60))})
+    _wait_for_file(fired)
+    view = ductor.wait(handle.run_id, timeout=90)
+    assert view.status == RunStatus.SUCCEEDED, cluster.logs()
+    assert view.output == [i + 1 for i in range(60)]
+    assert cluster.executions(handle.run_id) == 60  # none lost, none twice
+    attempts = cluster.attempts(handle.run_id)
+    assert all(a.folded for a in attempts)
+    # It died before a claim, never inside a step: no attempt timed out, one per branch.
+    assert sorted(a.outcome for a in attempts) == ["succeeded"] * 60

@@ -12,62 +12,30 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
-from celery import Celery, current_task
+from celery import current_task
 from celery._state import pop_current_task, push_current_task
+from inline_support import (
+    QUEUE,
+    attempt_rows,
+    deliver,
+    make_ductor,
+    outbox_rows,
+    run_row,
+    start_run,
+    url,
+)
+
+__all__ = ["url"]  # the fixture: PostgreSQL and SQLite
 
 from ductor_celery import ConcurrencyLimit, Ductor, RetryPolicy, StepContext
 from ductor_celery.definition import Workflow
 from ductor_celery.runtime import inline
 from ductor_celery.runtime.coordinator import run_tick
-from ductor_celery.runtime.dispatch import Dispatcher
-from ductor_celery.runtime.outbox_janitor import sent_outbox
-from ductor_celery.runtime.steps import execute_attempt
 from ductor_celery.settings import Settings
 from ductor_celery.store.outbox import OutboxRow
-from ductor_celery.store.schema import step_attempt, workflow_outbox, workflow_run
-
-QUEUE = "ductor-steps"
-
-
-class RecordingDispatcher(Dispatcher):
-    """What would have been published, instead of publishing it."""
-
-    def __init__(self) -> None:
-        self.rows: list[OutboxRow] = []
-        self.wakes: list[str] = []
-
-    def send(self, rows: list[OutboxRow]) -> None:
-        self.rows.extend(rows)
-
-    def wake(self, run_id: str) -> None:
-        self.wakes.append(run_id)
-
-    def wake_many(self, run_ids: list[str]) -> None:
-        self.wakes.extend(run_ids)
-
-    def steps(self) -> list[str]:
-        return [r.payload["node"] for r in self.rows if r.kind == "step"]
-
-
-def _ductor(url: str, **conf: Any) -> tuple[Ductor, RecordingDispatcher]:
-    app = Celery("inline_steps", broker="memory://")
-    app.conf.update({f"ductor_{k}": v for k, v in conf.items()})
-    ductor = Ductor(app, database_url=url)
-    recorder = RecordingDispatcher()
-    ductor.runtime.dispatcher = recorder
-    return ductor, recorder
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'inline.sqlite3'}"
-    return str(request.getfixturevalue("database_url"))
 
 
 def _add_one(ductor: Ductor, name: str = "inline.add", **kw: Any) -> Any:
@@ -86,23 +54,6 @@ def _chain(ductor: Ductor, length: int, step: Any, name: str = "chain") -> None:
     ductor.register(wf)
 
 
-def _start(ductor: Ductor, workflow: str, recorder: RecordingDispatcher) -> tuple[str, OutboxRow]:
-    """Start a run and tick it on the coordinator's side: its first step message."""
-    handle = ductor.start(workflow, input={})
-    assert run_tick(ductor.runtime, handle.run_id) == "committed"
-    [first] = [r for r in recorder.rows if r.kind == "step"]
-    recorder.rows.clear()
-    recorder.wakes.clear()
-    return handle.run_id, first
-
-
-def _deliver(ductor: Ductor, row: OutboxRow, queue: str | None = QUEUE) -> str:
-    """The Celery task's body for the message ``row`` would have been."""
-    step = ductor.runtime.step_named(row.task)
-    assert step is not None
-    return execute_attempt(ductor.runtime, step, row.payload["token"], "w1@host", queue=queue)
-
-
 @contextlib.contextmanager
 def _as_message(ductor: Ductor, row: OutboxRow) -> Iterator[None]:
     """What Celery's tracer sets around a task delivered by a message."""
@@ -117,37 +68,8 @@ def _as_message(ductor: Ductor, row: OutboxRow) -> Iterator[None]:
         step.task.pop_request()
 
 
-def _run(ductor: Ductor, run_id: str) -> Any:
-    with ductor.runtime.engine().connect() as conn:
-        return conn.execute(sa.select(workflow_run).where(workflow_run.c.run_id == run_id)).one()
-
-
-def _attempts(ductor: Ductor, run_id: str) -> list[Any]:
-    with ductor.runtime.engine().connect() as conn:
-        return list(
-            conn.execute(
-                sa.select(step_attempt)
-                .where(step_attempt.c.run_id == run_id)
-                .order_by(step_attempt.c.created_at, step_attempt.c.node)
-            )
-        )
-
-
-def _outbox(ductor: Ductor) -> list[Any]:
-    """The outbox rows left once the sent ones are deleted (the janitor's thread may be
-    deleting a batch right now: give it a moment)."""
-    deadline = time.monotonic() + 2.0
-    while True:
-        sent_outbox(ductor.runtime.engine()).flush()
-        with ductor.runtime.engine().connect() as conn:
-            rows = list(conn.execute(sa.select(workflow_outbox)))
-        if not rows or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.05)
-
-
 def test_a_chain_runs_to_the_end_from_one_message(url: str) -> None:
-    ductor, recorder = _ductor(url)
+    ductor, recorder = make_ductor(url)
     task_ids: list[str | None] = []
 
     def add_one(ctx: StepContext, value: int = 0) -> int:
@@ -155,22 +77,22 @@ def test_a_chain_runs_to_the_end_from_one_message(url: str) -> None:
         return value + 1
 
     _chain(ductor, 6, ductor.step(name="inline.add")(add_one))
-    run_id, first = _start(ductor, "chain", recorder)
+    run_id, first = start_run(ductor, "chain", recorder)
 
     with _as_message(ductor, first):
-        assert _deliver(ductor, first) == "succeeded"
+        assert deliver(ductor, first) == "succeeded"
 
-    run = _run(ductor, run_id)
+    run = run_row(ductor, run_id)
     assert run.status == "succeeded" and run.output == 6
     assert recorder.steps() == []  # not one more step message
-    rows = _attempts(ductor, run_id)
+    rows = attempt_rows(ductor, run_id)
     assert [r.node for r in rows] == [f"s{i}" for i in range(6)]
     assert all(r.outcome == "succeeded" and r.claimed_at is not None for r in rows)
     assert {r.claimed_by.split(":")[1] for r in rows} == {str(os.getpid())}
     # Celery's current task is each attempt's own, with its token as the task id, as when a
     # message delivers it (user code and Celery's task log format read it).
     assert task_ids == [r.token for r in rows]
-    assert _outbox(ductor) == []  # each kept row marked sent once claimed
+    assert outbox_rows(ductor) == []  # each kept row marked sent once claimed
 
 
 @pytest.mark.parametrize(
@@ -181,46 +103,46 @@ def test_a_chain_runs_to_the_end_from_one_message(url: str) -> None:
 def test_without_inline_steps_each_step_is_a_message(
     database_url: str, conf: dict[str, Any], queue: str | None
 ) -> None:
-    ductor, recorder = _ductor(database_url, **conf)
+    ductor, recorder = make_ductor(database_url, **conf)
     _chain(ductor, 3, _add_one(ductor))
-    run_id, first = _start(ductor, "chain", recorder)
-    _deliver(ductor, first, queue=queue)
+    run_id, first = start_run(ductor, "chain", recorder)
+    deliver(ductor, first, queue=queue)
     if conf.get("eager_ticks") is False:
         assert recorder.wakes == [run_id]  # the coordinator ticks, and sends s1
-        assert _run(ductor, run_id).status == "running"
+        assert run_row(ductor, run_id).status == "running"
         return
     assert recorder.steps() == ["s1"]
-    assert [r.node for r in _attempts(ductor, run_id)] == ["s0", "s1"]
+    assert [r.node for r in attempt_rows(ductor, run_id)] == ["s0", "s1"]
 
 
 def test_at_most_inline_steps_follow_one_message(database_url: str) -> None:
-    ductor, recorder = _ductor(database_url, inline_steps=2)
+    ductor, recorder = make_ductor(database_url, inline_steps=2)
     _chain(ductor, 6, _add_one(ductor))
-    run_id, first = _start(ductor, "chain", recorder)
-    _deliver(ductor, first)
+    run_id, first = start_run(ductor, "chain", recorder)
+    deliver(ductor, first)
     assert recorder.steps() == ["s3"]  # s0 from the message, s1 and s2 inline, s3 sent
     [s3] = recorder.rows
     recorder.rows.clear()
-    _deliver(ductor, s3)
+    deliver(ductor, s3)
     assert recorder.steps() == []
-    assert _run(ductor, run_id).output == 6
+    assert run_row(ductor, run_id).output == 6
 
 
 def test_no_inline_step_starts_past_the_time_budget(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(inline, "INLINE_BUDGET_S", -1.0)
-    ductor, recorder = _ductor(database_url)
+    ductor, recorder = make_ductor(database_url)
     _chain(ductor, 3, _add_one(ductor))
-    _, first = _start(ductor, "chain", recorder)
-    _deliver(ductor, first)
+    _, first = start_run(ductor, "chain", recorder)
+    deliver(ductor, first)
     assert recorder.steps() == ["s1"]
 
 
 def test_a_step_for_another_queue_or_under_a_limit_goes_through_the_broker(
     database_url: str,
 ) -> None:
-    ductor, recorder = _ductor(database_url)
+    ductor, recorder = make_ductor(database_url)
     add = _add_one(ductor)
     elsewhere = _add_one(ductor, "inline.elsewhere", queue="gpu")
     limited = _add_one(ductor, "inline.limited", concurrency=ConcurrencyLimit(key="api", limit=1))
@@ -230,22 +152,22 @@ def test_a_step_for_another_queue_or_under_a_limit_goes_through_the_broker(
     wf.step("c", limited, after=["b"], args={"value": "$.nodes.b.output"})
     wf.output("$.nodes.c.output")
     ductor.register(wf)
-    run_id, first = _start(ductor, "mixed", recorder)
+    run_id, first = start_run(ductor, "mixed", recorder)
 
-    _deliver(ductor, first)
+    deliver(ductor, first)
     [b] = recorder.rows
     assert b.payload["node"] == "b" and b.queue == "gpu"
     recorder.rows.clear()
-    _deliver(ductor, b, queue="gpu")
+    deliver(ductor, b, queue="gpu")
     assert recorder.steps() == ["c"]  # leased: never inline
     [c] = recorder.rows
     recorder.rows.clear()
-    _deliver(ductor, c)
-    assert _run(ductor, run_id).output == 3
+    deliver(ductor, c)
+    assert run_row(ductor, run_id).output == 3
 
 
 def test_a_fan_out_keeps_one_branch_and_sends_the_others(database_url: str) -> None:
-    ductor, recorder = _ductor(database_url)
+    ductor, recorder = make_ductor(database_url)
     add = _add_one(ductor)
     wf = Workflow("fan")
     wf.step("root", add, args={"value": 0})
@@ -253,17 +175,17 @@ def test_a_fan_out_keeps_one_branch_and_sends_the_others(database_url: str) -> N
         wf.step(name, add, after=["root"], args={"value": "$.nodes.root.output"})
     wf.output("$.nodes.x.output")
     ductor.register(wf)
-    run_id, first = _start(ductor, "fan", recorder)
+    run_id, first = start_run(ductor, "fan", recorder)
 
-    _deliver(ductor, first)
+    deliver(ductor, first)
     sent = recorder.steps()
     assert len(sent) == 2 and set(sent) < {"x", "y", "z"}
-    ran = {r.node for r in _attempts(ductor, run_id) if r.finished_at is not None}
+    ran = {r.node for r in attempt_rows(ductor, run_id) if r.finished_at is not None}
     assert ran == {"root"} | ({"x", "y", "z"} - set(sent))
 
 
 def test_a_failing_inline_step_fails_its_node_as_from_a_message(database_url: str) -> None:
-    ductor, recorder = _ductor(database_url)
+    ductor, recorder = make_ductor(database_url)
     add = _add_one(ductor)
 
     def boom(ctx: StepContext, value: int = 0) -> int:
@@ -278,11 +200,11 @@ def test_a_failing_inline_step_fails_its_node_as_from_a_message(database_url: st
         args={"value": "$.nodes.a.output"},
     )
     ductor.register(wf)
-    run_id, first = _start(ductor, "fails", recorder)
-    _deliver(ductor, first)
-    run = _run(ductor, run_id)
+    run_id, first = start_run(ductor, "fails", recorder)
+    deliver(ductor, first)
+    run = run_row(ductor, run_id)
     assert run.status == "failed"
-    [_, b] = _attempts(ductor, run_id)
+    [_, b] = attempt_rows(ductor, run_id)
     assert b.outcome == "failed" and b.error["message"] == "bad value 1"
 
 
@@ -291,20 +213,20 @@ def test_a_worker_dying_before_its_inline_step_leaves_it_to_the_step_timeout(
 ) -> None:
     """KeyboardInterrupt from the events stands for the process dying right after the commit
     that claimed s1 for it: s1 is claimed with no message; its timeout retries it."""
-    ductor, recorder = _ductor(database_url)
+    ductor, recorder = make_ductor(database_url)
     _chain(ductor, 2, _add_one(ductor, timeout=1.0, retry=RetryPolicy(initial_interval=0.1)))
-    run_id, first = _start(ductor, "chain", recorder)
+    run_id, first = start_run(ductor, "chain", recorder)
 
-    def die(self: Any) -> None:
+    def die(self: Any, *_: Any, **__: Any) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(inline.TaskEvents, "started", die)
     with pytest.raises(KeyboardInterrupt):
-        _deliver(ductor, first)
+        deliver(ductor, first)
     monkeypatch.undo()
-    [_, s1] = _attempts(ductor, run_id)
+    [_, s1] = attempt_rows(ductor, run_id)
     assert s1.node == "s1" and s1.claimed_at is not None and s1.finished_at is None
-    assert recorder.steps() == [] and _outbox(ductor) == []
+    assert recorder.steps() == [] and outbox_rows(ductor) == []
 
     time.sleep(1.2)  # past s1's start-to-close timeout: timed out, retried after its backoff
     assert run_tick(ductor.runtime, run_id) == "committed"
@@ -313,9 +235,9 @@ def test_a_worker_dying_before_its_inline_step_leaves_it_to_the_step_timeout(
     [retry] = recorder.rows
     assert retry.payload["node"] == "s1" and retry.payload["token"] != s1.token
     recorder.rows.clear()
-    _deliver(ductor, retry)
-    assert _run(ductor, run_id).output == 2
-    assert [(r.node, r.outcome) for r in _attempts(ductor, run_id)] == [
+    deliver(ductor, retry)
+    assert run_row(ductor, run_id).output == 2
+    assert [(r.node, r.outcome) for r in attempt_rows(ductor, run_id)] == [
         ("s0", "succeeded"),
         ("s1", "timed_out"),
         ("s1", "succeeded"),
@@ -325,7 +247,7 @@ def test_a_worker_dying_before_its_inline_step_leaves_it_to_the_step_timeout(
 def test_a_step_that_exits_its_process_takes_no_inline_step(database_url: str) -> None:
     """The outcome is written and the tick runs, but the next step goes out as a message:
     claimed here, it would wait for its timeout once the process has exited."""
-    ductor, recorder = _ductor(database_url)
+    ductor, recorder = make_ductor(database_url)
 
     def exits(ctx: StepContext, value: int = 0) -> int:
         raise SystemExit(0)
@@ -336,11 +258,11 @@ def test_a_step_that_exits_its_process_takes_no_inline_step(database_url: str) -
     wf.step("a", exits_step, continue_on_failure=True)
     wf.step("b", add, after=["a"], args={"value": 1})
     ductor.register(wf)
-    run_id, first = _start(ductor, "exits", recorder)
+    run_id, first = start_run(ductor, "exits", recorder)
     with pytest.raises(SystemExit):
-        _deliver(ductor, first)
+        deliver(ductor, first)
     assert recorder.steps() == ["b"]
-    [a, b] = _attempts(ductor, run_id)
+    [a, b] = attempt_rows(ductor, run_id)
     assert a.outcome == "failed" and b.claimed_at is None
 
 
@@ -375,15 +297,15 @@ class RecordingEvents:
 def test_each_inline_step_shows_in_flower_as_a_task_of_its_own(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ductor, recorder = _ductor(database_url)
+    ductor, recorder = make_ductor(database_url)
     events = RecordingEvents()
     monkeypatch.setattr(type(ductor.app), "events", events, raising=False)
     assert ductor.app.conf.worker_send_task_events  # Ductor turns them on for Flower
     _chain(ductor, 3, _add_one(ductor))
-    run_id, first = _start(ductor, "chain", recorder)
-    _deliver(ductor, first)
+    run_id, first = start_run(ductor, "chain", recorder)
+    deliver(ductor, first)
 
-    tokens = {r.node: r.token for r in _attempts(ductor, run_id)}
+    tokens = {r.node: r.token for r in attempt_rows(ductor, run_id)}
     # One broker message per inline attempt (its start, with the previous one's success),
     # and the last success when the chain ends: nothing left in the buffer.
     assert events.buffer == []
@@ -401,14 +323,14 @@ def test_each_inline_step_shows_in_flower_as_a_task_of_its_own(
 def test_no_events_are_sent_when_the_user_turned_them_off(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ductor, recorder = _ductor(database_url)
+    ductor, recorder = make_ductor(database_url)
     ductor.app.conf.worker_send_task_events = False
     events = RecordingEvents()
     monkeypatch.setattr(type(ductor.app), "events", events, raising=False)
     _chain(ductor, 3, _add_one(ductor))
-    run_id, first = _start(ductor, "chain", recorder)
-    _deliver(ductor, first)
-    assert _run(ductor, run_id).output == 3 and events.sent == []
+    run_id, first = start_run(ductor, "chain", recorder)
+    deliver(ductor, first)
+    assert run_row(ductor, run_id).output == 3 and events.sent == []
 
 
 @pytest.mark.parametrize("value", [-1, True, "many", 1.5])

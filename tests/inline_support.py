@@ -1,0 +1,108 @@
+"""What the inline-step tests share: a Ductor whose dispatcher records what it would publish,
+and the first message of a run played by hand (``tests/integration/test_inline_steps.py``,
+``test_held_branches.py``)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from ductor_celery import Ductor
+from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime.dispatch import Dispatcher
+from ductor_celery.runtime.outbox_janitor import sent_outbox
+from ductor_celery.runtime.steps import execute_attempt
+from ductor_celery.store.outbox import OutboxRow
+from ductor_celery.store.schema import step_attempt, workflow_outbox, workflow_run
+
+QUEUE = "ductor-steps"
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A database of each kind (a test module imports this fixture to use it)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'inline.sqlite3'}"
+    return str(request.getfixturevalue("database_url"))
+
+
+class RecordingDispatcher(Dispatcher):
+    """What would have been published, instead of publishing it."""
+
+    def __init__(self) -> None:
+        self.rows: list[OutboxRow] = []
+        self.wakes: list[str] = []
+
+    def send(self, rows: list[OutboxRow]) -> None:
+        self.rows.extend(rows)
+
+    def wake(self, run_id: str) -> None:
+        self.wakes.append(run_id)
+
+    def wake_many(self, run_ids: list[str]) -> None:
+        self.wakes.extend(run_ids)
+
+    def steps(self) -> list[str]:
+        return [r.payload["node"] for r in self.rows if r.kind == "step"]
+
+
+def make_ductor(url: str, **conf: Any) -> tuple[Ductor, RecordingDispatcher]:
+    app = Celery("inline_steps", broker="memory://")
+    app.conf.update({f"ductor_{k}": v for k, v in conf.items()})
+    ductor = Ductor(app, database_url=url)
+    recorder = RecordingDispatcher()
+    ductor.runtime.dispatcher = recorder
+    return ductor, recorder
+
+
+def start_run(
+    ductor: Ductor, workflow: str, recorder: RecordingDispatcher
+) -> tuple[str, OutboxRow]:
+    """Start a run and tick it on the coordinator's side: its first step message."""
+    handle = ductor.start(workflow, input={})
+    assert run_tick(ductor.runtime, handle.run_id) == "committed"
+    [first] = [r for r in recorder.rows if r.kind == "step"]
+    recorder.rows.clear()
+    recorder.wakes.clear()
+    return handle.run_id, first
+
+
+def deliver(ductor: Ductor, row: OutboxRow, queue: str | None = QUEUE) -> str:
+    """The Celery task's body for the message ``row`` would have been."""
+    step = ductor.runtime.step_named(row.task)
+    assert step is not None
+    return execute_attempt(ductor.runtime, step, row.payload["token"], "w1@host", queue=queue)
+
+
+def run_row(ductor: Ductor, run_id: str) -> Any:
+    with ductor.runtime.engine().connect() as conn:
+        return conn.execute(sa.select(workflow_run).where(workflow_run.c.run_id == run_id)).one()
+
+
+def attempt_rows(ductor: Ductor, run_id: str) -> list[Any]:
+    with ductor.runtime.engine().connect() as conn:
+        return list(
+            conn.execute(
+                sa.select(step_attempt)
+                .where(step_attempt.c.run_id == run_id)
+                .order_by(step_attempt.c.created_at, step_attempt.c.node)
+            )
+        )
+
+
+def outbox_rows(ductor: Ductor) -> list[Any]:
+    """The outbox rows left once the sent ones are deleted (the janitor's thread may be
+    deleting a batch right now: give it a moment)."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        sent_outbox(ductor.runtime.engine()).flush()
+        with ductor.runtime.engine().connect() as conn:
+            rows = list(conn.execute(sa.select(workflow_outbox)))
+        if not rows or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.05)

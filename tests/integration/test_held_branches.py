@@ -1,0 +1,160 @@
+"""Held branches (runtime/inline.py, docs/architecture.md "Held branches"): after a quick step,
+the eager tick gives its worker several branches of the same scatter, which it runs one after
+another, writing each outcome alone, and ticks once for all of them.
+
+Each test starts a scatter, ticks it on the coordinator's side (its first branch messages are
+recorded, as if waiting in the broker), and plays one of those messages by hand, as the Celery
+task does. ``HOLD_IF_QUICKER_S`` is raised or lowered so that which step counts as quick does
+not depend on how busy the machine is.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from inline_support import (
+    RecordingDispatcher,
+    attempt_rows,
+    deliver,
+    make_ductor,
+    run_row,
+    url,
+)
+
+from ductor_celery import Ductor, StepContext
+from ductor_celery.definition import Workflow
+from ductor_celery.runtime import inline
+from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.store.outbox import OutboxRow
+
+__all__ = ["url"]  # the fixture: PostgreSQL and SQLite
+
+
+def _scatter(
+    ductor: Ductor,
+    max_parallel: int,
+    slow: frozenset[int] = frozenset(),
+    interrupt: frozenset[int] = frozenset(),
+) -> None:
+    """``each``: item + 1 for every item; an item in ``slow`` takes 0.2 s, one in
+    ``interrupt`` raises ``KeyboardInterrupt`` (the process is stopping)."""
+
+    def bump(ctx: StepContext, item: int) -> int:
+        if item in slow:
+            time.sleep(0.2)
+        if item in interrupt:
+            raise KeyboardInterrupt
+        return item + 1
+
+    wf = Workflow("quick")
+    wf.scatter(
+        "each", ductor.step(name="held.bump")(bump), over="$.input.items", max_parallel=max_parallel
+    )
+    wf.output("$.nodes.each.output")
+    ductor.register(wf)
+
+
+def _start(
+    ductor: Ductor, recorder: RecordingDispatcher, items: int
+) -> tuple[str, list[OutboxRow]]:
+    handle = ductor.start("quick", input={"items": list(range(items))})
+    assert run_tick(ductor.runtime, handle.run_id) == "committed"
+    first = [r for r in recorder.rows if r.kind == "step"]
+    recorder.rows.clear()
+    return handle.run_id, first
+
+
+def _branch_of(ductor: Ductor, run_id: str) -> dict[str, int]:
+    return {a.token: a.branch for a in attempt_rows(ductor, run_id)}
+
+
+def test_one_message_runs_a_quick_scatter_several_branches_per_tick(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 10.0)
+    ductor, recorder = make_ductor(url)
+    _scatter(ductor, max_parallel=8)
+    run_id, first = _start(ductor, recorder, 40)
+    assert len(first) == 8
+
+    assert deliver(ductor, first[0]) == "succeeded"
+
+    run = run_row(ductor, run_id)
+    assert run.status == "succeeded"
+    assert run.output == [i + 1 for i in range(40)]
+    assert recorder.steps() == []  # every later branch was held: not one more step message
+    rows = attempt_rows(ductor, run_id)
+    assert sorted(r.branch for r in rows) == list(range(40))  # one attempt per branch
+    assert all(r.outcome == "succeeded" and r.folded for r in rows)
+    # The other first messages were still "in the broker": the chain adopted their branches,
+    # so each now finds its attempt claimed and is dropped.
+    assert [deliver(ductor, row) for row in first[1:]] == ["duplicate"] * 7
+    # One tick per branch without holding (40 and more); a handful with it.
+    assert run.record_version < 20
+
+
+def test_the_branches_held_behind_a_slow_step_go_back_as_messages(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 0.1)
+    ductor, recorder = make_ductor(database_url)
+    # Four in flight: item 0's tick claims item 4 and adopts 1-3; their tick starts 5-8,
+    # claiming 5 and holding 6-8 new, with no messages; item 6 is slow.
+    _scatter(ductor, max_parallel=4, slow=frozenset({6}))
+    run_id, first = _start(ductor, recorder, 12)
+
+    assert deliver(ductor, first[0]) == "succeeded"
+
+    branch = _branch_of(ductor, run_id)
+    sent = [branch[r.payload["token"]] for r in recorder.rows if r.kind == "step"]
+    assert {7, 8} <= set(sent)  # handed back when item 6 turned out slow
+    rows = {r.branch: r for r in attempt_rows(ductor, run_id)}
+    assert rows[6].outcome == "succeeded"
+    # Whatever the chain did not run is finished by the messages, each branch exactly once.
+    for row in [*first[1:], *recorder.rows]:
+        if row.kind == "step":
+            deliver(ductor, row)
+    run = run_row(ductor, run_id)
+    assert run.status == "succeeded", run.error
+    assert run.output == [i + 1 for i in range(12)]
+    assert sorted(r.branch for r in attempt_rows(ductor, run_id)) == list(range(12))
+
+
+def test_a_process_stopping_while_it_holds_branches_hands_them_back(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``KeyboardInterrupt`` from a held step: its outcome is written and ticked with the ones
+    written alone before it, and the new branches held behind it are sent as messages, not
+    left for the unclaimed re-send half a minute later."""
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 10.0)
+    ductor, recorder = make_ductor(database_url)
+    _scatter(ductor, max_parallel=4, interrupt=frozenset({6}))
+    run_id, first = _start(ductor, recorder, 12)
+
+    with pytest.raises(KeyboardInterrupt):
+        deliver(ductor, first[0])
+
+    branch = _branch_of(ductor, run_id)
+    sent = {branch[r.payload["token"]] for r in recorder.rows if r.kind == "step"}
+    assert {7, 8} <= sent
+    rows = {r.branch: r for r in attempt_rows(ductor, run_id)}
+    assert all(rows[b].finished_at is not None and rows[b].folded for b in range(7))
+    assert rows[7].claimed_at is None and rows[8].claimed_at is None
+
+
+def test_no_branch_is_held_after_a_slow_step(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 0.0)  # every step counts as slow
+    ductor, recorder = make_ductor(database_url)
+    _scatter(ductor, max_parallel=4)
+    run_id, first = _start(ductor, recorder, 12)
+
+    deliver(ductor, first[0])
+
+    # One branch per tick, as before holding: the chain claims the next, the other first
+    # messages still run their own branches.
+    rows = attempt_rows(ductor, run_id)
+    assert sum(r.finished_at is not None for r in rows) == len(rows) - 3
+    assert [deliver(ductor, row) for row in first[1:]] == ["succeeded"] * 3
