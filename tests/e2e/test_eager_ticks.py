@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 from ductor_celery import RunStatus
 
@@ -104,16 +103,6 @@ def test_two_coordinators_under_load_finish_every_run_exactly_once(
         assert len(attempts) == 10 and all(a.folded for a in attempts)
 
 
-def _run_version(cluster: Any, run_id: str) -> int:
-    with cluster.engine.connect() as conn:
-        return int(
-            conn.execute(
-                sa.text("SELECT record_version FROM eec_workflow_run WHERE run_id = :r"),
-                {"r": run_id},
-            ).scalar_one()
-        )
-
-
 def test_a_quick_scatter_runs_several_branches_per_tick_on_real_workers(
     cluster_factory: Any, client_for: Any
 ) -> None:
@@ -131,7 +120,7 @@ def test_a_quick_scatter_runs_several_branches_per_tick_on_real_workers(
     attempts = cluster.attempts(handle.run_id)
     assert len(attempts) == 120 and all(a.folded and a.outcome == "succeeded" for a in attempts)
     # Without holding every branch is folded by a tick of its own (120 and more commits).
-    assert _run_version(cluster, handle.run_id) < 90
+    assert cluster.record_version(handle.run_id) < 90
 
 
 def test_a_step_worker_killed_while_holding_branches_loses_none_and_runs_none_twice(
