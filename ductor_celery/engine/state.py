@@ -8,7 +8,7 @@ the run row's size is bounded by the number of nodes, not by what the steps retu
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Set
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any, TypeVar
@@ -315,15 +315,9 @@ NodeWork = StepWork | ScatterState | ChildWork | ParkedWork
 
 _W = TypeVar("_W", StepWork, ChildWork, ParkedWork)
 
-#: Stored keys every node may have (its variant's are the others).
-_COMMON_KEYS = frozenset({"status", "generation", "error", "started_at", "finished_at"}) | (
-    _OUTPUT_KEYS
-)
-_STEP_KEYS = frozenset(_field_names(StepWork))
-_DEADLINE_ONLY = frozenset({"deadline"})
-#: The stored keys of each variant (besides the common ones).
+#: The stored keys of each variant (besides those every node may have).
 _VARIANT_KEYS: dict[type, frozenset[str]] = {
-    StepWork: _STEP_KEYS,
+    StepWork: frozenset(_field_names(StepWork)),
     ScatterState: frozenset({"scatter", "deadline"}),
     ChildWork: frozenset({"child_run", "deadline"}),
     ParkedWork: frozenset({"deadline"}),
@@ -343,37 +337,34 @@ def _date(value: Any) -> datetime | None:
     return None if value is None else datetime.fromisoformat(value)
 
 
-def _work_from_json(data: Mapping[str, Any], keys: Set[str]) -> NodeWork:
-    """The variant of a stored node state, told by its keys beyond the common ones
-    (``keys``): ``scatter``, else ``child_run``, else ``deadline`` alone, else attempt keys.
+def _work_from_json(rest: dict[str, Any]) -> NodeWork:
+    """The variant of a stored node state, told by its keys beyond the common ones (``rest``,
+    consumed): ``scatter``, else ``child_run``, else ``deadline`` alone, else attempt keys.
     A row with keys of no one variant is refused rather than read in part."""
-    cls: type[NodeWork]
-    if "scatter" in keys:
-        cls = ScatterState
-    elif "child_run" in keys:
+    if "scatter" in rest:
+        cls: type[NodeWork] = ScatterState
+    elif "child_run" in rest:
         cls = ChildWork
-    elif keys == _DEADLINE_ONLY:
-        cls = ParkedWork
+    elif "deadline" in rest and len(rest) == 1:
+        return ParkedWork(datetime.fromisoformat(rest["deadline"]))
     else:
-        cls = StepWork
-    wrong = keys - _VARIANT_KEYS[cls]
+        for name in _ATTEMPT_DATES:
+            value = rest.get(name)
+            if value is not None:
+                rest[name] = datetime.fromisoformat(value)
+        try:
+            return StepWork(**rest)
+        except TypeError:
+            cls = StepWork  # a key StepWork has not: said below
+    wrong = rest.keys() - _VARIANT_KEYS[cls]
     if wrong:
         raise ValueError(
             f"stored node state has keys {sorted(wrong)} besides those of {cls.__name__}"
         )
-    if cls is StepWork:
-        kwargs = {k: data[k] for k in keys}
-        for name in _ATTEMPT_DATES:
-            value = kwargs.get(name)
-            if value is not None:
-                kwargs[name] = datetime.fromisoformat(value)
-        return StepWork(**kwargs)
-    deadline = _date(data.get("deadline"))
-    if cls is ParkedWork:
-        return ParkedWork(deadline)
+    deadline = _date(rest.get("deadline"))
     if cls is ChildWork:
-        return ChildWork(data["child_run"], deadline)
-    scatter = ScatterState.from_json(data["scatter"])
+        return ChildWork(rest["child_run"], deadline)
+    scatter = ScatterState.from_json(rest["scatter"])
     scatter.deadline = deadline
     return scatter
 
@@ -481,17 +472,23 @@ class NodeState:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NodeState:
-        keys = data.keys() - _COMMON_KEYS
-        get = data.get
-        return cls(
-            status=NodeStatus(get("status", "pending")),
-            generation=get("generation", 0),
-            output=None if _OUTPUT_KEYS.isdisjoint(data) else output_from_json(data),
-            error=get("error"),
-            started_at=_date(get("started_at")),
-            finished_at=_date(get("finished_at")),
-            work=_work_from_json(data, keys) if keys else None,
-        )
+        rest = dict(data)  # the common keys popped, the variant's are left
+        pop = rest.pop
+        ns = cls.__new__(cls)  # every field set below: __init__ skipped (every tick, every node)
+        ns.status = NodeStatus(pop("status", "pending"))
+        ns.generation = pop("generation", 0)
+        ns.error = pop("error", None)
+        started, finished = pop("started_at", None), pop("finished_at", None)
+        ns.started_at = None if started is None else datetime.fromisoformat(started)
+        ns.finished_at = None if finished is None else datetime.fromisoformat(finished)
+        if _OUTPUT_KEYS.isdisjoint(rest):
+            ns.output = None  # most nodes: nothing to decode
+        else:
+            ns.output = output_from_json(rest)
+            for key in _OUTPUT_KEYS:
+                pop(key, None)
+        ns.work = _work_from_json(rest) if rest else None
+        return ns
 
     def copy(self) -> NodeState:
         twin = _shallow_copy(self)
