@@ -20,7 +20,7 @@ from .inputs import AttemptResult, ClosedAttempt, Dispatch
 from .kinds import DispatchKind
 from .payloads import json_problem
 from .slots import Slot, first_limit, slots, start_attempt
-from .state import AttemptOutput, BranchState, NodeState
+from .state import AttemptOutput, BranchState, NodeState, StepWork
 from .status import NodeStatus
 
 
@@ -110,7 +110,7 @@ def _succeed(t: TickContext, result: AttemptResult, slot: Slot, branch: int | No
     ns.finished_at = t.now
     ns.error = None
     t.outputs[result.node] = result.output
-    t.move_node(result.node, NodeStatus.SUCCEEDED, f"attempt {ns.attempt} succeeded")
+    t.move_node(result.node, NodeStatus.SUCCEEDED, f"attempt {slot.attempt} succeeded")
 
 
 def _clear(slot: Slot) -> None:
@@ -141,7 +141,10 @@ def attempt_failed(
     spec = t.attempt_spec(node)
     failed_token = slot.token
     _clear(slot)
-    slot.error = error
+    if isinstance(slot, StepWork):
+        t.nodes[node].error = error
+    else:
+        slot.error = error
     message = str(error.get("message", ""))
     where = "attempt" if branch is None else f"branch {branch} attempt"
     if retryable and slot.attempt < spec.retry.max_attempts:
@@ -157,9 +160,8 @@ def attempt_failed(
     if branch is not None:
         scatter.branch_failed(t, node, branch, error, f"{where} {slot.attempt} failed ({why})")
         return
-    ns = t.nodes[node]
-    ns.finished_at = t.now
-    t.move_node(node, NodeStatus.FAILED, f"attempt {ns.attempt} failed ({why}): {message}")
+    t.nodes[node].finished_at = t.now
+    t.move_node(node, NodeStatus.FAILED, f"attempt {slot.attempt} failed ({why}): {message}")
     if retryable and spec.retry.on_exhausted == "pause":
         pause_on_exhausted(t, node)
 
@@ -243,6 +245,11 @@ def _check_slot(t: TickContext, node: str, slot: Slot, branch: int | None) -> No
     attempt_failed(t, node, slot, branch, error, True)
 
 
+def _generation(ns: NodeState, slot: Slot) -> int:
+    """The generation of a slot's latest attempt (a step node's is the node's own)."""
+    return slot.generation if isinstance(slot, BranchState) else ns.generation
+
+
 def _no_later_than_queued(slot: Slot, check_at: datetime) -> datetime:
     """An unclaimed attempt is looked at again by its schedule-to-start deadline at the latest."""
     return check_at if slot.queued_until is None else min(check_at, slot.queued_until)
@@ -279,7 +286,7 @@ def fire_retries(t: TickContext) -> None:
                     t,
                     node,
                     None,
-                    args_from=t.token_for(node, slot.generation),
+                    args_from=t.token_for(node, _generation(ns, slot)),
                     branch=branch,
                     slot=slot,
                 )

@@ -20,6 +20,7 @@ from .context import TickContext
 from .inputs import ChildControl, ChildSnapshot, ChildStart
 from .kinds import ControlKind
 from .payloads import refusal
+from .state import ChildWork, ScatterState
 from .status import OPEN_RUN_STATUSES, NodeStatus
 
 #: Child statuses that end the parent's wait with a failure.
@@ -84,8 +85,16 @@ def start_child(
 
 def poll_later(t: TickContext, node_id: str) -> None:
     """Look at the node's child runs again after ``child_poll_after`` at the latest."""
-    t.nodes[node_id].deadline = t.now + timedelta(seconds=t.inputs.config.child_poll_after)
+    _polled(t, node_id).deadline = t.now + timedelta(seconds=t.inputs.config.child_poll_after)
     t.payload.changed = True
+
+
+def _polled(t: TickContext, node_id: str) -> ChildWork | ScatterState:
+    """Where a node waiting on child runs keeps its next poll: a child-run scatter's
+    ``ScatterState``, a sub-workflow's ``ChildWork``."""
+    ns = t.nodes[node_id]
+    sc = ns.scatter
+    return sc if sc is not None else ns.child
 
 
 def poll_due(t: TickContext, node_id: str) -> None:
@@ -107,7 +116,7 @@ def start_subworkflow(
         ns.finished_at = t.now
         t.move_node(node_id, NodeStatus.FAILED, f"child run not started: {ns.error}")
         return
-    ns.child_run = child
+    ns.work = ChildWork(child)
     poll_later(t, node_id)
     what = f"until checkpoint {spec.until!r}" if spec.until else "to finish"
     t.move_node(
@@ -125,7 +134,7 @@ def absorb_subworkflows(t: TickContext) -> bool:
         spec = t.spec.graph.nodes[node_id]
         if ns.status != NodeStatus.WAITING or not isinstance(spec, SubworkflowNodeSpec):
             continue
-        snap = t.inputs.children.get(ns.child_run or "")
+        snap = t.inputs.children.get(ns.child.child_run or "")
         if snap is None:
             poll_due(t, node_id)
             continue
@@ -146,7 +155,7 @@ def absorb_subworkflows(t: TickContext) -> bool:
         else:
             poll_due(t, node_id)
             continue
-        ns.deadline = None
+        ns.child.deadline = None
         finished = True
     return finished
 

@@ -22,7 +22,7 @@ from .kinds import (
 from .redrive import from_node_problem, redrive
 from .schedule import close_in_flight
 from .slots import slots
-from .state import RunState
+from .state import RunState, StepWork
 from .status import NodeStatus, RunStatus
 from .versions import carried_into
 
@@ -186,10 +186,11 @@ def _carried(t: TickContext, target: WorkflowSpec) -> RunState:
         )
         if done:
             kept = ns.copy()  # a copy: the predecessor's own node is closed below
-            kept.token = None
-            kept.check_at = None
-            kept.resend_at = None
-            kept.retry_at = None
+            if isinstance(kept.work, StepWork):
+                kept.work.token = None
+                kept.work.check_at = None
+                kept.work.resend_at = None
+                kept.work.retry_at = None
             carried.nodes[node_id] = kept
     if target.spec_hash == t.spec.spec_hash:
         return carried

@@ -1,7 +1,8 @@
 """``RetryPolicy(on_exhausted="pause")``: a node out of attempts pauses its run, not fails it.
 
 The node is ``failed`` with its error kept (what an operator reads to fix the code) and
-marked ``awaiting_resume``, which keeps ``fail_run_on_fatal_node`` from failing the run on it.
+marked ``awaiting_resume`` (its ``StepWork``), which keeps ``fail_run_on_fatal_node`` from
+failing the run on it.
 The run is ``paused``: attempts in flight elsewhere finish and are folded, nothing new starts.
 A resume puts every such node back to ``pending`` with a fresh retry budget (its generation
 kept, so its next attempt gets a new token), and the run carries on from there.
@@ -10,13 +11,13 @@ kept, so its next attempt gets a new token), and the run carries on from there.
 from __future__ import annotations
 
 from .context import TickContext
-from .state import NodeState
+from .state import NodeState, StepWork
 from .status import NodeStatus, RunStatus
 
 
 def pause_on_exhausted(t: TickContext, node: str) -> None:
     """The node has just failed on its last attempt: hold the run on it."""
-    t.nodes[node].awaiting_resume = True
+    t.nodes[node].step.awaiting_resume = True
     reason = f"node {node!r} used every attempt (on_exhausted='pause'): paused until resumed"
     state = t.payload.state
     if state.status == RunStatus.PAUSED:
@@ -28,6 +29,7 @@ def pause_on_exhausted(t: TickContext, node: str) -> None:
 def rerun_exhausted(t: TickContext, reason: str) -> None:
     """On resume: each node the run was paused on runs again, with a fresh retry budget."""
     for node_id, ns in t.nodes.items():
-        if ns.awaiting_resume and ns.status == NodeStatus.FAILED:
+        awaiting = isinstance(ns.work, StepWork) and ns.work.awaiting_resume
+        if awaiting and ns.status == NodeStatus.FAILED:
             t.nodes[node_id] = NodeState(generation=ns.generation)
             t.record(node_id, ns.status, NodeStatus.PENDING, f"{reason}: fresh retry budget")

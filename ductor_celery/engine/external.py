@@ -15,7 +15,7 @@ from ..definition.spec import (
 from .context import TickContext
 from .inputs import AppliedSignal, SignalIn
 from .outputs import received_events
-from .state import EventsOutput, LiteralOutput, SignalOutput
+from .state import EventsOutput, LiteralOutput, ParkedWork, SignalOutput
 from .status import NodeStatus
 
 
@@ -25,11 +25,11 @@ def park_node(t: TickContext, node_id: str) -> None:
     ns = t.nodes[node_id]
     ns.started_at = t.now
     if isinstance(spec, SleepNodeSpec):
-        ns.deadline = t.now + timedelta(seconds=spec.seconds)
+        ns.work = ParkedWork(t.now + timedelta(seconds=spec.seconds))
         what = f"sleeping {spec.seconds:g}s"
     else:
         assert isinstance(spec, WaitSignalNodeSpec | ApprovalNodeSpec | EventSetNodeSpec)
-        ns.deadline = t.now + timedelta(seconds=spec.timeout) if spec.timeout else None
+        ns.work = ParkedWork(t.now + timedelta(seconds=spec.timeout) if spec.timeout else None)
         if isinstance(spec, WaitSignalNodeSpec):
             what = f"waiting for signal {spec.signal!r}"
         elif isinstance(spec, ApprovalNodeSpec):
@@ -76,7 +76,7 @@ def _take(t: TickContext, signal: SignalIn, node: str | None) -> None:
 
 def _succeed(t: TickContext, node_id: str, reason: str) -> None:
     ns = t.nodes[node_id]
-    ns.deadline = None
+    ns.parked.deadline = None
     ns.finished_at = t.now
     t.move_node(node_id, NodeStatus.SUCCEEDED, reason)
 
@@ -116,7 +116,7 @@ def _approval(t: TickContext, node_id: str, spec: ApprovalNodeSpec) -> bool:
         elif spec.on_reject == "continue":
             _succeed(t, node_id, f"rejected by {who!r} (on_reject=continue)")
         else:
-            ns.deadline = None
+            ns.parked.deadline = None
             ns.finished_at = t.now
             ns.error = {
                 "type": "Rejected",
@@ -160,7 +160,7 @@ def _timeout(t: TickContext, node_id: str) -> bool:
         t.outputs[node_id] = ns.output.value
         _succeed(t, node_id, f"timed out after {spec.timeout:g}s (on_timeout=continue)")
         return True
-    ns.deadline = None
+    ns.parked.deadline = None
     ns.finished_at = t.now
     ns.error = {"type": "Timeout", "message": f"no input within {spec.timeout:g}s"}
     t.move_node(node_id, NodeStatus.FAILED, f"timed out after {spec.timeout:g}s")

@@ -13,8 +13,8 @@ a reference to it, one of six kinds:
 | ``ChildOutput(child_run)`` | sub-workflow | the child's output (or context at ``until``) |
 
 The first four are stored in ``NodeState.output`` (defined in ``state.py``); the last two
-are derived from the node's own ``scatter`` and ``child_run`` once it has succeeded
-(``output_ref``). Readers (the
+are derived from the node's own ``work`` (its ``ScatterState``, its ``ChildWork``'s
+``child_run``) once it has succeeded (``output_ref``). Readers (the
 tick's loader, the client's views, the in-memory store) resolve references with
 ``resolve_outputs`` over an ``OutputSource``: the one place that knows the six kinds.
 """
@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from .state import (
     AttemptOutput,
+    ChildWork,
     EventsOutput,
     LiteralOutput,
     NodeState,
@@ -79,10 +80,11 @@ def output_ref(ns: NodeState) -> OutputRef | None:
     if out is not None:
         return out
     if ns.status == NodeStatus.SUCCEEDED:
-        if ns.scatter is not None:
-            return GatherOutput(ns.scatter)
-        if ns.child_run is not None:
-            return ChildOutput(ns.child_run)
+        work = ns.work
+        if isinstance(work, ScatterState):
+            return GatherOutput(work)
+        if isinstance(work, ChildWork) and work.child_run is not None:
+            return ChildOutput(work.child_run)
     return None
 
 

@@ -50,11 +50,10 @@ def start_scatter(t: TickContext, node_id: str, spec: AnyScatter, scope: Scope) 
         return
     if isinstance(spec, ChildScatterNodeSpec):
         ns.generation += 1  # child run ids are made from it: a redrive starts new children
-        children.poll_later(t, node_id)
     batch = spec.batch_size if isinstance(spec, ScatterNodeSpec) else 1
-    ns.scatter = ScatterState(
-        run=t.inputs.run_id, base=ns.generation, total=len(items), batch=batch
-    )
+    ns.work = ScatterState(run=t.inputs.run_id, base=ns.generation, total=len(items), batch=batch)
+    if isinstance(spec, ChildScatterNodeSpec):
+        children.poll_later(t, node_id)
     what = "items" if isinstance(spec, ScatterNodeSpec) else f"child runs of {spec.workflow!r}"
     at_once = f"{spec.max_parallel} batches of {batch}" if batch > 1 else str(spec.max_parallel)
     t.move_node(
@@ -458,7 +457,7 @@ def _batch_values(span: range, attempts: list[BatchAttempt]) -> list[Any]:
 def _gathered(t: TickContext, node_id: str, sc: ScatterState, gathered: list[Any]) -> None:
     ns = t.nodes[node_id]
     sc.gathering = False
-    ns.deadline = None
+    sc.deadline = None
     ns.finished_at = t.now
     t.outputs[node_id] = gathered
     t.move_node(

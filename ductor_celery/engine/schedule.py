@@ -21,7 +21,7 @@ from .external import park_node
 from .payloads import refusal
 from .scatter import close_branches, close_slot, start_scatter
 from .slots import lease_key_for, slots, start_attempt
-from .state import LiteralOutput
+from .state import ChildWork, LiteralOutput, StepWork
 from .status import FINISHED_NODE_STATUSES, NodeStatus, RunStatus
 
 
@@ -29,7 +29,7 @@ def fail_run_on_fatal_node(t: TickContext) -> bool:
     """A failed node without continue_on_failure fails the run. Returns True if it did."""
     for node_id in t.spec.graph.order:
         ns = t.nodes[node_id]
-        if ns.awaiting_resume:
+        if isinstance(ns.work, StepWork) and ns.work.awaiting_resume:
             continue  # on_exhausted="pause": the run is paused on it (engine/exhausted.py)
         if ns.status == NodeStatus.FAILED and not t.spec.graph.nodes[node_id].continue_on_failure:
             error = dict(ns.error or {})
@@ -57,8 +57,10 @@ def close_in_flight(
             close_slot(t, node_id, slot, reason, revoke=revoke)
         if ns.scatter is not None and (children or ns.status == NodeStatus.RUNNING):
             close_branches(t, node_id, reason, revoke=revoke)
-        if children and ns.status == NodeStatus.WAITING and ns.child_run is not None:
-            close_child(t, node_id, ns.child_run, reason)
+        work = ns.work
+        if children and ns.status == NodeStatus.WAITING and isinstance(work, ChildWork):
+            if work.child_run is not None:
+                close_child(t, node_id, work.child_run, reason)
         ns.finished_at = t.now
         t.move_node(node_id, NodeStatus.CANCELLED, reason)
 
@@ -120,7 +122,7 @@ def start_ready_nodes(t: TickContext) -> bool:
             t.move_node(node_id, NodeStatus.FAILED, error["message"])
             continue
         start_attempt(t, node_id, args, lease_key=lease_key_for(spec, scope))
-        t.move_node(node_id, NodeStatus.RUNNING, f"attempt {ns.attempt} dispatched")
+        t.move_node(node_id, NodeStatus.RUNNING, f"attempt {ns.step.attempt} dispatched")
     return moved
 
 

@@ -17,20 +17,22 @@ from ..definition.spec import AttemptNodeSpec
 from .context import TickContext
 from .inputs import Dispatch, EngineConfig, NewAttempt
 from .kinds import DispatchKind
-from .state import BranchState, NodeState
+from .state import BranchState, NodeState, ScatterState, StepWork
 from .status import NodeStatus
 
-Slot = NodeState | BranchState
+#: An attempt slot: a step node's ``StepWork``, or one in-flight branch of a scatter.
+Slot = StepWork | BranchState
 
 
 def slots(ns: NodeState) -> Iterator[tuple[int | None, Slot]]:
     """The attempt slots of a running node: (branch, slot); branch is None for a step node."""
     if ns.status != NodeStatus.RUNNING:
         return
-    if ns.scatter is not None:
-        yield from list(ns.scatter.branches.items())
-    elif ns.token is not None or ns.retry_at is not None:
-        yield None, ns
+    work = ns.work
+    if isinstance(work, ScatterState):
+        yield from list(work.branches.items())
+    elif isinstance(work, StepWork) and (work.token is not None or work.retry_at is not None):
+        yield None, work
 
 
 def first_limit(spec: AttemptNodeSpec, cfg: EngineConfig) -> float:
@@ -71,10 +73,11 @@ def start_attempt(
     from that attempt's row.
     """
     ns = t.nodes[node]
-    slot = ns if slot is None else slot
+    slot = ns.step if slot is None else slot
     spec = t.attempt_spec(node)
     ns.generation += 1
-    slot.generation = ns.generation
+    if isinstance(slot, BranchState):
+        slot.generation = ns.generation
     slot.attempt += 1
     slot.token = t.token_for(node, ns.generation)
     cfg = t.inputs.config

@@ -17,16 +17,8 @@ from .status import NodeStatus, RunStatus
 
 _T = TypeVar("_T")
 
-_DATETIME_FIELDS = (
-    "check_at",
-    "retry_at",
-    "started_at",
-    "finished_at",
-    "claimed_at",
-    "deadline",
-    "resend_at",
-    "queued_until",
-)
+#: The datetime fields of an attempt slot (``StepWork``, ``BranchState``).
+_ATTEMPT_DATES = ("check_at", "resend_at", "claimed_at", "retry_at", "queued_until")
 
 
 _FIELD_NAMES: dict[tuple[type, tuple[str, ...]], tuple[str, ...]] = {}
@@ -61,7 +53,7 @@ def _shallow_copy(obj: _T) -> _T:
 
 
 def _dates(kwargs: dict[str, Any]) -> dict[str, Any]:
-    for name in _DATETIME_FIELDS:
+    for name in _ATTEMPT_DATES:
         if kwargs.get(name) is not None:
             kwargs[name] = datetime.fromisoformat(kwargs[name])
     return kwargs
@@ -156,7 +148,7 @@ class BranchState:
     #: A batch (``batch_size`` > 1): how many of its items have a recorded output, as its
     #: latest failed attempt reported; they count as succeeded if the batch gives up.
     done: int = 0
-    #: The in-flight attempt's schedule-to-start deadline (``NodeState.queued_until``).
+    #: The in-flight attempt's schedule-to-start deadline (``StepWork.queued_until``).
     queued_until: datetime | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -196,9 +188,12 @@ class ScatterState:
     errors: dict[int, dict[str, Any]] = field(default_factory=dict)
     #: Items per branch (the node's ``batch_size``); left out of the stored state when 1.
     batch: int = 1
+    #: A child-run scatter: when its child runs are looked at again while it waits. Stored
+    #: as the node's ``deadline`` key (``NodeState.to_json``), not in this object's JSON.
+    deadline: datetime | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out = _dump(self, skip=("branches", "errors", "batch"))
+        out = _dump(self, skip=("branches", "errors", "batch", "deadline"))
         out["run"], out["base"], out["total"] = self.run, self.base, self.total
         if self.batch != 1:
             out["batch"] = self.batch
@@ -228,7 +223,14 @@ class ScatterState:
             branches={i: _shallow_copy(b) for i, b in self.branches.items()},
             errors=dict(self.errors),
             batch=self.batch,
+            deadline=self.deadline,
         )
+
+    def dump_into(self, out: dict[str, Any]) -> None:
+        """Its keys in the node's stored state: ``scatter``, and ``deadline`` beside it."""
+        if self.deadline is not None:
+            out["deadline"] = self.deadline.isoformat()
+        out["scatter"] = self.to_json()
 
     def batch_items(self, branch: int) -> range:
         """The item indices branch ``branch`` runs (one item unless batched)."""
@@ -237,11 +239,10 @@ class ScatterState:
 
 
 @dataclass(slots=True)
-class NodeState:
-    status: NodeStatus = NodeStatus.PENDING
-    #: Attempts dispatched over the node's whole life (lost and timed-out ones included);
-    #: each gets a new token, so a stale worker can never land on a newer attempt.
-    generation: int = 0
+class StepWork:
+    """A step node's attempt bookkeeping (node kind ``step``). A scatter's branches keep the
+    same in ``BranchState``: either is an attempt *slot* (``engine/slots.py``)."""
+
     #: Attempt number within the current retry budget (1-based once started).
     attempt: int = 0
     #: The one token whose result this node will accept.
@@ -256,22 +257,6 @@ class NodeState:
     claimed_at: datetime | None = None
     #: When the pending retry is due (status running, no token).
     retry_at: datetime | None = None
-    #: Where the node's output lives (engine/outputs.py): the attempt row of a succeeded
-    #: step, the signal row(s) of a wait, approval or event set (received so far, while it
-    #: waits), or a small literal (a checkpoint's context, a continued timeout's
-    #: ``{"timed_out": true}``). A scatter's and a sub-workflow's come from ``scatter`` and
-    #: ``child_run``.
-    output: StoredOutput | None = None
-    #: A parked node: when its sleep ends or its wait times out.
-    deadline: datetime | None = None
-    error: dict[str, Any] | None = None
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
-    #: A scatter node: its counters and the branches in flight (for a child-run scatter,
-    #: each branch's token is its child run id).
-    scatter: ScatterState | None = None
-    #: A sub-workflow node: the child run it started (its output is read from there).
-    child_run: str | None = None
     #: Failed on its last attempt under ``on_exhausted="pause"``: the run is paused on it
     #: instead of failing, and a resume runs it again with a fresh budget (engine/exhausted.py).
     awaiting_resume: bool = False
@@ -279,32 +264,236 @@ class NodeState:
     #: after its dispatch), or it times out; cleared once a check finds it claimed.
     queued_until: datetime | None = None
 
+    def dump_into(self, out: dict[str, Any]) -> None:
+        out.update(_dump(self))
+
+    def copy(self) -> StepWork:
+        return _shallow_copy(self)
+
+
+@dataclass(slots=True)
+class ChildWork:
+    """A sub-workflow node's child run (node kind ``subworkflow``)."""
+
+    #: The child run it started (its output is read from there).
+    child_run: str | None = None
+    #: When the child run is looked at again while the node waits (``child_poll_after``).
+    deadline: datetime | None = None
+
+    def dump_into(self, out: dict[str, Any]) -> None:
+        if self.child_run is not None:
+            out["child_run"] = self.child_run
+        if self.deadline is not None:
+            out["deadline"] = self.deadline.isoformat()
+
+    def copy(self) -> ChildWork:
+        return ChildWork(self.child_run, self.deadline)
+
+
+@dataclass(slots=True)
+class ParkedWork:
+    """A parked node's timer (node kinds ``sleep``, ``wait_signal``, ``approval``,
+    ``event_set``; the events an event set received so far are its ``NodeState.output``)."""
+
+    #: When its sleep ends or its wait times out (``None``: a wait without a timeout).
+    deadline: datetime | None = None
+
+    def dump_into(self, out: dict[str, Any]) -> None:
+        if self.deadline is not None:
+            out["deadline"] = self.deadline.isoformat()
+
+    def copy(self) -> ParkedWork:
+        return ParkedWork(self.deadline)
+
+
+#: A scatter node's part (node kinds ``scatter``, ``child_scatter``): ``ScatterState``.
+ScatterWork = ScatterState
+
+#: The kind-specific part of a node's state (``NodeState.work``). A checkpoint has none, and
+#: nor has a node not started yet (or put back to pending): ``None``.
+NodeWork = StepWork | ScatterState | ChildWork | ParkedWork
+
+_W = TypeVar("_W", StepWork, ChildWork, ParkedWork)
+
+#: The stored keys of each variant (besides those every node may have).
+_VARIANT_KEYS: dict[type, frozenset[str]] = {
+    StepWork: frozenset(_field_names(StepWork)),
+    ScatterState: frozenset({"scatter", "deadline"}),
+    ChildWork: frozenset({"child_run", "deadline"}),
+    ParkedWork: frozenset({"deadline"}),
+}
+
+
+#: Each variant with every field unset, as ``_set_work`` compares (never handed out).
+_UNSET_WORK: dict[type, NodeWork] = {cls: cls() for cls in (StepWork, ChildWork, ParkedWork)}
+
+
+def _set_work(work: NodeWork | None) -> NodeWork | None:
+    """``work``, or ``None`` for a variant with every field unset (it stores nothing)."""
+    return None if work is None or work == _UNSET_WORK.get(type(work)) else work
+
+
+def _date(value: Any) -> datetime | None:
+    return None if value is None else datetime.fromisoformat(value)
+
+
+def _work_from_json(rest: dict[str, Any]) -> NodeWork:
+    """The variant of a stored node state, told by its keys beyond the common ones (``rest``,
+    consumed): ``scatter``, else ``child_run``, else ``deadline`` alone, else attempt keys.
+    A row with keys of no one variant is refused rather than read in part."""
+    if "scatter" in rest:
+        cls: type[NodeWork] = ScatterState
+    elif "child_run" in rest:
+        cls = ChildWork
+    elif "deadline" in rest and len(rest) == 1:
+        return ParkedWork(datetime.fromisoformat(rest["deadline"]))
+    else:
+        for name in _ATTEMPT_DATES:
+            value = rest.get(name)
+            if value is not None:
+                rest[name] = datetime.fromisoformat(value)
+        try:
+            return StepWork(**rest)
+        except TypeError:
+            cls = StepWork  # a key StepWork has not: said below
+    wrong = rest.keys() - _VARIANT_KEYS[cls]
+    if wrong:
+        raise ValueError(
+            f"stored node state has keys {sorted(wrong)} besides those of {cls.__name__}"
+        )
+    deadline = _date(rest.get("deadline"))
+    if cls is ChildWork:
+        return ChildWork(rest["child_run"], deadline)
+    scatter = ScatterState.from_json(rest["scatter"])
+    scatter.deadline = deadline
+    return scatter
+
+
+@dataclass(slots=True, eq=False)
+class NodeState:
+    """One node's state: what every node kind has, and its kind's part in ``work``.
+
+    The stored form (``to_json``) is one flat object, the same keys every ductor version
+    wrote; ``from_json`` tells the variant by the keys present (``_work_from_json``).
+    Use the accessors (``step``, ``parked``, ``child``, ``scatter``, ``deadline``) rather
+    than ``work`` itself where the node's kind is known.
+    """
+
+    status: NodeStatus = NodeStatus.PENDING
+    #: Attempts dispatched over the node's whole life (lost and timed-out ones included);
+    #: each gets a new token, so a stale worker can never land on a newer attempt. Kept by
+    #: every kind: a scatter's branch attempts count here too (above ``ScatterState.base``),
+    #: a sub-workflow's and a child-run scatter's child run ids are made from it, and a node
+    #: put back to pending (redrive, resume) keeps it, so its next attempt gets a new token.
+    generation: int = 0
+    #: Where the node's output lives (engine/outputs.py): the attempt row of a succeeded
+    #: step, the signal row(s) of a wait, approval or event set (received so far, while it
+    #: waits), or a small literal (a checkpoint's context, a continued timeout's
+    #: ``{"timed_out": true}``). A scatter's and a sub-workflow's come from their ``work``.
+    output: StoredOutput | None = None
+    error: dict[str, Any] | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    #: The node kind's own part (``NodeWork``); ``None`` until the node starts. A variant
+    #: whose fields are all unset stores nothing and reads back as ``None``: readers treat
+    #: the two alike.
+    work: NodeWork | None = None
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when stored alike: a variant whose fields are all unset counts as none."""
+        if not isinstance(other, NodeState):
+            return NotImplemented
+        return (
+            self.status == other.status
+            and self.generation == other.generation
+            and self.output == other.output
+            and self.error == other.error
+            and self.started_at == other.started_at
+            and self.finished_at == other.finished_at
+            and _set_work(self.work) == _set_work(other.work)
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq
+
+    def _variant(self, cls: type[_W]) -> _W:
+        work = self.work
+        if work is None:
+            work = self.work = cls()
+        if not isinstance(work, cls):
+            raise TypeError(f"a node with {type(work).__name__} has no {cls.__name__}")
+        return work
+
+    @property
+    def step(self) -> StepWork:
+        """A step node's attempt bookkeeping, created if the node has none yet."""
+        return self._variant(StepWork)
+
+    @property
+    def parked(self) -> ParkedWork:
+        """A parked node's timer, created if the node has none yet."""
+        return self._variant(ParkedWork)
+
+    @property
+    def child(self) -> ChildWork:
+        """A sub-workflow node's child run, created if the node has none yet."""
+        return self._variant(ChildWork)
+
+    @property
+    def scatter(self) -> ScatterState | None:
+        """A scatter node's counters and branches (set by assigning ``work``), else None."""
+        work = self.work
+        return work if isinstance(work, ScatterState) else None
+
+    @property
+    def deadline(self) -> datetime | None:
+        """The timer of a waiting node: a parked node's deadline, or when a sub-workflow's or
+        child-run scatter's child runs are looked at again (read-only: set it on ``work``)."""
+        work = self.work
+        if work is None or isinstance(work, StepWork):
+            return None
+        return work.deadline
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": self.status.value}
-        out.update(_dump(self, skip=("status", "scatter", "output")))
+        if self.generation:
+            out["generation"] = self.generation
+        work = self.work
+        if work is not None:
+            work.dump_into(out)
+        if self.error is not None:
+            out["error"] = self.error
+        if self.started_at is not None:
+            out["started_at"] = self.started_at.isoformat()
+        if self.finished_at is not None:
+            out["finished_at"] = self.finished_at.isoformat()
         if self.output is not None:
             out.update(output_to_json(self.output))
-        if self.scatter is not None:
-            out["scatter"] = self.scatter.to_json()
         return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NodeState:
-        kwargs: dict[str, Any] = _dates(dict(data))
-        kwargs["status"] = NodeStatus(kwargs.get("status", "pending"))
-        if kwargs.get("scatter") is not None:
-            kwargs["scatter"] = ScatterState.from_json(kwargs["scatter"])
-        if _OUTPUT_KEYS.isdisjoint(kwargs):
-            return cls(**kwargs)  # most nodes: nothing to decode
-        kwargs["output"] = output_from_json(kwargs)
-        for key in _OUTPUT_KEYS:
-            kwargs.pop(key, None)
-        return cls(**kwargs)
+        rest = dict(data)  # the common keys popped, the variant's are left
+        pop = rest.pop
+        ns = cls.__new__(cls)  # every field set below: __init__ skipped (every tick, every node)
+        ns.status = NodeStatus(pop("status", "pending"))
+        ns.generation = pop("generation", 0)
+        ns.error = pop("error", None)
+        started, finished = pop("started_at", None), pop("finished_at", None)
+        ns.started_at = None if started is None else datetime.fromisoformat(started)
+        ns.finished_at = None if finished is None else datetime.fromisoformat(finished)
+        if _OUTPUT_KEYS.isdisjoint(rest):
+            ns.output = None  # most nodes: nothing to decode
+        else:
+            ns.output = output_from_json(rest)
+            for key in _OUTPUT_KEYS:
+                pop(key, None)
+        ns.work = _work_from_json(rest) if rest else None
+        return ns
 
     def copy(self) -> NodeState:
         twin = _shallow_copy(self)
-        if self.scatter is not None:
-            twin.scatter = self.scatter.copy()
+        if self.work is not None:
+            twin.work = self.work.copy()
         return twin
 
 

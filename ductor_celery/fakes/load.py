@@ -32,7 +32,7 @@ from ..engine.outputs import (
 from ..engine.redrive import reads_for
 from ..engine.scatter import BatchAttempt, assemble, assemble_batched, child_final
 from ..engine.slots import slots
-from ..engine.state import ScatterState
+from ..engine.state import ChildWork, ScatterState
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..engine.tick import ACTIVE, read_nodes
 from ..engine.versions import successor_spec_hash
@@ -284,8 +284,10 @@ def _children_of(tables: Tables, spec: WorkflowSpec, state: RunState) -> dict[st
         if ns.status != NodeStatus.WAITING:
             continue
         node = spec.graph.nodes.get(node_id)
-        if isinstance(node, SubworkflowNodeSpec) and ns.child_run:
-            wanted[ns.child_run] = node.until
+        work = ns.work
+        if isinstance(node, SubworkflowNodeSpec) and isinstance(work, ChildWork):
+            if work.child_run:
+                wanted[work.child_run] = node.until
         elif isinstance(node, ChildScatterNodeSpec) and ns.scatter is not None:
             wanted.update({b.token: None for b in ns.scatter.branches.values() if b.token})
     out: dict[str, ChildSnapshot] = {}

@@ -18,7 +18,7 @@ from ..engine.children import child_run_id
 from ..engine.inputs import ChildSnapshot
 from ..engine.outputs import checkpoint_of
 from ..engine.scatter import BatchAttempt, assemble, assemble_batched, child_final
-from ..engine.state import ScatterState
+from ..engine.state import ChildWork, ScatterState
 from .schema import step_attempt, workflow_run
 
 
@@ -64,8 +64,10 @@ def children_of(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[s
         if ns.status != NodeStatus.WAITING:
             continue
         node = spec.graph.nodes.get(node_id)
-        if isinstance(node, SubworkflowNodeSpec) and ns.child_run:
-            wanted[ns.child_run] = node.until
+        work = ns.work
+        if isinstance(node, SubworkflowNodeSpec) and isinstance(work, ChildWork):
+            if work.child_run:
+                wanted[work.child_run] = node.until
         elif isinstance(node, ChildScatterNodeSpec) and ns.scatter is not None:
             wanted.update({b.token: None for b in ns.scatter.branches.values() if b.token})
     if not wanted:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from ..engine.state import NodeState
+from ..engine.state import NodeState, StepWork
 from ..store.runs import RunRow
 
 
@@ -31,10 +31,12 @@ def node_label(ns: NodeState) -> str:
             f"{counts['done']}/{counts['total']} done · {counts['running']} running · "
             f"{counts['failed']} failed"
         )
-    if ns.status == "running" and ns.retry_at is not None and ns.token is None:
-        return f"retry {ns.attempt + 1} due"
+    step = ns.work if isinstance(ns.work, StepWork) else None
+    if ns.status == "running" and step is not None and step.retry_at and step.token is None:
+        return f"retry {step.attempt + 1} due"
     if ns.generation > 1:
-        return f"{ns.status.value} · attempt {ns.attempt or ns.generation}"
+        attempt = step.attempt if step is not None else 0
+        return f"{ns.status.value} · attempt {attempt or ns.generation}"
     return ns.status.value
 
 

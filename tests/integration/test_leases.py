@@ -316,7 +316,7 @@ def test_concurrent_ticks_claims_and_finishes_never_exceed_the_limit(engine: Any
                         continue
                     customer = "acme" if s is spec else "globex"
                     for node in ("w0", "w1", "w2"):
-                        token = found.state.nodes[node].token
+                        token = found.state.nodes[node].step.token
                         if token is None:
                             continue
                         if attempts.claim(engine, token, f"t-{token}") is None:

@@ -11,7 +11,7 @@ from support import FakeStep
 
 from ductor_celery import RunPage, RunView
 from ductor_celery.definition import Workflow
-from ductor_celery.engine.state import NodeState, ScatterState
+from ductor_celery.engine.state import NodeState, ScatterState, StepWork
 from ductor_celery.engine.status import NodeStatus
 from ductor_celery.web.actions import check_body, parse_json
 from ductor_celery.web.layout import BOX_H, BOX_W, graph_nodes, layout
@@ -62,12 +62,12 @@ def test_layout_of_a_long_chain_is_one_column() -> None:
 def test_a_scatter_label_counts_items_not_elements() -> None:
     sc = ScatterState(run="r", base=0, total=1000, next=100, succeeded=30, failed=2)
     sc.branches = {i: None for i in range(30, 98)}  # type: ignore[misc]
-    ns = NodeState(status=NodeStatus.RUNNING, scatter=sc)
+    ns = NodeState(status=NodeStatus.RUNNING, work=sc)
     assert scatter_counts(ns) == {"total": 1000, "done": 30, "running": 68, "failed": 2}
     assert node_label(ns) == "30/1000 done · 68 running · 2 failed"
-    assert node_label(NodeState(status=NodeStatus.RUNNING, generation=3, attempt=3)) == (
-        "running · attempt 3"
-    )
+    assert node_label(
+        NodeState(status=NodeStatus.RUNNING, generation=3, work=StepWork(attempt=3))
+    ) == ("running · attempt 3")
     assert node_label(NodeState()) == "pending"
 
 

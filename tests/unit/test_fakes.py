@@ -91,7 +91,7 @@ def test_a_retry_waits_for_its_backoff_on_the_store_clock_and_copies_its_argumen
     coordinator.tick(run_id)
     _work(store, sent, {"a": RuntimeError("first time")})
     coordinator.tick(run_id)
-    assert store.state(run_id).nodes["a"].retry_at is not None
+    assert store.state(run_id).nodes["a"].step.retry_at is not None
     assert store.tables.timers[run_id] == store.now + timedelta(seconds=5)
     assert coordinator.tick(run_id).outcome == "noop", "the backoff has not passed"
     store.advance(5)
@@ -101,7 +101,7 @@ def test_a_retry_waits_for_its_backoff_on_the_store_clock_and_copies_its_argumen
     _work(store, sent, {"a": "ok"})
     coordinator.tick(run_id)
     assert (store.run(run_id).status, store.run(run_id).output) == ("succeeded", None)
-    assert store.state(run_id).nodes["a"].attempt == 2
+    assert store.state(run_id).nodes["a"].step.attempt == 2
 
 
 def test_a_commit_on_a_version_that_moved_is_refused_and_writes_nothing() -> None:

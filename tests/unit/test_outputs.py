@@ -25,7 +25,7 @@ from ductor_celery.engine.outputs import (
     received_events,
     resolve_outputs,
 )
-from ductor_celery.engine.state import ScatterState
+from ductor_celery.engine.state import ChildWork, ScatterState
 
 #: Node states as rows written before ``NodeState.output`` held them.
 OLD_ROWS: list[tuple[dict[str, Any], Any]] = [
@@ -79,13 +79,13 @@ def test_readers_see_an_event_set_scatter_or_child_only_once_it_succeeded() -> N
     assert received_events(waiting_events) == {"a": 1}
     done = NodeState(status=NodeStatus.SUCCEEDED, output=EventsOutput({"a": 1}))
     assert output_ref(done) == EventsOutput({"a": 1})
-    running = NodeState(status=NodeStatus.RUNNING, scatter=_scatter())
+    running = NodeState(status=NodeStatus.RUNNING, work=_scatter())
     assert output_ref(running) is None
-    gathered = NodeState(status=NodeStatus.SUCCEEDED, scatter=_scatter())
+    gathered = NodeState(status=NodeStatus.SUCCEEDED, work=_scatter())
     assert output_ref(gathered) == GatherOutput(_scatter())
-    child = NodeState(status=NodeStatus.SUCCEEDED, child_run="c1")
+    child = NodeState(status=NodeStatus.SUCCEEDED, work=ChildWork("c1"))
     assert output_ref(child) == ChildOutput("c1")
-    assert output_ref(NodeState(status=NodeStatus.WAITING, child_run="c1")) is None
+    assert output_ref(NodeState(status=NodeStatus.WAITING, work=ChildWork("c1"))) is None
     # A rejected approval keeps its decision as its output; a step's attempt always counts.
     rejected = NodeState(status=NodeStatus.FAILED, output=SignalOutput(3))
     assert output_ref(rejected) == SignalOutput(3)

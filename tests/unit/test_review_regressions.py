@@ -28,7 +28,7 @@ def _two_steps() -> object:
 def test_cancel_racing_a_finished_attempt_folds_it_instead_of_closing_it() -> None:
     spec = _two_steps()
     started = compute_tick(spec, RunState.initial(["a", "b"]), TickInputs(run_id="r"), NOW)
-    token = started.state.nodes["a"].token
+    token = started.state.nodes["a"].step.token
     assert token is not None
     done = AttemptResult(token=token, node="a", outcome="succeeded", output=1)
     p = compute_tick(

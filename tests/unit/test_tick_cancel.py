@@ -94,7 +94,7 @@ def test_a_failure_during_the_grace_fires_no_retry() -> None:
     p = _tick(_cancelling().state, _at(2), results=(failed,))
     assert p.new_attempts == []
     assert p.state.status == RunStatus.CANCELLED
-    assert p.state.nodes["a"].status == "cancelled" and p.state.nodes["a"].retry_at is None
+    assert p.state.nodes["a"].status == "cancelled" and p.state.nodes["a"].step.retry_at is None
 
 
 def test_terminate_during_the_grace_closes_and_kills_at_once() -> None:

@@ -48,13 +48,13 @@ def test_starting_a_child_is_deterministic_and_pins_its_definition() -> None:
     assert start.input == {"id": 7}
     assert start.workflow_id_suffix == "/sub"
     assert first.state.nodes["sub"].status == "waiting"
-    assert first.state.nodes["sub"].child_run == start.run_id
+    assert first.state.nodes["sub"].child.child_run == start.run_id
 
 
 def test_the_child_output_becomes_the_node_output() -> None:
     spec = _parent()
     s0 = _tick(spec, RunState()).state
-    child = s0.nodes["sub"].child_run
+    child = s0.nodes["sub"].child.child_run
     running = _tick(spec, s0, children={child: ChildSnapshot(child, "running")})
     assert not running.changed
     done = _tick(spec, s0, children={child: ChildSnapshot(child, "succeeded", output={"x": 1})})
@@ -66,7 +66,7 @@ def test_the_child_output_becomes_the_node_output() -> None:
 def test_a_child_that_does_not_succeed_fails_the_node(status: str) -> None:
     spec = _parent()
     s0 = _tick(spec, RunState()).state
-    child = s0.nodes["sub"].child_run
+    child = s0.nodes["sub"].child.child_run
     snap = ChildSnapshot(child, status, error={"message": "boom"} if status == "failed" else None)
     p = _tick(spec, s0, children={child: snap})
     assert p.state.status == RunStatus.FAILED
@@ -81,7 +81,7 @@ def test_a_child_that_does_not_succeed_fails_the_node(status: str) -> None:
 def test_until_a_checkpoint_takes_the_context_there() -> None:
     spec = _parent(until="printed")
     s0 = _tick(spec, RunState()).state
-    child = s0.nodes["sub"].child_run
+    child = s0.nodes["sub"].child.child_run
     snap = ChildSnapshot(child, "running", checkpoints={"printed": {"label": "L7"}})
     p = _tick(spec, s0, children={child: snap})
     assert p.state.status == RunStatus.SUCCEEDED
@@ -111,7 +111,7 @@ def test_a_checkpoint_node_snapshots_the_context_and_flags_the_commit() -> None:
 def test_closing_the_parent_applies_the_policy(policy: str, kind: str | None) -> None:
     spec = _parent(policy)
     s0 = _tick(spec, RunState()).state
-    child = s0.nodes["sub"].child_run
+    child = s0.nodes["sub"].child.child_run
     p = _tick(spec, s0, control=ControlIn(id=1, kind="cancel", reason="bye"))
     assert p.state.status == RunStatus.CANCELLED
     assert p.state.nodes["sub"].status == "cancelled"
@@ -121,7 +121,7 @@ def test_closing_the_parent_applies_the_policy(policy: str, kind: str | None) ->
 def test_a_child_that_finished_already_gets_no_control() -> None:
     spec = _parent()
     s0 = _tick(spec, RunState()).state
-    child = s0.nodes["sub"].child_run
+    child = s0.nodes["sub"].child.child_run
     p = _tick(
         spec,
         s0,
@@ -134,7 +134,7 @@ def test_a_child_that_finished_already_gets_no_control() -> None:
 def test_redrive_starts_a_new_child_under_a_new_id() -> None:
     spec = _parent()
     s0 = _tick(spec, RunState()).state
-    first = s0.nodes["sub"].child_run
+    first = s0.nodes["sub"].child.child_run
     failed = _tick(spec, s0, children={first: ChildSnapshot(first, "failed")}).state
     p = _tick(spec, failed, control=ControlIn(id=2, kind="redrive"))
     (start,) = p.child_starts
@@ -253,7 +253,7 @@ def test_a_child_scatter_carried_over_continue_as_new_names_children_after_its_f
 def test_a_waiting_parent_polls_its_children_as_a_backstop() -> None:
     spec = _parent()
     s0 = _tick(spec, RunState()).state
-    child = s0.nodes["sub"].child_run
+    child = s0.nodes["sub"].child.child_run
     assert s0.nodes["sub"].deadline is not None
     poll = s0.nodes["sub"].deadline
     running = ChildSnapshot(child, "running")
@@ -287,7 +287,7 @@ def test_a_gathering_child_scatter_keeps_a_timer() -> None:
 def test_continue_as_new_with_new_input_closes_the_children() -> None:
     spec = _parent()
     s0 = _tick(spec, RunState()).state
-    child = s0.nodes["sub"].child_run
+    child = s0.nodes["sub"].child.child_run
     p = _tick(
         spec, s0, control=ControlIn(id=1, kind="continue_as_new", input={"id": 8}, has_input=True)
     )

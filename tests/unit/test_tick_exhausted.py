@@ -46,7 +46,7 @@ def test_a_node_out_of_attempts_pauses_the_run_with_the_node_failed_and_its_erro
     state = _run_until_b_exhausted(spec, 2)
     assert state.status == RunStatus.PAUSED
     b = state.nodes["b"]
-    assert b.status == NodeStatus.FAILED and b.awaiting_resume
+    assert b.status == NodeStatus.FAILED and b.step.awaiting_resume
     assert b.error == {"type": "RuntimeError", "message": "bug"}
     assert state.nodes["c"].status == NodeStatus.PENDING
     # Ticks of the paused run change nothing and fail nothing.
@@ -60,7 +60,7 @@ def test_resume_reruns_the_node_with_a_fresh_budget_and_the_run_goes_on() -> Non
     p = _tick(spec, state, seconds=500, control=ControlIn(id=1, kind="resume"))
     assert p.state.status == RunStatus.RUNNING
     b = p.state.nodes["b"]
-    assert b.status == NodeStatus.RUNNING and b.attempt == 1 and not b.awaiting_resume
+    assert b.status == NodeStatus.RUNNING and b.step.attempt == 1 and not b.step.awaiting_resume
     assert b.generation == 3  # a new token: a stale worker of attempt 2 cannot land on it
     assert [a.token for a in p.new_attempts] == [f"{RUN}:b:3"]
     assert ("b", "failed", "pending", "resume: fresh retry budget") in [
@@ -74,7 +74,7 @@ def test_resume_reruns_the_node_with_a_fresh_budget_and_the_run_goes_on() -> Non
 def test_the_default_still_fails_the_run() -> None:
     spec = _spec(attempts=1, on_exhausted="fail")
     state = _run_until_b_exhausted(spec, 1)
-    assert state.status == RunStatus.FAILED and not state.nodes["b"].awaiting_resume
+    assert state.status == RunStatus.FAILED and not state.nodes["b"].step.awaiting_resume
 
 
 def test_a_non_retryable_error_fails_the_run_even_under_pause() -> None:
@@ -93,7 +93,7 @@ def test_a_timed_out_last_attempt_pauses_too() -> None:
     check = AttemptCheck(token=token, claimed_at=NOW, finished=False)
     p = _tick(spec, state, seconds=10_000, checks={token: check})
     assert [c.outcome for c in p.closed] == ["timed_out"]
-    assert p.state.status == RunStatus.PAUSED and p.state.nodes["b"].awaiting_resume
+    assert p.state.status == RunStatus.PAUSED and p.state.nodes["b"].step.awaiting_resume
 
 
 def test_the_flag_survives_the_stored_state() -> None:

@@ -51,6 +51,7 @@ from ductor_celery.engine import (
     TickPayload,
 )
 from ductor_celery.engine.inputs import AppliedSignal, HandledControl
+from ductor_celery.engine.state import StepWork
 from ductor_celery.engine.status import FINISHED_NODE_STATUSES, TERMINAL_RUN_STATUSES
 from ductor_celery.engine.tick import describe
 from ductor_celery.fakes import InMemoryStore, RecordingDispatcher
@@ -603,7 +604,7 @@ def test_pause_folds_results_but_dispatches_nothing_and_fires_no_timer() -> None
     spec = busy()
     p1 = tick(spec, RunState())
     p2 = chain(spec, p1, now=at(5), results=[err("r1:a:1")])  # retry due at 6
-    assert p2.state.nodes["a"].retry_at == at(6)
+    assert p2.state.nodes["a"].step.retry_at == at(6)
     paused = chain(spec, p2, now=at(5), control=control("pause", id=11, reason="deploy"))
     assert paused.handled_control == HandledControl(11, APPLIED)
     assert describe(paused) == summary(
@@ -701,7 +702,7 @@ def test_cancel_and_terminate_close_everything_open_and_revoke_in_flight(
     spec = many()
     p1 = tick(spec, RunState())
     p2 = chain(spec, p1, now=at(1), results=[err("r1:r:1")])
-    assert p2.state.nodes["r"].retry_at == at(6) and p2.state.nodes["r"].token is None
+    assert p2.state.nodes["r"].step.retry_at == at(6) and p2.state.nodes["r"].step.token is None
     p3 = chain(spec, p2, now=at(2), control=control(kind, id=5, reason="ops"))
     reason = f"{kind}: ops"
     assert p3.handled_control == HandledControl(5, APPLIED)
@@ -733,7 +734,8 @@ def test_cancel_and_terminate_close_everything_open_and_revoke_in_flight(
         ClosedAttempt("r1:a:1", "cancelled", {"type": "Cancelled", "message": reason})
     ]
     for ns in p3.state.nodes.values():
-        assert ns.token is None and ns.retry_at is None and ns.check_at is None
+        step = ns.work if isinstance(ns.work, StepWork) else StepWork()
+        assert step.token is None and step.retry_at is None and step.check_at is None
     assert p3.state.nodes["later"].to_json() == {"status": "pending"}
     # After the cancel: the retry time passes and a late result arrives; nothing moves.
     p4 = chain(spec, p3, now=at(50), results=[ok("r1:a:1", "late")], signals=[(1, "go", None)])
@@ -877,7 +879,7 @@ def test_redrive_after_a_failure_reruns_failed_cancelled_and_pending_nodes() -> 
         next_wake_at=iso(40),
     )
     bad = p4.state.nodes["bad"]
-    assert (bad.generation, bad.attempt, bad.error) == (3, 1, None)  # a fresh retry budget
+    assert (bad.generation, bad.step.attempt, bad.error) == (3, 1, None)  # a fresh retry budget
     assert token_of(p4.state.nodes["ok"]) == "r1:ok:1"  # kept, never rerun
     assert p4.state.nodes["nap"].deadline == at(110)
     # The fresh budget: one failure retries again instead of failing the run.
@@ -907,7 +909,7 @@ def test_redrive_after_terminate_or_cancel(kind: str) -> None:
     p4 = chain(spec, p3, now=at(3), control=control("redrive", id=2))
     assert p4.reopened is True and p4.error is None and p4.status == RunStatus.RUNNING
     assert [a.token for a in p4.new_attempts] == ["r1:bad:2"]
-    assert p4.state.nodes["bad"].attempt == 1
+    assert p4.state.nodes["bad"].step.attempt == 1
     assert statuses(p4) == {
         "ok": "succeeded",
         "bad": "running",
@@ -916,7 +918,7 @@ def test_redrive_after_terminate_or_cancel(kind: str) -> None:
     }
     # The cancelled attempt's worker finishing late is stale.
     p5 = chain(spec, p4, now=at(4), results=[ok("r1:bad:1", "late")])
-    assert statuses(p5)["bad"] == "running" and p5.state.nodes["bad"].token == "r1:bad:2"
+    assert statuses(p5)["bad"] == "running" and p5.state.nodes["bad"].step.token == "r1:bad:2"
 
 
 def test_redrive_after_a_rejection_waits_for_a_new_decision() -> None:
@@ -1018,7 +1020,7 @@ def test_continue_as_new_does_not_wait_for_a_pending_retry_and_reruns_its_node()
     spec = looping()
     p1 = tick(spec, RunState())
     p2 = chain(spec, p1, now=at(1), results=[ok("r1:a:1", "A"), err("r1:b:1")])
-    assert p2.state.nodes["b"].retry_at == at(51)
+    assert p2.state.nodes["b"].step.retry_at == at(51)
     p3 = chain(spec, p2, now=at(2), control=control("continue_as_new"), results=[ok("r1:c:1", "C")])
     assert p3.status == RunStatus.CONTINUED
     assert p3.closed == []  # b had no attempt open

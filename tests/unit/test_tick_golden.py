@@ -27,6 +27,7 @@ from ductor_celery.engine import (
     needed_outputs,
 )
 from ductor_celery.engine.outputs import AttemptOutput
+from ductor_celery.engine.state import StepWork
 from ductor_celery.engine.tick import describe
 
 
@@ -397,11 +398,11 @@ def test_retryable_failure_schedules_a_retry_that_fires_with_a_new_token() -> No
             timeout=300.0,
         )
     ]
-    assert p3.state.nodes["a"].retry_at is None
-    assert p3.state.nodes["a"].token == "r1:a:2"
+    assert p3.state.nodes["a"].step.retry_at is None
+    assert p3.state.nodes["a"].step.token == "r1:a:2"
     # Attempt 2 fails: backoff 2 * 3 = 6 s. Attempt 3 fails: budget spent, node and run fail.
     p4 = tick(spec, p3.state, now=at(10), results=[err("r1:a:2", "again")])
-    assert p4.state.nodes["a"].retry_at == at(16)
+    assert p4.state.nodes["a"].step.retry_at == at(16)
     assert p4.transitions[0].reason == "attempt 2 failed: again; retry in 6s"
     p5 = tick(spec, p4.state, now=at(20))
     assert p5.new_attempts[0].token == "r1:a:3" and p5.new_attempts[0].args_from == "r1:a:2"
@@ -614,7 +615,7 @@ def test_unclaimed_attempt_is_resent_with_the_same_token_and_doubling_checks() -
         next_wake_at=iso(30 + 60),
     )
     assert p.dispatches == [Dispatch("step", RUN, "a", "r1:a:1", "s", None)]
-    assert p.state.nodes["a"].resends == 1
+    assert p.state.nodes["a"].step.resends == 1
     assert p.state.nodes["a"].generation == 1
     # Not due yet: nothing. Due again: re-sent, next check 120 s later.
     assert tick(spec, p.state, now=at(89), checks=[unclaimed]).changed is False
@@ -622,14 +623,14 @@ def test_unclaimed_attempt_is_resent_with_the_same_token_and_doubling_checks() -
     assert describe(p2)["dispatches"] == ["r1:a:1"]
     assert describe(p2)["new_attempts"] == []
     assert p2.next_wake_at == at(90 + 120)
-    assert p2.state.nodes["a"].resends == 2
+    assert p2.state.nodes["a"].step.resends == 2
     # Claimed at last, then lost: the retry is a new attempt whose resend count starts over.
     p3 = tick(spec, p2.state, now=at(400), checks=[AttemptCheck("r1:a:1", at(100), False)])
     assert describe(p3)["closed"] == [("r1:a:1", "timed_out")]
     p4 = tick(spec, p3.state, now=at(401))
     assert describe(p4)["new_attempts"] == ["r1:a:2"]
     a = p4.state.nodes["a"]
-    assert (a.resends, a.claimed_at, a.check_at) == (0, None, at(401 + 30))
+    assert (a.step.resends, a.step.claimed_at, a.step.check_at) == (0, None, at(401 + 30))
     p5 = tick(spec, p4.state, now=at(431), checks=[AttemptCheck("r1:a:2", None, False)])
     assert p5.next_wake_at == at(431 + 60)
 
@@ -698,7 +699,7 @@ def test_claimed_attempt_moves_its_check_to_the_deadline_then_times_out_and_retr
     p = tick(spec, s, now=at(30), checks=[claimed])
     assert describe(p) == summary(nodes={"a": "running"}, next_wake_at=iso(110))
     assert p.changed is True  # claimed_at and check_at are written
-    assert p.state.nodes["a"].claimed_at == at(10)
+    assert p.state.nodes["a"].step.claimed_at == at(10)
     assert tick(spec, p.state, now=at(30), checks=[claimed]).changed is False
     assert tick(spec, p.state, now=at(109), checks=[claimed]).changed is False
     p2 = tick(spec, p.state, now=at(110), checks=[claimed])
@@ -717,7 +718,7 @@ def test_claimed_attempt_moves_its_check_to_the_deadline_then_times_out_and_retr
         next_wake_at=iso(111),
     )
     assert p2.closed[0].error["type"] == "StepTimeout"
-    assert p2.state.nodes["a"].token is None
+    assert p2.state.nodes["a"].step.token is None
     p3 = tick(spec, p2.state, now=at(111))
     assert describe(p3)["new_attempts"] == ["r1:a:2"]
     assert p3.new_attempts[0].args_from == "r1:a:1"
@@ -743,7 +744,7 @@ def test_claimed_long_ago_times_out_at_the_first_check() -> None:
     s = tick(spec, RunState()).state
     p = tick(spec, s, now=at(30), checks=[AttemptCheck("r1:a:1", at(1), False)])
     assert describe(p)["closed"] == [("r1:a:1", "timed_out")]
-    assert p.state.nodes["a"].retry_at == at(31)
+    assert p.state.nodes["a"].step.retry_at == at(31)
 
 
 # --- purity --------------------------------------------------------------------------------------
@@ -771,7 +772,7 @@ def test_input_state_is_never_mutated_even_by_a_busy_tick() -> None:
     assert s == frozen
     assert p.state.context["deep"] == {"list": [3]}
     p.state.context["deep"]["list"].append(4)
-    p.state.nodes["b"].resends = 99
+    p.state.nodes["b"].step.resends = 99
     assert s == frozen
 
 
@@ -934,7 +935,9 @@ def test_needed_outputs_lists_succeeded_nodes_that_pending_nodes_read() -> None:
         },
     )
     assert needed_outputs(spec, state) == {"a": "r1:a:2", "k": "r1:k:1"}
-    state.nodes["b"] = NodeState(status=NodeStatus.RUNNING, generation=1, token="r1:b:1")
+    state.nodes["b"] = NodeState(
+        status=NodeStatus.RUNNING, generation=1, work=StepWork(token="r1:b:1")
+    )
     assert needed_outputs(spec, state) == {}
     state.nodes["c"] = NodeState(
         status=NodeStatus.SUCCEEDED, generation=1, output=AttemptOutput("r1:c:1")

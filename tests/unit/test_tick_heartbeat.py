@@ -32,7 +32,7 @@ def test_heartbeat_timeout_is_part_of_the_spec_and_sets_the_first_look() -> None
     node = spec.nodes[0]
     assert isinstance(node, StepNodeSpec) and node.heartbeat_timeout == 10.0
     p = compute_tick(spec, RunState(), TickInputs(run_id="r"), T0)
-    assert p.state.nodes["a"].check_at == T0 + timedelta(seconds=10)
+    assert p.state.nodes["a"].step.check_at == T0 + timedelta(seconds=10)
 
 
 def test_a_fresh_heartbeat_moves_the_deadline_and_silence_loses_the_attempt() -> None:
@@ -44,12 +44,12 @@ def test_a_fresh_heartbeat_moves_the_deadline_and_silence_loses_the_attempt() ->
     check = AttemptCheck("r:a:1", claimed_at=claimed, finished=False, heartbeat_at=beat)
     p1 = compute_tick(spec, s0, TickInputs(run_id="r", checks={"r:a:1": check}), at_10)
     assert p1.closed == []
-    assert p1.state.nodes["a"].check_at == beat + timedelta(seconds=10)
+    assert p1.state.nodes["a"].step.check_at == beat + timedelta(seconds=10)
     at_20 = T0 + timedelta(seconds=20)
     p2 = compute_tick(spec, p1.state, TickInputs(run_id="r", checks={"r:a:1": check}), at_20)
     assert [(c.token, c.outcome) for c in p2.closed] == [("r:a:1", "timed_out")]
     assert "sent no heartbeat for 10s" in p2.closed[0].error["message"]
-    assert p2.state.nodes["a"].retry_at == at_20 + timedelta(seconds=1)
+    assert p2.state.nodes["a"].step.retry_at == at_20 + timedelta(seconds=1)
 
 
 def test_without_heartbeats_the_claim_time_counts_as_the_last_sign_of_life() -> None:

@@ -59,7 +59,7 @@ def test_an_attempt_waiting_for_a_lease_is_not_re_sent() -> None:
         later,
     )
     assert p.dispatches == [] and p.transitions == []
-    assert p.state.nodes["call"].check_at == later + timedelta(seconds=60)
+    assert p.state.nodes["call"].step.check_at == later + timedelta(seconds=60)
     lost = AttemptCheck("r:call:1", claimed_at=None, finished=False)
     p2 = compute_tick(
         spec,

@@ -43,7 +43,7 @@ def _succeeded(spec: WorkflowSpec) -> RunState:
         running = [n for n, ns in state.nodes.items() if ns.status == NodeStatus.RUNNING]
         if not running:
             break
-        results = tuple(ok(state.nodes[n].token or "", f"{n}-out") for n in running)
+        results = tuple(ok(state.nodes[n].step.token or "", f"{n}-out") for n in running)
         state = _tick(spec, state, results=results).state
     assert state.status == RunStatus.SUCCEEDED
     return state

@@ -49,7 +49,7 @@ def test_it_is_part_of_the_spec_only_when_set_and_sets_the_first_look() -> None:
     assert "schedule_to_start_timeout" not in plain.model_dump(mode="json")["nodes"][0]  # type: ignore[attr-defined]
     p = _tick(spec, RunState(), T0)
     ns = p.state.nodes["a"]
-    assert ns.queued_until == _at(10) and ns.check_at == _at(10)
+    assert ns.step.queued_until == _at(10) and ns.step.check_at == _at(10)
 
 
 @pytest.mark.parametrize(("lease_waiting", "why"), [(False, "no worker"), (True, "lease")])
@@ -64,10 +64,10 @@ def test_an_attempt_not_claimed_in_time_times_out_and_retries(
     error = p.closed[0].error
     assert error["type"] == "ScheduleToStartTimeout" and why in error["message"]
     ns = p.state.nodes["a"]
-    assert ns.status == "running" and ns.token is None and ns.retry_at == _at(11)
+    assert ns.status == "running" and ns.step.token is None and ns.step.retry_at == _at(11)
     retried = _tick(spec, p.state, _at(11))
     assert [a.token for a in retried.new_attempts] == ["r:a:2"]
-    assert retried.state.nodes["a"].queued_until == _at(21)
+    assert retried.state.nodes["a"].step.queued_until == _at(21)
 
 
 def test_the_last_attempt_not_started_in_time_fails_the_node() -> None:
@@ -86,7 +86,7 @@ def test_an_attempt_claimed_in_time_is_left_to_its_start_to_close_timeout() -> N
     p = _tick(spec, s0, _at(10), c=check)
     assert p.closed == []
     ns = p.state.nodes["a"]
-    assert ns.queued_until is None and ns.check_at == _at(305)
+    assert ns.step.queued_until is None and ns.step.check_at == _at(305)
 
 
 def test_without_it_an_unclaimed_message_is_only_re_sent() -> None:

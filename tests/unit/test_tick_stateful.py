@@ -153,9 +153,9 @@ class TickMachine(RuleBasedStateMachine):
     def awaited(self) -> list[tuple[str, str]]:
         """(node, token) for every attempt the run waits on."""
         return sorted(
-            (node, ns.token)
+            (node, ns.step.token)
             for node, ns in self.state.nodes.items()
-            if ns.status == NodeStatus.RUNNING and ns.token is not None
+            if ns.status == NodeStatus.RUNNING and ns.step.token is not None
         )
 
     def fatal(self, state: RunState) -> list[str]:
@@ -174,9 +174,9 @@ class TickMachine(RuleBasedStateMachine):
     def retry_due(self) -> bool:
         return any(
             ns.status == NodeStatus.RUNNING
-            and ns.token is None
-            and ns.retry_at is not None
-            and ns.retry_at <= self.now
+            and ns.step.token is None
+            and ns.step.retry_at is not None
+            and ns.step.retry_at <= self.now
             for ns in self.state.nodes.values()
         )
 
@@ -293,12 +293,12 @@ class TickMachine(RuleBasedStateMachine):
             assert a.token not in self.attempt_node, f"token {a.token} reused"
             assert a.token == f"{RUN}:{a.node}:{a.generation}"
             ns = after.nodes[a.node]
-            assert ns.status == NodeStatus.RUNNING and ns.token == a.token
-            assert (ns.resends, ns.claimed_at, ns.retry_at) == (0, None, None)
+            assert ns.status == NodeStatus.RUNNING and ns.step.token == a.token
+            assert (ns.step.resends, ns.step.claimed_at, ns.step.retry_at) == (0, None, None)
             timeout = self.graph.nodes[a.node].timeout or CONFIG.default_step_timeout
-            assert ns.resend_at == self.now + timedelta(seconds=CONFIG.resend_unclaimed_after)
+            assert ns.step.resend_at == self.now + timedelta(seconds=CONFIG.resend_unclaimed_after)
             # First look: at the re-send time or one step timeout, whichever comes first.
-            assert ns.check_at == min(ns.resend_at, self.now + timedelta(seconds=timeout))
+            assert ns.step.check_at == min(ns.step.resend_at, self.now + timedelta(seconds=timeout))
             assert ns.generation == a.generation == before.nodes[a.node].generation + 1
             assert all(self.dep_done(after, d) for d in self.graph.nodes[a.node].after)
             assert [d.token for d in p.dispatches].count(a.token) == 1
@@ -313,22 +313,22 @@ class TickMachine(RuleBasedStateMachine):
                 }
                 assert a.args == {"deps": expected_deps, "x": self.input.get("x")}
             else:  # a retry: arguments copied from the previous attempt row
-                assert prev.status == NodeStatus.RUNNING and prev.token is None
-                assert prev.retry_at is not None and prev.retry_at <= self.now
+                assert prev.status == NodeStatus.RUNNING and prev.step.token is None
+                assert prev.step.retry_at is not None and prev.step.retry_at <= self.now
                 assert a.args_from == f"{RUN}:{a.node}:{prev.generation}"
-                assert a.attempt == prev.attempt + 1
+                assert a.attempt == prev.step.attempt + 1
             self.attempt_node[a.token] = a.node
         # Other dispatches are resends of an attempt in flight, keeping its token.
         for d in p.dispatches:
             if d.token in new_tokens:
                 continue
             assert d.token in self.attempt_node
-            assert before.nodes[d.node].token == after.nodes[d.node].token == d.token
-            assert after.nodes[d.node].resends == before.nodes[d.node].resends + 1
+            assert before.nodes[d.node].step.token == after.nodes[d.node].step.token == d.token
+            assert after.nodes[d.node].step.resends == before.nodes[d.node].step.resends + 1
         # Closed attempts existed before this tick and are no longer awaited.
         for c in p.closed:
             assert c.token in self.attempt_node and c.token not in new_tokens
-            assert all(ns.token != c.token for ns in after.nodes.values())
+            assert all(ns.step.token != c.token for ns in after.nodes.values())
 
         # Accepted outputs: set once, from a token that node was waiting on, never changed.
         for node, ns in after.nodes.items():
@@ -337,7 +337,7 @@ class TickMachine(RuleBasedStateMachine):
                     assert token_of(ns) == self.output_token[node]
                 else:
                     assert ns.status == NodeStatus.SUCCEEDED
-                    assert before.nodes[node].token == token_of(ns)
+                    assert before.nodes[node].step.token == token_of(ns)
                     self.output_token[node] = token_of(ns)
         self.check_state(after, p)
 
@@ -389,16 +389,16 @@ class TickMachine(RuleBasedStateMachine):
         for node, ns in state.nodes.items():
             if ns.status == NodeStatus.RUNNING:
                 # In flight (token and check time) or waiting for a retry timer, never both.
-                assert (ns.token is None) == (ns.check_at is None)
-                assert (ns.token is None) != (ns.retry_at is None)
+                assert (ns.step.token is None) == (ns.step.check_at is None)
+                assert (ns.step.token is None) != (ns.step.retry_at is None)
             if ns.status == NodeStatus.PENDING:
                 assert not all(self.dep_done(state, d) for d in self.graph.nodes[node].after), (
                     f"{node} is ready but was left pending"
                 )
-        due = [w for ns in running for w in (ns.check_at, ns.retry_at) if w is not None]
+        due = [w for ns in running for w in (ns.step.check_at, ns.step.retry_at) if w is not None]
         assert p.next_wake_at == min(due)
         # Due retries fire in the tick; a due check may wait for its claim status.
-        assert all(ns.retry_at is None or ns.retry_at > self.now for ns in running)
+        assert all(ns.step.retry_at is None or ns.step.retry_at > self.now for ns in running)
 
     # --- rules ------------------------------------------------------------------------------
 
@@ -453,10 +453,10 @@ class TickMachine(RuleBasedStateMachine):
             assert after.status == NodeStatus.SUCCEEDED and token_of(after) == token
             expected = {**context_before, **(result.patch or {})}
             assert p.state.context == expected
-        elif outcome == "retryable" and ns.attempt < self.graph.nodes[node].retry.max_attempts:
-            delay = backoff_delay(self.graph.nodes[node].retry, ns.attempt)
-            assert after.status == NodeStatus.RUNNING and after.token is None
-            assert after.retry_at == self.now + timedelta(seconds=delay)
+        elif outcome == "retryable" and ns.step.attempt < self.graph.nodes[node].retry.max_attempts:
+            delay = backoff_delay(self.graph.nodes[node].retry, ns.step.attempt)
+            assert after.status == NodeStatus.RUNNING and after.step.token is None
+            assert after.step.retry_at == self.now + timedelta(seconds=delay)
             assert after.error == result.error
         else:
             assert after.status == NodeStatus.FAILED
@@ -482,7 +482,7 @@ class TickMachine(RuleBasedStateMachine):
             st.integers(0, max(self.state.nodes[node].generation - 1, 0)), label="generation"
         )
         token = f"{RUN}:{node}:{generation}"
-        assert token != self.state.nodes[node].token
+        assert token != self.state.nodes[node].step.token
         result = AttemptResult(
             token, node, "succeeded" if ok else "failed", output="stale", retryable=False
         )
@@ -509,7 +509,7 @@ class TickMachine(RuleBasedStateMachine):
         kinds: dict[str, str] = {}
         for i, (node, token) in enumerate(self.awaited()):
             ns = self.state.nodes[node]
-            if ns.check_at is None or ns.check_at > self.now:
+            if ns.step.check_at is None or ns.step.check_at > self.now:
                 continue
             kind = claims[i]
             if token in self.claims and kind == "unclaimed":
@@ -528,22 +528,27 @@ class TickMachine(RuleBasedStateMachine):
             return  # a timed-out node spent its budget: the terminal checks already ran
         for node, kind in kinds.items():
             old, new = before.nodes[node], p.state.nodes[node]
-            token = old.token
+            token = old.step.token
             assert token is not None
             if kind == "unclaimed":
-                resend_due = (old.resend_at or old.check_at) <= self.now
+                resend_due = (old.step.resend_at or old.step.check_at) <= self.now
                 sent = [d.token for d in p.dispatches if d.node == node]
                 assert sent == ([token] if resend_due else [])
-                assert new.token == token and new.generation == old.generation
+                assert new.step.token == token and new.generation == old.generation
                 if resend_due:
-                    assert new.resends == old.resends + 1
-                    assert new.resend_at == self.now + timedelta(
-                        seconds=CONFIG.resend_unclaimed_after * 2**new.resends
+                    assert new.step.resends == old.step.resends + 1
+                    assert new.step.resend_at == self.now + timedelta(
+                        seconds=CONFIG.resend_unclaimed_after * 2**new.step.resends
                     )
                 else:
-                    assert new.resends == old.resends and new.resend_at == old.resend_at
+                    assert (
+                        new.step.resends == old.step.resends
+                        and new.step.resend_at == old.step.resend_at
+                    )
                 timeout = self.graph.nodes[node].timeout or CONFIG.default_step_timeout
-                assert new.check_at == min(new.resend_at, self.now + timedelta(seconds=timeout))
+                assert new.step.check_at == min(
+                    new.step.resend_at, self.now + timedelta(seconds=timeout)
+                )
             elif kind == "finished":
                 assert new.status == NodeStatus.SUCCEEDED and token_of(new) == token
             else:
@@ -553,10 +558,12 @@ class TickMachine(RuleBasedStateMachine):
                 if deadline <= self.now:
                     assert [c.outcome for c in timed_out] == ["timed_out"]
                     assert self.store.attempt(token).outcome == "timed_out"
-                    assert new.token != token
+                    assert new.step.token != token
                 else:
-                    assert timed_out == [] and new.token == token
-                    assert new.check_at == deadline and new.claimed_at == self.claims[token]
+                    assert timed_out == [] and new.step.token == token
+                    assert (
+                        new.step.check_at == deadline and new.step.claimed_at == self.claims[token]
+                    )
 
     @rule()
     def wake_up(self) -> None:
@@ -587,9 +594,9 @@ class TickMachine(RuleBasedStateMachine):
     @invariant()
     def tokens_recorded(self) -> None:
         for node, ns in getattr(self, "state", RunState()).nodes.items():
-            if ns.token is not None:
-                assert self.attempt_node.get(ns.token) == node
-                assert self.store.attempt(ns.token).node == node
+            if ns.step.token is not None:
+                assert self.attempt_node.get(ns.step.token) == node
+                assert self.store.attempt(ns.step.token).node == node
 
     def teardown(self) -> None:
         if not hasattr(self, "spec"):
@@ -607,7 +614,7 @@ class TickMachine(RuleBasedStateMachine):
                     self.finish(AttemptResult(token, node, "succeeded", output=output))
                 self.tick()
             else:
-                timers = [ns.retry_at for ns in self.state.nodes.values() if ns.retry_at]
+                timers = [ns.step.retry_at for ns in self.state.nodes.values() if ns.step.retry_at]
                 assert timers, "an open run with nothing awaited must have a retry timer"
                 self.store.advance(max(0.0, (min(timers) - self.now).total_seconds()))
                 p = self.tick()
