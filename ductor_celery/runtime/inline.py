@@ -22,6 +22,10 @@ its message had just arrived and been claimed (``ductor_inline_steps``; docs/arc
 - With task events on, each inline attempt sends ``task-started`` (with its name and
   arguments) and ``task-succeeded`` under its own token, so Flower lists it as a task: one
   broker message per attempt (``TaskEvents``).
+- Held branches: after a quick step, the tick also gives the worker more branches of the same
+  scatter (``TickClaim.held``, and earlier ones still in flight, adopted), which it claims and
+  runs one after another, writing each outcome alone, before one tick folds them all
+  (docs/architecture.md, "Held branches").
 """
 
 from __future__ import annotations
@@ -62,14 +66,15 @@ HOLD_IF_QUICKER_S = 0.005
 
 @dataclass(frozen=True, slots=True)
 class _Held:
-    """A new attempt the tick left unclaimed, with no message, for this worker to run."""
+    """A branch held for this worker: a new attempt its tick left unclaimed with no message,
+    or (``adopted``) an earlier one still in flight; the worker claims it when it gets to it."""
 
     token: str
     step: Step
     run_id: str
     node: str
     queue: str
-    #: Dispatched by an earlier tick, with a message (not this tick's new attempt).
+    #: Dispatched by an earlier tick, with a message of its own.
     adopted: bool = False
 
 
