@@ -357,9 +357,7 @@ def execute_attempt(
     engine = rt.engine()
     chain = InlineChain.start(rt, queue, lambda: worker_identity(hostname))
     me = worker_identity(hostname)
-    claimed = with_retry(
-        lambda: attempts.claim(engine, token, me, step=step.name), what="claim attempt"
-    )
+    claimed = _claim(engine, token, me, step)
     if isinstance(claimed, attempts.WrongStep):
         # Run nothing: the arguments are another function's. The attempt's own message (or
         # the sweeper's re-send) still claims it.
@@ -391,6 +389,17 @@ def execute_attempt(
     return outcome
 
 
+def _claim(
+    engine: Any, token: str, me: str, step: Step
+) -> attempts.ClaimedAttempt | attempts.WrongStep | None:
+    """The claim a message's attempt and a held branch both take (retried on a dropped
+    connection: the identity is unique per claim, so a retry finds its own claim)."""
+    return with_retry(
+        functools.partial(attempts.claim, engine, token, me, step=step.name),
+        what="claim attempt",
+    )
+
+
 def _next_inline(
     rt: Runtime, engine: Any, chain: InlineChain
 ) -> tuple[attempts.ClaimedAttempt, Step, str, bool] | None:
@@ -407,10 +416,7 @@ def _next_inline(
             # Fault tests: die holding branches, with outcomes written alone and not ticked.
             failpoint("held_before_claim")
             me = chain.identity()
-            claimed = with_retry(
-                functools.partial(attempts.claim, engine, token, me, step=step.name),
-                what="claim attempt",
-            )
+            claimed = _claim(engine, token, me, step)
             if isinstance(claimed, attempts.ClaimedAttempt):
                 return claimed, step, me, True
             continue
