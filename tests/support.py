@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from ductor_celery.coordinator import Coordinator
+from ductor_celery.coordinator import Coordinator, TickResult
 from ductor_celery.definition import RetryPolicy, WorkflowSpec
 from ductor_celery.definition.retry import ConcurrencyLimit
 from ductor_celery.engine import (
@@ -28,6 +28,7 @@ from ductor_celery.engine import (
     compute_tick,
 )
 from ductor_celery.engine.outputs import AttemptOutput, EventsOutput, LiteralOutput, SignalOutput
+from ductor_celery.engine.status import TERMINAL_RUN_STATUSES
 from ductor_celery.fakes import RecordingDispatcher
 from ductor_celery.settings import Settings
 from ductor_celery.store.load import LoadedRun, load_on
@@ -104,6 +105,26 @@ def pure_tick(
     assert state == before
     assert state.to_json() == before_json
     assert payload.state is not state
+    return payload
+
+
+def payload_of(
+    done: TickResult,
+    run_id: str,
+    spec: WorkflowSpec,
+    before: RunState,
+    config: EngineConfig,
+    now: datetime,
+) -> TickPayload:
+    """What a coordinator tick decided. A tick of a settled run (finished, nothing to fold)
+    ends before its load and computes nothing: then the full computation over the state it
+    skipped, which must agree that there was nothing to do."""
+    if done.payload is not None:
+        return done.payload
+    assert done.outcome == "noop", done
+    assert before.status in TERMINAL_RUN_STATUSES, before.status
+    payload = compute_tick(spec, before, TickInputs(run_id=run_id, config=config), now)
+    assert not payload.changed, "a tick ended as settled had something to do"
     return payload
 
 

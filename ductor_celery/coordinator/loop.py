@@ -101,6 +101,7 @@ class _Rejected(Exception):
 
 
 _NOTHING = TickResult("missing")
+_SETTLED = TickResult("noop")
 
 #: The failpoint between commit and dispatch, for a coordinator tick and an eager one.
 _AFTER_COMMIT = {False: "after_commit_before_dispatch", True: "eager_after_commit_before_dispatch"}
@@ -152,9 +153,13 @@ class Coordinator(Generic[TxT]):
         store, stats, observer = self.store, self.stats, self.observer
         if observer is not None:
             observer.started()
-        if not eager:
-            # Before the load: a result committed after this point wakes the run again.
-            store.clear_wake(run_id)
+        # Before the load: a result committed after this point wakes the run again.
+        if not eager and store.clear_wake(run_id):
+            # Settled (finished, nothing to fold): a duplicate wake-up ends here, unlocked.
+            stats.count("noop")
+            if observer is not None:
+                observer.ended("noop")
+            return _SETTLED
         for _ in range(MAX_CONFLICT_RETRIES):
             try:
                 result = store.retrying(

@@ -123,8 +123,11 @@ class TickStore(Protocol[TxT_co]):
         """Run ``fn`` (one tick attempt, its transaction included), again while the store is
         briefly unreachable."""
 
-    def clear_wake(self, run_id: str) -> None:
-        """A coordinator tick of the run starts: later results need a wake-up of their own."""
+    def clear_wake(self, run_id: str) -> bool:
+        """A coordinator tick of the run starts: later results need a wake-up of their own.
+        True when the run is settled (finished, with no outcome to fold, no control to handle
+        and no timer row come due): the tick has nothing to do. A cheap read without the
+        run's lock, so a duplicate wake-up of a finished run costs no more."""
 
     def reject_control(self, control_id: int, result: str) -> None:
         """Mark a control handled without applying it (its commit broke a store rule), in a

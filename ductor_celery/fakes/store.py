@@ -20,7 +20,7 @@ from ..definition.spec import WorkflowSpec
 from ..engine import EngineConfig, RunState, TickPayload
 from ..engine.deadline import deadline_after
 from ..engine.kinds import ControlKind
-from ..engine.status import OPEN_RUN_STATUSES
+from ..engine.status import OPEN_RUN_STATUSES, TERMINAL_RUN_STATUSES, RunStatus
 from . import commit as committing
 from .load import load
 from .tables import AttemptRow, ControlRow, RunRow, SignalRow, Tables, json_copy
@@ -62,8 +62,21 @@ class InMemoryStore:
         del what  # memory is never briefly unreachable
         return fn()
 
-    def clear_wake(self, run_id: str) -> None:
-        self.tables.wakes.discard(run_id)
+    def clear_wake(self, run_id: str) -> bool:
+        tables = self.tables
+        tables.wakes.discard(run_id)
+        run = tables.runs.get(run_id)
+        due = tables.timers.get(run_id)
+        return (
+            run is not None
+            and RunStatus(run.status) in TERMINAL_RUN_STATUSES
+            and not any(
+                a.run_id == run_id and a.finished_at is not None and not a.folded
+                for a in tables.attempts.values()
+            )
+            and not any(c.run_id == run_id and c.handled_at is None for c in tables.controls)
+            and (due is None or due > self.now)
+        )
 
     def reject_control(self, control_id: int, result: str) -> None:
         for c in self.tables.controls:

@@ -62,7 +62,7 @@ def _inputs_cache(engine: Engine) -> ImmutableCache:
     return cache
 
 
-def _exists(table: sa.Table, *where: Any) -> Any:
+def exists_where(table: sa.Table, *where: Any) -> Any:
     return sa.exists(sa.select(sa.literal(1)).select_from(table).where(*where))
 
 
@@ -219,12 +219,12 @@ def _run_row_statement(postgres: bool, skip_locked: bool, with_input: bool) -> A
         .scalar_subquery()
         .label("timer_at"),
         _results_column(run_id, postgres),
-        _exists(
+        exists_where(
             workflow_control,
             workflow_control.c.run_id == run_id,
             workflow_control.c.handled_at.is_(None),
         ).label("has_control"),
-        _exists(
+        exists_where(
             workflow_signal,
             workflow_signal.c.run_id == run_id,
             workflow_signal.c.applied_at.is_(None),
@@ -268,7 +268,7 @@ def _results_column(run_id: Any, postgres: bool) -> Any:
         sa.not_(step_attempt.c.folded),
     )
     if not postgres:
-        return _exists(step_attempt, *unfolded).label("has_results")
+        return exists_where(step_attempt, *unfolded).label("has_results")
     row = sa.func.json_build_array(*(step_attempt.c[c] for c in _RESULT_COLUMNS))
     ordered = aggregate_order_by(row, step_attempt.c.finished_at, step_attempt.c.token)
     return sa.select(sa.func.json_agg(ordered)).where(*unfolded).scalar_subquery().label("results")

@@ -45,8 +45,10 @@ class SqlTickStore:
     def retrying(self, fn: Callable[[], T], what: str) -> T:
         return with_retry(fn, what=what)
 
-    def clear_wake(self, run_id: str) -> None:
-        with_retry(functools.partial(wakes.clear_wake, self.engine, run_id), what="clear wake-up")
+    def clear_wake(self, run_id: str) -> bool:
+        return with_retry(
+            functools.partial(wakes.clear_wake, self.engine, run_id), what="clear wake-up"
+        )
 
     def reject_control(self, control_id: int, result: str) -> None:
         reject_control(self.engine, control_id, result)

@@ -15,16 +15,26 @@ The ordering argument, case by case:
   scan is the backstop behind that).
 
 SQLite (the embedded single-process default) does not coalesce: every result wakes its run.
+
+``clear_wake`` also tells the tick whether the run is settled (finished, nothing to fold): a
+duplicate wake-up of a finished run then ends there, one indexed read with no lock and no
+transaction, instead of the locked load and a compute that finds nothing to do.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Engine
 
+from ..engine.status import TERMINAL_RUN_STATUSES
+from . import clock
 from .db import autocommit, is_postgres
-from .schema import workflow_wake
+from .load import exists_where
+from .schema import step_attempt, workflow_control, workflow_run, workflow_timer, workflow_wake
 
 STALE_AFTER_S = 5.0
 
@@ -47,9 +57,46 @@ def request_wake(engine: Engine, run_id: str) -> bool:
         return bool(conn.execute(stmt).scalar_one())
 
 
-def clear_wake(engine: Engine, run_id: str) -> None:
-    """A tick of the run starts now: later results need a wake-up of their own."""
+def clear_wake(engine: Engine, run_id: str) -> bool:
+    """A coordinator tick of the run starts: later results need a wake-up of their own.
+
+    Returns whether the run is settled: finished, with no outcome left to fold, no control to
+    handle and no timer row come due, so the tick has nothing to do. One statement, no lock,
+    no transaction: a duplicate wake-up of a finished run costs this indexed read alone."""
     if not is_postgres(engine):
-        return
+        with engine.connect() as conn:
+            found = conn.execute(_settled(False), {"b_run": run_id, "b_now": clock.now(engine)})
+            return found.first() is not None
     with autocommit(engine) as conn:
-        conn.execute(sa.delete(workflow_wake).where(workflow_wake.c.run_id == run_id))
+        return conn.execute(_settled(True), {"b_run": run_id}).first() is not None
+
+
+@functools.cache
+def _settled(postgres: bool) -> Any:
+    """The run if it is settled (``clear_wake``); on PostgreSQL the wake-up row is deleted by
+    the same statement (a data-modifying CTE runs whether or not it is read)."""
+    run_id = sa.bindparam("b_run", type_=sa.String)
+    now = sa.func.now() if postgres else sa.bindparam("b_now", type_=workflow_timer.c.fire_at.type)
+    query = sa.select(sa.literal(1)).where(
+        workflow_run.c.run_id == run_id,
+        workflow_run.c.status.in_([s.value for s in TERMINAL_RUN_STATUSES]),
+        ~exists_where(
+            step_attempt,
+            step_attempt.c.run_id == run_id,
+            step_attempt.c.finished_at.is_not(None),
+            sa.not_(step_attempt.c.folded),  # the partial index's own predicate
+        ),
+        ~exists_where(
+            workflow_control,
+            workflow_control.c.run_id == run_id,
+            workflow_control.c.handled_at.is_(None),
+        ),
+        ~exists_where(
+            workflow_timer, workflow_timer.c.run_id == run_id, workflow_timer.c.fire_at <= now
+        ),
+    )
+    if postgres:
+        query = query.add_cte(
+            sa.delete(workflow_wake).where(workflow_wake.c.run_id == run_id).cte("cleared")
+        )
+    return query

@@ -206,7 +206,10 @@ class World:
         with self.engine.connect() as conn:
             rows = conn.execute(
                 sa.text(
-                    "SELECT run_id, workflow_id FROM eec_workflow_run ORDER BY created_at, run_id"
+                    # Run ids are random: ties (one commit's children and successors) are
+                    # broken by what an example decides, so a replay picks the same targets.
+                    "SELECT run_id, workflow_id FROM eec_workflow_run"
+                    " ORDER BY created_at, workflow_id, parent_node, run_id"
                 )
             ).all()
         for run_id, workflow_id in rows:
@@ -239,7 +242,11 @@ class World:
             return list(
                 conn.execute(
                     sa.text(
-                        f"SELECT token FROM eec_workflow_step_attempt WHERE {where} ORDER BY token"
+                        # Tokens hold random run ids: order by what an example decides,
+                        # so a replay executes the same attempts.
+                        f"SELECT token FROM eec_workflow_step_attempt a WHERE ({where}) ORDER BY"
+                        " (SELECT (r.created_at, r.workflow_id) FROM eec_workflow_run r"
+                        " WHERE r.run_id = a.run_id), node, branch, generation, attempt, token"
                     )
                 ).scalars()
             )

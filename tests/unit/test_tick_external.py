@@ -28,6 +28,7 @@ from support import (
     iso,
     literal_of,
     ok,
+    payload_of,
     pure_tick,
     signal_of,
     summary,
@@ -1256,8 +1257,7 @@ class Store:
     def tick(self) -> TickPayload:
         before, applied, controls = self.state, self.applied, self.controls
         unapplied = {s.id: s for s in self.signals if s.id not in applied}
-        p = self.coordinator.tick(RUN).payload
-        assert p is not None
+        p = payload_of(self.coordinator.tick(RUN), RUN, MIXED, before, EngineConfig(), self.now)
         self.ticks += 1
         if controls:
             assert p.handled_control is not None and p.handled_control.id == controls[0]

@@ -24,7 +24,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from support import token_of
+from support import payload_of, token_of
 
 from ductor_celery.coordinator import Coordinator
 from ductor_celery.definition import RetryPolicy, Workflow, WorkflowSpec
@@ -238,8 +238,7 @@ class TickMachine(RuleBasedStateMachine):
         results = self.unfolded()
         version = self.store.run(RUN).record_version
         done = self.coordinator.tick(RUN)
-        payload = done.payload
-        assert payload is not None
+        payload = payload_of(done, RUN, self.spec, before, CONFIG, self.store.now)
         assert done.outcome == ("committed" if payload.changed else "noop")
         assert self.store.run(RUN).record_version == version + (1 if payload.changed else 0)
         assert json.dumps(before.to_json(), sort_keys=True) == before_json, "input state mutated"
