@@ -1,16 +1,19 @@
 """Outputs composed from many rows: a scatter's gathered list, and child-run snapshots.
 
 Read by the tick's loader (``load.py``) and by views, through ``outputs.py``. Outputs are
-immutable once written, so finished gathers and attempt outputs are cached per process.
+immutable once written, so finished gathers and attempt outputs are cached in each process,
+one cache per database: tokens and run ids are unique within one database only (a copy of a
+database holds the same ids, and their values may differ from there on).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 
 from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec, WorkflowSpec
 from ..engine import NodeStatus, RunState
@@ -48,7 +51,22 @@ class ImmutableCache:
             self._data.popitem(last=False)
 
 
-outputs_cache = ImmutableCache()
+PerDatabase = weakref.WeakKeyDictionary[Engine, ImmutableCache]
+
+_outputs_caches: PerDatabase = weakref.WeakKeyDictionary()
+
+
+def cache_for(caches: PerDatabase, engine: Engine, size: int = 4096) -> ImmutableCache:
+    """The cache of ``caches`` for one database (its engine), made on first use."""
+    cache = caches.get(engine)
+    if cache is None:
+        cache = caches.setdefault(engine, ImmutableCache(size=size))
+    return cache
+
+
+def outputs_cache(engine: Engine) -> ImmutableCache:
+    """Attempt outputs, finished gathers and child outputs of one database."""
+    return cache_for(_outputs_caches, engine)
 
 
 def gather_any(conn: Connection, spec: WorkflowSpec, node: str, sc: ScatterState) -> list[Any]:
@@ -152,15 +170,16 @@ def gather(conn: Connection, node: str, sc: ScatterState) -> list[Any]:
     """A scatter's outputs in item order: each branch's last attempt (the one that counted).
 
     One query over the node's attempt rows of this scatter (generations above ``base``);
-    cached per process, since a finished scatter's branches never change.
+    cached (``outputs_cache``), since a finished scatter's branches never change.
     """
     key = f"gather:{sc.run}:{node}:{sc.base}:{sc.total}"
-    found, _ = outputs_cache.get_many([key])
+    cache = outputs_cache(conn.engine)
+    found, _ = cache.get_many([key])
     if key in found:
         return list(found[key])
     out = _gather_batched(conn, node, sc) if sc.batch > 1 else _gather_branches(conn, node, sc)
     if not sc.gathering:
-        outputs_cache.put(key, out)
+        cache.put(key, out)
     return out
 
 

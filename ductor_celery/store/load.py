@@ -36,7 +36,7 @@ from ..engine.status import TERMINAL_RUN_STATUSES
 from ..engine.tick import ACTIVE, read_nodes
 from ..engine.versions import successor_spec_hash
 from . import clock
-from .composed import ImmutableCache, children_of, gather_any
+from .composed import ImmutableCache, PerDatabase, cache_for, children_of, gather_any
 from .db import aware, is_postgres
 from .inputs import redriven_input
 from .leases import holds_lease
@@ -52,14 +52,11 @@ from .schema import (
 #: Run inputs by database and run id: an input never changes once its run is inserted
 #: (nothing updates ``eec_workflow_run.input``; a new input means a new run). Few entries per
 #: database: one can be large.
-_inputs_caches: weakref.WeakKeyDictionary[Engine, ImmutableCache] = weakref.WeakKeyDictionary()
+_inputs_caches: PerDatabase = weakref.WeakKeyDictionary()
 
 
 def _inputs_cache(engine: Engine) -> ImmutableCache:
-    cache = _inputs_caches.get(engine)
-    if cache is None:
-        cache = _inputs_caches.setdefault(engine, ImmutableCache(size=64))
-    return cache
+    return cache_for(_inputs_caches, engine, size=64)
 
 
 def exists_where(table: sa.Table, *where: Any) -> Any:

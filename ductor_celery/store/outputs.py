@@ -23,8 +23,9 @@ T = TypeVar("T")
 
 
 def attempt_outputs(conn: Connection, tokens: list[str]) -> dict[str, Any]:
-    """Attempt outputs by token; cached per process (an output never changes once written)."""
-    found, missing = outputs_cache.get_many(tokens)
+    """Attempt outputs by token; cached (an output never changes once written)."""
+    cache = outputs_cache(conn.engine)
+    found, missing = cache.get_many(tokens)
     if missing:
         rows = conn.execute(
             sa.select(step_attempt.c.token, step_attempt.c.output).where(
@@ -32,7 +33,7 @@ def attempt_outputs(conn: Connection, tokens: list[str]) -> dict[str, Any]:
             )
         )
         for r in rows:
-            outputs_cache.put(r.token, r.output)
+            cache.put(r.token, r.output)
             found[r.token] = r.output
     return found
 
