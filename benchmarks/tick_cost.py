@@ -54,6 +54,7 @@ def main() -> None:
         sent: list[Any] = []
         ductor.runtime.dispatcher.send = sent.extend  # type: ignore[method-assign]
         ductor.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+        ductor.runtime.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
         ductor.step(name="t.one")(lambda ctx: 1)
         wf = Workflow("one")
         wf.step("a", "t.one")

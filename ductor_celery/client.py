@@ -263,6 +263,7 @@ class Client:
         *,
         wake: Callable[[str], None],
         find_spec: Callable[[str], WorkflowSpec | None],
+        wake_started: Callable[[str], None] | None = None,
         remember_spec: Callable[[WorkflowSpec], None] | None = None,
         get_engine: Callable[[], Engine] | None = None,
         spec_by_hash: Callable[[str], WorkflowSpec] | None = None,
@@ -274,6 +275,8 @@ class Client:
         self._registered_versions = registered_versions
         self._spec_by_hash = spec_by_hash
         self._wake = wake
+        #: A run just started: its first tick may run on a step worker (``Runtime.wake_started``).
+        self._wake_started = wake_started or wake
         self._find_spec = find_spec
         self._remember_spec = remember_spec
         self._get_engine = get_engine
@@ -362,7 +365,7 @@ class Client:
             what="insert run",
         )
         if created and due_now:  # a delayed run is woken by its timer row when it is due
-            self._safe_wake(actual)
+            self._safe_wake(actual, started=True)
         return RunHandle(run_id=actual, workflow_id=workflow_id or run_id)
 
     def _start_joined(
@@ -391,7 +394,7 @@ class Client:
         )
         if created and due_now:
             caller.on_commit(
-                lambda: self._safe_wake(actual),
+                lambda: self._safe_wake(actual, started=True),
                 visible=lambda: self._read(runs.find_run, self.engine, actual) is not None,
             )
         return RunHandle(run_id=actual, workflow_id=workflow_id)
@@ -466,10 +469,10 @@ class Client:
             lambda: fn(*args, **kwargs), what=f"read ({fn.__name__})", deadline_s=60.0
         )
 
-    def _safe_wake(self, run_id: str) -> None:
+    def _safe_wake(self, run_id: str, *, started: bool = False) -> None:
         # The row is committed; if the broker is down the sweeper picks the run up instead.
         try:
-            self._wake(run_id)
+            (self._wake_started if started else self._wake)(run_id)
         except Exception as exc:  # noqa: BLE001
             log.warning("could not wake run %s (the sweeper will): %s", run_id, exc)
 

@@ -41,6 +41,7 @@ class Ductor:
         self.client = Client(
             self.settings,
             wake=self._runtime.wake,
+            wake_started=self._runtime.wake_started,
             find_spec=self._workflows.get,
             remember_spec=self._runtime.remember_spec,
             get_engine=self._runtime.engine,

@@ -16,7 +16,8 @@ It is the production code with three things swapped, and nothing else (docs/test
 - the database: a SQLite file in a temporary directory, migrated to head, deleted on exit;
 - the broker: a dispatcher that records every message (``h.messages``) and hands them to the
   harness, which delivers them in this thread, in order: a wake-up runs the production tick
-  (``runtime.coordinator.run_tick``), a step message the production attempt execution
+  (``runtime.coordinator.run_tick``), a run's first tick ``runtime.steps.first_tick``, a step
+  message the production attempt execution
   (``runtime.steps.execute_attempt``: claim, call, record, eager tick);
 - the clock: the store's clock for that database only (``store/clock.py``). It stands still
   while messages are delivered and moves only in ``advance()``, which fires the timer rows the
@@ -46,8 +47,9 @@ from .engine.kinds import DispatchKind
 from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
 from .errors import DefinitionError, DuctorError
 from .runtime.coordinator import run_tick
+from .runtime.dispatch import FIRST_TICK_TASK_NAME
 from .runtime.outbox_janitor import close_janitor, sent_outbox
-from .runtime.steps import Step, StepContext, execute_attempt, worker_identity
+from .runtime.steps import Step, StepContext, execute_attempt, first_tick, worker_identity
 from .store import attempts, clock, migrate, schedules, sweep
 from .store.db import forget_engine, get_engine
 from .store.outbox import OutboxRow
@@ -83,10 +85,12 @@ class UnknownStep(DefinitionError, KeyError, ValueError):
 class Message:
     """A message the harness's dispatcher recorded: what production would have published."""
 
-    #: "step", "wakeup" or "revoke" (another kind is recorded, and not delivered).
+    #: "step", "wakeup", "first_tick" (a run just started, eager ticks) or "revoke" (another
+    #: kind is recorded, and not delivered).
     kind: str
     run_id: str
-    #: The step's task name (step messages), ``ductor.tick`` (wake-ups).
+    #: The step's task name (step messages), ``ductor.tick`` (wake-ups),
+    #: ``ductor.first_tick`` (first ticks).
     task: str
     #: The attempt's token (step and revoke messages).
     token: str | None = None
@@ -149,6 +153,9 @@ class _RecordingDispatcher:
     def wake_many(self, run_ids: list[str]) -> None:
         for run_id in run_ids:
             self.wake(run_id)
+
+    def first_tick(self, run_id: str) -> None:
+        self._put(Message("first_tick", run_id, FIRST_TICK_TASK_NAME))
 
 
 class Harness:
@@ -353,6 +360,10 @@ class Harness:
                 )
             if message.kind == "wakeup":
                 run_tick(rt, message.run_id)
+            elif message.kind == "first_tick":
+                # As a step worker takes it: the run's first tick, the first step then sent as
+                # a message of its own (the harness runs each step from its message).
+                first_tick(rt, message.run_id, "harness", None)
             elif message.kind == "step":
                 assert message.token is not None
                 stub = self._stubs.get(message.task)

@@ -37,6 +37,8 @@ class RecordingDispatcher(Dispatcher):
     def __init__(self) -> None:
         self.rows: list[OutboxRow] = []
         self.wakes: list[str] = []
+        #: Runs just started, sent to the step workers for their first tick.
+        self.first_ticks: list[str] = []
 
     def send(self, rows: list[OutboxRow]) -> None:
         self.rows.extend(rows)
@@ -46,6 +48,9 @@ class RecordingDispatcher(Dispatcher):
 
     def wake_many(self, run_ids: list[str]) -> None:
         self.wakes.extend(run_ids)
+
+    def first_tick(self, run_id: str) -> None:
+        self.first_ticks.append(run_id)
 
     def steps(self) -> list[str]:
         return [r.payload["node"] for r in self.rows if r.kind == "step"]

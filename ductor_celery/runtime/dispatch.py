@@ -12,6 +12,8 @@ from .failpoints import failpoint
 log = logging.getLogger("ductor_celery.dispatch")
 
 TICK_TASK_NAME = "ductor.tick"
+#: A run's first tick, on the steps queue (eager ticks: ``Runtime.wake_started``).
+FIRST_TICK_TASK_NAME = "ductor.first_tick"
 
 
 class Dispatcher:
@@ -58,6 +60,13 @@ class Dispatcher:
     def wake(self, run_id: str) -> None:
         with self.app.producer_or_acquire() as producer:
             self._wake(run_id, producer)
+
+    def first_tick(self, run_id: str) -> None:
+        """Send a run just started to the step workers, whose first tick runs its first step
+        in the same process (``steps.first_tick``)."""
+        self.app.send_task(
+            FIRST_TICK_TASK_NAME, args=[run_id], queue=self.steps_queue, serializer="json"
+        )
 
     def wake_many(self, run_ids: list[str]) -> None:
         if not run_ids:

@@ -14,11 +14,11 @@ from ..settings import Settings
 from ..store import runs
 from ..store.db import get_engine
 from .coordinator import run_tick
-from .dispatch import TICK_TASK_NAME, Dispatcher
+from .dispatch import FIRST_TICK_TASK_NAME, TICK_TASK_NAME, Dispatcher
 from .failpoints import failpoint
 from .metrics import MetricsBootstep
 from .poison import PoisonGuard
-from .steps import Step, execute_attempt
+from .steps import Step, execute_attempt, first_tick
 from .sweeper import SweeperBootstep
 
 log = logging.getLogger("ductor_celery.runtime")
@@ -38,6 +38,7 @@ class Runtime:
         self.failpoint = failpoint
         app._ductor_runtime = self
         self.tick_task = self._register_tick_task()
+        self.first_tick_task = self._register_first_tick_task()
         if SweeperBootstep not in app.steps["worker"]:
             app.steps["worker"].add(SweeperBootstep)
         if MetricsBootstep not in app.steps["worker"]:
@@ -62,6 +63,15 @@ class Runtime:
 
     def wake(self, run_id: str) -> None:
         self.dispatcher.wake(run_id)
+
+    def wake_started(self, run_id: str) -> None:
+        """The first wake-up of a run just started: with eager ticks, to the step workers, the
+        first of which to take it ticks the run and runs its first step itself
+        (``steps.first_tick``); otherwise to the coordinator, as every other wake-up."""
+        if self.settings.eager_ticks:
+            self.dispatcher.first_tick(run_id)
+        else:
+            self.dispatcher.wake(run_id)
 
     def remember_spec(self, spec: WorkflowSpec) -> None:
         with self._specs_lock:
@@ -102,6 +112,29 @@ class Runtime:
             return run_tick(rt, run_id)
 
         return tick
+
+    def _register_first_tick_task(self) -> Any:
+        rt = self
+
+        @self.app.task(  # type: ignore[untyped-decorator]
+            name=FIRST_TICK_TASK_NAME,
+            bind=True,
+            queue=self.settings.steps_queue,
+            ignore_result=True,
+            serializer="json",
+            acks_late=True,
+            reject_on_worker_lost=True,
+            shared=False,
+        )
+        def first(task: Any, run_id: str) -> str:
+            problem = _id_problem(run_id, RUN_ID_CHARS)
+            if problem is not None:
+                log.warning("start message with a run id that %s dropped: %.200r", problem, run_id)
+                return "malformed"
+            request = task.request
+            return first_tick(rt, run_id, request.hostname, _delivered_from(request))
+
+        return first
 
     def register_step(self, step: Step) -> Any:
         rt = self

@@ -372,8 +372,43 @@ def execute_attempt(
         log.info("attempt %s already claimed or closed; message ignored", token)
         return "duplicate"
     outcome = _run_claimed(rt, engine, step, claimed, me, chain)
+    _run_inline(rt, engine, chain, hostname)
+    return outcome
+
+
+def first_tick(rt: Runtime, run_id: str, hostname: str | None, queue: str | None) -> str:
+    """The first tick of a run just started, run by the step worker its start message reached
+    (eager ticks; ``Runtime.wake_started``), then the step that tick claimed for this worker
+    and the inline chain after it (runtime/inline.py): no hop to the coordinator and no step
+    message before a run's first step, as a raw chain's first task has one hop.
+
+    The tick is the coordinator's own code as an eager tick: it takes the run's lock without
+    waiting. When another tick holds it, or the tick fails, the coordinator is woken and ticks
+    the run instead; a start message that is lost is covered by the sweeper, which wakes the
+    coordinator for a run still pending after ``LOST_WAKEUP_AFTER_S``.
+    """
+    if not rt.settings.eager_ticks:
+        # This worker ticks nothing itself (a client configured otherwise sent it here).
+        rt.wake(run_id)
+        return "forwarded"
+    engine = rt.engine()
+    chain = InlineChain.start(rt, queue, lambda: worker_identity(hostname))
+    try:
+        tick = run_tick(rt, run_id, eager=True, keep=chain)
+    except Exception as exc:  # noqa: BLE001 - the coordinator can always do it instead
+        log.warning("first tick of run %s failed (%s); waking the coordinator", run_id, exc)
+        tick = "failed"
+    if tick not in ("committed", "noop", "missing"):
+        rt.wake(run_id)
+        return tick
+    _run_inline(rt, engine, chain, hostname)
+    return tick
+
+
+def _run_inline(rt: Runtime, engine: Any, chain: InlineChain | None, hostname: str | None) -> None:
+    """Run what the chain's ticks claimed or held for this worker, one after another."""
     if chain is None or chain.kept is None:
-        return outcome
+        return
     try:
         while (kept := _next_inline(rt, engine, chain)) is not None:
             next_claimed, next_step, next_me, held = kept
@@ -386,7 +421,6 @@ def execute_attempt(
     finally:
         flush_events(rt.app, hostname)
         chain.release()
-    return outcome
 
 
 def _claim(

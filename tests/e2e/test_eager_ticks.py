@@ -83,6 +83,25 @@ def test_eager_ticks_advance_a_chain_with_the_coordinator_gone(
     assert cluster.executions(handle.run_id) == 10
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["inline-off", "inline-on"])
+def test_with_eager_ticks_a_chain_needs_no_coordinator_process(
+    cluster_factory: Any, client_for: Any, inline: bool
+) -> None:
+    """A run's first tick runs on the step worker its start message reaches
+    (``ductor.first_tick`` on the steps queue), and every later tick on the worker that wrote
+    an outcome: a chain of steps finishes with no coordinator process started at all."""
+    cluster = cluster_factory(E2E_EAGER="1", E2E_INLINE="50" if inline else "0")
+    cluster.start_steps(concurrency=1)
+    ductor = client_for(cluster)
+    handles = [ductor.start("chain10", input={"value": i}) for i in range(3)]
+    for i, handle in enumerate(handles):
+        view = ductor.wait(handle.run_id, timeout=60)
+        assert view.status == RunStatus.SUCCEEDED, cluster.logs()
+        assert view.output == i
+        assert cluster.executions(handle.run_id) == 10
+        assert all(a.folded for a in cluster.attempts(handle.run_id))
+
+
 def test_two_coordinators_under_load_finish_every_run_exactly_once(
     cluster_factory: Any, client_for: Any
 ) -> None:

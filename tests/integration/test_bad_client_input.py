@@ -62,7 +62,7 @@ class Door:
         self.d.register(wf)
         self.handle = self.d.start("w", input={"n": 1}, workflow_id="wf-1")
         self.woken: list[str] = []
-        self.d.client._wake = self.woken.append
+        self.d.client._wake = self.d.client._wake_started = self.woken.append
 
     def counts(self) -> dict[str, int]:
         engine = self.d.client.engine

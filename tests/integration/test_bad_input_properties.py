@@ -760,7 +760,7 @@ class Door:
         run_tick(self.d.runtime, self.done.run_id)
         assert self.d.get("done-1").status == RunStatus.TERMINATED
         self.woken: list[str] = []
-        self.d.client._wake = self.woken.append
+        self.d.client._wake = self.d.client._wake_started = self.woken.append
         engine = self.d.client.engine
         self.tables = sorted(
             t for t in sa.inspect(engine).get_table_names() if t.startswith("eec_")

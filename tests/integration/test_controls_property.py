@@ -312,6 +312,7 @@ def make_world(url: str, *, eager: bool, max_transitions: int) -> World:
         r.run_id for r in rows if r.kind == "wakeup"
     )
     runtime.dispatcher.wake = world.woken.append  # type: ignore[method-assign]
+    runtime.dispatcher.first_tick = world.woken.append  # type: ignore[method-assign]
     runtime.dispatcher.wake_many = world.woken.extend  # type: ignore[method-assign]
     NEXT.ledger = engine
     return world

@@ -36,6 +36,7 @@ def d(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ductor]:
         wf.wait_signal("hold", signal="go")
         found.register(wf)
     found.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+    found.runtime.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
     yield found
 
 

@@ -200,6 +200,7 @@ def test_start_with_a_deadline_at_the_command_line(ductor: Ductor) -> None:
     from ductor_celery.cli import ductor as ductor_cli
 
     ductor.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+    ductor.runtime.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
 
     def cli(*args: str) -> Any:
         return CliRunner().invoke(ductor_cli, list(args), obj=SimpleNamespace(app=ductor.app))

@@ -27,6 +27,7 @@ def ductor(database_url: str, tmp_path: Path) -> Any:
     sent: list[Any] = []
     d.runtime.dispatcher.send = sent.extend  # type: ignore[method-assign]
     d.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+    d.runtime.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
     d.step(name="t.noop")(lambda ctx, item=None: item)
     wf = Workflow("fan")
     wf.scatter("each", "t.noop", over="$.input.items", max_parallel=64)

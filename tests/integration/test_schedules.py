@@ -35,6 +35,7 @@ def _make(url: str, name: str) -> Ductor:
     wf.wait_signal("hold", signal="go")  # keeps a run open until the test says so
     d.register(wf)
     d.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+    d.runtime.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
     d.runtime.dispatcher.wake_many = lambda run_ids: None  # type: ignore[method-assign]
     return d
 

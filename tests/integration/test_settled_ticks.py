@@ -39,6 +39,7 @@ def ductor(db_url: str, tmp_path: Path) -> Any:
     d = Ductor(app, database_url=db_url)
     d.runtime.dispatcher.send = lambda rows: None  # type: ignore[method-assign]
     d.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+    d.runtime.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
     step = d.step(name="t.one")(lambda ctx: 1)
     wf = Workflow("one")
     wf.step("a", step)

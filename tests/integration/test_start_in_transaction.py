@@ -46,7 +46,7 @@ class Shop:
         app = Celery(f"tx{id(self)}", broker="memory://", set_as_current=False)
         self.ductor = Ductor(app, database_url=url)
         self.wakes: list[str] = []
-        self.ductor.client._wake = self.wakes.append
+        self.ductor.client._wake = self.ductor.client._wake_started = self.wakes.append
         wf = Workflow("order")
         step = self.ductor.step(name="tx.reserve")(lambda ctx: {"ok": True})
         wf.step("reserve", step)

@@ -252,7 +252,7 @@ def test_run_by_handle_run_id_and_workflow_id(tmp_path: Path) -> None:
         )
         assert by_handle.run_id == by_run_id.run_id == by_workflow_id.run_id == handle.run_id
         kinds = [m.kind for m in h.messages]
-        assert kinds[:1] == ["wakeup"] and "step" not in kinds
+        assert kinds[:1] == ["first_tick"] and "step" not in kinds  # eager ticks, the default
 
 
 def test_bad_input_is_refused_clearly(tmp_path: Path) -> None:
