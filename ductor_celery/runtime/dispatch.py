@@ -16,6 +16,11 @@ TICK_TASK_NAME = "ductor.tick"
 FIRST_TICK_TASK_NAME = "ductor.first_tick"
 
 
+def first_tick_id(run_id: str) -> str:
+    """The task id of a run's first-tick message."""
+    return f"{run_id}:first_tick"
+
+
 class Dispatcher:
     """Publishes step messages and wake-ups. A hint channel: losing a message loses nothing."""
 
@@ -27,6 +32,9 @@ class Dispatcher:
     def send(self, rows: list[OutboxRow]) -> None:
         if not rows:
             return
+        #: Runs whose attempts a revoke with terminate kills: the first-tick message of each,
+        #: if it is still running that run's inline chain, is killed too (``first_tick_id``).
+        killed: dict[str, None] = {}
         with self.app.producer_or_acquire() as producer:
             for sent, row in enumerate(rows):
                 if sent:
@@ -52,10 +60,18 @@ class Dispatcher:
                     # terminates (terminate, a run deadline): then its worker kills it.
                     terminate = bool(row.payload.get("terminate"))
                     self.app.control.revoke(row.payload["token"], terminate=terminate)
+                    if terminate:
+                        killed[row.run_id] = None
                 elif row.kind == DispatchKind.WAKEUP:
                     self._wake(row.run_id, producer)
                 else:  # written by a newer version of ductor: leave a trace, do not crash
                     log.error("unknown outbox kind %r for run %s", row.kind, row.run_id)
+        for run_id in killed:
+            # An attempt run inline has no message of its own to kill by its token; one that
+            # a first tick started runs inside that message, whose id the run's id gives. Only
+            # that run's attempts ever run in it (an inline chain never leaves its run), and a
+            # message already finished is not killed again.
+            self.app.control.revoke(first_tick_id(run_id), terminate=True)
 
     def wake(self, run_id: str) -> None:
         with self.app.producer_or_acquire() as producer:
@@ -63,9 +79,14 @@ class Dispatcher:
 
     def first_tick(self, run_id: str) -> None:
         """Send a run just started to the step workers, whose first tick runs its first step
-        in the same process (``steps.first_tick``)."""
+        in the same process (``steps.first_tick``). Its task id names the run, so that a
+        terminate can kill it while it runs that run's attempts (``send``)."""
         self.app.send_task(
-            FIRST_TICK_TASK_NAME, args=[run_id], queue=self.steps_queue, serializer="json"
+            FIRST_TICK_TASK_NAME,
+            args=[run_id],
+            task_id=first_tick_id(run_id),
+            queue=self.steps_queue,
+            serializer="json",
         )
 
     def wake_many(self, run_ids: list[str]) -> None:

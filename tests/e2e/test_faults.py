@@ -70,7 +70,9 @@ def test_coordinator_killed_between_commit_and_dispatch_loses_nothing(
         DUCTOR_FAILPOINT_MARKER=str(fired),
     )
     ductor = client_for(cluster)
-    handle = ductor.start("chain10", input={"value": 3})
+    # Delayed: its first tick is the coordinator's with eager ticks too (a run started now
+    # would have it on a step worker; that fault is test_eager_ticks.py's).
+    handle = ductor.start("chain10", input={"value": 3}, delay=0.5)
     _wait_for_file(fired)
     # The pool child died right after its commit; the outbox row is all that is left.
     with cluster.engine.connect() as conn:

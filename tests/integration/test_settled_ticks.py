@@ -12,31 +12,23 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from celery import Celery
+from inline_support import url
 
 from ductor_celery import Ductor, Workflow
 from ductor_celery.runtime.coordinator import run_tick
 from ductor_celery.runtime.steps import execute_attempt
 from ductor_celery.store import attempts
 from ductor_celery.store.db import get_engine
-from ductor_celery.store.migrate import upgrade
 
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path}/settled.sqlite3"
-        upgrade(url)
-        return url
-    found: str = request.getfixturevalue("database_url")
-    return found
+__all__ = ["url"]  # the fixture: PostgreSQL and SQLite
 
 
 @pytest.fixture
-def ductor(db_url: str, tmp_path: Path) -> Any:
+def ductor(url: str, tmp_path: Path) -> Any:
     app = Celery(f"settled{tmp_path.name}", set_as_current=False)
     app.conf.broker_url = "memory://"
     app.conf.ductor_inline_steps = 0
-    d = Ductor(app, database_url=db_url)
+    d = Ductor(app, database_url=url)
     d.runtime.dispatcher.send = lambda rows: None  # type: ignore[method-assign]
     d.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
     d.runtime.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
@@ -49,10 +41,10 @@ def ductor(db_url: str, tmp_path: Path) -> Any:
 
 
 @pytest.fixture
-def statements(db_url: str) -> Iterator[list[str]]:
+def statements(url: str) -> Iterator[list[str]]:
     """Every statement sent on the runtime's engine while the test runs."""
     seen: list[str] = []
-    engine = get_engine(db_url)
+    engine = get_engine(url)
 
     def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         seen.append(" ".join(statement.split()))
@@ -110,7 +102,7 @@ def test_a_duplicate_wake_up_of_a_finished_run_is_one_unlocked_read(
     assert _version(ductor, run_id) == version
 
 
-def test_a_finished_run_with_a_late_outcome_still_folds_it(ductor: Any, db_url: str) -> None:
+def test_a_finished_run_with_a_late_outcome_still_folds_it(ductor: Any, url: str) -> None:
     """A late outcome (the attempt was closed by a terminate while its worker still ran) is
     folded by the next coordinator tick, as before: the run is not settled until then."""
     run_id = ductor.start("one").run_id
@@ -120,7 +112,7 @@ def test_a_finished_run_with_a_late_outcome_still_folds_it(ductor: Any, db_url: 
     ductor.terminate(run_id)
     assert run_tick(ductor.runtime, run_id) == "committed"
     assert ductor.get(run_id).status == "terminated"
-    with get_engine(db_url).begin() as conn:
+    with get_engine(url).begin() as conn:
         # The closed attempt's outcome, as a worker that ran on would have left it.
         conn.execute(
             sa.text(
@@ -142,15 +134,15 @@ def test_a_finished_run_with_a_control_handles_it(ductor: Any) -> None:
     assert ductor.get(run_id).status == "running"
 
 
-def test_a_finished_runs_due_timer_row_is_cleared(ductor: Any, db_url: str) -> None:
+def test_a_finished_runs_due_timer_row_is_cleared(ductor: Any, url: str) -> None:
     run_id, _ = _finished(ductor)
-    with get_engine(db_url).begin() as conn:
+    with get_engine(url).begin() as conn:
         conn.execute(
             sa.text("INSERT INTO eec_workflow_timer (run_id, fire_at) VALUES (:r, :at)"),
             {"r": run_id, "at": "2000-01-01 00:00:00+00:00"},
         )
     run_tick(ductor.runtime, run_id)
-    with get_engine(db_url).connect() as conn:
+    with get_engine(url).connect() as conn:
         left = conn.execute(
             sa.text("SELECT count(*) FROM eec_workflow_timer WHERE run_id = :r"), {"r": run_id}
         ).scalar_one()

@@ -208,5 +208,23 @@ def test_the_dispatcher_sends_each_kind_and_logs_an_unknown_one(
     with caplog.at_level(logging.ERROR, logger="ductor_celery.dispatch"):
         Dispatcher(app, "steps", "coord").send(rows)
     assert app.sent == [("s.a", ["r1:a:1"]), ("ductor.tick", ["r2"])]
-    assert app.revoked == [("r1:a:0", False), ("r1:a:2", True)]
+    # ... and the run's first-tick message, which runs the run's attempts inline
+    assert app.revoked == [("r1:a:0", False), ("r1:a:2", True), ("r1:first_tick", True)]
     assert [r.getMessage() for r in caplog.records] == ["unknown outbox kind 'teleport' for run r1"]
+
+
+def test_a_first_tick_message_is_sent_to_the_steps_queue_under_its_runs_id() -> None:
+    sent: list[tuple[str, list[Any], dict[str, Any]]] = []
+
+    class App(_App):
+        def send_task(self, name: str, args: list[Any], **kw: Any) -> None:
+            sent.append((name, args, kw))
+
+    Dispatcher(App(), "steps", "coord").first_tick("r9")
+    [(name, args, kw)] = sent
+    assert (name, args, kw["queue"], kw["task_id"]) == (
+        "ductor.first_tick",
+        ["r9"],
+        "steps",
+        "r9:first_tick",
+    )

@@ -20,8 +20,10 @@ from ductor_celery.settings import normalize_url
 
 @pytest.fixture
 def woken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The wake-ups ductor sends (recorded instead of published)."""
+    """The wake-ups ductor sends (recorded instead of published): a new run's goes to the step
+    workers (its first tick), any other to the coordinator."""
     sent: list[str] = []
+    monkeypatch.setattr(ductor.runtime.dispatcher, "first_tick", sent.append)
     monkeypatch.setattr(ductor.runtime.dispatcher, "wake", sent.append)
     return sent
 
