@@ -116,9 +116,10 @@ def ductor_throughput_phase(bench: Bench, mode: str, coordinators: int) -> dict[
 
 
 def noop_ticks(bench: Bench, run_id: str, n: int = 300) -> dict[str, Any]:
-    """A duplicate wake-up of a finished run: the coordinator's whole tick (clear the
-    wake-up row, load, compute, nothing to commit), run ``n`` times in this process with
-    the production code; wall and CPU per tick, and what each tick returned."""
+    """A duplicate wake-up of a finished run: the coordinator's whole tick (one statement
+    that clears the wake-up row and finds the run settled: nothing to load, compute or
+    commit), run ``n`` times in this process with the production code; wall and CPU per
+    tick, and what each tick returned."""
     from collections import Counter
 
     from ductor_celery.runtime.coordinator import run_tick
