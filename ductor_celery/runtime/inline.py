@@ -20,8 +20,10 @@ its message had just arrived and been claimed (``ductor_inline_steps``; docs/arc
   no concurrency limit (a lease is handed on through the broker path) and not a retry (whose
   arguments the store copies from the earlier attempt).
 - With task events on, each inline attempt sends ``task-started`` (with its name and
-  arguments) and ``task-succeeded`` under its own token, so Flower lists it as a task: one
-  broker message per attempt (``TaskEvents``).
+  arguments) and ``task-succeeded`` under its own token, so Flower lists it as a task
+  (``TaskEvents``). After a slow step the next one's events go out at once; a chain of quick
+  steps publishes them every ``EVENTS_AT_MOST_EVERY_S`` and at its end (one broker publish
+  costs more than a quick step).
 - Held branches: after a quick step, the tick also gives the worker more branches of the same
   scatter (``TickClaim.held``, and earlier ones still in flight, adopted), which it claims and
   runs one after another, writing each outcome alone, before one tick folds them all
@@ -62,6 +64,9 @@ INLINE_BUDGET_S = 5.0
 #: commit and the ones held after it), and only after a step quicker than HOLD_IF_QUICKER_S.
 HOLD_MAX = 16
 HOLD_IF_QUICKER_S = 0.005
+#: After a quick step, the next inline attempt's task events wait for a later flush (each flush
+#: is one broker publish, which costs more than a quick step), but never longer than this.
+EVENTS_AT_MOST_EVERY_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +102,8 @@ class InlineChain:
     last_ran_s: float | None = None
     #: A run whose outcome this worker wrote alone, to tick after its held branches.
     unticked: str | None = None
+    #: When this chain last published its buffered task events (``flush_events_now``).
+    events_flushed_at: float = field(default_factory=time.monotonic)
 
     @classmethod
     def start(
@@ -216,6 +223,20 @@ class InlineChain:
         if seconds > HOLD_IF_QUICKER_S:
             self.release()
 
+    def flush_events_now(self, held: bool) -> bool:
+        """Whether the next inline attempt's ``task-started`` goes out at once (with what is
+        buffered). Not for a held branch, nor after a quick step while the last flush is
+        recent: a chain of quick steps publishes its events every ``EVENTS_AT_MOST_EVERY_S``
+        and at its end instead of once per step. After a slow step it goes out at once, so
+        Flower sees a long step start (one that follows quick ones shows when it ends or
+        at the next flush)."""
+        now = time.monotonic()
+        quick = self.last_ran_s is not None and self.last_ran_s <= HOLD_IF_QUICKER_S
+        if held or (quick and now - self.events_flushed_at < EVENTS_AT_MOST_EVERY_S):
+            return False
+        self.events_flushed_at = now
+        return True
+
     @property
     def holding(self) -> bool:
         """Branches are held for this worker after the attempt it is running: its outcome is
@@ -291,10 +312,12 @@ class TaskEvents:
 
     Sent only when the app sends task events (``worker_send_task_events``, which ``Ductor``
     turns on unless the user configured it), over one event dispatcher per process and
-    thread. One broker message per attempt: ``task-started`` goes out at once, together with
-    the previous attempt's ``task-succeeded`` (Celery's batched ``task.multi`` events, which
-    Flower and every event receiver read); the chain's last one goes out with ``flush``. An
-    event that cannot be sent is dropped: events are a view, never the truth.
+    thread. Events are buffered and published together (Celery's batched ``task.multi``
+    events, which Flower and every event receiver read): ``task-started`` at once after a slow
+    step, with the previous attempt's ``task-succeeded``; after a quick one at most every
+    ``EVENTS_AT_MOST_EVERY_S`` (``InlineChain.flush_events_now``); the rest at the chain's end
+    (``flush_events``). An event that cannot be sent is dropped: events are a view, never the
+    truth.
     """
 
     def __init__(self, app: Any, hostname: str | None, claimed: ClaimedAttempt) -> None:

@@ -413,8 +413,7 @@ def _run_inline(rt: Runtime, engine: Any, chain: InlineChain | None, hostname: s
         while (kept := _next_inline(rt, engine, chain)) is not None:
             next_claimed, next_step, next_me, held = kept
             events = TaskEvents(rt.app, hostname, next_claimed)
-            # A held branch follows a quick step: its events wait for the next flush.
-            events.started(flush=not held)
+            events.started(flush=chain.flush_events_now(held))
             with as_current_task(next_step, next_claimed, hostname, chain.queue):
                 next_outcome = _run_claimed(rt, engine, next_step, next_claimed, next_me, chain)
             events.finished(next_outcome)

@@ -306,18 +306,44 @@ def test_each_inline_step_shows_in_flower_as_a_task_of_its_own(
     deliver(ductor, first)
 
     tokens = {r.node: r.token for r in attempt_rows(ductor, run_id)}
-    # One broker message per inline attempt (its start, with the previous one's success),
-    # and the last success when the chain ends: nothing left in the buffer.
+    # Quick steps: their events go out together (one broker message, not one per attempt),
+    # at the chain's end at the latest: nothing left in the buffer.
     assert events.buffer == []
+    assert [[(kind, fields["uuid"]) for kind, fields in batch] for batch in events.published] == [
+        [
+            ("task-started", tokens["s1"]),
+            ("task-succeeded", tokens["s1"]),
+            ("task-started", tokens["s2"]),
+            ("task-succeeded", tokens["s2"]),
+        ],
+    ]
+    started = events.published[0][0][1]
+    assert started["name"] == "inline.add" and started["hostname"] == "w1@host"
+    assert started["kwargs"] == repr({"run_id": run_id, "node": "s1"})
+    assert events.published[0][1][1]["result"] == "'succeeded'"
+
+
+def test_after_a_slow_step_the_next_inline_steps_start_is_published_at_once(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Flower sees a step start while it runs when the step before it was slow."""
+    ductor, recorder = make_ductor(database_url)
+    events = RecordingEvents()
+    monkeypatch.setattr(type(ductor.app), "events", events, raising=False)
+
+    def slow_add(ctx: StepContext, value: int = 0) -> int:
+        time.sleep(0.02)  # slower than inline.HOLD_IF_QUICKER_S
+        return value + 1
+
+    _chain(ductor, 3, ductor.step(name="inline.slow")(slow_add))
+    run_id, first = start_run(ductor, "chain", recorder)
+    deliver(ductor, first)
+    tokens = {r.node: r.token for r in attempt_rows(ductor, run_id)}
     assert [[(kind, fields["uuid"]) for kind, fields in batch] for batch in events.published] == [
         [("task-started", tokens["s1"])],
         [("task-succeeded", tokens["s1"]), ("task-started", tokens["s2"])],
         [("task-succeeded", tokens["s2"])],
     ]
-    started = events.published[0][0][1]
-    assert started["name"] == "inline.add" and started["hostname"] == "w1@host"
-    assert started["kwargs"] == repr({"run_id": run_id, "node": "s1"})
-    assert events.published[1][0][1]["result"] == "'succeeded'"
 
 
 def test_no_events_are_sent_when_the_user_turned_them_off(
