@@ -300,6 +300,9 @@ def test_each_inline_step_shows_in_flower_as_a_task_of_its_own(
     ductor, recorder = make_ductor(database_url)
     events = RecordingEvents()
     monkeypatch.setattr(type(ductor.app), "events", events, raising=False)
+    # Every step counts as quick, and no 50 ms flush falls inside the chain on a slow machine.
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 10.0)
+    monkeypatch.setattr(inline, "EVENTS_AT_MOST_EVERY_S", 10.0)
     assert ductor.app.conf.worker_send_task_events  # Ductor turns them on for Flower
     _chain(ductor, 3, _add_one(ductor))
     run_id, first = start_run(ductor, "chain", recorder)
@@ -330,12 +333,9 @@ def test_after_a_slow_step_the_next_inline_steps_start_is_published_at_once(
     ductor, recorder = make_ductor(database_url)
     events = RecordingEvents()
     monkeypatch.setattr(type(ductor.app), "events", events, raising=False)
-
-    def slow_add(ctx: StepContext, value: int = 0) -> int:
-        time.sleep(0.02)  # slower than inline.HOLD_IF_QUICKER_S
-        return value + 1
-
-    _chain(ductor, 3, ductor.step(name="inline.slow")(slow_add))
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 0.0)  # every step counts as slow
+    monkeypatch.setattr(inline, "EVENTS_AT_MOST_EVERY_S", 10.0)
+    _chain(ductor, 3, _add_one(ductor))
     run_id, first = start_run(ductor, "chain", recorder)
     deliver(ductor, first)
     tokens = {r.node: r.token for r in attempt_rows(ductor, run_id)}
