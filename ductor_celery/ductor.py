@@ -21,6 +21,7 @@ from .runtime.steps import Step
 from .schedules import DEFAULT_CATCHUP_WINDOW_S, Schedules
 from .settings import Settings
 from .store import migrate
+from .values import declare_annotations, register_type
 from .views import RunHandle, RunPage, RunView, ScheduleView
 
 log = logging.getLogger("ductor_celery")
@@ -151,11 +152,21 @@ class Ductor:
             )
             self._runtime.register_step(step)
             self._steps[step_name] = step
+            # The classes its annotations name are the app's word that values may carry them.
+            declare_annotations(func)
             return step
 
         if fn is not None:
             return decorate(fn)
         return decorate
+
+    def register_type(self, cls: type) -> None:
+        """Declare a pydantic model or dataclass that values may carry: a value's envelope
+        naming it is rebuilt into it (in every process that declares it). Classes named in a
+        registered step's annotations are declared already. Nothing is ever imported because
+        a value names it; an envelope of an undeclared class stays the plain dict it was sent
+        as. Raises ``TypeError`` for anything but a model or dataclass class."""
+        register_type(cls)
 
     def register(self, workflow: Workflow) -> WorkflowSpec:
         """Validate and register a workflow; raises DefinitionError naming the problem."""

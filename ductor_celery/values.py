@@ -27,28 +27,36 @@ encoded JSON. Decoding happens where a value leaves for user code: a step's argu
 
 Encoding is idempotent (an encoded value is plain JSON and encodes to itself), so every layer
 may check a value again without knowing whether it was checked before. The price: a plain
-dict shaped exactly like an envelope (the two keys ``__type__`` and ``__value__``, with one of
-the names above) reads back as that type, as it does in kombu. Any other dict, ``__type__``
-key or not, reads back as itself.
+dict shaped exactly like a well-formed scalar envelope (the two keys ``__type__`` and
+``__value__``, a scalar kind above and text of that kind) reads back as that type, as it does
+in kombu. Any other dict, ``__type__`` key or not, reads back as itself.
 
-Models and dataclasses are rebuilt from their import path: the class must be importable by
-``module:qualname`` (not defined inside a function), and is checked to be that kind of class
-before it is called.
+Data never chooses code. A model or dataclass envelope names its class (``module:qualname``,
+not defined inside a function), and it is rebuilt only into a class this process declared:
+with ``register_type`` (``Ductor.register_type``), or by naming it in a registered step's
+parameter or return annotations (``declare_annotations``); the classes their fields name come
+with them. Nothing is ever imported because a value names it. An envelope of an undeclared
+class, or one that does not hold what its kind says (base64 that is not base64, a Decimal past
+the bounds, extra keys), stays the plain dict it was sent as. A Decimal is bounded at the door
+(encoding refuses one past ``DECIMAL_MAX_DIGITS`` digits or an exponent beyond
+``DECIMAL_MAX_EXPONENT``) and again where it is decoded.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
-import importlib
+import enum
 import json
+import threading
+import typing
 import uuid
 from collections.abc import Callable
 from datetime import date, datetime, time
 from decimal import Decimal
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 TYPE_KEY = "__type__"
 VALUE_KEY = "__value__"
@@ -56,12 +64,13 @@ _ENVELOPE_KEYS = frozenset((TYPE_KEY, VALUE_KEY))
 
 
 class ValueNotEncodable(TypeError):
-    """A value of a type the encoding has no form for, or a class it could not rebuild."""
+    """A value of a type the encoding has no form for, a class it cannot name, or a Decimal
+    past the bounds."""
 
 
 class ValueNotDecodable(ValueError):
-    """An envelope whose value cannot be rebuilt here (its class is not importable, its data
-    does not validate)."""
+    """An envelope of a declared class whose data does not rebuild it (it does not validate,
+    or the class's own ``__init__`` refuses it)."""
 
 
 def _envelope(kind: str, value: Any) -> dict[str, Any]:
@@ -69,6 +78,44 @@ def _envelope(kind: str, value: Any) -> dict[str, Any]:
 
 
 # -- encoding ------------------------------------------------------------------------------------
+
+
+#: Largest Decimal a value may carry: digits, and exponent either way. Past them a number
+#: costs time to use (``int(Decimal("1e999999999"))`` computes for minutes), not to store.
+DECIMAL_MAX_DIGITS = 1_000
+DECIMAL_MAX_EXPONENT = 1_000
+
+
+def decimal_problem(value: Decimal) -> str | None:
+    """Why a Decimal is past the bounds, or ``None`` (NaN and the infinities are within)."""
+    _, digits, exponent = value.as_tuple()
+    if not isinstance(exponent, int):
+        return None
+    if len(digits) > DECIMAL_MAX_DIGITS:
+        return f"a Decimal with {len(digits)} digits, over the limit of {DECIMAL_MAX_DIGITS:,}"
+    if abs(exponent) > DECIMAL_MAX_EXPONENT or abs(value.adjusted()) > DECIMAL_MAX_EXPONENT:
+        return f"a Decimal with exponent {value.adjusted()}, beyond +-{DECIMAL_MAX_EXPONENT:,}"
+    return None
+
+
+def decimal_text_problem(text: Any) -> str | None:
+    """Why a decimal envelope's text stands for a Decimal past the bounds, or ``None`` (also
+    for text that is no Decimal at all: that envelope is malformed, and stays a dict)."""
+    if not isinstance(text, str):
+        return None
+    if len(text) > 2 * DECIMAL_MAX_DIGITS:
+        return f"a Decimal written in {len(text):,} characters"
+    try:
+        return decimal_problem(Decimal(text))
+    except ArithmeticError:
+        return None
+
+
+def _encode_decimal(value: Decimal) -> dict[str, Any]:
+    problem = decimal_problem(value)
+    if problem is not None:
+        raise ValueNotEncodable(problem)
+    return _envelope("decimal", str(value))
 
 
 def _encode_bytes(value: bytes) -> dict[str, Any]:
@@ -87,37 +134,22 @@ _SCALARS: dict[type, Callable[[Any], dict[str, Any]]] = {
     datetime: lambda v: _envelope("datetime", v.isoformat()),
     date: lambda v: _envelope("date", v.isoformat()),
     time: lambda v: _envelope("time", v.isoformat()),
-    Decimal: lambda v: _envelope("decimal", str(v)),
+    Decimal: _encode_decimal,
     uuid.UUID: lambda v: _envelope("uuid", {"hex": v.hex}),
     bytes: _encode_bytes,
 }
 
-_class_paths: dict[type, str] = {}
-
 
 def class_path(cls: type) -> str:
-    """``module:qualname`` of a class that can be imported back by it (cached per class)."""
-    path = _class_paths.get(cls)
-    if path is not None:
-        return path
-    module, qualname = cls.__module__, cls.__qualname__
+    """``module:qualname``: the name an envelope gives a class, by which a process that
+    declared the class (``register_type``, a step's annotations) rebuilds it."""
+    qualname = cls.__qualname__
     if "<locals>" in qualname:
         raise ValueNotEncodable(
-            f"{qualname} is defined inside a function: ductor rebuilds a model or dataclass "
-            "by its import path, so define it at module level"
+            f"{qualname} is defined inside a function: ductor names a model or dataclass by "
+            "its module and qualified name, so define it at module level"
         )
-    try:
-        found = _import_class(module, qualname)
-    except ValueNotDecodable as exc:
-        raise ValueNotEncodable(str(exc)) from None
-    if found is not cls:
-        raise ValueNotEncodable(
-            f"{module}:{qualname} does not import back as the class itself; ductor rebuilds a "
-            "model or dataclass by its import path"
-        )
-    path = f"{module}:{qualname}"
-    _class_paths[cls] = path
-    return path
+    return f"{cls.__module__}:{qualname}"
 
 
 def encode_default(value: Any) -> Any:
@@ -164,75 +196,214 @@ def encode(value: Any) -> Any:
     return json.loads(_ENCODER.encode(value))
 
 
-# -- decoding ------------------------------------------------------------------------------------
+# -- the classes values may carry ----------------------------------------------------------------
+
+#: Every model and dataclass this process may rebuild, by the path its envelopes name
+#: (``module:Qual.Name``). Only the app's code adds to it (``register_type``, and the annotations
+#: of its registered steps); data never does, and nothing is imported to fill it.
+_declared: dict[str, type] = {}
+_declared_lock = threading.Lock()
 
 
-def _import_class(module: str, qualname: str) -> Any:
+def _carried(cls: Any) -> bool:
+    """Whether ``cls`` is a class values may carry as an envelope (a model or a dataclass)."""
+    return isinstance(cls, type) and (issubclass(cls, BaseModel) or dataclasses.is_dataclass(cls))
+
+
+def register_type(cls: type) -> None:
+    """Declare a pydantic model or dataclass that values may carry: an envelope naming it is
+    rebuilt into it. The classes its fields are annotated with are declared with it (a
+    ``Shipment`` field ``to: Point`` declares ``Point``): the app wrote those names, not data.
+    Raises ``TypeError`` for anything else."""
+    if not _carried(cls):
+        raise TypeError(
+            f"register_type() takes a pydantic model or dataclass class, got {cls!r:.200}"
+        )
+    _declare(_classes_in(cls))
+
+
+def declare_annotations(fn: Callable[..., Any]) -> None:
+    """Declare the models and dataclasses named in ``fn``'s parameter and return annotations
+    (``order: Order``, ``-> list[Receipt]``, ``Optional[Point]``...), and those of their fields.
+    Annotations that cannot be resolved declare nothing (the step's arguments then are not
+    converted either; ``runtime.arguments`` logs it)."""
     try:
-        found: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            found = getattr(found, part)
-    except Exception as exc:  # noqa: BLE001 - ImportError, AttributeError, an import's own error
-        raise ValueNotDecodable(
-            f"class {module}:{qualname} cannot be imported here ({type(exc).__name__}: {exc})"
-        ) from None
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - a forward reference that does not resolve
+        hints = getattr(fn, "__annotations__", None) or {}
+        if not isinstance(hints, dict):
+            return
+    found: dict[str, type] = {}
+    for hint in hints.values():
+        if not isinstance(hint, str):
+            found.update(_classes_in(hint))
+    _declare(found)
+
+
+def declared(path: str) -> type | None:
+    """The class declared under ``path``, or ``None``."""
+    return _declared.get(path)
+
+
+def _declare(classes: dict[str, type]) -> None:
+    if classes:
+        with _declared_lock:
+            _declared.update(classes)
+
+
+def _classes_in(annotation: Any) -> dict[str, type]:
+    """Every model and dataclass an annotation names, with those their fields name, by path."""
+    found: dict[str, type] = {}
+    seen: set[int] = set()
+    todo = [annotation]
+    while todo:
+        hint = todo.pop()
+        if id(hint) in seen or len(seen) > 10_000:
+            continue
+        seen.add(id(hint))
+        todo.extend(a for a in typing.get_args(hint) if not isinstance(a, str))
+        if not _carried(hint):
+            continue
+        found[f"{hint.__module__}:{hint.__qualname__}"] = hint
+        todo.extend(_field_annotations(hint))
     return found
 
 
-def _class_of(path: Any, kind: str, fits: Callable[[Any], bool]) -> Any:
-    if not isinstance(path, str) or ":" not in path:
-        raise ValueNotDecodable(f"a {kind} envelope without a 'module:Class' path")
-    module, qualname = path.split(":", 1)
-    cls = _import_class(module, qualname)
-    if not (isinstance(cls, type) and fits(cls)):
-        raise ValueNotDecodable(f"{path} is not a {kind} class")
+def _field_annotations(cls: type) -> list[Any]:
+    if issubclass(cls, BaseModel):
+        return [f.annotation for f in cls.model_fields.values() if f.annotation is not None]
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - a forward reference that does not resolve
+        hints = {f.name: f.type for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return [h for h in hints.values() if not isinstance(h, str)]
+
+
+# -- decoding ------------------------------------------------------------------------------------
+
+
+class _Malformed(Exception):  # noqa: N818 - internal signal, never raised out of this module
+    """An envelope that is not what it says (an undeclared class, text that does not parse, a
+    Decimal past the bounds): it stays the plain dict it was sent as."""
+
+
+#: What a user's class may raise while it is rebuilt (a validator, ``__post_init__``), caught
+#: so that decoding never ends a worker or a view: SystemExit included, KeyboardInterrupt not.
+REBUILD_ERRORS = (Exception, SystemExit)
+
+
+def _class_of(path: Any, fits: Callable[[type], bool]) -> Any:
+    cls = _declared.get(path) if isinstance(path, str) else None
+    if cls is None or not fits(cls):
+        raise _Malformed
     return cls
 
 
 def _decode_model(value: Any) -> Any:
-    if not isinstance(value, dict):
-        raise ValueNotDecodable("a pydantic envelope without its class and data")
-    cls = _class_of(value.get("class"), "pydantic model", lambda c: issubclass(c, BaseModel))
+    if not isinstance(value, dict) or set(value) != {"class", "data"}:
+        raise _Malformed
+    cls = _class_of(value["class"], lambda c: issubclass(c, BaseModel))
     try:
         # The JSON validator, as the data is ``model_dump(mode="json")``: it reads ISO dates,
         # base64 and the like back even in strict models.
-        return cls.model_validate_json(json.dumps(value.get("data")))
-    except Exception as exc:  # noqa: BLE001 - a ValidationError, or the model's own validator
+        return cls.model_validate_json(json.dumps(value["data"]))
+    except REBUILD_ERRORS as exc:  # a ValidationError, or the model's own validator
         raise ValueNotDecodable(
-            f"{value['class']}: the stored data does not validate: {exc}"
+            f"{value['class']}: the stored data does not rebuild it: {error_summary(exc)}"
         ) from None
 
 
-#: What ``_decode`` does with an envelope it cannot rebuild: ``None`` raises.
-_Fallback = Callable[[dict[str, Any]], Any] | None
-
-
-def _decode_dataclass(value: Any, lenient: _Fallback) -> Any:
-    if not isinstance(value, dict) or not isinstance(value.get("fields"), dict):
-        raise ValueNotDecodable("a dataclass envelope without its class and fields")
-    cls = _class_of(value.get("class"), "dataclass", dataclasses.is_dataclass)
-    fields = {k: _decode(v, lenient) for k, v in value["fields"].items()}
+def _decode_dataclass(value: Any, mode: _Mode) -> Any:
+    if (
+        not isinstance(value, dict)
+        or set(value) != {"class", "fields"}
+        or not isinstance(value["fields"], dict)
+    ):
+        raise _Malformed
+    cls = _class_of(value["class"], dataclasses.is_dataclass)
+    fields = {k: _decode(v, mode) for k, v in value["fields"].items()}
     init = {f.name for f in dataclasses.fields(cls) if f.init}
     try:
         obj = cls(**{k: v for k, v in fields.items() if k in init})
         for name, field_value in fields.items():
             if name not in init:
                 object.__setattr__(obj, name, field_value)
-    except Exception as exc:  # noqa: BLE001 - the dataclass's own __init__/__post_init__
+    except REBUILD_ERRORS as exc:  # the dataclass's own __init__/__post_init__
         raise ValueNotDecodable(
-            f"{value['class']}: rebuilding it raised {type(exc).__name__}: {exc}"
+            f"{value['class']}: rebuilding it raised {error_summary(exc)}"
         ) from None
     return obj
 
 
+def validation_summary(exc: ValidationError) -> str:
+    """pydantic's errors without the input values (a value may hold a secret)."""
+    parts = []
+    for error in exc.errors(include_url=False, include_input=False, include_context=False):
+        where = ".".join(str(p) for p in error.get("loc", ())) or "value"
+        parts.append(f"{where}: {error.get('msg', 'invalid')}")
+    shown = "; ".join(parts[:5])
+    return shown + (f" (and {len(parts) - 5} more)" if len(parts) > 5 else "")
+
+
+def error_summary(exc: BaseException) -> str:
+    """``Type: message`` of what a user's class raised while a value was rebuilt, pydantic's
+    errors without their input values, and never more than a line's worth."""
+    if isinstance(exc, ValidationError):
+        return f"ValidationError: {validation_summary(exc)}"
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ raises
+        message = "<unprintable>"
+    return f"{type(exc).__name__}: {message[:300]}"
+
+
+def _decimal(text: Any) -> Decimal:
+    if not isinstance(text, str) or len(text) > 2 * DECIMAL_MAX_DIGITS:
+        raise _Malformed
+    value = Decimal(text)
+    if decimal_problem(value) is not None:
+        raise _Malformed
+    return value
+
+
+def _text(kind: type[Any]) -> Callable[[Any], Any]:
+    def parse(text: Any) -> Any:
+        if not isinstance(text, str):
+            raise _Malformed
+        return kind.fromisoformat(text)
+
+    return parse
+
+
+def _uuid(value: Any) -> uuid.UUID:
+    if not isinstance(value, dict) or set(value) != {"hex"} or not isinstance(value["hex"], str):
+        raise _Malformed
+    return uuid.UUID(hex=value["hex"])
+
+
+def _utf8(text: Any) -> bytes:
+    if not isinstance(text, str):
+        raise _Malformed
+    return text.encode("utf-8")
+
+
+def _base64(text: Any) -> bytes:
+    if not isinstance(text, str):
+        raise _Malformed
+    # validate=True: text that is not base64 is a malformed envelope, not b"" (the default
+    # drops every character outside the alphabet).
+    return base64.b64decode(text.encode("ascii"), validate=True)
+
+
+#: Each scalar kind's reader: it raises on anything but the form its encoder writes.
 _SCALAR_DECODERS: dict[str, Callable[[Any], Any]] = {
-    "datetime": datetime.fromisoformat,
-    "date": date.fromisoformat,
-    "time": time.fromisoformat,
-    "decimal": Decimal,
-    "uuid": lambda v: uuid.UUID(hex=v["hex"]),
-    "bytes": lambda v: v.encode("utf-8"),
-    "base64": lambda v: base64.b64decode(v.encode("ascii")),
+    "datetime": _text(datetime),
+    "date": _text(date),
+    "time": _text(time),
+    "decimal": _decimal,
+    "uuid": _uuid,
+    "bytes": _utf8,
+    "base64": _base64,
 }
 
 #: Every ``__type__`` name this version reads back.
@@ -248,16 +419,26 @@ def envelope_kind(value: Any) -> str | None:
     return None
 
 
+def _scalar(kind: str, value: Any) -> Any:
+    """A scalar envelope's value; ``_Malformed`` when it does not hold what its kind says."""
+    try:
+        return _SCALAR_DECODERS[kind](value)
+    except _Malformed:
+        raise
+    except Exception:  # noqa: BLE001 - ValueError, binascii.Error, UnicodeEncodeError...
+        raise _Malformed from None
+
+
 def truthy(value: Any) -> bool:
     """Python's truth of the value an encoded value stands for (``Decimal("0")`` and ``b""``
-    are false, as they are in Python), without importing any class: a model or dataclass is
+    are false, as they are in Python), without rebuilding any class: a model or dataclass is
     true. For ``when`` conditions, which the tick evaluates on encoded values."""
     kind = envelope_kind(value)
     if kind is None or kind in ("pydantic", "dataclass"):
         return bool(value)
     try:
-        return bool(_SCALAR_DECODERS[kind](value[VALUE_KEY]))
-    except Exception:  # noqa: BLE001 - a malformed envelope is a non-empty object
+        return bool(_scalar(kind, value[VALUE_KEY]))
+    except _Malformed:  # a malformed envelope is the non-empty dict it stays
         return True
 
 
@@ -272,32 +453,49 @@ def envelope_fields(value: Any) -> Any:
     return value
 
 
-def _decode_envelope(kind: str, value: Any, lenient: _Fallback) -> Any:
-    if kind == "pydantic":
-        return _decode_model(value)
-    if kind == "dataclass":
-        return _decode_dataclass(value, lenient)
+class _Mode(enum.Enum):
+    #: A declared class that does not rebuild raises ``ValueNotDecodable``.
+    STRICT = enum.auto()
+    #: It stays its envelope (readers: a run can always be shown).
+    LENIENT = enum.auto()
+    #: A model or dataclass envelope that does not rebuild (undeclared here, or its data does
+    #: not validate) becomes its data, for a parameter whose annotation rebuilds it.
+    AS_DATA = enum.auto()
+
+
+def _decode_envelope(kind: str, envelope: dict[str, Any], mode: _Mode) -> Any:
+    value = envelope[VALUE_KEY]
     try:
-        return _SCALAR_DECODERS[kind](value)
-    except Exception as exc:  # noqa: BLE001 - malformed text in a stored envelope
-        raise ValueNotDecodable(f"a {kind} envelope holding {value!r:.100}: {exc}") from None
+        if kind == "pydantic":
+            return _decode_model(value)
+        if kind == "dataclass":
+            return _decode_dataclass(value, mode)
+        return _scalar(kind, value)
+    except _Malformed:
+        if mode is _Mode.AS_DATA and kind in ("pydantic", "dataclass"):
+            return _as_data(envelope)
+        return envelope  # not what it claims to be: the plain dict it was sent as
+    except ValueNotDecodable:
+        if mode is _Mode.STRICT:
+            raise
+        return _as_data(envelope) if mode is _Mode.AS_DATA else envelope
 
 
-def _decode(value: Any, lenient: _Fallback) -> Any:
+def _as_data(envelope: dict[str, Any]) -> Any:
+    data = envelope_fields(envelope)
+    return envelope if data is envelope else _decode(data, _Mode.AS_DATA)
+
+
+def _decode(value: Any, mode: _Mode) -> Any:
     kind = type(value)
     if kind is dict:
         envelope = envelope_kind(value)
         if envelope is not None:
-            try:
-                return _decode_envelope(envelope, value[VALUE_KEY], lenient)
-            except ValueNotDecodable:
-                if lenient is None:
-                    raise
-                return lenient(value)
+            return _decode_envelope(envelope, value, mode)
         out: dict[Any, Any] | None = None
         for key, item in value.items():
             if type(item) is dict or type(item) is list:
-                decoded = _decode(item, lenient)
+                decoded = _decode(item, mode)
                 if decoded is not item:
                     if out is None:
                         out = dict(value)
@@ -307,7 +505,7 @@ def _decode(value: Any, lenient: _Fallback) -> Any:
         items: list[Any] | None = None
         for index, item in enumerate(value):
             if type(item) is dict or type(item) is list:
-                decoded = _decode(item, lenient)
+                decoded = _decode(item, mode)
                 if decoded is not item:
                     if items is None:
                         items = list(value)
@@ -317,29 +515,23 @@ def _decode(value: Any, lenient: _Fallback) -> Any:
 
 
 def decode(value: Any) -> Any:
-    """The Python value of encoded JSON: envelopes rebuilt, everything else as it is (the same
-    objects when nothing inside is an envelope). Raises ``ValueNotDecodable``."""
-    return _decode(value, None)
+    """The Python value of encoded JSON: envelopes of the scalar kinds and of declared classes
+    rebuilt; everything else as it is (the same objects when nothing inside is rebuilt),
+    envelopes of undeclared classes and malformed envelopes included. Imports nothing.
+    Raises ``ValueNotDecodable`` only for a declared class whose data does not rebuild."""
+    return _decode(value, _Mode.STRICT)
 
 
 def decode_lenient(value: Any) -> Any:
-    """``decode`` for readers (run views): an envelope that cannot be rebuilt in this process
-    (its class is not importable here) stays as its JSON instead of failing the read."""
-    return _decode(value, _as_is)
+    """``decode`` for readers (run views, a step's context): never raises; an envelope that
+    does not rebuild stays as its JSON, and so does a value that fails in any other way."""
+    try:
+        return _decode(value, _Mode.LENIENT)
+    except REBUILD_ERRORS:  # RecursionError on a value nested past what was ever stored
+        return value
 
 
 def decode_as_data(value: Any) -> Any:
-    """``decode``, but a model or dataclass that cannot be rebuilt here becomes its data (a
+    """``decode``, but a model or dataclass that does not rebuild here becomes its data (a
     dict, decoded in turn): for a parameter whose annotation rebuilds it instead."""
-    return _decode(value, _its_data)
-
-
-def _as_is(envelope: dict[str, Any]) -> Any:
-    return envelope
-
-
-def _its_data(envelope: dict[str, Any]) -> Any:
-    data = envelope_fields(envelope)
-    if data is envelope:  # a scalar envelope that does not parse: nothing to fall back on
-        raise ValueNotDecodable(f"a {envelope[TYPE_KEY]} envelope that cannot be read")
-    return _decode(data, _its_data)
+    return _decode(value, _Mode.AS_DATA)

@@ -2,8 +2,9 @@
 
 Their values (input, context, outputs) are the Python values the run was given and its steps
 returned: typed values are rebuilt from their stored encoding (``ductor_celery.values``); a
-model or dataclass whose class cannot be imported in the reading process stays as its JSON
-envelope, so a run can always be read (by the CLI, say).
+model or dataclass this process has not declared (``register_type``, a step's annotations)
+stays as its JSON envelope, and so does one that does not rebuild: a run can always be read
+(by the CLI, the console, a dashboard without your models).
 """
 
 from __future__ import annotations

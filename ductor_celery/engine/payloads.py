@@ -21,7 +21,14 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from ..limits import MAX_JSON_DEPTH
-from ..values import encode_default, encoding_problem, is_typed
+from ..values import (
+    VALUE_KEY,
+    decimal_text_problem,
+    encode_default,
+    encoding_problem,
+    envelope_kind,
+    is_typed,
+)
 
 #: ``\u0000`` in the serialized text, not preceded by an escaping backslash (``"\\u0000"``,
 #: a literal backslash followed by ``u0000``, is harmless text).
@@ -97,7 +104,24 @@ def _check(value: Any, what: str, limit: int) -> JsonCheck:
         normalized, MAX_JSON_DEPTH
     ):
         return _refused(value, what, None)
+    # A Decimal sent already encoded (JSON from the CLI or the console) is bounded as one
+    # given as an object is; the walk runs only when the text names the kind at all.
+    if '"decimal"' in text and (found := _unbounded_decimal(normalized)) is not None:
+        return JsonCheck(None, storable_text(f"{what} is not JSON-serializable: {found}"))
     return JsonCheck(normalized)
+
+
+def _unbounded_decimal(value: Any) -> str | None:
+    """The first decimal envelope in encoded JSON past the bounds, with its path."""
+    stack: list[tuple[Any, str]] = [(value, "$")]
+    while stack:
+        item, path = stack.pop()
+        if envelope_kind(item) == "decimal":
+            if (problem := decimal_text_problem(item[VALUE_KEY])) is not None:
+                return f"{problem} at {_short(path)}"
+        elif isinstance(item, dict | list):
+            stack += [child for (_, child) in reversed(list(_children(item, path)))]
+    return None
 
 
 def _deeper_than(value: Any, limit: int) -> bool:

@@ -20,7 +20,14 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from ..values import ValueNotDecodable, decode, decode_as_data
+from ..values import (
+    REBUILD_ERRORS,
+    ValueNotDecodable,
+    decode,
+    decode_as_data,
+    error_summary,
+    validation_summary,
+)
 
 log = logging.getLogger("ductor_celery.step")
 
@@ -90,45 +97,42 @@ def _build(fn: Callable[..., Any]) -> Converters:
 
 
 def prepare(fn: Callable[..., Any], step: str, args: Mapping[str, Any]) -> dict[str, Any]:
-    """The keyword arguments to call ``fn`` with: decoded, then converted where annotated."""
+    """The keyword arguments to call ``fn`` with: decoded, then converted where annotated.
+    Total: whatever an argument holds, it is converted or refused (``ArgumentRefused``);
+    nothing a value's class does while it is rebuilt (SystemExit included) leaves here."""
     converters = converters_for(fn)
     out: dict[str, Any] = {}
     for name, value in args.items():
         adapter = converters.get(name)
         try:
-            decoded = decode(value)
-        except ValueNotDecodable as exc:
-            if adapter is None:
-                raise ArgumentRefused(f"step {step!r} parameter {name!r}: {exc}") from None
-            # The annotation rebuilds it: a model whose stored path does not import here
-            # (moved, or defined elsewhere in the client) still validates from its data.
-            try:
-                decoded = decode_as_data(value)
-            except ValueNotDecodable:
-                raise ArgumentRefused(f"step {step!r} parameter {name!r}: {exc}") from None
-        if adapter is not None:
-            try:
-                decoded = adapter.validate_python(decoded)
-            except ValidationError as exc:
-                raise ArgumentRefused(
-                    f"step {step!r} parameter {name!r}: the argument does not convert to "
-                    f"{_type_name(adapter)}: {_summary(exc)}"
-                ) from None
-        out[name] = decoded
+            out[name] = _argument(value, adapter)
+        except ArgumentRefused as exc:
+            raise ArgumentRefused(f"step {step!r} parameter {name!r}: {exc}") from None
+        except REBUILD_ERRORS as exc:  # a validator of the user's own that raised
+            raise ArgumentRefused(
+                f"step {step!r} parameter {name!r}: converting it raised {error_summary(exc)}"
+            ) from None
     return out
+
+
+def _argument(value: Any, adapter: TypeAdapter[Any] | None) -> Any:
+    if adapter is None:
+        try:
+            return decode(value)
+        except ValueNotDecodable as exc:
+            raise ArgumentRefused(str(exc)) from None
+    # The annotation rebuilds what decoding does not: a model or dataclass envelope of a class
+    # not declared here (written by a client where it lives elsewhere) arrives as its data.
+    decoded = decode_as_data(value)
+    try:
+        return adapter.validate_python(decoded)
+    except ValidationError as exc:
+        raise ArgumentRefused(
+            f"the argument does not convert to {_type_name(adapter)}: {validation_summary(exc)}"
+        ) from None
 
 
 def _type_name(adapter: TypeAdapter[Any]) -> str:
     core = getattr(adapter, "_type", None)
     name = getattr(core, "__name__", None)
     return name if isinstance(name, str) else repr(core)
-
-
-def _summary(exc: ValidationError) -> str:
-    """pydantic's errors without the input values (an argument may hold a secret)."""
-    parts = []
-    for error in exc.errors(include_url=False, include_input=False, include_context=False):
-        where = ".".join(str(p) for p in error.get("loc", ())) or "value"
-        parts.append(f"{where}: {error.get('msg', 'invalid')}")
-    shown = "; ".join(parts[:5])
-    return shown + (f" (and {len(parts) - 5} more)" if len(parts) > 5 else "")

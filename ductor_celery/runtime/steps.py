@@ -22,7 +22,7 @@ from ..errors import NonRetryableError, SecretNotFound, StepCancelled
 from ..store import attempts, wakes
 from ..store.db import ValuesRefused, with_retry
 from ..store.outbox import OutboxRow
-from ..values import decode, decode_lenient
+from ..values import ValueNotDecodable, decode, decode_lenient
 from . import batch, metrics
 from .arguments import ArgumentRefused, prepare
 from .coordinator import Keeper, PreludeRefused, run_tick
@@ -113,7 +113,11 @@ class StepContext:
         """The run's input, read from the database on first use (it can be a large list
         that a scatter hands out item by item; most steps never need it whole)."""
         if self._input_fn is not None:
-            self._input, self._input_fn = decode(self._input_fn()), None
+            try:
+                self._input, self._input_fn = decode(self._input_fn()), None
+            except ValueNotDecodable as exc:
+                # The same input fails the same way on every attempt: no retry.
+                raise NonRetryableError(f"the run's input cannot be decoded: {exc}") from None
         return self._input
 
     def secret(self, name: str) -> str:

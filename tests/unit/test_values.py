@@ -22,6 +22,7 @@ from ductor_celery.values import (
     decode,
     decode_lenient,
     encode,
+    register_type,
     truthy,
 )
 
@@ -43,6 +44,12 @@ class StrictOrder(BaseModel, strict=True):
     total: Decimal
 
 
+class Undeclared(BaseModel):
+    """Imported wherever this module is, named by no step and never registered."""
+
+    x: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Point:
     x: int
@@ -56,6 +63,10 @@ class Shipment:
     tags: list[str] = dataclasses.field(default_factory=list)
     computed: int = dataclasses.field(default=0, init=False)
 
+
+# The app's word that values may carry them (Shipment declares Point, its field's class).
+for declared_class in (Order, StrictOrder, Shipment):
+    register_type(declared_class)
 
 ORDER = Order(
     id=uuid.UUID("12345678-1234-5678-1234-567812345678"),
@@ -144,14 +155,20 @@ def test_a_type_without_an_encoding_is_refused_naming_its_place() -> None:
     assert problem == "step 's' result is not JSON-serializable: a value of type object at $.when"
 
 
-def test_an_envelope_whose_class_cannot_be_imported() -> None:
+def test_an_envelope_of_an_undeclared_class_stays_the_dict_it_was_sent_as() -> None:
     stored = {"__type__": "pydantic", "__value__": {"class": "nowhere.at_all:Order", "data": {}}}
-    with pytest.raises(ValueNotDecodable, match="nowhere.at_all:Order cannot be imported"):
-        decode({"o": stored})
-    assert decode_lenient({"o": stored}) == {"o": stored}  # readers still get the run
-    not_a_model = {"__type__": "pydantic", "__value__": {"class": "os:path", "data": {}}}
-    with pytest.raises(ValueNotDecodable, match="is not a pydantic model class"):
-        decode(not_a_model)
+    assert decode({"o": stored}) == {"o": stored}
+    assert decode_lenient({"o": stored}) == {"o": stored}
+    # A class that exists and is imported here is still not rebuilt unless declared.
+    not_declared = encode(Undeclared(x=1))
+    assert decode(not_declared) is not_declared
+
+
+def test_a_declared_class_whose_data_does_not_validate() -> None:
+    bad = {"__type__": "pydantic", "__value__": {"class": "test_values:Order", "data": {"id": 1}}}
+    with pytest.raises(ValueNotDecodable, match="test_values:Order: the stored data does not"):
+        decode(bad)
+    assert decode_lenient({"o": bad}) == {"o": bad}  # readers still get the run
 
 
 def test_paths_read_inside_encoded_models_and_dataclasses() -> None:
@@ -200,8 +217,8 @@ def test_an_annotated_parameter_rebuilds_a_model_whose_path_does_not_import_here
     moved["__value__"]["class"] = "shop.old_models:Order"  # as a client elsewhere wrote it
     got = prepare(_step, "s", {"order": moved})
     assert got["order"] == ORDER
-    with pytest.raises(ArgumentRefused, match="parameter 'note': class shop.old_models:Order"):
-        prepare(_step, "s", {"note": moved})  # unannotated: nothing to rebuild it with
+    # Unannotated: nothing declares that path, so the envelope arrives as the dict it is.
+    assert prepare(_step, "s", {"note": moved})["note"] == moved
 
 
 @pytest.mark.parametrize(
