@@ -18,6 +18,8 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 from click.testing import CliRunner
+from hostile_json import HOSTILE_MODULES, HOSTILE_PATHS, assert_only_plain_or_declared, hostile_json
+from hypothesis import HealthCheck, given, settings
 from pydantic import BaseModel, model_validator
 
 from ductor_celery import (
@@ -27,6 +29,7 @@ from ductor_celery import (
     RunStatus,
     StepContext,
     Workflow,
+    testing,
 )
 from ductor_celery.cli import ductor as ductor_cli
 from ductor_celery.store.schema import workflow_run
@@ -167,3 +170,65 @@ def test_a_decimal_past_the_bounds_is_refused_at_start_and_nothing_is_written(
             d.start("numbers", input={"n": value})
     with d.runtime.engine().connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(workflow_run)).scalar() == 0
+
+
+class Declared(BaseModel):
+    n: int = 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    sent=hostile_json([*HOSTILE_PATHS, f"{__name__}:Declared"]),
+    signalled=hostile_json([*HOSTILE_PATHS, f"{__name__}:Declared"]),
+)
+def test_arbitrary_json_through_a_run_builds_nothing_data_names(sent: Any, signalled: Any) -> None:
+    """Start input, signal payload and step output (the step returns what it was handed),
+    through the real store and tick (the testing harness, SQLite): every value a step or a view
+    gets is plain JSON, a typed scalar or the one declared class, and nothing is imported."""
+    _through_a_run(1, 1)  # what a first run imports (SQLite, Celery's fixups) is imported now
+    before = set(sys.modules)
+    handed, views = _through_a_run(sent, signalled)
+    for value in [*handed, *views]:
+        assert_only_plain_or_declared(value, (Declared,))
+    assert set(sys.modules) == before
+    assert not [m for m in HOSTILE_MODULES if m in sys.modules]
+
+
+def _through_a_run(sent: Any, signalled: Any) -> tuple[list[Any], list[Any]]:
+    """What the step was handed, and what the views show, of a run started with ``sent`` and
+    signalled ``signalled`` (nothing when the door refuses either)."""
+    d = Ductor(Celery(f"prop{uuid.uuid4().hex[:6]}", set_as_current=False))
+    d.register_type(Declared)
+    handed: list[Any] = []
+
+    @d.step(name="hostile.echo")
+    def echo(ctx: StepContext, value: Any, signalled: Any) -> Any:
+        handed.extend([value, signalled, ctx.input, dict(ctx.context)])
+        return {"value": value, "signalled": signalled}
+
+    wf = Workflow("echo")
+    wf.wait_signal("sig", signal="go")
+    wf.step(
+        "echo", echo, after=["sig"], args={"value": "$.input", "signalled": "$.nodes.sig.output"}
+    )
+    wf.output("$.nodes.echo.output")
+    d.register(wf)
+
+    with testing.harness(d) as h:
+        try:
+            handle = h.start("echo", input=sent)
+        except PayloadNotSerializable:
+            return [], []  # a Decimal past the bounds, refused at the door
+        try:
+            h.signal(handle.run_id, "go", signalled)
+        except PayloadNotSerializable:
+            return [], []
+        view = h.run(handle)
+
+    if view.status == RunStatus.FAILED:
+        # Only a declared class whose data does not rebuild it (a refused argument, no retry).
+        assert view.nodes["echo"].error["type"] == "InvalidArgument", view.nodes["echo"].error
+        assert view.nodes["echo"].attempts == 1
+    else:
+        assert view.status == RunStatus.SUCCEEDED, view.error
+    return handed, [view.input, view.output, view.context, view.nodes["sig"].output]

@@ -9,14 +9,20 @@ import dataclasses
 import json
 import sys
 import uuid
-from datetime import UTC, date, datetime, time
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Optional
 
 import pytest
 from celery import Celery
+from hostile_json import (
+    HOSTILE_MODULES,
+    HOSTILE_PATHS,
+    assert_only_plain_or_declared,
+    envelope,
+    hostile_json,
+)
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from pydantic import BaseModel, model_validator
 
 from ductor_celery import Ductor, StepContext
@@ -24,7 +30,6 @@ from ductor_celery.engine.payloads import check_json
 from ductor_celery.runtime.arguments import ArgumentRefused, prepare
 from ductor_celery.runtime.steps import StepContext as Ctx
 from ductor_celery.values import (
-    KINDS,
     ValueNotDecodable,
     declared,
     decode,
@@ -36,28 +41,7 @@ from ductor_celery.values import (
 )
 from ductor_celery.views import NodeView, RunView
 
-#: Modules a hostile envelope names that nothing in this test process imports (checked below):
-#: importing any of them is what the decoder must never do. ``lib2to3.__main__`` raises
-#: SystemExit when imported, which ended a prefork child before the fix.
-HOSTILE_MODULES = (
-    "lib2to3.__main__",
-    "xmlrpc.server",
-    "smtplib",
-    "ftplib",
-    "imaplib",
-    "poplib",
-    "mailbox",
-)
-HOSTILE_PATHS = [f"{m}:X" for m in HOSTILE_MODULES] + [
-    "ductor_celery.store.runs:RunFilter",  # imported here: a real class, still never rebuilt
-    "os:system",
-    "subprocess:Popen",
-    "builtins:object",
-    "test_declared_types:Declared",  # declared: the one that is rebuilt
-    "test_declared_types:NotDeclared",  # importable from here, but never declared
-    "nowhere",
-    "",
-]
+DECLARED_PATHS = ["test_declared_types:Declared", "test_declared_types:NotDeclared"]
 
 
 class Declared(BaseModel):
@@ -94,12 +78,7 @@ class Tree:
 register_type(Declared)
 register_type(Boom)
 
-ALLOWED_TYPES = (type(None), bool, int, float, str, datetime, date, time, Decimal, uuid.UUID)
-ALLOWED_TYPES += (bytes, Declared, Boom)
-
-
-def _envelope(kind: str, value: Any) -> dict[str, Any]:
-    return {"__type__": kind, "__value__": value}
+_envelope = envelope
 
 
 def _hostile(kind: str, path: str, **extra: Any) -> dict[str, Any]:
@@ -111,7 +90,7 @@ def test_nothing_hostile_is_imported_by_this_process_to_begin_with() -> None:
     assert not [m for m in HOSTILE_MODULES if m in sys.modules]
 
 
-@pytest.mark.parametrize("path", [p for p in HOSTILE_PATHS if not p.endswith(":Declared")])
+@pytest.mark.parametrize("path", [*HOSTILE_PATHS, "test_declared_types:NotDeclared"])
 @pytest.mark.parametrize("kind", ["pydantic", "dataclass"])
 def test_an_envelope_naming_a_class_imports_nothing_and_stays_a_dict(kind: str, path: str) -> None:
     before = set(sys.modules)
@@ -285,55 +264,9 @@ def test_a_worker_never_converts_a_decimal_past_the_bounds() -> None:
 
 # -- the property: every decoding entry point, arbitrary JSON and envelopes --------------------
 
-_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20)
-)
-_kind = st.sampled_from(sorted(KINDS)) | st.text(max_size=8)
-_path = st.sampled_from(HOSTILE_PATHS) | st.text(max_size=30)
-
-
-def _envelopes(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    class_value = st.fixed_dictionaries(
-        {"class": _path},
-        optional={"data": inner, "fields": st.dictionaries(st.text(max_size=5), inner, max_size=3)},
-    )
-    scalar_text = st.sampled_from(
-        ["!!!", "aGk=", "2024-01-01", "2024-01-01T00:00:00+14:00", "1e999999999", "1.5", "x"]
-    )
-    return st.builds(
-        _envelope,
-        _kind,
-        class_value | scalar_text | st.fixed_dictionaries({"hex": st.text(max_size=32)}) | inner,
-    )
-
-
-_json = st.recursive(
-    _scalars,
-    lambda inner: (
-        st.lists(inner, max_size=4)
-        | st.dictionaries(st.text(max_size=8), inner, max_size=4)
-        | _envelopes(inner)
-    ),
-    max_leaves=25,
-)
-
 
 def _only_plain_or_declared(value: Any) -> None:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            assert isinstance(k, str)
-            _only_plain_or_declared(v)
-    elif isinstance(value, list):
-        for item in value:
-            _only_plain_or_declared(item)
-    elif dataclasses.is_dataclass(value):
-        assert type(value) in (Leaf, Tree), type(value)
-    else:
-        assert isinstance(value, ALLOWED_TYPES), type(value)
+    assert_only_plain_or_declared(value, (Declared, Boom, Leaf, Tree))
 
 
 def _view(value: Any) -> dict[str, Any]:
@@ -354,7 +287,7 @@ def _annotated(ctx: Any, value: Any, declared_arg: Declared, some: dict[str, Any
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_json)
+@given(hostile_json(HOSTILE_PATHS + DECLARED_PATHS))
 def test_no_entry_point_imports_or_builds_anything_data_names(value: Any) -> None:
     before = set(sys.modules)
     checked = check_json(value, "input", 1 << 20)
