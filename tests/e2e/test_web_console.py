@@ -7,6 +7,7 @@ downloads a browser of its own.
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import shutil
@@ -27,6 +28,10 @@ pytestmark = pytest.mark.e2e
 
 CHROMIUM = os.environ.get("DUCTOR_TEST_CHROMIUM", "/usr/bin/chromium")
 TOKEN = "console-test-token"
+#: A name the token console serves because it was started with --allowed-host.
+ALLOWED = "console.test"
+#: Another loopback address: the read-only console binds it, so it is served by that name.
+OTHER_LOOPBACK = "127.0.0.2"
 SCREENSHOT = ROOT_DIR / "docs" / "console-run.png"
 
 if not os.path.exists(CHROMIUM):  # scripts/test installs it; say so rather than skip quietly
@@ -36,13 +41,14 @@ if not os.path.exists(CHROMIUM):  # scripts/test installs it; say so rather than
 class Console:
     """``ductor -A e2e_app web`` as a user starts it, on a free loopback port."""
 
-    def __init__(self, cluster: Any, workdir: Path, *extra: str) -> None:
+    def __init__(self, cluster: Any, workdir: Path, *extra: str, host: str = "127.0.0.1") -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.url = f"http://{host}:{self.port}"
         self._log = open(workdir / f"console-{self.port}.log", "wb")  # noqa: SIM115
         exe = os.path.join(os.path.dirname(sys.executable), "ductor")
         self.proc = subprocess.Popen(
-            [exe, "-A", "e2e_app", "web", "--port", str(self.port), *extra],
+            [exe, "-A", "e2e_app", "web", "--host", host, "--port", str(self.port), *extra],
             cwd=TESTS_DIR,
             env=cluster.env,
             stdout=self._log,
@@ -72,7 +78,14 @@ class Console:
 
 @pytest.fixture(scope="module")
 def console(shared_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
-    c = Console(shared_cluster, tmp_path_factory.mktemp("console"), "--token", TOKEN)
+    c = Console(
+        shared_cluster,
+        tmp_path_factory.mktemp("console"),
+        "--token",
+        TOKEN,
+        "--allowed-host",
+        ALLOWED,
+    )
     yield c
     c.stop()
 
@@ -81,7 +94,7 @@ def console(shared_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> It
 def read_only_console(
     shared_cluster: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Console]:
-    c = Console(shared_cluster, tmp_path_factory.mktemp("console-ro"))
+    c = Console(shared_cluster, tmp_path_factory.mktemp("console-ro"), host=OTHER_LOOPBACK)
     yield c
     c.stop()
 
@@ -253,3 +266,36 @@ def test_a_1000_branch_scatter_page_loads_in_under_a_second(
     label = page.text_content('[data-node="squares"] .node-label') or ""
     assert "/1000 done" in label
     ductor.cancel(run_id)
+
+
+# -- the Host check, over the real server ---------------------------------------------------------
+
+
+def _raw_get(console: Console, path: str, host: str) -> tuple[int, dict[str, str], str]:
+    """A GET to the console with exactly this ``Host`` header (as a rebinding page's would be)."""
+    conn = http.client.HTTPConnection(console.host, console.port, timeout=10)
+    try:
+        conn.putrequest("GET", path, skip_host=True)
+        conn.putheader("Host", host)
+        conn.endheaders()
+        answer = conn.getresponse()
+        headers = {k.lower(): v for k, v in answer.getheaders()}
+        return answer.status, headers, answer.read().decode("utf-8", "replace")
+    finally:
+        conn.close()
+
+
+def test_the_real_server_refuses_unknown_hosts(
+    console: Console, read_only_console: Console
+) -> None:
+    port, other = console.port, read_only_console.port
+    for host in (f"evil.example:{port}", "localhost.evil.example", f"{OTHER_LOOPBACK}:{port}"):
+        status, headers, body = _raw_get(console, "/api/runs", host)
+        assert status == 400 and "--allowed-host" in body, (host, status, body)
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", ALLOWED):
+        status, headers, _ = _raw_get(console, "/api/runs", host)
+        assert status == 200, host
+    # Bound to another address, the console serves that name (and still the loopback names).
+    assert _raw_get(read_only_console, "/", f"{OTHER_LOOPBACK}:{other}")[0] == 200
+    assert _raw_get(read_only_console, "/", f"localhost:{other}")[0] == 200
+    assert _raw_get(read_only_console, "/", ALLOWED)[0] == 400
