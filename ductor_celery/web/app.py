@@ -14,7 +14,7 @@ from starlette.staticfiles import StaticFiles
 
 from . import api, pages
 from .console import PACKAGE, Console
-from .guard import LOOPBACK_HOSTS, HostCheck, allowed_names
+from .guard import LOOPBACK_HOSTS, HostCheck, SecurityHeaders, allowed_names, server_error
 
 if TYPE_CHECKING:
     from ..ductor import Ductor
@@ -82,7 +82,8 @@ def create_app(
             Mount("/static", StaticFiles(directory=str(PACKAGE / "static")), name="static"),
         ],
         middleware=[
-            # Before the session: a refused request makes no session.
+            # Outermost first: every answer gets the headers, the Host check's 400 included.
+            Middleware(SecurityHeaders),
             Middleware(HostCheck, allowed=hosts),
             Middleware(
                 SessionMiddleware,
@@ -94,6 +95,7 @@ def create_app(
                 max_age=12 * 3600,
             ),
         ],
+        exception_handlers={500: server_error},
     )
     app.state.console = console
     app.state.allowed_hosts = hosts

@@ -10,7 +10,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, quote
 
-from jinja2 import Environment, FileSystemLoader, select_autoescape
+from jinja2 import Environment, FileSystemLoader
 from sqlalchemy.engine import Engine
 from starlette.requests import Request
 
@@ -93,7 +93,7 @@ class Console:
     def __post_init__(self) -> None:
         self.env = Environment(
             loader=FileSystemLoader(str(PACKAGE / "templates")),
-            autoescape=select_autoescape(["html"]),
+            autoescape=True,  # every template is HTML, whatever its name
             trim_blocks=True,
             lstrip_blocks=True,
         )

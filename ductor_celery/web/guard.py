@@ -1,9 +1,15 @@
-"""The console's outer wall: which ``Host`` names it answers.
+"""The console's outer walls: which ``Host`` names it answers, and the headers every response
+carries.
 
 Why a Host check on a console bound to 127.0.0.1: DNS rebinding. A page on any site can point
 its own name at 127.0.0.1 once loaded, and its script then reads this console as "same
 origin", every run's input and output included. The browser still sends the attacker's name in
 ``Host``, so refusing names the console does not serve closes that door.
+
+Why the headers: the pages show values anyone who can start a run chose (inputs, outputs,
+errors, ids). Templates escape them; the Content-Security-Policy makes a slip harmless anyway,
+since no script runs but the console's own file, and no other site may frame the console to
+trick a click.
 """
 
 from __future__ import annotations
@@ -12,13 +18,26 @@ import ipaddress
 import re
 from collections.abc import Iterable
 
-from starlette.datastructures import Headers
-from starlette.responses import PlainTextResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from starlette.websockets import WebSocketClose
 
 #: Always served: the loopback names (the bound address is added by ``serve`` and the CLI).
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+#: Only the console's own files: no inline script or style, no eval, no plugins, no framing.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+)
+SECURITY_HEADERS = {
+    "content-security-policy": CONTENT_SECURITY_POLICY,
+    "x-content-type-options": "nosniff",
+    "x-frame-options": "DENY",  # frame-ancestors for browsers older than CSP 2
+    "referrer-policy": "same-origin",  # run ids in URLs stay here (Flower links included)
+}
 
 _NAME = re.compile(r"^[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?$")
 _PORT = re.compile(r"^[0-9]{1,5}$")
@@ -118,3 +137,28 @@ class HostCheck:
             status_code=400,
         )
         await answer(scope, receive, send)
+
+
+class SecurityHeaders:
+    """Every HTTP response leaves with ``SECURITY_HEADERS``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def guarded(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).update(SECURITY_HEADERS)
+            await send(message)
+
+        await self.app(scope, receive, guarded)
+
+
+def server_error(request: Request, exc: Exception) -> Response:
+    """A 500: plain text that names nothing of the request. Starlette answers it outside the
+    other middleware, so it carries the headers itself."""
+    return PlainTextResponse("Internal Server Error", status_code=500, headers=SECURITY_HEADERS)

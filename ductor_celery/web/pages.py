@@ -9,7 +9,7 @@ from urllib.parse import quote, urlencode
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from ..client import check_target
@@ -194,9 +194,10 @@ def routes(console: Console) -> list[Route]:
         try:
             ctx = run_context(console, request.path_params["run_id"], _node_param(request))
         except _Moved:
-            return HTMLResponse("", status_code=404)
+            return PlainTextResponse("", status_code=404)
         except Exception as exc:  # noqa: BLE001
-            return HTMLResponse(message_of(exc), status_code=status_of(exc))
+            # Text, never HTML: the message names the id from the URL.
+            return PlainTextResponse(message_of(exc), status_code=status_of(exc))
         html = console.render(
             "_fragment.html",
             request=request,
@@ -285,7 +286,14 @@ def _done(action: str, body: dict[str, Any]) -> str:
 
 def _safe_next_value(value: str | None) -> str:
     """Only a path of this console: never a redirect to another site."""
-    if value and value.startswith("/") and not value.startswith("//") and "\\" not in value:
+    if (
+        value
+        and value.startswith("/")
+        and not value.startswith("//")
+        and "\\" not in value
+        # Browsers drop tabs and newlines from URLs: "/\t/evil.example" would be "//evil...".
+        and value.isprintable()
+    ):
         return value
     return "/"
 
