@@ -4,6 +4,7 @@ its templates, and the answers to ductor's errors."""
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
 from importlib import resources
@@ -88,6 +89,9 @@ class Console:
     flower_url: str | None
     poll_interval: float
     env: Environment = field(init=False)
+    #: Keys what a session keeps of the token (auth.fingerprint); made per process, like the
+    #: session cookie's signing key, and never sent anywhere.
+    session_key: bytes = field(default_factory=lambda: secrets.token_bytes(32), init=False)
     _layouts: dict[str, Layout] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:

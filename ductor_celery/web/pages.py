@@ -37,7 +37,7 @@ def _page(console: Console, request: Request, name: str, status: int = 200, **ct
         name,
         request=request,
         csrf=csrf_token(request),
-        logged_in=logged_in(request, console.token),
+        logged_in=logged_in(request, console.token, console.session_key),
         flash=request.session.pop("flash", None),
         **ctx,
     )
@@ -202,7 +202,7 @@ def routes(console: Console) -> list[Route]:
             "_fragment.html",
             request=request,
             csrf=csrf_token(request),
-            logged_in=logged_in(request, console.token),
+            logged_in=logged_in(request, console.token, console.session_key),
             **ctx,
         )
         return HTMLResponse(html)
@@ -211,7 +211,7 @@ def routes(console: Console) -> list[Route]:
         run_id, action = request.path_params["run_id"], request.path_params["action"]
         try:
             form = await console.form(request)
-            check_form(request, console.token, form)
+            check_form(request, console.token, console.session_key, form)
             if action not in ACTIONS:
                 raise BadRequest(f"unknown action {action!r}")
             body = _form_body(action, form)
@@ -243,14 +243,14 @@ def routes(console: Console) -> list[Route]:
             return _page(console, request, "login.html", 403, next=nxt, problem=problem)
         if not same(form.get("token", ""), console.token):
             return _page(console, request, "login.html", 403, next=nxt, problem="wrong token")
-        request.session["auth"] = fingerprint(console.token)
+        request.session["auth"] = fingerprint(console.token, console.session_key)
         request.session["flash"] = "logged in: actions are enabled"
         return RedirectResponse(nxt, status_code=303)
 
     async def logout(request: Request) -> Response:
         try:
             form = await console.form(request)
-            check_form(request, console.token, form)
+            check_form(request, console.token, console.session_key, form)
         except Exception as exc:  # noqa: BLE001
             return _error_page(console, request, exc)
         request.session.pop("auth", None)
