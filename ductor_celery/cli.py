@@ -638,9 +638,22 @@ for _kind, _reason in (
     "without one the console is read-only).",
 )
 @click.option("--flower-url", default=None, help="Flower's URL: attempts link to their task.")
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="Also answer requests whose Host is NAME (repeatable; *.example.com for subdomains; "
+    "default: the bound address, localhost, 127.0.0.1, ::1 and ductor_web_allowed_hosts).",
+)
 @click.pass_context
 def web(
-    ctx: click.Context, host: str, port: int, token: str | None, flower_url: str | None
+    ctx: click.Context,
+    host: str,
+    port: int,
+    token: str | None,
+    flower_url: str | None,
+    allowed_hosts: tuple[str, ...],
 ) -> None:
     """Serve the web console: runs, live graphs, actions, a JSON API and /metrics."""
     if not 0 < port < 65536:
@@ -648,16 +661,18 @@ def web(
     if token is not None and not token.strip():
         _fail("--token must not be empty")
     d = _load_ductor(ctx)
-    from .web.app import create_app, run
+    from .web.app import bound_hosts, create_app, run
 
-    app = _call(create_app, d, token=token, flower_url=flower_url)
+    hosts = [*allowed_hosts, *bound_hosts(host)]
+    app = _call(create_app, d, token=token, flower_url=flower_url, allowed_hosts=hosts)
     console = app.state.console
     mode = "read-only: no token" if console.read_only else "actions need the token"
     click.echo(f"ductor console on http://{host}:{port}/ ({mode})", err=True)
     if host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(
             f"warning: bound to {host}: anyone who reaches it can read every run's input, "
-            "context and output (only actions need the token)",
+            "context and output (only actions need the token); it answers only the Host "
+            f"names {', '.join(app.state.allowed_hosts)} (add one with --allowed-host NAME)",
             err=True,
         )
     run(app, host=host, port=port)

@@ -18,9 +18,11 @@ class Forbidden(Exception):
     """Answered with 403 and the message."""
 
 
-def fingerprint(token: str) -> str:
-    """What a session keeps of the token it logged in with: a new token logs everyone out."""
-    return hashlib.sha256(b"ductor-console:" + token.encode()).hexdigest()
+def fingerprint(token: str, key: bytes) -> str:
+    """What a session keeps of the token it logged in with: an HMAC keyed by the console's own
+    secret, so a new token logs everyone out, and whoever reads the cookie (it is signed, not
+    encrypted) has nothing to test token guesses against offline."""
+    return hmac.new(key, b"ductor-console:" + token.encode(), hashlib.sha256).hexdigest()
 
 
 def same(given: str, expected: str) -> bool:
@@ -44,11 +46,12 @@ def csrf_token(request: Request) -> str:
     return found
 
 
-def logged_in(request: Request, token: str | None) -> bool:
-    return token is not None and request.session.get("auth") == fingerprint(token)
+def logged_in(request: Request, token: str | None, key: bytes) -> bool:
+    found = request.session.get("auth")
+    return token is not None and isinstance(found, str) and same(found, fingerprint(token, key))
 
 
-def check_form(request: Request, token: str | None, form: dict[str, str]) -> None:
+def check_form(request: Request, token: str | None, key: bytes, form: dict[str, str]) -> None:
     """A page's POST: the console has a token, the session logged in with it, and the form
     carries the session's CSRF token."""
     if token is None:
@@ -56,5 +59,5 @@ def check_form(request: Request, token: str | None, form: dict[str, str]) -> Non
     expected = request.session.get("csrf")
     if not isinstance(expected, str) or not same(form.get("csrf_token", ""), expected):
         raise Forbidden("the form's CSRF token is missing or stale: reload the page")
-    if not logged_in(request, token):
+    if not logged_in(request, token, key):
         raise Forbidden("log in with the console's token first")

@@ -4,13 +4,14 @@ its templates, and the answers to ductor's errors."""
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, quote
 
-from jinja2 import Environment, FileSystemLoader, select_autoescape
+from jinja2 import Environment, FileSystemLoader
 from sqlalchemy.engine import Engine
 from starlette.requests import Request
 
@@ -88,12 +89,15 @@ class Console:
     flower_url: str | None
     poll_interval: float
     env: Environment = field(init=False)
+    #: Keys what a session keeps of the token (auth.fingerprint); made per process, like the
+    #: session cookie's signing key, and never sent anywhere.
+    session_key: bytes = field(default_factory=lambda: secrets.token_bytes(32), init=False)
     _layouts: dict[str, Layout] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.env = Environment(
             loader=FileSystemLoader(str(PACKAGE / "templates")),
-            autoescape=select_autoescape(["html"]),
+            autoescape=True,  # every template is HTML, whatever its name
             trim_blocks=True,
             lstrip_blocks=True,
         )

@@ -9,7 +9,7 @@ from urllib.parse import quote, urlencode
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from ..client import check_target
@@ -37,7 +37,7 @@ def _page(console: Console, request: Request, name: str, status: int = 200, **ct
         name,
         request=request,
         csrf=csrf_token(request),
-        logged_in=logged_in(request, console.token),
+        logged_in=logged_in(request, console.token, console.session_key),
         flash=request.session.pop("flash", None),
         **ctx,
     )
@@ -194,14 +194,15 @@ def routes(console: Console) -> list[Route]:
         try:
             ctx = run_context(console, request.path_params["run_id"], _node_param(request))
         except _Moved:
-            return HTMLResponse("", status_code=404)
+            return PlainTextResponse("", status_code=404)
         except Exception as exc:  # noqa: BLE001
-            return HTMLResponse(message_of(exc), status_code=status_of(exc))
+            # Text, never HTML: the message names the id from the URL.
+            return PlainTextResponse(message_of(exc), status_code=status_of(exc))
         html = console.render(
             "_fragment.html",
             request=request,
             csrf=csrf_token(request),
-            logged_in=logged_in(request, console.token),
+            logged_in=logged_in(request, console.token, console.session_key),
             **ctx,
         )
         return HTMLResponse(html)
@@ -210,7 +211,7 @@ def routes(console: Console) -> list[Route]:
         run_id, action = request.path_params["run_id"], request.path_params["action"]
         try:
             form = await console.form(request)
-            check_form(request, console.token, form)
+            check_form(request, console.token, console.session_key, form)
             if action not in ACTIONS:
                 raise BadRequest(f"unknown action {action!r}")
             body = _form_body(action, form)
@@ -242,14 +243,14 @@ def routes(console: Console) -> list[Route]:
             return _page(console, request, "login.html", 403, next=nxt, problem=problem)
         if not same(form.get("token", ""), console.token):
             return _page(console, request, "login.html", 403, next=nxt, problem="wrong token")
-        request.session["auth"] = fingerprint(console.token)
+        request.session["auth"] = fingerprint(console.token, console.session_key)
         request.session["flash"] = "logged in: actions are enabled"
         return RedirectResponse(nxt, status_code=303)
 
     async def logout(request: Request) -> Response:
         try:
             form = await console.form(request)
-            check_form(request, console.token, form)
+            check_form(request, console.token, console.session_key, form)
         except Exception as exc:  # noqa: BLE001
             return _error_page(console, request, exc)
         request.session.pop("auth", None)
@@ -285,7 +286,14 @@ def _done(action: str, body: dict[str, Any]) -> str:
 
 def _safe_next_value(value: str | None) -> str:
     """Only a path of this console: never a redirect to another site."""
-    if value and value.startswith("/") and not value.startswith("//") and "\\" not in value:
+    if (
+        value
+        and value.startswith("/")
+        and not value.startswith("//")
+        and "\\" not in value
+        # Browsers drop tabs and newlines from URLs: "/\t/evil.example" would be "//evil...".
+        and value.isprintable()
+    ):
         return value
     return "/"
 

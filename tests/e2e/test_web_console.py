@@ -7,6 +7,7 @@ downloads a browser of its own.
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import shutil
@@ -27,6 +28,11 @@ pytestmark = pytest.mark.e2e
 
 CHROMIUM = os.environ.get("DUCTOR_TEST_CHROMIUM", "/usr/bin/chromium")
 TOKEN = "console-test-token"
+#: A name the token console serves because it was started with --allowed-host.
+ALLOWED = "console.test"
+#: Another loopback address: the read-only console binds it, so it is served by that name.
+OTHER_LOOPBACK = "127.0.0.2"
+HOSTILE = "<img src=x onerror=alert(1)>"
 SCREENSHOT = ROOT_DIR / "docs" / "console-run.png"
 
 if not os.path.exists(CHROMIUM):  # scripts/test installs it; say so rather than skip quietly
@@ -36,13 +42,14 @@ if not os.path.exists(CHROMIUM):  # scripts/test installs it; say so rather than
 class Console:
     """``ductor -A e2e_app web`` as a user starts it, on a free loopback port."""
 
-    def __init__(self, cluster: Any, workdir: Path, *extra: str) -> None:
+    def __init__(self, cluster: Any, workdir: Path, *extra: str, host: str = "127.0.0.1") -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.url = f"http://{host}:{self.port}"
         self._log = open(workdir / f"console-{self.port}.log", "wb")  # noqa: SIM115
         exe = os.path.join(os.path.dirname(sys.executable), "ductor")
         self.proc = subprocess.Popen(
-            [exe, "-A", "e2e_app", "web", "--port", str(self.port), *extra],
+            [exe, "-A", "e2e_app", "web", "--host", host, "--port", str(self.port), *extra],
             cwd=TESTS_DIR,
             env=cluster.env,
             stdout=self._log,
@@ -72,7 +79,14 @@ class Console:
 
 @pytest.fixture(scope="module")
 def console(shared_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
-    c = Console(shared_cluster, tmp_path_factory.mktemp("console"), "--token", TOKEN)
+    c = Console(
+        shared_cluster,
+        tmp_path_factory.mktemp("console"),
+        "--token",
+        TOKEN,
+        "--allowed-host",
+        ALLOWED,
+    )
     yield c
     c.stop()
 
@@ -81,7 +95,7 @@ def console(shared_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> It
 def read_only_console(
     shared_cluster: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Console]:
-    c = Console(shared_cluster, tmp_path_factory.mktemp("console-ro"))
+    c = Console(shared_cluster, tmp_path_factory.mktemp("console-ro"), host=OTHER_LOOPBACK)
     yield c
     c.stop()
 
@@ -101,11 +115,24 @@ def browser() -> Iterator[Any]:
 
 @pytest.fixture
 def page(browser: Any) -> Iterator[Any]:
+    """A fresh browser tab. Every test also checks that the console's own pages need nothing
+    their Content-Security-Policy forbids (Chromium reports each blocked thing on the console)."""
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     page = context.new_page()
     page.set_default_timeout(30_000)
+    blocked = CSP_REPORTS[id(page)] = []
+    page.on(
+        "console",
+        lambda m: blocked.append(m.text) if "Content Security Policy" in m.text else None,
+    )
     yield page
     context.close()
+    assert CSP_REPORTS.pop(id(page)) == []
+
+
+#: What Chromium blocked under the console's CSP, per open page (a test that provokes it on
+#: purpose reads and clears its list).
+CSP_REPORTS: dict[int, list[str]] = {}
 
 
 @pytest.fixture
@@ -253,3 +280,105 @@ def test_a_1000_branch_scatter_page_loads_in_under_a_second(
     label = page.text_content('[data-node="squares"] .node-label') or ""
     assert "/1000 done" in label
     ductor.cancel(run_id)
+
+
+# -- the console's defences, in the browser and over the real server ------------------------------
+
+
+def _raw_get(console: Console, path: str, host: str) -> tuple[int, dict[str, str], str]:
+    """A GET to the console with exactly this ``Host`` header (as a rebinding page's would be)."""
+    conn = http.client.HTTPConnection(console.host, console.port, timeout=10)
+    try:
+        conn.putrequest("GET", path, skip_host=True)
+        conn.putheader("Host", host)
+        conn.endheaders()
+        answer = conn.getresponse()
+        headers = {k.lower(): v for k, v in answer.getheaders()}
+        return answer.status, headers, answer.read().decode("utf-8", "replace")
+    finally:
+        conn.close()
+
+
+def test_the_real_server_refuses_unknown_hosts_and_sends_the_headers(
+    console: Console, read_only_console: Console
+) -> None:
+    port, other = console.port, read_only_console.port
+    for host in (f"evil.example:{port}", "localhost.evil.example", f"{OTHER_LOOPBACK}:{port}"):
+        status, headers, body = _raw_get(console, "/api/runs", host)
+        assert status == 400 and "--allowed-host" in body, (host, status, body)
+        assert "frame-ancestors 'none'" in headers["content-security-policy"]
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", ALLOWED):
+        status, headers, _ = _raw_get(console, "/api/runs", host)
+        assert status == 200, host
+    # Bound to another address, the console serves that name (and still the loopback names).
+    assert _raw_get(read_only_console, "/", f"{OTHER_LOOPBACK}:{other}")[0] == 200
+    assert _raw_get(read_only_console, "/", f"localhost:{other}")[0] == 200
+    assert _raw_get(read_only_console, "/", ALLOWED)[0] == 400
+    for path in ("/", "/api/runs", "/metrics", "/static/console.js", "/runs/nope", "/nope"):
+        status, headers, _ = _raw_get(console, path, f"127.0.0.1:{port}")
+        csp = headers.get("content-security-policy", "")
+        assert "script-src 'self'" in csp and "unsafe-inline" not in csp, (path, csp)
+        assert headers.get("x-content-type-options") == "nosniff", path
+
+
+def test_hostile_ids_in_links_run_no_script(ductor: Any, console: Console, page: Any) -> None:
+    """A crafted link used to run script in the console's origin (issue 22): every page and
+    fragment a link can open shows a hostile value as text, logged in or not."""
+    run_id = ductor.start("approvals").run_id
+    _log_in(page, console, f"/runs/{run_id}")
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    svg = '"><svg onload=alert(2)>'
+    cases = [
+        (f"/runs/{HOSTILE}/panels", 404, HOSTILE),
+        (f"/runs/{HOSTILE}", 404, HOSTILE),
+        (f"/runs/{HOSTILE}/live", 404, HOSTILE),
+        (f"/api/runs/{HOSTILE}", 404, HOSTILE),
+        (f"/runs/{HOSTILE}{'x' * 200}/panels", 400, "at most 200 characters"),
+        (f"/runs/{svg}", 404, svg),
+        (f"/runs/{run_id}?node={HOSTILE}", 200, None),
+        (f"/runs/{run_id}/panels?node={HOSTILE}", 200, None),
+        (f"/?workflow={HOSTILE}", 200, None),
+        (f"/?workflow_id={svg}", 200, None),
+        (f"/?status={HOSTILE}", 400, HOSTILE),
+        (f"/?since={HOSTILE}", 400, HOSTILE),
+        (f"/?limit={svg}", 400, svg[:30]),
+        (f"/?cursor={HOSTILE}", 400, None),
+        (f"/login?next={svg}", 200, None),
+    ]
+    for path, status, shown in cases:
+        answer = page.goto(console.url + path)
+        assert answer is not None and answer.status == status, (path, answer and answer.status)
+        page.wait_for_timeout(100)  # time for an image's onerror, were one there
+        assert dialogs == [], path
+        if shown is not None:
+            assert shown in page.inner_text("body"), path  # as text, not as markup
+        assert page.locator("img, svg[onload]").count() == 0, path
+    assert ductor.get(run_id).status == "running"
+    ductor.terminate(run_id)
+
+
+def test_a_script_that_slipped_into_a_page_would_not_run(
+    ductor: Any, console: Console, page: Any
+) -> None:
+    """Defence in depth: were a template ever to miss an escape, the CSP still refuses inline
+    script and event handlers."""
+    run_id = ductor.start("approvals").run_id
+    page.goto(f"{console.url}/runs/{run_id}")
+    page.wait_for_selector('[data-node="review"][data-status="waiting"]')
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.evaluate(
+        """() => {
+            document.body.insertAdjacentHTML('beforeend', '<img src="x" onerror="alert(1)">');
+            const s = document.createElement('script');
+            s.textContent = 'alert(2)';
+            document.body.appendChild(s);
+        }"""
+    )
+    page.wait_for_timeout(300)
+    assert dialogs == []
+    reports = CSP_REPORTS[id(page)]
+    assert reports and all("script-src 'self'" in r for r in reports), reports
+    reports.clear()
+    ductor.terminate(run_id)

@@ -20,6 +20,8 @@ from ductor_celery.store import attempts
 from ductor_celery.web import create_app
 
 TOKEN = "s3cret-token"
+#: TestClient's Host: a name the console serves only when told to (never by default).
+TESTSERVER = "testserver"
 
 
 class World:
@@ -100,13 +102,17 @@ def world(database_url: str) -> World:
 
 @pytest.fixture
 def api(world: World) -> Iterator[TestClient]:
-    with TestClient(create_app(world.d, token=TOKEN, flower_url="http://flower:5555")) as c:
+    with TestClient(
+        create_app(
+            world.d, token=TOKEN, flower_url="http://flower:5555", allowed_hosts=[TESTSERVER]
+        )
+    ) as c:
         yield c
 
 
 @pytest.fixture
 def read_only(world: World) -> Iterator[TestClient]:
-    with TestClient(create_app(world.d)) as c:
+    with TestClient(create_app(world.d, allowed_hosts=[TESTSERVER])) as c:
         yield c
 
 
@@ -429,7 +435,7 @@ def test_the_console_works_on_the_embedded_sqlite_database(tmp_path: Any) -> Non
     upgrade(url)
     world = World(url)
     run_id = _waiting_run(world)
-    with TestClient(create_app(world.d, token=TOKEN)) as client:
+    with TestClient(create_app(world.d, token=TOKEN, allowed_hosts=[TESTSERVER])) as client:
         assert f'data-run-id="{run_id}"' in client.get("/", params={"since": "1h"}).text
         page = client.get(f"/runs/{run_id}?node=a").text
         assert 'data-node="review" data-status="waiting"' in page and "data-attempt=" in page
