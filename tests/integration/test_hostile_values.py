@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from hostile_json import HOSTILE_MODULES, HOSTILE_PATHS, assert_only_plain_or_declared, hostile_json
 from hypothesis import HealthCheck, given, settings
 from pydantic import BaseModel, model_validator
+from starlette.testclient import TestClient
 
 from ductor_celery import (
     Ductor,
@@ -33,6 +34,7 @@ from ductor_celery import (
 )
 from ductor_celery.cli import ductor as ductor_cli
 from ductor_celery.store.schema import workflow_run
+from ductor_celery.web import create_app
 
 #: Imported by nothing here; lib2to3.__main__ raises SystemExit when imported.
 EXITS = {"__type__": "dataclass", "__value__": {"class": "lib2to3.__main__:X", "fields": {}}}
@@ -126,6 +128,12 @@ def test_envelopes_from_outside_reach_steps_and_views_as_plain_dicts(db_url: str
     assert json.loads(shown.output)["input"] == sent
     listed = CliRunner().invoke(ductor_cli, ["runs", "--json"], obj=SimpleNamespace(app=d.app))
     assert listed.exit_code == 0 and handle.run_id in listed.output
+
+    # So does the console (every page answered 500 before).
+    with TestClient(create_app(d, allowed_hosts=["testserver"])) as console:
+        for path in ("/", f"/runs/{handle.run_id}", f"/runs/{handle.run_id}/panels"):
+            assert console.get(path).status_code == 200, path
+        assert console.get(f"/api/runs/{handle.run_id}").json()["input"] == sent
     assert "lib2to3.__main__" not in sys.modules
 
 
