@@ -37,6 +37,10 @@ Invariants (``INVARIANTS``; docs/reliability.md explains each):
   no timer of a finished run, no unhandled control.
 * ``provenance``: every step value in a run's output (and in sub-workflow outputs) is exactly
   what one ledger execution returned.
+* ``run_output``: every succeeded run's stored output is its workflow's output mapping
+  resolved over its input, context and nodes' outputs as the run view shows them (a run that
+  finished without computing it, as a redrive of a cancelled run whose nodes had all
+  succeeded did, stores ``None``). Paths are resolved here, not by the engine's resolver.
 
 Run standalone against a kept database: ``python chaos/checker.py --database-url URL``.
 """
@@ -71,6 +75,7 @@ INVARIANTS = (
     "concurrency",
     "clean_end",
     "provenance",
+    "run_output",
 )
 
 TERMINAL = {"succeeded", "failed", "cancelled", "terminated", "continued"}
@@ -114,6 +119,41 @@ def _jsonable(row: Any) -> dict[str, Any]:
             value = canon(value)[:600] + "..."
         out[key] = value
     return out
+
+
+_PATH_KEY = re.compile(r"\.([A-Za-z_][A-Za-z0-9_\-]*)|\[(\d+)\]")
+
+
+def resolve_template(template: Any, scope: dict[str, Any]) -> Any:
+    """A definition's template (a literal, a ``$.`` path, or dicts and lists of them) over
+    ``scope`` ({"input", "context", "nodes": {id: output}}), as the README says paths read:
+    a missing key reads as ``None``; a key below a model or dataclass envelope reads its data."""
+    if isinstance(template, dict):
+        return {k: resolve_template(v, scope) for k, v in template.items()}
+    if isinstance(template, list):
+        return [resolve_template(v, scope) for v in template]
+    if not (isinstance(template, str) and template.startswith("$.")):
+        return template
+    keys: list[str | int] = [
+        m.group(1) if m.group(1) is not None else int(m.group(2))
+        for m in _PATH_KEY.finditer(template[1:])
+    ]
+    if keys[:1] == ["nodes"]:
+        value: Any = scope["nodes"].get(keys[1]) if len(keys) > 2 else None
+        keys = keys[3:]
+    else:
+        value = scope.get(str(keys[0]))
+        keys = keys[1:]
+    for key in keys:
+        if isinstance(value, dict) and set(value) == {"__type__", "__value__"}:
+            inner = value["__value__"]
+            if value["__type__"] in ("pydantic", "dataclass") and isinstance(inner, dict):
+                value = inner.get("data" if value["__type__"] == "pydantic" else "fields")
+        if isinstance(key, int):
+            value = value[key] if isinstance(value, list) and key < len(value) else None
+        else:
+            value = value.get(key) if isinstance(value, dict) else None
+    return value
 
 
 @dataclass
@@ -318,6 +358,34 @@ class Checker:
             self.check_context(run)
             if run["status"] == "succeeded":
                 self.check_provenance(rid, "output", run["output"])
+                self.check_output(run)
+
+    def check_output(self, run: Any) -> None:
+        """``run_output``: the stored output is the output mapping over the run's values."""
+        rid = run["run_id"]
+        spec = self.specs.get(run["spec_hash"]) or {}
+        if self.view is None:
+            return
+        try:
+            view = self.view(rid)
+        except Exception as exc:  # noqa: BLE001
+            self.fail(rid, "run_output", f"the run view cannot be read: {exc}")
+            return
+        from ductor_celery.values import encode
+
+        scope = {
+            "input": encode(view.input),
+            "context": encode(view.context),
+            "nodes": {n: encode(nv.output) for n, nv in view.nodes.items()},
+        }
+        expected = json.loads(json.dumps(resolve_template(spec.get("output"), scope)))
+        if expected != run["output"]:
+            self.fail(
+                rid,
+                "run_output",
+                "the stored output is not the workflow's output mapping over its nodes",
+                [{"stored": run["output"], "expected": expected, "spec": spec.get("output")}],
+            )
 
     def check_log(self, run: Any) -> None:
         rid = run["run_id"]

@@ -9,7 +9,7 @@ from typing import Any
 from ..definition.spec import AttemptNodeSpec, WorkflowSpec
 from .inputs import TickInputs, TickPayload, Transition
 from .state import NodeState
-from .status import NODE_TRANSITIONS, NodeStatus, RunStatus
+from .status import NODE_TRANSITIONS, TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
 
 
 @dataclass(slots=True)
@@ -48,6 +48,7 @@ class TickContext:
         state = self.payload.state
         self.record(None, state.status, to, reason)
         state.status = to
+        self.payload.finished = to in TERMINAL_RUN_STATUSES
 
     def record(self, node: str | None, old: str | None, new: str, reason: str) -> None:
         self.payload.transitions.append(

@@ -235,6 +235,10 @@ class TickPayload:
     successor: SuccessorRun | None = None
     #: A redrive reopened a finished run: the store clears its output, error and finish time.
     reopened: bool = False
+    #: The run ended in this tick (its last move was to a terminal status): the store writes
+    #: its output, error and finish time, wakes its parent and tells waiters. Not the same as
+    #: "terminal now and not at load": a redrive can reopen a run and finish it in one tick.
+    finished: bool = False
     child_starts: list[ChildStart] = field(default_factory=list)
     child_controls: list[ChildControl] = field(default_factory=list)
     #: A checkpoint was reached: a parent waiting for it is woken.

@@ -23,7 +23,7 @@ from ..definition.spec import WorkflowSpec
 from ..engine import RunState, TickPayload
 from ..engine.children import child_workflow_id
 from ..engine.deadline import deadline_after
-from ..engine.status import OPEN_RUN_STATUSES, TERMINAL_RUN_STATUSES
+from ..engine.status import OPEN_RUN_STATUSES
 from .load import newest_of_chain
 from .tables import AttemptRow, ControlRow, RunRow, Tables, TransitionRow, json_copy
 
@@ -47,9 +47,6 @@ def commit(
     run = tables.runs.get(loaded.run_id)
     if run is None or run.record_version != loaded.record_version:
         raise VersionConflict(loaded.run_id)
-    finishing = state.status in TERMINAL_RUN_STATUSES and (
-        loaded.state.status not in TERMINAL_RUN_STATUSES
-    )
     if payload.reopened and _open_elsewhere(tables, run.workflow_id, run.run_id):
         raise WorkflowIdTaken(loaded.workflow_id)
     leased = next((a for a in payload.new_attempts if a.lease_key), None)
@@ -61,9 +58,9 @@ def commit(
     run.record_version = loaded.record_version + 1
     run.transition_count = state.transitions
     run.updated_at = now
-    if finishing:
+    if payload.finished:
         run.output, run.error, run.finished_at = payload.output, payload.error, now
-    if payload.reopened:
+    elif payload.reopened:
         run.output = run.error = run.finished_at = None
     if payload.successor is not None:
         run.continued_to = payload.successor.run_id
@@ -106,7 +103,7 @@ def commit(
         outbox += _insert_successor(tables, run, payload, now)
     if payload.child_starts or payload.child_controls:
         outbox += _children(tables, specs, run, payload, now)
-    if run.parent_run_id is not None and (payload.checkpoint_reached or finishing):
+    if run.parent_run_id is not None and (payload.checkpoint_reached or payload.finished):
         parent = newest_of_chain(tables, run.parent_run_id)
         parent_id = parent.run_id if parent is not None else run.parent_run_id
         outbox += _insert_outbox(tables, [wakeup_intent(parent_id)])

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
 
-from ..engine.status import TERMINAL_RUN_STATUSES, RunStatus
+from ..engine.status import RunStatus
 
 if TYPE_CHECKING:
     from ..coordinator.port import LoadedRun
@@ -202,7 +202,7 @@ class _TickCounts:
     @classmethod
     def of(cls, loaded: LoadedRun, payload: TickPayload) -> _TickCounts:
         before, after = loaded.state.status, payload.state.status
-        finished = after.value if after in TERMINAL_RUN_STATUSES and after != before else None
+        finished = after.value if payload.finished else None
         return cls(
             workflow=loaded.workflow,
             started=before == RunStatus.PENDING and after != RunStatus.PENDING,

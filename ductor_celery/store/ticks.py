@@ -22,7 +22,6 @@ from ..coordinator.rows import outbox_intents, transition_rows, unsent, wakeup_i
 from ..engine import RunState, TickPayload
 from ..engine.children import child_workflow_id
 from ..engine.deadline import deadline_after
-from ..engine.status import TERMINAL_RUN_STATUSES
 from . import leases, pg_commit
 from .db import is_postgres
 from .external import lock_workflow_signals
@@ -58,7 +57,6 @@ def _commit_on(
 ) -> list[OutboxRow]:
     now = loaded.now
     state = payload.state
-    finished = state.status in TERMINAL_RUN_STATUSES
     values: dict[str, Any] = {
         "status": state.status.value,
         "state": state.to_json(),
@@ -66,9 +64,9 @@ def _commit_on(
         "transition_count": state.transitions,
         "updated_at": now,
     }
-    if finished and loaded.state.status not in TERMINAL_RUN_STATUSES:
+    if payload.finished:
         values.update(output=payload.output, error=payload.error, finished_at=now)
-    if payload.reopened:
+    elif payload.reopened:
         values.update(output=None, error=None, finished_at=None)
     if payload.successor is not None:
         values["continued_to"] = payload.successor.run_id
@@ -102,9 +100,7 @@ def _commit_on(
         outbox.extend(_insert_successor(conn, loaded, payload, now))
     if payload.child_starts or payload.child_controls:
         outbox.extend(_children(conn, loaded, payload, now))
-    wakes_parent = payload.checkpoint_reached or (
-        finished and loaded.state.status not in TERMINAL_RUN_STATUSES
-    )
+    wakes_parent = payload.checkpoint_reached or payload.finished
     if loaded.parent_run_id is not None and wakes_parent:
         parent = newest_of_chain(conn, loaded.parent_run_id)
         outbox.extend(insert_outbox(conn, [wakeup_intent(parent)], now))
@@ -121,7 +117,7 @@ def _commit_on(
         )
     _set_timer(conn, loaded, payload.next_wake_at)
 
-    if finished and loaded.state.status not in TERMINAL_RUN_STATUSES and is_postgres(conn.engine):
+    if payload.finished and is_postgres(conn.engine):
         conn.execute(sa.select(sa.func.pg_notify(RUN_FINISHED_CHANNEL, loaded.run_id)))
     return outbox
 
