@@ -11,6 +11,9 @@ Every value an attempt resolved is replaced by ``***`` in what the attempt write
 and traceback, its result, context patch and heartbeat details) and, for the life of the
 process, in every log line its logging handlers emit.
 
+A secret's name is checked before the provider is asked (``definition.paths.
+secret_name_problem``); a bad one fails the attempt without retry (``InvalidSecretName``).
+
 A secret the provider does not have (``KeyError``/``LookupError``, or ``None``) fails the
 attempt without retry, naming the secret; a provider that raises anything else (a vault
 that is down) fails it with retry.
@@ -26,9 +29,9 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..definition.paths import secret_slots
+from ..definition.paths import secret_name_problem, secret_slots
 from ..definition.spec import ScatterNodeSpec, WorkflowSpec
-from ..errors import SecretNotFound
+from ..errors import InvalidSecretName, SecretNotFound
 
 REDACTED = "***"
 
@@ -73,6 +76,16 @@ def env_provider(name: str) -> str:
 
 def env_var(name: str) -> str:
     return f"DUCTOR_SECRET_{name.upper()}"
+
+
+def check_name(name: object) -> str:
+    """``name`` if it may name a secret; else ``InvalidSecretName`` (a ``ValueError`` that
+    fails the attempt without retry), naming the problem."""
+    problem = secret_name_problem(name)
+    if problem is not None:
+        raise InvalidSecretName(problem)
+    assert isinstance(name, str)
+    return name
 
 
 @functools.cache
@@ -122,10 +135,10 @@ class AttemptSecrets:
         return self._provider(name)
 
     def get(self, name: str) -> str:
-        """The secret's value: ``SecretNotFound`` (no retry) if the provider has none,
+        """The secret's value: ``InvalidSecretName`` (no retry) for a name that cannot be a
+        secret's, ``SecretNotFound`` (no retry) if the provider has none,
         ``SecretUnavailable`` (retry) if it failed otherwise."""
-        if not isinstance(name, str) or not name:
-            raise TypeError("a secret's name is a non-empty string")
+        check_name(name)
         known = self._values.get(name)
         if known is not None:
             return known

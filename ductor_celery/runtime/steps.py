@@ -18,7 +18,7 @@ from .. import tracing
 from ..definition.retry import ConcurrencyLimit, RetryPolicy
 from ..definition.spec import BATCH_ARG
 from ..engine.payloads import json_problem, storable_text
-from ..errors import NonRetryableError, SecretNotFound, StepCancelled
+from ..errors import InvalidSecretName, NonRetryableError, SecretNotFound, StepCancelled
 from ..store import attempts, wakes
 from ..store.db import ValuesRefused, with_retry
 from ..store.outbox import OutboxRow
@@ -29,7 +29,7 @@ from .coordinator import Keeper, PreludeRefused, run_tick
 from .failpoints import failpoint
 from .inline import InlineChain, TaskEvents, as_current_task, flush_events
 from .outbox_janitor import sent_outbox
-from .secrets import AttemptSecrets, SecretUnavailable, Slots, slots_for
+from .secrets import AttemptSecrets, SecretUnavailable, Slots, check_name, slots_for
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -119,7 +119,10 @@ class StepContext:
     def secret(self, name: str) -> str:
         """The secret ``name`` from ``ductor_secret_provider``, read in this worker; its value
         is redacted (``***``) from everything this attempt writes and from log lines.
-        Raises ``SecretNotFound`` (the attempt fails without retry) if there is none."""
+        Raises ``SecretNotFound`` (the attempt fails without retry) if there is none, and
+        ``InvalidSecretName`` (a ``ValueError``; no retry either) unless ``name`` is ASCII
+        letters, digits and ``_``, not starting with a digit, at most 100 characters."""
+        check_name(name)
         if self._secret_fn is None:
             raise SecretNotFound(f"secret {name!r} is not available outside a step worker")
         return self._secret_fn(name)
@@ -735,8 +738,9 @@ def _call(
 ) -> tuple[_Outcome, BaseException | None]:
     try:
         kwargs = prepare(step.fn, step.name, call.secrets.fill(args, call.slots))
-    except (ArgumentRefused, SecretNotFound) as exc:
-        kind = "SecretNotFound" if isinstance(exc, SecretNotFound) else "InvalidArgument"
+    except (ArgumentRefused, SecretNotFound, InvalidSecretName) as exc:
+        # A bad name reaches here from a definition registered before names were checked.
+        kind = "InvalidArgument" if isinstance(exc, ArgumentRefused) else type(exc).__name__
         error = {"type": kind, "message": storable_text(str(exc))}
         return _Outcome("failed", error=error, retryable=False), None
     except SecretUnavailable as exc:
