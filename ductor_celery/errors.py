@@ -16,6 +16,8 @@
       WrongDatabase              start(connection=/using=) on another database than ductor's
     NonRetryableError            raise it inside a step to fail without retry
       SecretNotFound             a step's secret the provider does not have (names it)
+      InvalidSecretName          ctx.secret(name) of a name that is not [A-Za-z_][A-Za-z0-9_]*
+                                 (at most 100 characters); also a ValueError
     StepCancelled                ctx.heartbeat() raises it once the run is cancelled
 
 ``TimeoutError`` (the builtin) is what ``wait()`` raises when it runs out of time.
@@ -87,6 +89,12 @@ class SecretNotFound(NonRetryableError):
     """A secret (``$.secret.<name>`` or ``ctx.secret(name)``) that ``ductor_secret_provider``
     does not have: the attempt fails without retry. The message names the secret, never a
     value."""
+
+
+class InvalidSecretName(NonRetryableError, ValueError):
+    """``ctx.secret(name)`` (or a ``$.secret.<name>`` of a definition registered before the
+    rule) with a name that is not ASCII letters, digits and ``_``, not starting with a digit,
+    at most 100 characters: the provider is not asked, and the attempt fails without retry."""
 
 
 class StepCancelled(Exception):

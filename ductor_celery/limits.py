@@ -15,6 +15,10 @@ import math
 #: ``requested_by``: 1..200 characters, no NUL (the columns are ``VARCHAR(200)``).
 MAX_ID_LENGTH = 200
 
+#: Secret names (``$.secret.<name>``, ``ctx.secret(name)``): 1..100 ASCII letters, digits
+#: and ``_``, not starting with a digit (``definition.paths.secret_name_problem``).
+MAX_SECRET_NAME_LENGTH = 100
+
 #: Deepest nesting of lists and dicts in any JSON value ductor stores (inputs, arguments,
 #: outputs, context patches, signal payloads, heartbeat details, reasons).
 MAX_JSON_DEPTH = 100

@@ -10,7 +10,9 @@ field, so ``$.input.order.total`` works whether ``order`` was a dict or an ``Ord
 A secret reference is never resolved here: the tick leaves ``"$.secret.<name>"`` in the
 arguments it stores, and only the step worker, just before the call, puts the value in its
 place (``secret_slots`` says where; runtime/secrets.py). It is allowed only in a step's or a
-scatter's ``args``.
+scatter's ``args``. A secret's name is ASCII letters, digits and ``_``, not starting with a
+digit, at most ``MAX_SECRET_NAME_LENGTH`` characters (``secret_name_problem``): it becomes an
+environment variable's name upper-cased, and ``"ß".upper() == "SS"`` would alias two names.
 """
 
 from __future__ import annotations
@@ -21,11 +23,32 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DefinitionError
+from ..limits import MAX_SECRET_NAME_LENGTH, show
 from ..values import envelope_fields, truthy
 
 ROOTS = ("input", "context", "nodes", "item", "secret")
 SECRET_PREFIX = "$.secret."
 _SEGMENT = re.compile(r"\.([A-Za-z_][A-Za-z0-9_\-]*)|\[(\d+)\]")
+_SECRET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def secret_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot name a secret, or ``None``. The message names the name (never a
+    value: the provider is not asked for a name refused here)."""
+    if not isinstance(name, str):
+        return f"secret name must be a str, not {type(name).__name__}"
+    if len(name) > MAX_SECRET_NAME_LENGTH:
+        return (
+            f"secret name {show(name)} is {len(name)} characters long: a secret's name is at "
+            f"most {MAX_SECRET_NAME_LENGTH}"
+        )
+    if not _SECRET_NAME.fullmatch(name):
+        what = "is empty" if not name else f"{show(name)} is not valid"
+        return (
+            f"secret name {what}: a secret's name is ASCII letters, digits and '_', "
+            "not starting with a digit"
+        )
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +76,9 @@ def parse_path(text: str) -> Path:
     while pos < len(rest):
         m = _SEGMENT.match(rest, pos)
         if m is None:
+            problem = _secret_problem(body)
+            if problem is not None:
+                raise DefinitionError(f"malformed path {text!r}: {problem}")
             raise DefinitionError(
                 f"malformed path {text!r}: cannot read {rest[pos:]!r} "
                 "(expected '.name' or '[index]')"
@@ -79,6 +105,17 @@ def parse_path(text: str) -> Path:
             )
         return Path(text, root, keys[1], tuple(keys[3:]))
     return Path(text, root, None, tuple(keys[1:]))
+
+
+def _secret_problem(body: str) -> str | None:
+    """What is wrong with the name of ``$.secret.<name>`` that does not parse (``$.secret.ß``),
+    when it is its name (not a key below it)."""
+    if not body.startswith(SECRET_PREFIX):
+        return None
+    name = body[len(SECRET_PREFIX) :]
+    if "." in name or "[" in name:
+        return None
+    return secret_name_problem(name)
 
 
 def iter_paths(template: Any) -> list[Path]:

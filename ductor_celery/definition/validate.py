@@ -6,7 +6,7 @@ import re
 
 from ..errors import DefinitionError
 from ..limits import id_problem, show
-from .paths import Path, iter_paths, parse_path
+from .paths import Path, iter_paths, parse_path, secret_name_problem
 from .spec import ChildScatterNodeSpec, ScatterNodeSpec, WorkflowSpec, node_templates
 
 _ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
@@ -64,6 +64,8 @@ def validate_spec(spec: WorkflowSpec) -> None:
             parse_path_at(node.when, f"{wf}: node {node.id!r}")
         _check_secrets_only_in_args(node, f"{wf}: node {node.id!r}")
         for path in _paths_at(node_templates(node), f"{wf}: node {node.id!r}"):
+            if path.root == "secret":
+                _check_secret_name(path, f"{wf}: node {node.id!r}")
             _check_path(
                 spec,
                 path,
@@ -95,6 +97,14 @@ def _check_secrets_only_in_args(node: object, where: str) -> None:
         for path in _paths_at(template, where):
             if path.root == "secret":
                 raise DefinitionError(f"{where}: {_SECRET_ONLY_IN_ARGS.format(path.text)}")
+
+
+def _check_secret_name(path: Path, where: str) -> None:
+    """Checked here, not when a stored definition is parsed: a run whose definition was
+    registered before the rule still ticks (its attempts fail, naming the problem)."""
+    problem = secret_name_problem(path.keys[0])
+    if problem is not None:
+        raise DefinitionError(f"{where}: secret reference {path.text!r}: {problem}")
 
 
 def parse_path_at(text: str, where: str) -> Path:

@@ -9,7 +9,15 @@ the environment variable ``DUCTOR_SECRET_<NAME>`` (the name upper-cased).
 
 Every value an attempt resolved is replaced by ``***`` in what the attempt writes (its error
 and traceback, its result, context patch and heartbeat details) and, for the life of the
-process, in every log line its logging handlers emit.
+process, in every log line its logging handlers emit: in every form a program commonly prints
+it (``printed_forms``: itself, the inner text of its ``repr()`` and ``ascii()``, of its JSON
+string with and without ``ensure_ascii``, URL-quoted), the longest form first. A form shorter
+than ``MIN_REDACTED_ANYWHERE`` characters (a secret of one to three characters) is replaced
+only where it stands alone, not touching a letter, digit or ``_``: replacing ``"ab"`` inside
+every word would wreck the text it is found in, and a secret that short is guessed anyway.
+
+A secret's name is checked before the provider is asked (``definition.paths.
+secret_name_problem``); a bad one fails the attempt without retry (``InvalidSecretName``).
 
 A secret the provider does not have (``KeyError``/``LookupError``, or ``None``) fails the
 attempt without retry, naming the secret; a provider that raises anything else (a vault
@@ -20,17 +28,25 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import quote, quote_plus
 
-from ..definition.paths import secret_slots
+from ..definition.paths import secret_name_problem, secret_slots
 from ..definition.spec import ScatterNodeSpec, WorkflowSpec
-from ..errors import SecretNotFound
+from ..engine.payloads import storable_text
+from ..errors import InvalidSecretName, SecretNotFound
 
 REDACTED = "***"
+
+#: A printed form of a secret at least this long is replaced wherever it is found; a shorter
+#: one only where it stands alone (not touching a letter, digit or ``_``).
+MIN_REDACTED_ANYWHERE = 4
 
 Provider = Callable[[str], Any]
 Slots = tuple[tuple[tuple[str | int, ...], str], ...]
@@ -75,6 +91,16 @@ def env_var(name: str) -> str:
     return f"DUCTOR_SECRET_{name.upper()}"
 
 
+def check_name(name: object) -> str:
+    """``name`` if it may name a secret; else ``InvalidSecretName`` (a ``ValueError`` that
+    fails the attempt without retry), naming the problem."""
+    problem = secret_name_problem(name)
+    if problem is not None:
+        raise InvalidSecretName(problem)
+    assert isinstance(name, str)
+    return name
+
+
 @functools.cache
 def load_provider(path: str | Provider | None) -> Provider:
     """The provider a ``ductor_secret_provider`` setting names (imported once per process)."""
@@ -109,6 +135,7 @@ class AttemptSecrets:
         self._setting = provider
         self._provider: Provider | None = None
         self._values: dict[str, str] = {}
+        self._redactor = Redactor(())
 
     def _call_provider(self, name: str) -> Any:
         if self._provider is None:
@@ -122,10 +149,10 @@ class AttemptSecrets:
         return self._provider(name)
 
     def get(self, name: str) -> str:
-        """The secret's value: ``SecretNotFound`` (no retry) if the provider has none,
+        """The secret's value: ``InvalidSecretName`` (no retry) for a name that cannot be a
+        secret's, ``SecretNotFound`` (no retry) if the provider has none,
         ``SecretUnavailable`` (retry) if it failed otherwise."""
-        if not isinstance(name, str) or not name:
-            raise TypeError("a secret's name is a non-empty string")
+        check_name(name)
         known = self._values.get(name)
         if known is not None:
             return known
@@ -140,7 +167,7 @@ class AttemptSecrets:
         except Exception as exc:  # noqa: BLE001 - a vault that is down, a bug in the provider
             raise SecretUnavailable(
                 f"secret {name!r}: the provider raised {type(exc).__name__}: "
-                f"{redact_text(str(exc), self._values.values())}"
+                f"{self._redactor.text(str(exc))}"
             ) from None
         if value is None:
             raise SecretNotFound(f"secret {name!r} is not available from ductor_secret_provider")
@@ -150,6 +177,7 @@ class AttemptSecrets:
             )
         self._values[name] = value
         if value:
+            self._redactor = Redactor(self._values.values())
             _remember(value)
         return value
 
@@ -168,10 +196,13 @@ class AttemptSecrets:
         return filled  # type: ignore[no-any-return]
 
     def redact(self, value: Any) -> Any:
-        """``value`` with every resolved secret replaced by ``***`` inside its strings."""
-        if not self._values:
-            return value
-        return _redact_value(value, _longest_first(self._values.values()))
+        """``value`` with every printed form of every resolved secret replaced by ``***``
+        inside its strings (dict keys too)."""
+        return self._redactor.value(value)
+
+    def redact_text(self, text: str) -> str:
+        """``text`` with every printed form of every resolved secret replaced by ``***``."""
+        return self._redactor.text(text)
 
 
 def _put(container: Any, keys: tuple[str | int, ...], ref: str, value: Callable[[], str]) -> Any:
@@ -190,26 +221,80 @@ def _put(container: Any, keys: tuple[str | int, ...], ref: str, value: Callable[
     return container
 
 
-def _longest_first(values: Iterable[str]) -> list[str]:
-    # A secret that contains another is replaced whole first.
-    return sorted((v for v in values if v), key=len, reverse=True)
+# -- redaction ------------------------------------------------------------------------------------
+
+
+def _printed(make: Callable[[], str]) -> str:
+    try:
+        return make()
+    except Exception:  # noqa: BLE001 - quote() of a lone surrogate: no program prints that form
+        return ""
+
+
+@functools.lru_cache(maxsize=1024)
+def printed_forms(secret: str) -> frozenset[str]:
+    """Every way a program commonly prints ``secret``: itself; the inner text of its
+    ``repr()`` and ``ascii()`` (``KeyError(secret)``, ``f"{secret!r}"``, a dict printed); of
+    its JSON string with and without ``ensure_ascii``; URL-quoted by ``quote`` (with its default
+    ``safe='/'`` and with ``safe=''``) and ``quote_plus``; and as ``storable_text`` leaves it in
+    an error (NUL and lone surrogates escaped). Never a form ``***`` itself holds."""
+    forms = {
+        secret,
+        _printed(lambda: repr(secret)[1:-1]),
+        _printed(lambda: ascii(secret)[1:-1]),
+        _printed(lambda: json.dumps(secret)[1:-1]),
+        _printed(lambda: json.dumps(secret, ensure_ascii=False)[1:-1]),
+        _printed(lambda: quote(secret)),
+        _printed(lambda: quote(secret, safe="")),
+        _printed(lambda: quote_plus(secret)),
+        _printed(lambda: storable_text(secret)),
+    }
+    return frozenset(f for f in forms if f and f not in REDACTED)
+
+
+class Redactor:
+    """Replaces every printed form of some secrets by ``***``, longest form first: a form that
+    holds another (the JSON form holds the text's pieces, a secret may hold another secret) is
+    replaced whole, leaving no fragment."""
+
+    def __init__(self, secrets: Iterable[str]) -> None:
+        forms = sorted({f for s in secrets if s for f in printed_forms(s)}, key=len, reverse=True)
+        self._anywhere = [f for f in forms if len(f) >= MIN_REDACTED_ANYWHERE]
+        alone = [f for f in forms if len(f) < MIN_REDACTED_ANYWHERE]
+        self._alone = (
+            re.compile("|".join(rf"(?<!\w){re.escape(f)}(?!\w)" for f in alone)) if alone else None
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self._anywhere) or self._alone is not None
+
+    def text(self, text: str) -> str:
+        for form in self._anywhere:
+            if form in text:
+                text = text.replace(form, REDACTED)
+        if self._alone is not None:
+            text = self._alone.sub(REDACTED, text)
+        return text
+
+    def value(self, value: Any) -> Any:
+        """``value`` (JSON: dicts, lists, strings, ...) with its strings redacted."""
+        if not self:
+            return value
+        return self._value(value)
+
+    def _value(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, dict):
+            return {self._value(k): self._value(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self._value(v) for v in value]
+        return value
 
 
 def redact_text(text: str, values: Iterable[str]) -> str:
-    for secret in _longest_first(values):
-        if secret in text:
-            text = text.replace(secret, REDACTED)
-    return text
-
-
-def _redact_value(value: Any, secrets: list[str]) -> Any:
-    if isinstance(value, str):
-        return redact_text(value, secrets)
-    if isinstance(value, dict):
-        return {_redact_value(k, secrets): _redact_value(v, secrets) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_redact_value(v, secrets) for v in value]
-    return value
+    """``text`` with every printed form of each of ``values`` replaced by ``***``."""
+    return Redactor(values).text(text)
 
 
 # -- log lines -----------------------------------------------------------------------------------
@@ -217,13 +302,23 @@ def _redact_value(value: Any, secrets: list[str]) -> Any:
 #: Every secret value resolved in this process: the log filter redacts them all.
 _known: set[str] = set()
 _known_lock = threading.Lock()
+#: Rebuilt (under the lock) when a new value is resolved; read without it.
+_process_redactor = Redactor(())
 
 
 def _remember(value: str) -> None:
+    global _process_redactor
     with _known_lock:
         if value not in _known:
             _known.add(value)
+            _process_redactor = Redactor(_known)
     _install_log_filter()
+
+
+def redact_known(text: str) -> str:
+    """``text`` with every secret this process resolved redacted (for a message that is cut
+    short before it is logged: redacted first, no fragment is left for the log filter)."""
+    return _process_redactor.text(text)
 
 
 class RedactingFilter(logging.Filter):
@@ -231,22 +326,22 @@ class RedactingFilter(logging.Filter):
     traceback, before any handler formats it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not _known:
+        redactor = _process_redactor
+        if not redactor:
             return True
-        secrets = list(_known)
         try:
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a broken %-format: leave it to the handler
             return True
-        redacted = redact_text(message, secrets)
+        redacted = redactor.text(message)
         if redacted != message:
             record.msg, record.args = redacted, None
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:
-            record.exc_text = redact_text(record.exc_text, secrets)
+            record.exc_text = redactor.text(record.exc_text)
         if record.stack_info:
-            record.stack_info = redact_text(record.stack_info, secrets)
+            record.stack_info = redactor.text(record.stack_info)
         return True
 
 

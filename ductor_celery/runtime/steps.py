@@ -18,7 +18,7 @@ from .. import tracing
 from ..definition.retry import ConcurrencyLimit, RetryPolicy
 from ..definition.spec import BATCH_ARG
 from ..engine.payloads import json_problem, storable_text
-from ..errors import NonRetryableError, SecretNotFound, StepCancelled
+from ..errors import InvalidSecretName, NonRetryableError, SecretNotFound, StepCancelled
 from ..store import attempts, wakes
 from ..store.db import ValuesRefused, with_retry
 from ..store.outbox import OutboxRow
@@ -29,7 +29,14 @@ from .coordinator import Keeper, PreludeRefused, run_tick
 from .failpoints import failpoint
 from .inline import InlineChain, TaskEvents, as_current_task, flush_events
 from .outbox_janitor import sent_outbox
-from .secrets import AttemptSecrets, SecretUnavailable, Slots, slots_for
+from .secrets import (
+    AttemptSecrets,
+    SecretUnavailable,
+    Slots,
+    check_name,
+    redact_known,
+    slots_for,
+)
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -123,7 +130,10 @@ class StepContext:
     def secret(self, name: str) -> str:
         """The secret ``name`` from ``ductor_secret_provider``, read in this worker; its value
         is redacted (``***``) from everything this attempt writes and from log lines.
-        Raises ``SecretNotFound`` (the attempt fails without retry) if there is none."""
+        Raises ``SecretNotFound`` (the attempt fails without retry) if there is none, and
+        ``InvalidSecretName`` (a ``ValueError``; no retry either) unless ``name`` is ASCII
+        letters, digits and ``_``, not starting with a digit, at most 100 characters."""
+        check_name(name)
         if self._secret_fn is None:
             raise SecretNotFound(f"secret {name!r} is not available outside a step worker")
         return self._secret_fn(name)
@@ -230,13 +240,17 @@ def _guarded(make: Callable[[], str], fallback: str) -> str:
         return fallback
 
 
-def _error_of(exc: BaseException) -> dict[str, str]:
-    """The stored error of a raised exception; building it cannot fail."""
+def _error_of(exc: BaseException, redact: Callable[[str], str]) -> dict[str, str]:
+    """The stored error of a raised exception; building it cannot fail. ``redact``: the
+    attempt's secrets out of the message and traceback, before they are cut to size (a secret
+    the cut went through would leave a fragment no redaction finds)."""
     name = _guarded(lambda: storable_text(str(type(exc).__qualname__))[:200], "BaseException")
-    message = _guarded(lambda: storable_text(str(exc)[:_MESSAGE_CHARS]), f"<unprintable {name}>")
+    message = _guarded(
+        lambda: storable_text(redact(str(exc))[:_MESSAGE_CHARS]), f"<unprintable {name}>"
+    )
     trace = _guarded(
         lambda: storable_text(
-            "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[
+            redact("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))[
                 -_TRACEBACK_CHARS:
             ]
         ),
@@ -257,7 +271,9 @@ def _payload(value: Any, what: str, limit: int) -> tuple[Any, str | None]:
 def _describe(exc: BaseException) -> str:
     """``Type: message`` on one line, short and storable, even when ``__str__`` raises."""
     name = _guarded(lambda: type(exc).__name__, "BaseException")
-    text = _guarded(lambda: " ".join(str(exc).split()), "<unprintable>")
+    # Redacted before its whitespace is folded and it is cut: the log filter would miss a
+    # secret changed by either.
+    text = _guarded(lambda: " ".join(redact_known(str(exc)).split()), "<unprintable>")
     return storable_text(f"{name}: {text}" if text else name)[:_CAUSE_CHARS]
 
 
@@ -739,8 +755,9 @@ def _call(
 ) -> tuple[_Outcome, BaseException | None]:
     try:
         kwargs = prepare(step.fn, step.name, call.secrets.fill(args, call.slots))
-    except (ArgumentRefused, SecretNotFound) as exc:
-        kind = "SecretNotFound" if isinstance(exc, SecretNotFound) else "InvalidArgument"
+    except (ArgumentRefused, SecretNotFound, InvalidSecretName) as exc:
+        # A bad name reaches here from a definition registered before names were checked.
+        kind = "InvalidArgument" if isinstance(exc, ArgumentRefused) else type(exc).__name__
         error = {"type": kind, "message": storable_text(str(exc))}
         return _Outcome("failed", error=error, retryable=False), None
     except SecretUnavailable as exc:
@@ -750,11 +767,12 @@ def _call(
         value = step.fn(ctx, **kwargs)
     except StepCancelled as exc:
         # Stopped on a cancel: recorded as cancelled, never a failure to retry.
-        return _Outcome("cancelled", error=_error_of(exc), retryable=False), None
+        error = _error_of(exc, call.secrets.redact_text)
+        return _Outcome("cancelled", error=error, retryable=False), None
     except BaseException as exc:  # noqa: BLE001 - a step's failure is data, not a crash
         failed = _Outcome(
             "failed",
-            error=_error_of(exc),
+            error=_error_of(exc, call.secrets.redact_text),
             retryable=not _is_non_retryable(exc, call.non_retryable()),
         )
         if isinstance(exc, KeyboardInterrupt | SystemExit):
