@@ -23,6 +23,7 @@ from .engine.kinds import (
     CONTROL_ALLOWED,
     REDRIVE_FROM_NODE_ALLOWED,
     ControlKind,
+    rejection_of,
     statuses_allowing,
 )
 from .engine.outputs import output_ref, resolve_outputs
@@ -45,6 +46,9 @@ from .store.runs import RunRow
 from .views import NodeView, RunHandle, RunPage, RunView
 
 log = logging.getLogger("ductor_celery.client")
+
+#: Ticks a control call runs at most to reach its control: one per control queued before it.
+MAX_CONTROL_TICKS = 20
 
 T = TypeVar("T")
 
@@ -269,8 +273,12 @@ class Client:
         spec_by_hash: Callable[[str], WorkflowSpec] | None = None,
         find_version: Callable[[str, int], WorkflowSpec | None] | None = None,
         registered_versions: Callable[[str], list[int]] | None = None,
+        tick_here: Callable[[str], object] | None = None,
     ) -> None:
         self.settings = settings
+        #: Runs one tick of a run in this process, as the coordinator would (the tick code under
+        #: the run's lock): how a control is applied before the call that asks for it returns.
+        self._tick_here = tick_here
         self._find_version = find_version
         self._registered_versions = registered_versions
         self._spec_by_hash = spec_by_hash
@@ -611,7 +619,7 @@ class Client:
                     f"cannot redrive run {row.run_id}: run {other} of workflow id "
                     f"{row.workflow_id!r} is open"
                 )
-        with_retry(
+        control_id = with_retry(
             lambda: external.insert_control(
                 self.engine,
                 run_id=row.run_id,
@@ -625,7 +633,34 @@ class Client:
             ),
             what=f"insert {kind}",
         )
-        self._safe_wake(row.run_id)
+        self._apply_control(row.run_id, control_id, kind)
+
+    def _apply_control(self, run_id: str, control_id: int, kind: ControlKind) -> None:
+        """Apply the control before returning: tick the run here until the control is handled
+        (a tick drains one control, oldest first; each waits for the run's lock, held only for
+        another tick's few milliseconds). Refused by the run's state when the tick came to it
+        (the run moved on since the check above): ``InvalidOperation``, nothing changed.
+
+        Without a tick function (a client made by hand), or when ticking here fails (the
+        database went away between the insert and the tick), the control stays queued and
+        the run is woken: the coordinator, or the sweeper's scan of unhandled controls, applies
+        it. The control row is durable either way."""
+        handled, result = False, None
+        if self._tick_here is not None:
+            try:
+                for _ in range(MAX_CONTROL_TICKS):
+                    self._tick_here(run_id)
+                    handled, result = self._read(external.control_outcome, self.engine, control_id)
+                    if handled:
+                        break
+            except Exception as exc:  # noqa: BLE001 - left to the coordinator, said in the log
+                log.warning("control %s of run %s left to the coordinator: %s", kind, run_id, exc)
+        if not handled:
+            self._safe_wake(run_id)
+            return
+        refused = rejection_of(result)
+        if refused is not None:
+            raise InvalidOperation(f"cannot {kind.replace('_', '-')} run {run_id}: {refused}")
 
     def _check_redrive_from(self, row: RunRow, node: str) -> None:
         """A redrive from a node: any finished run but a continued one, and a node its

@@ -49,6 +49,7 @@ class Ductor:
             spec_by_hash=self._runtime.spec_for,
             find_version=lambda name, version: self._versions.get((name, version)),
             registered_versions=lambda name: [v for n, v in self._versions if n == name],
+            tick_here=self._runtime.tick_here,
         )
         self.schedules = Schedules(self.client)
         app._ductor = self

@@ -64,6 +64,11 @@ class Runtime:
     def wake(self, run_id: str) -> None:
         self.dispatcher.wake(run_id)
 
+    def tick_here(self, run_id: str) -> str:
+        """One tick of the run in this process, waiting for the run's lock as the coordinator
+        does (a client applying a control before its call returns)."""
+        return run_tick(self, run_id)
+
     def wake_started(self, run_id: str) -> None:
         """The first wake-up of a run just started: with eager ticks, to the step workers, the
         first of which to take it ticks the run and runs its first step itself

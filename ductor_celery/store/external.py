@@ -149,6 +149,19 @@ def signal_payloads(engine: Engine, ids: list[int]) -> dict[int, Any]:
         )
 
 
+def control_outcome(engine: Engine, control_id: int) -> tuple[bool, str | None]:
+    """Whether the control row is handled yet, and its result (``engine.kinds``)."""
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(workflow_control.c.handled_at, workflow_control.c.result).where(
+                workflow_control.c.id == control_id
+            )
+        ).first()
+    if row is None:  # pruned with its run: it was handled
+        return True, None
+    return row.handled_at is not None, row.result
+
+
 def has_unhandled_control(engine: Engine, run_id: str, kinds: tuple[ControlKind, ...]) -> bool:
     with engine.connect() as conn:
         return (

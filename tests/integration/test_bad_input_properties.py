@@ -989,7 +989,12 @@ def check_accepted(
             "eec_workflow_control)"
         )
         assert reasons == {args[1]}
-        assert door.woken == [door.open.run_id]
+        # Applied before the call returned, by this process: nothing to wake.
+        assert door.woken == []
+        expected_status = RunStatus.PAUSED if kind == "pause" else RunStatus.CANCELLED
+        assert door.d.get(door.open.run_id).status == expected_status
+        # Open again for the next call (its rows are not this call's).
+        (door.d.resume if kind == "pause" else door.d.redrive)(door.open.run_id)
     elif kind == "get":
         assert result.run_id in (door.open.run_id, door.done.run_id)
     elif kind == "list":
