@@ -29,6 +29,7 @@ from ductor_celery import (
 from ductor_celery.cli import ductor as ductor_cli
 from ductor_celery.limits import MAX_DURATION_S
 from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.store.db import forget_engine
 from ductor_celery.store.migrate import upgrade
 
 #: ductor_max_payload_bytes in these tests: small, so "too large" is cheap to build.
@@ -94,7 +95,11 @@ class Door:
 
 @pytest.fixture
 def door(db_url: str) -> Iterator[Door]:
-    yield Door(db_url)
+    found = Door(db_url)
+    yield found
+    # Each PostgreSQL test has a database of its own: give its pooled connections back, so a
+    # long session never runs the server out of them.
+    forget_engine(found.d.settings.database_url)
 
 
 # -- start --------------------------------------------------------------------------------

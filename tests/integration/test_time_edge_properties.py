@@ -13,7 +13,7 @@ and a refused call writes nothing. An accepted start's run reads back and ticks.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from ductor_celery import Ductor, DuctorError, Workflow, bulk
 from ductor_celery.engine.status import OPEN_RUN_STATUSES
 from ductor_celery.limits import MAX_DURATION_S
 from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.store.db import forget_engine
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.runs import encode_cursor
 
@@ -93,13 +94,15 @@ class Door:
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def door(request: pytest.FixtureRequest, tmp_path: Path) -> Door:
+def door(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Door]:
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path}/edges.sqlite3"
         upgrade(url)
     else:
         url = request.getfixturevalue("database_url")
-    return Door(url)
+    found = Door(url)
+    yield found
+    forget_engine(found.d.settings.database_url)  # its pooled connections back to the server
 
 
 def _close(door: Door, run_id: str) -> None:

@@ -17,6 +17,7 @@ from support import tick_once
 
 from ductor_celery import ConcurrencyLimit, Ductor, StepContext, Workflow
 from ductor_celery.store import attempts
+from ductor_celery.store.db import forget_engine
 from ductor_celery.web import create_app
 
 TOKEN = "s3cret-token"
@@ -483,6 +484,7 @@ def edge_api(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[TestClie
     # raise_server_exceptions=False: a 500 is an answer here, not an exception in the test.
     with TestClient(create_app(world.d, token=TOKEN), raise_server_exceptions=False) as c:
         yield c
+    forget_engine(world.d.settings.database_url)  # its pooled connections back to the server
 
 
 @pytest.mark.parametrize(
