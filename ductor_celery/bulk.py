@@ -9,11 +9,11 @@ state moved on between the selection and its control is refused and counted, nev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from . import limits
-from .client import Client, check_id
+from .client import Client, check_aware, check_id
 from .engine.kinds import REDRIVE_FROM_NODE_ALLOWED, ControlKind, statuses_allowing
 from .engine.status import RunStatus
 from .errors import InvalidOperation, RunNotFound
@@ -73,7 +73,7 @@ def select(
     if since is not None:
         if not isinstance(since, datetime) or since.tzinfo is None:
             raise ValueError("since must be an aware datetime")
-        since = since.astimezone(UTC)
+        since = check_aware(since, "since")  # in UTC; ValueError past the calendar's ends
     if limit is not None:
         problem = limits.int_problem(limit, minimum=1)
         if problem is not None:

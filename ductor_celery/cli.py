@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from .errors import DuctorError
-from .limits import MAX_JSON_DEPTH, MAX_LIST_LIMIT
+from .limits import MAX_DURATION_S, MAX_JSON_DEPTH, MAX_LIST_LIMIT
 from .settings import EMBEDDED_DATABASE_URL, normalize_url, redact_url
 
 if TYPE_CHECKING:
@@ -603,6 +603,8 @@ def _seconds(text: str, option: str) -> float:
         _fail(f"{option} must be a duration such as 90s, 15m, 2h or 30d, got {text!r}")
     if not math.isfinite(seconds) or seconds < 0:
         _fail(f"{option} must be a finite duration >= 0, got {text!r}")
+    if seconds > MAX_DURATION_S:  # before any timedelta: 99999999999d would overflow one
+        _fail(f"{option} must be at most ten years ({MAX_DURATION_S:.0f} s), got {text[:60]!r}")
     return seconds
 
 
@@ -610,11 +612,17 @@ def _since(text: str) -> datetime:
     """--since: an ISO 8601 time (a naive one is UTC) or a duration back from now."""
     from datetime import UTC, timedelta
 
+    from .limits import time_problem
+
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
         return datetime.now(UTC) - timedelta(seconds=_seconds(text, "--since"))
-    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+    when = when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+    problem = time_problem(when)  # 0001-01-01T00:00+14:00 is no time in UTC
+    if problem is not None:
+        _fail(f"--since {problem}")
+    return when
 
 
 for _kind, _reason in (

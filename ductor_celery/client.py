@@ -19,6 +19,7 @@ from sqlalchemy.engine import Engine
 
 from . import limits, tracing
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
+from .engine.deadline import deadline_after
 from .engine.kinds import (
     CONTROL_ALLOWED,
     REDRIVE_FROM_NODE_ALLOWED,
@@ -179,9 +180,19 @@ def check_time(value: Any, what: str) -> datetime | None:
         raise TypeError(
             f"{what} must be a datetime or an ISO 8601 string, got {type(value).__name__}"
         )
-    if value.tzinfo is None or value.utcoffset() is None:
-        raise ValueError(f"{what} {value.isoformat()} has no time zone (give an aware datetime)")
-    return value
+    return check_aware(value, what)
+
+
+def check_aware(value: datetime, what: str) -> datetime:
+    """An aware datetime that is a time in UTC too, returned in UTC; ValueError naming
+    ``what`` for a naive one or one past either end of the calendar in UTC
+    (``0001-01-01T00:00+14:00``), which no database comparison could use."""
+    problem = limits.time_problem(value)
+    if problem is not None:
+        raise ValueError(f"{what} {problem}")
+    utc = limits.in_utc(value)
+    assert utc is not None
+    return utc
 
 
 def check_list_filter(
@@ -231,6 +242,24 @@ def check_start_time(delay: Any, start_at: Any) -> None:
                 "start_at must be an aware datetime (with a time zone), got a naive one: "
                 "use e.g. datetime(..., tzinfo=UTC)"
             )
+        check_aware(start_at, "start_at")
+
+
+def check_start_window(start_at: datetime, now: datetime) -> None:
+    """``start_at`` at most ten years ahead of ``now`` (the database's clock), like
+    ``delay``, and at most ten years behind it (a past time starts the run at once; one from
+    another decade is a mistake, and a stored year 1 would not read back in every zone)."""
+    ahead = (start_at - now).total_seconds()
+    if ahead > limits.MAX_DURATION_S:
+        raise ValueError(
+            f"start_at must be at most ten years ({limits.MAX_DURATION_S:.0f} s) ahead, like "
+            f"delay; got {start_at.isoformat()}, {ahead:.0f} s after now ({now.isoformat()})"
+        )
+    if -ahead > limits.MAX_DURATION_S:
+        raise ValueError(
+            f"start_at must be at most ten years ({limits.MAX_DURATION_S:.0f} s) in the past; "
+            f"got {start_at.isoformat()} (now is {now.isoformat()})"
+        )
 
 
 def check_deadline(deadline: Any) -> None:
@@ -352,12 +381,13 @@ class Client:
                 self._deadline_at(spec, deadline, fire_at),
             )
         engine = self.engine
+        # The times first: a start_at too far ahead is refused before anything is written.
+        start_at, due_now = self._start_time(engine, delay, start_at)
+        deadline_at = self._deadline_at(spec, deadline, start_at)
         for needed in self._with_children(spec):
             with_retry(
                 functools.partial(runs.save_definition, engine, needed), what="save definition"
             )
-        start_at, due_now = self._start_time(engine, delay, start_at)
-        deadline_at = self._deadline_at(spec, deadline, start_at)
         traceparent = tracing.start_run(run_id, spec.name)
         actual, created = with_retry(
             lambda: runs.insert_run(
@@ -415,9 +445,12 @@ class Client:
         if delay is None and start_at is None:
             return None, True
         now = self._read(db_now, engine)
-        when = now + timedelta(seconds=delay) if delay is not None else start_at
-        assert when is not None
-        when = when.astimezone(UTC)  # SQLite keeps a datetime's wall time only
+        if start_at is not None:
+            when = start_at.astimezone(UTC)  # SQLite keeps a datetime's wall time only
+            check_start_window(when, now)
+        else:
+            assert delay is not None
+            when = now + timedelta(seconds=delay)
         return when, when <= now
 
     def _deadline_at(
@@ -429,7 +462,7 @@ class Client:
         if seconds is None:
             return None
         began = start_at if start_at is not None else self._read(db_now, self.engine)
-        return began.astimezone(UTC) + timedelta(seconds=seconds)
+        return deadline_after(began.astimezone(UTC), seconds)
 
     def _definition(self, spec_hash: str) -> WorkflowSpec:
         if self._spec_by_hash is not None:

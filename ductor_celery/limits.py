@@ -10,6 +10,7 @@ Pure: imported by ``definition/`` and ``engine/`` as well as the client.
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime, timedelta
 
 #: Workflow ids and names, node ids, step names, signal names, idempotency keys, queue names,
 #: ``requested_by``: 1..200 characters, no NUL (the columns are ``VARCHAR(200)``).
@@ -26,6 +27,17 @@ MAX_JSON_DEPTH = 100
 #: Longest duration in seconds (timeouts, sleeps, retry intervals): ten years. Anything longer
 #: is a typo for "never" (write ``None``), and ``now + seconds`` must stay a valid datetime.
 MAX_DURATION_S = 10 * 365 * 86400.0
+
+#: The time ductor's arithmetic saturates at instead of raising ``OverflowError``: "never".
+#: A year short of ``datetime.max``, so it stays a valid datetime in every time zone (a
+#: PostgreSQL session at +14:00 reads it back as a date Python can hold).
+LATEST = datetime(9999, 1, 1, tzinfo=UTC)
+
+#: The clock ductor runs at lies between these (``testing.harness`` refuses a clock outside
+#: them): from there, ten years of delay, deadline, timeouts and look-backs (``since=2w``,
+#: ``older_than=``) stay far inside the calendar.
+EARLIEST_NOW = datetime(1000, 1, 1, tzinfo=UTC)
+LATEST_NOW = datetime(9000, 1, 1, tzinfo=UTC)
 
 #: Largest ``RetryPolicy.max_attempts``.
 MAX_ATTEMPTS = 1_000_000
@@ -71,6 +83,36 @@ def duration_problem(value: object, *, allow_zero: bool = False) -> str | None:
     if value > MAX_DURATION_S:
         return f"must be at most {MAX_DURATION_S:.0f} s (ten years), got {show(value)}"
     return None
+
+
+def in_utc(value: datetime) -> datetime | None:
+    """An aware datetime as UTC, or ``None`` when that instant is not a datetime at all:
+    ``0001-01-01T00:00+14:00`` is in year 0, ``9999-12-31T23:00-14:00`` in year 10000."""
+    try:
+        return value.astimezone(UTC)
+    except (OverflowError, ValueError):
+        return None
+
+
+def time_problem(value: datetime) -> str | None:
+    """Why an aware datetime is not a time ductor can compare and store, or ``None``."""
+    if value.tzinfo is None or value.utcoffset() is None:
+        return f"{value.isoformat()} has no time zone (give an aware datetime)"
+    if in_utc(value) is None:
+        return f"{value.isoformat()} is out of range: in UTC it falls outside years 1..9999"
+    return None
+
+
+def later(start: datetime, seconds: float) -> datetime:
+    """``start`` plus ``seconds``, saturating at ``LATEST`` instead of raising: the tick's
+    time arithmetic is total, so a run whose clock or timer is near the end of the calendar
+    never makes every tick raise ``OverflowError``. (Bounded durations keep real runs far
+    from it: this is the last line of defence, not a limit.)"""
+    try:
+        found = start + timedelta(seconds=seconds)
+    except (OverflowError, ValueError):  # past either end of the calendar; nan
+        return start if seconds < 0 else max(start, LATEST)
+    return found if found <= LATEST else max(start, LATEST)
 
 
 def int_problem(value: object, *, minimum: int, maximum: int = MAX_INT) -> str | None:

@@ -74,11 +74,13 @@ class Schedules:
         )
         spec = self.client.find_definition(workflow)  # WorkflowNotFound: nothing written
         engine = self.client.engine
+        now = self.client._read(db_now, engine)
+        # A cron whose year field has run out is refused before anything is written.
+        next_fire_at = cadence.next_fire(now, f"schedule {name!r}")
         for needed in self.client._with_children(spec):
             with_retry(
                 functools.partial(runs.save_definition, engine, needed), what="save definition"
             )
-        now = self.client._read(db_now, engine)
         row = rows.ScheduleRow(
             name=name,
             workflow=workflow,
@@ -89,7 +91,7 @@ class Schedules:
             overlap=overlap,
             catchup_window=float(catchup_window),
             paused=False,
-            next_fire_at=cadence.next_after(now),
+            next_fire_at=next_fire_at,
             buffered_fire_at=None,
             last_workflow_id=None,
         )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine.inputs import EngineConfig
+from .limits import MAX_DURATION_S
 
 EMBEDDED_DATABASE_URL = "sqlite:///.ductor/ductor.sqlite3"
 
@@ -125,9 +126,12 @@ def _days(value: Any) -> float:
         days = float(value) if not isinstance(value, bool) else math.nan
     except (TypeError, ValueError):
         days = math.nan
-    if not math.isfinite(days) or days <= 0:
+    # At most ten years, like every duration (limits.MAX_DURATION_S): the sweeper computes
+    # "now - days" on every pass, and 1e12 days would overflow it on every pass.
+    if not math.isfinite(days) or not 0 < days <= MAX_DURATION_S / 86400:
         raise ValueError(
-            f"ductor_retention_days must be a positive number of days (or None), got {value!r}"
+            f"ductor_retention_days must be a positive number of days up to "
+            f"{MAX_DURATION_S / 86400:.0f} (ten years), or None; got {value!r}"
         )
     return days
 
@@ -138,9 +142,10 @@ def _grace(value: Any) -> float:
         seconds = float(value) if not isinstance(value, bool) else math.nan
     except (TypeError, ValueError):
         seconds = math.nan
-    if not math.isfinite(seconds) or seconds < 0:
+    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_DURATION_S:
         raise ValueError(
-            f"ductor_cancel_grace must be a number of seconds, 0 or more; got {value!r}"
+            f"ductor_cancel_grace must be a number of seconds from 0 to {MAX_DURATION_S:.0f} "
+            f"(ten years); got {value!r}"
         )
     return seconds
 

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from .engine.kinds import DispatchKind
 from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
 from .errors import DefinitionError, DuctorError
+from .limits import EARLIEST_NOW, LATEST_NOW, time_problem
 from .runtime.coordinator import run_tick
 from .runtime.dispatch import FIRST_TICK_TASK_NAME
 from .runtime.outbox_janitor import close_janitor, sent_outbox
@@ -193,13 +194,27 @@ class Harness:
         every timer that comes due on the way, in time order, each at its own time, and
         delivering what it sets in motion, timers it creates on the way too (a chain of
         retries completes in one call). Returns the new time."""
-        if isinstance(seconds, timedelta):
-            delta = seconds + timedelta(minutes=minutes, hours=hours, days=days)
-        else:
-            delta = timedelta(seconds=seconds, minutes=minutes, hours=hours, days=days)
+        amounts = {"seconds": seconds, "minutes": minutes, "hours": hours, "days": days}
+        try:
+            if isinstance(seconds, timedelta):
+                delta = seconds + timedelta(minutes=minutes, hours=hours, days=days)
+            else:
+                delta = timedelta(seconds=seconds, minutes=minutes, hours=hours, days=days)
+            target = self._now + delta
+        except (OverflowError, ValueError):  # nan, or past the calendar (days=1e12)
+            given = ", ".join(f"{k}={v!r}" for k, v in amounts.items() if v)
+            raise ValueError(
+                f"advance({given}) is not a time the clock can move to (finite amounts, "
+                f"ending before {LATEST_NOW.date()})"
+            ) from None
         if delta < timedelta(0):
             raise ValueError(f"advance() moves the clock forward only, got {delta}")
-        return self._advance_to(self._now + delta)
+        if target > LATEST_NOW:
+            raise ValueError(
+                f"advance() would move the clock to {target.isoformat()}, past "
+                f"{LATEST_NOW.isoformat()} (the latest clock ductor runs at)"
+            )
+        return self._advance_to(target)
 
     def _advance_to(self, target: datetime) -> datetime:
         self._deliver()
@@ -396,6 +411,15 @@ def harness(ductor: Ductor, *, start_at: datetime | None = None) -> Iterator[Har
     default now). Everything is restored on exit."""
     if start_at is not None and (start_at.tzinfo is None or start_at.utcoffset() is None):
         raise ValueError("start_at must be an aware datetime (e.g. datetime(..., tzinfo=UTC))")
+    if start_at is not None:
+        problem = time_problem(start_at)
+        if problem is not None:
+            raise ValueError(f"start_at {problem}")
+        if not EARLIEST_NOW <= start_at <= LATEST_NOW:
+            raise ValueError(
+                f"start_at {start_at.isoformat()} is outside {EARLIEST_NOW.isoformat()}.."
+                f"{LATEST_NOW.isoformat()} (the clocks ductor runs at)"
+            )
     rt = ductor.runtime
     if isinstance(rt.dispatcher, _RecordingDispatcher):
         raise HarnessError("this Ductor is inside a harness already (one at a time)")

@@ -9,10 +9,11 @@ written once.
 from __future__ import annotations
 
 import hashlib
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from ..definition.retry import backoff_delay
+from ..limits import later
 from . import scatter
 from .context import TickContext
 from .exhausted import pause_on_exhausted
@@ -22,6 +23,10 @@ from .payloads import json_problem
 from .slots import Slot, first_limit, slots, start_attempt
 from .state import AttemptOutput, BranchState, NodeState, StepWork
 from .status import NodeStatus
+
+#: An unclaimed attempt's re-send period doubles at most this many times (30 s * 2**40 is
+#: longer than any run; a larger exponent would only overflow).
+MAX_RESEND_DOUBLINGS = 40
 
 
 def fold_results(t: TickContext) -> None:
@@ -149,7 +154,7 @@ def attempt_failed(
     where = "attempt" if branch is None else f"branch {branch} attempt"
     if retryable and slot.attempt < spec.retry.max_attempts:
         delay = backoff_delay(spec.retry, slot.attempt, _spread(failed_token))
-        slot.retry_at = t.now + timedelta(seconds=delay)
+        slot.retry_at = later(t.now, delay)
         t.move_node(
             node,
             NodeStatus.RUNNING,
@@ -192,9 +197,7 @@ def _check_slot(t: TickContext, node: str, slot: Slot, branch: int | None) -> No
         # step timeout (the sweeper re-sends a granted message that got lost).
         slot.resends = 0
         slot.resend_at = None
-        slot.check_at = _no_later_than_queued(
-            slot, t.now + timedelta(seconds=first_limit(spec, cfg))
-        )
+        slot.check_at = _no_later_than_queued(slot, later(t.now, first_limit(spec, cfg)))
         t.payload.changed = True
         return
     if check.claimed_at is None:
@@ -204,7 +207,10 @@ def _check_slot(t: TickContext, node: str, slot: Slot, branch: int | None) -> No
         resend_at = slot.resend_at or slot.check_at
         if resend_at <= t.now:
             slot.resends += 1
-            resend_at = t.now + timedelta(seconds=cfg.resend_unclaimed_after * 2**slot.resends)
+            # The exponent is capped: 2**1100 is too large a float (later() saturates anyway).
+            resend_at = later(
+                t.now, cfg.resend_unclaimed_after * 2.0 ** min(slot.resends, MAX_RESEND_DOUBLINGS)
+            )
             t.payload.dispatches.append(
                 Dispatch(
                     DispatchKind.STEP, t.inputs.run_id, node, slot.token, spec.step, spec.queue
@@ -214,19 +220,19 @@ def _check_slot(t: TickContext, node: str, slot: Slot, branch: int | None) -> No
             t.record(node, status, status, f"{where} {slot.attempt} unclaimed: re-sent")
         slot.resend_at = resend_at
         slot.check_at = _no_later_than_queued(
-            slot, min(resend_at, t.now + timedelta(seconds=first_limit(spec, cfg)))
+            slot, min(resend_at, later(t.now, first_limit(spec, cfg)))
         )
         t.payload.changed = True
         return
     if slot.queued_until is not None:
         slot.queued_until = None  # claimed in time: the start-to-close rules apply now
         t.payload.changed = True
-    deadline = check.claimed_at + timedelta(seconds=timeout)
+    deadline = later(check.claimed_at, timeout)
     why = f"did not finish within {timeout:g}s of its start (worker lost or step too slow)"
     silent = False
     if spec.heartbeat_timeout is not None:
         last_sign = max(check.claimed_at, check.heartbeat_at or check.claimed_at)
-        silent_until = last_sign + timedelta(seconds=spec.heartbeat_timeout)
+        silent_until = later(last_sign, spec.heartbeat_timeout)
         if silent_until < deadline:
             deadline = silent_until
             why = f"sent no heartbeat for {spec.heartbeat_timeout:g}s (worker lost)"

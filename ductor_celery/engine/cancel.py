@@ -10,8 +10,9 @@ is closed as cancelled exactly as an immediate cancel closes it (docs/operations
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime
 
+from ..limits import later
 from .context import TickContext
 from .schedule import close_in_flight
 from .slots import slots
@@ -42,7 +43,7 @@ def request_cancel(t: TickContext, reason: str) -> bool:
     tokens = _in_flight(t)
     if grace <= 0 or not tokens:
         return False
-    until = t.now + timedelta(seconds=grace)
+    until = later(t.now, grace)
     state.cancel = {"reason": reason, "grace_until": until.isoformat()}
     t.payload.cancel_requested = tokens
     t.record(

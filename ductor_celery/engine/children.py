@@ -10,12 +10,11 @@ checkpoint. See docs/fan-out.md.
 from __future__ import annotations
 
 import hashlib
-from datetime import timedelta
 from typing import Any
 
 from ..definition.paths import Scope, resolve
 from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec
-from ..limits import MAX_ID_LENGTH
+from ..limits import MAX_ID_LENGTH, later
 from .context import TickContext
 from .inputs import ChildControl, ChildSnapshot, ChildStart
 from .kinds import ControlKind
@@ -85,7 +84,7 @@ def start_child(
 
 def poll_later(t: TickContext, node_id: str) -> None:
     """Look at the node's child runs again after ``child_poll_after`` at the latest."""
-    _polled(t, node_id).deadline = t.now + timedelta(seconds=t.inputs.config.child_poll_after)
+    _polled(t, node_id).deadline = later(t.now, t.inputs.config.child_poll_after)
     t.payload.changed = True
 
 

@@ -13,9 +13,10 @@ timers and parked nodes are dropped, and open child runs get their node's parent
 from __future__ import annotations
 
 import dataclasses
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
+from ..limits import later
 from .context import TickContext
 from .kinds import DispatchKind
 from .schedule import close_in_flight
@@ -26,7 +27,7 @@ def deadline_after(start: datetime, seconds: Any) -> datetime | None:
     """A new run's ``deadline_at``: ``seconds`` (its workflow's ``deadline``, or the one
     ``start`` was given) after ``start``; ``None`` without one. Used by every store path that
     inserts a run (a client's start, a schedule's fire time, a parent's child run)."""
-    return None if seconds is None else start + timedelta(seconds=float(seconds))
+    return None if seconds is None else later(start, float(seconds))
 
 
 def time_out_if_due(t: TickContext) -> bool:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from ..definition.spec import (
     APPROVAL_SIGNAL_PREFIX,
     ApprovalNodeSpec,
@@ -12,6 +10,7 @@ from ..definition.spec import (
     WaitSignalNodeSpec,
     approval_signal,
 )
+from ..limits import later
 from .context import TickContext
 from .inputs import AppliedSignal, SignalIn
 from .outputs import received_events
@@ -25,11 +24,11 @@ def park_node(t: TickContext, node_id: str) -> None:
     ns = t.nodes[node_id]
     ns.started_at = t.now
     if isinstance(spec, SleepNodeSpec):
-        ns.work = ParkedWork(t.now + timedelta(seconds=spec.seconds))
+        ns.work = ParkedWork(later(t.now, spec.seconds))
         what = f"sleeping {spec.seconds:g}s"
     else:
         assert isinstance(spec, WaitSignalNodeSpec | ApprovalNodeSpec | EventSetNodeSpec)
-        ns.work = ParkedWork(t.now + timedelta(seconds=spec.timeout) if spec.timeout else None)
+        ns.work = ParkedWork(later(t.now, spec.timeout) if spec.timeout else None)
         if isinstance(spec, WaitSignalNodeSpec):
             what = f"waiting for signal {spec.signal!r}"
         elif isinstance(spec, ApprovalNodeSpec):

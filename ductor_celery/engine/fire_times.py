@@ -33,7 +33,16 @@ class Cadence:
     timezone: str = "UTC"
 
     def next_after(self, after: datetime) -> datetime:
-        """The first fire time strictly after ``after`` (UTC)."""
+        """The first fire time strictly after ``after`` (UTC); ``limits.LATEST`` ("never")
+        when there is none: a cron whose year field has run out, a time past the calendar.
+        Never raises, so one such schedule cannot stop the sweeper firing the others."""
+        try:
+            found = self._next_after(after)
+        except (CroniterBadDateError, OverflowError, ValueError, KeyError, IndexError):
+            return limits.LATEST
+        return min(found, limits.LATEST)
+
+    def _next_after(self, after: datetime) -> datetime:
         if self.every is not None:
             step = _micros(self.every)
             elapsed = _micros_between(EPOCH, after)
@@ -43,6 +52,14 @@ class Cadence:
         found = croniter(self.cron, local).get_next(datetime)
         assert isinstance(found, datetime)
         return found.astimezone(UTC)
+
+    def next_fire(self, after: datetime, what: str = "schedule") -> datetime:
+        """``next_after``, or a ValueError when the schedule would never fire again."""
+        found = self.next_after(after)
+        if found >= limits.LATEST:
+            shown = f"cron expression {self.cron!r}" if self.cron else f"every={self.every:g}"
+            raise ValueError(f"{what}: {shown} has no fire time after {after.isoformat()}")
+        return found
 
 
 def _micros(seconds: float) -> int:
@@ -80,7 +97,7 @@ def check_cadence(cron: object, every: object, timezone: object) -> Cadence:
         raise ValueError(f"bad cron expression {limits.show(cron)}")
     cadence = Cadence(cron=cron, every=None, timezone=timezone)
     try:
-        first = [cadence.next_after(EPOCH) for _ in range(5)]  # "0 0 30 2 *" never comes
+        first = [cadence._next_after(EPOCH) for _ in range(5)]  # "0 0 30 2 *" never comes
     except (CroniterBadDateError, ValueError, OverflowError, KeyError, IndexError):
         raise ValueError(f"cron expression {cron!r} never fires") from None
     if len(set(first)) != 1:

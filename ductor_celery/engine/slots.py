@@ -9,11 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 from ..definition.paths import Scope, resolve
 from ..definition.spec import AttemptNodeSpec
+from ..limits import later
 from .context import TickContext
 from .inputs import Dispatch, EngineConfig, NewAttempt
 from .kinds import DispatchKind
@@ -82,14 +82,14 @@ def start_attempt(
     slot.token = t.token_for(node, ns.generation)
     cfg = t.inputs.config
     # First look at the re-send time or after one step timeout, whichever comes first.
-    slot.resend_at = t.now + timedelta(seconds=cfg.resend_unclaimed_after)
-    slot.check_at = min(slot.resend_at, t.now + timedelta(seconds=first_limit(spec, cfg)))
+    slot.resend_at = later(t.now, cfg.resend_unclaimed_after)
+    slot.check_at = min(slot.resend_at, later(t.now, first_limit(spec, cfg)))
     slot.resends = 0
     slot.claimed_at = None
     slot.queued_until = None
     if spec.schedule_to_start_timeout is not None:
         # Not claimed by then (no worker took it, or it waits for a lease): it times out.
-        slot.queued_until = t.now + timedelta(seconds=spec.schedule_to_start_timeout)
+        slot.queued_until = later(t.now, spec.schedule_to_start_timeout)
         slot.check_at = min(slot.check_at, slot.queued_until)
     if ns.started_at is None:
         ns.started_at = t.now

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from ..limits import later
 from .outbox import OutboxRow, insert_outbox, step_intent
 from .schema import concurrency_lease, step_attempt
 
@@ -104,7 +105,7 @@ def _grant(conn: Connection, key: str, slot: int, req: LeaseRequest, now: dateti
             run_id=req.run_id,
             node=req.node,
             granted_at=now,
-            expires_at=now + timedelta(seconds=req.timeout),
+            expires_at=later(now, req.timeout),  # saturates: a timeout setting past ten years
         )
     )
 
@@ -253,7 +254,7 @@ def reclaim_key(conn: Connection, key: str, now: datetime) -> Reclaimed:
         conn.execute(
             sa.update(concurrency_lease)
             .where(concurrency_lease.c.token == r.token)
-            .values(expires_at=now + timedelta(seconds=max(float(r.timeout or 0), 1.0)))
+            .values(expires_at=later(now, max(float(r.timeout or 0), 1.0)))
         )
         if r.claimed_at is None:
             resend.append(step_intent(r.run_id, r.token, r.node, r.step, r.queue))

@@ -413,9 +413,16 @@ def decode_cursor(cursor: str) -> RunKey:
         created = datetime.fromisoformat(at)
     except (ValueError, TypeError, UnicodeDecodeError, binascii.Error):
         raise ValueError(problem) from None
-    if created.tzinfo is None or not isinstance(run_id, str) or limits.id_problem(run_id):
+    if not isinstance(run_id, str) or limits.id_problem(run_id):
         raise ValueError(problem)
-    return created, run_id
+    # Naive, or past either end of the calendar in UTC (0001-01-01T00:00+14:00): no cursor
+    # list_runs returns, and no comparison could use it.
+    why = limits.time_problem(created)
+    if why is not None:
+        raise ValueError(f"{problem} (its time {why})")
+    utc = limits.in_utc(created)
+    assert utc is not None
+    return utc, run_id
 
 
 def count_by_status(engine: Engine, where: RunFilter) -> dict[str, int]:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime, timedelta
 
-from ..limits import MAX_DURATION_S
+from ..limits import MAX_DURATION_S, time_problem
 
-_AGE = re.compile(r"^\s*(\d{1,9})\s*([smhdw])\s*$")
+#: Any number of digits: ``99999999999w`` is refused as "more than ten years ago", not as
+#: "not a time" (and never computed: the number is compared before any timedelta is made).
+_AGE = re.compile(r"^\s*(\d{1,50})\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -21,7 +23,7 @@ def parse_time(text: str, what: str, now: datetime) -> datetime:
     if age is not None:
         seconds = int(age.group(1)) * _UNIT_S[age.group(2)]
         if seconds > MAX_DURATION_S:
-            raise ValueError(f"{what} {text!r} is more than ten years ago")
+            raise ValueError(f"{what} {text[:60]!r} is more than ten years ago")
         return now - timedelta(seconds=seconds)
     try:
         value = datetime.fromisoformat(text.strip())
@@ -30,4 +32,8 @@ def parse_time(text: str, what: str, now: datetime) -> datetime:
             f"{what} {text[:60]!r} is neither an ISO 8601 time (2026-01-02T03:04:05Z) "
             "nor an age such as 15m, 2h or 7d"
         ) from None
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    value = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    problem = time_problem(value)  # 0001-01-01T00:00+14:00 is no time in UTC
+    if problem is not None:
+        raise ValueError(f"{what} {problem}")
+    return value

@@ -4,9 +4,11 @@ PostgreSQL alike."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,9 +24,12 @@ from ductor_celery import (
     PayloadTooLarge,
     RunStatus,
     Workflow,
+    bulk,
 )
 from ductor_celery.cli import ductor as ductor_cli
+from ductor_celery.limits import MAX_DURATION_S
 from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.store.db import forget_engine
 from ductor_celery.store.migrate import upgrade
 
 #: ductor_max_payload_bytes in these tests: small, so "too large" is cheap to build.
@@ -90,7 +95,11 @@ class Door:
 
 @pytest.fixture
 def door(db_url: str) -> Iterator[Door]:
-    yield Door(db_url)
+    found = Door(db_url)
+    yield found
+    # Each PostgreSQL test has a database of its own: give its pooled connections back, so a
+    # long session never runs the server out of them.
+    forget_engine(found.d.settings.database_url)
 
 
 # -- start --------------------------------------------------------------------------------
@@ -356,3 +365,162 @@ def test_cli_bad_values_are_one_line_and_exit_1(
     assert result.exit_code == 1, result.output
     assert result.stderr.count("\n") == 1 and needle in result.stderr
     assert door.counts() == before
+
+
+# -- times at the edge of the calendar (issue 22 item 7) -----------------------------------
+
+#: Year 1 at +14:00 is in year 0 in UTC; 9999-12-31 at -14:00 is in year 10000.
+BEFORE_YEAR_1 = datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=14)))
+AFTER_9999 = datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone(timedelta(hours=-14)))
+FAR = datetime(9999, 12, 31, 23, tzinfo=UTC)
+TEN_YEARS = timedelta(seconds=MAX_DURATION_S)
+
+
+def crafted_cursor(at: str, run_id: str = "r" * 32) -> str:
+    """A cursor as list_runs encodes one, around a time it never returns."""
+    text = json.dumps([at, run_id], separators=(",", ":"))
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        # Accepted before, and then a deadline of an hour overflowed in the client (a
+        # deadline of seconds was accepted and stored past the calendar's end).
+        ({"start_at": FAR}, "start_at must be at most ten years (315360000 s) ahead, like delay"),
+        ({"start_at": FAR, "deadline": 3600}, "start_at must be at most ten years"),
+        ({"start_at": FAR, "deadline": 1}, "start_at must be at most ten years"),
+        ({"start_at": BEFORE_YEAR_1}, "start_at 0001-01-01T00:00:00+14:00 is out of range"),
+        ({"start_at": AFTER_9999}, "start_at 9999-12-31T23:59:59-14:00 is out of range"),
+        ({"start_at": datetime(1, 1, 1, tzinfo=UTC)}, "at most ten years (315360000 s) in the"),
+    ],
+)
+def test_start_refuses_a_start_at_beyond_ten_years_or_past_the_calendar(
+    door: Door, kwargs: dict[str, Any], needle: str
+) -> None:
+    door.refuses(ValueError, lambda: door.d.start("w", **kwargs), needle)
+
+
+def test_start_at_just_over_ten_years_ahead_is_refused_and_just_under_is_kept(door: Door) -> None:
+    now = datetime.now(UTC)
+    door.refuses(
+        ValueError,
+        lambda: door.d.start("w", start_at=now + TEN_YEARS + timedelta(hours=1)),
+        "at most ten years",
+    )
+    # Its workflow's longest deadline counts from it, and still fits the calendar.
+    at = now + TEN_YEARS - timedelta(hours=1)
+    view = door.d.get(door.d.start("w", start_at=at, deadline=MAX_DURATION_S).run_id)
+    assert view.status == RunStatus.PENDING and view.start_at == at
+    assert view.deadline_at == at + TEN_YEARS
+
+
+def test_a_workflow_deadline_with_a_far_start_writes_nothing(door: Door) -> None:
+    wf = Workflow("long", deadline=MAX_DURATION_S)
+    wf.approval("ok")
+    door.d.register(wf)
+    door.refuses(ValueError, lambda: door.d.start("long", start_at=FAR), "start_at")
+
+
+def test_start_in_the_callers_transaction_refuses_a_far_start_at(door: Door) -> None:
+    def start_joined() -> None:
+        with door.d.client.engine.begin() as conn:
+            door.d.start("w", start_at=FAR, connection=conn)
+
+    door.refuses(ValueError, start_joined, "start_at must be at most ten years")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"since": BEFORE_YEAR_1}, "since 0001-01-01T00:00:00+14:00 is out of range"),
+        ({"since": "0001-01-01T00:00:00+14:00"}, "since 0001-01-01T00:00:00+14:00 is out of"),
+        ({"until": AFTER_9999}, "until 9999-12-31T23:59:59-14:00 is out of range"),
+        ({"until": "9999-12-31T23:59:59-14:00"}, "until 9999-12-31T23:59:59-14:00 is out of"),
+        ({"cursor": crafted_cursor("0001-01-01T00:00:00+14:00")}, "cursor"),
+        ({"cursor": crafted_cursor("9999-12-31T23:59:59-14:00")}, "cursor"),
+        ({"cursor": crafted_cursor("2026-01-01T00:00:00")}, "cursor"),
+    ],
+)
+def test_list_runs_refuses_times_past_either_end_of_the_calendar(
+    door: Door, kwargs: dict[str, Any], needle: str
+) -> None:
+    door.refuses(ValueError, lambda: door.d.list_runs(**kwargs), needle)
+
+
+def test_list_runs_takes_the_calendars_own_ends_in_utc(door: Door) -> None:
+    first = datetime(1, 1, 1, tzinfo=UTC)
+    last = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC)
+    ids = [door.handle.run_id]
+    assert [v.run_id for v in door.d.list_runs(since=first, until=last)] == ids
+    assert list(door.d.list_runs(until=first)) == []
+    assert list(door.d.list_runs(since=last)) == []
+    cursor = crafted_cursor(last.isoformat(), "z" * 32)
+    assert [v.run_id for v in door.d.list_runs(cursor=cursor)] == ids
+
+
+def test_a_bulk_control_refuses_a_since_past_the_calendar(door: Door) -> None:
+    door.refuses(
+        ValueError,
+        lambda: bulk.select(door.d.client, "cancel", workflow="w", since=BEFORE_YEAR_1),
+        "since 0001-01-01T00:00:00+14:00 is out of range",
+    )
+
+
+@pytest.mark.parametrize("older_than", [timedelta(days=999_999_999), 1e300, 10**400])
+def test_prune_refuses_an_age_past_ten_years(door: Door, older_than: Any) -> None:
+    door.refuses(ValueError, lambda: door.d.prune(older_than=older_than), "older_than")
+
+
+def test_a_schedule_whose_cron_never_fires_again_is_refused(door: Door) -> None:
+    # A valid cron (it fired on 2020-01-01) with no fire time after now: croniter's own
+    # error escaped before, after the definition had been written.
+    door.refuses(
+        ValueError,
+        lambda: door.d.schedule("over", workflow="w", cron="0 0 1 1 * 0 2020"),
+        "cron expression '0 0 1 1 * 0 2020' has no fire time after",
+    )
+
+
+CRAFTED = crafted_cursor("0001-01-01T00:00:00+14:00")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("prune", "--older-than", "99999999999d"), "--older-than must be at most ten years"),
+        (("prune", "--older-than", "3651d", "--dry-run"), "--older-than must be at most ten"),
+        (
+            ("cancel", "--workflow", "w", "--since", "99999999999w", "--yes"),
+            "--since must be at most ten years",
+        ),
+        (
+            ("cancel", "--workflow", "w", "--since", "0001-01-01T00:00:00+14:00", "--yes"),
+            "--since 0001-01-01T00:00:00+14:00 is out of range",
+        ),
+        (("runs", "--since", "0001-01-01T00:00:00+14:00"), "--since 0001-01-01T00:00:00+14:00"),
+        (("runs", "--until", "9999-12-31T23:59:59-14:00"), "--until 9999-12-31T23:59:59-14:00"),
+        (("runs", "--since", "99999999999w"), "--since '99999999999w' is more than ten years"),
+        (("runs", "--cursor", CRAFTED), "is not a cursor that list_runs returned"),
+        (("start", "w", "--delay", "1e20"), "delay must be at most 315360000 s"),
+        (("start", "w", "--deadline", "inf"), "deadline must be a finite number"),
+        (
+            ("schedule", "add", "s", "--workflow", "w", "--every", "99999999999w"),
+            "--every must be at most ten years",
+        ),
+        (
+            ("schedule", "add", "s", "--workflow", "w", "--cron", "0 0 1 1 * 0 2020"),
+            "has no fire time after",
+        ),
+    ],
+)
+def test_cli_times_past_ten_years_or_the_calendar_are_one_line_and_exit_1(
+    door: Door, args: tuple[str, ...], needle: str
+) -> None:
+    before = door.counts()
+    result = _cli(door, *args)
+    assert result.exit_code == 1, result.output
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
+    assert needle in result.stderr and "Traceback" not in result.stderr
+    assert door.counts() == before
+    assert door.d.get("wf-1").status == RunStatus.PENDING

@@ -9,7 +9,7 @@ that return and raise; signals and approvals; timers created while advancing; a 
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from ductor_celery import (
     Workflow,
     testing,
 )
+from ductor_celery.limits import LATEST_NOW, MAX_DURATION_S
 from ductor_celery.runtime.dispatch import Dispatcher
 
 T0 = datetime(2030, 1, 1, 9, 0, tzinfo=UTC)
@@ -358,3 +359,63 @@ def test_advance_fires_schedules_and_delayed_starts_in_time_order(tmp_path: Path
         assert {v.status for v in runs} == {RunStatus.SUCCEEDED}
         assert h.get(later.run_id).status == RunStatus.SUCCEEDED
         assert h.get(later.run_id).output == {"packed": ["LATE"]}
+
+
+# -- times at the edge of the calendar (issue 22 item 7) -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("amount", "needle"),
+    [
+        ({"days": 1e12}, "advance(days=1000000000000.0) is not a time the clock can move to"),
+        ({"days": 2_600_000}, "past 9000-01-01"),
+        ({"seconds": float("nan")}, "advance(seconds=nan) is not a time"),
+        ({"hours": float("inf")}, "advance(hours=inf) is not a time"),
+        ({"seconds": timedelta(days=999_999_999)}, "is not a time the clock can move to"),
+    ],
+)
+def test_advance_refuses_amounts_past_the_calendar(
+    tmp_path: Path, amount: dict[str, Any], needle: str
+) -> None:
+    ductor = make_shop(tmp_path)
+    with testing.harness(ductor, start_at=T0) as h:
+        handle = h.start("naps")
+        with pytest.raises(ValueError) as raised:
+            h.advance(**amount)
+        assert type(raised.value) is ValueError and needle in str(raised.value)
+        assert h.now == T0
+        assert h.run(handle).nodes["first"].status == NodeStatus.WAITING
+
+
+@pytest.mark.parametrize(
+    "start_at",
+    [
+        datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=14))),
+        datetime(9999, 12, 31, 23, tzinfo=UTC),
+        datetime(1, 1, 1, tzinfo=UTC),
+    ],
+)
+def test_a_harness_clock_past_the_calendar_is_refused(tmp_path: Path, start_at: datetime) -> None:
+    ductor = make_shop(tmp_path)
+    with pytest.raises(ValueError, match="start_at"):
+        with testing.harness(ductor, start_at=start_at):
+            pass
+
+
+def test_start_at_is_bounded_by_the_harness_clock_and_runs_work_near_its_end(
+    tmp_path: Path,
+) -> None:
+    ductor = make_shop(tmp_path)
+    ten_years = timedelta(seconds=MAX_DURATION_S)
+    near_the_end = LATEST_NOW - timedelta(days=1)
+    with testing.harness(ductor, start_at=near_the_end) as h:
+        # Ten years ahead of the harness's clock (the database's), not the wall clock's.
+        with pytest.raises(ValueError, match="at most ten years"):
+            h.start("naps", start_at=h.now + ten_years + timedelta(hours=1))
+        later = h.start("naps", start_at=h.now + timedelta(hours=1), deadline=MAX_DURATION_S)
+        h.advance(hours=3, minutes=1)
+        view = h.run(later)
+        assert view.status == RunStatus.SUCCEEDED
+        assert view.deadline_at == near_the_end + timedelta(hours=1) + ten_years
+        with pytest.raises(ValueError, match="past 9000-01-01"):
+            h.advance(days=2)

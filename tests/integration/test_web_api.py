@@ -17,6 +17,7 @@ from support import tick_once
 
 from ductor_celery import ConcurrencyLimit, Ductor, StepContext, Workflow
 from ductor_celery.store import attempts
+from ductor_celery.store.db import forget_engine
 from ductor_celery.web import create_app
 
 TOKEN = "s3cret-token"
@@ -466,3 +467,55 @@ def test_redrive_from_a_node_with_an_input_through_the_api(world: World, api: Te
     assert view["status"] == "succeeded" and view["input"] == {"x": 9}
     assert view["nodes"]["b"]["attempts"] == 2 and view["nodes"]["a"]["attempts"] == 1
     assert view["version"] == 1
+
+
+# -- times at the edge of the calendar (issue 22 item 7) -----------------------------------
+
+CRAFTED_CURSOR = (
+    "WyIwMDAxLTAxLTAxVDAwOjAwOjAwKzE0OjAwIiwicnJyciJd"  # ["0001-01-01T00:00:00+14:00","rrrr"]
+)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def edge_api(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[TestClient]:
+    if request.param == "sqlite":
+        from ductor_celery.store.migrate import upgrade
+
+        url = f"sqlite:///{tmp_path}/edges.sqlite3"
+        upgrade(url)
+    else:
+        url = request.getfixturevalue("database_url")
+    world = World(url)
+    world.d.start("web_flow", input={"x": 1})
+    # raise_server_exceptions=False: a 500 is an answer here, not an exception in the test.
+    with TestClient(create_app(world.d, token=TOKEN), raise_server_exceptions=False) as c:
+        yield c
+    forget_engine(world.d.settings.database_url)  # its pooled connections back to the server
+
+
+@pytest.mark.parametrize(
+    ("params", "needle"),
+    [
+        ({"since": "0001-01-01T00:00:00+14:00"}, "since 0001-01-01T00:00:00+14:00 is out of"),
+        ({"until": "9999-12-31T23:59:59-14:00"}, "until 9999-12-31T23:59:59-14:00 is out of"),
+        ({"since": "99999999999w"}, "since '99999999999w' is more than ten years ago"),
+        ({"until": "9" * 40 + "d"}, "is more than ten years ago"),
+        ({"cursor": CRAFTED_CURSOR}, "is not a cursor that list_runs returned"),
+    ],
+)
+def test_times_past_the_calendar_are_400_naming_the_parameter(
+    edge_api: TestClient, params: dict[str, str], needle: str
+) -> None:
+    answer = edge_api.get("/api/runs", params=params)
+    assert answer.status_code == 400, answer.text
+    assert needle in answer.json()["error"]
+    page = edge_api.get("/", params=params)
+    assert page.status_code == 400
+    assert needle.split(" ")[0] in page.text
+
+
+def test_the_calendars_own_ends_in_utc_are_fine(edge_api: TestClient) -> None:
+    answer = edge_api.get(
+        "/api/runs", params={"since": "0001-01-01T00:00:00Z", "until": "9999-12-31T23:59:59Z"}
+    )
+    assert answer.status_code == 200 and len(answer.json()["runs"]) == 1
