@@ -72,9 +72,14 @@ def _fresh_db(pg_server: PostgresServer, template: str) -> str:
 
 
 @pytest.fixture
-def database_url(pg_server: PostgresServer, template_db: str) -> str:
-    """A fresh, migrated database for one test."""
-    return _fresh_db(pg_server, template_db)
+def database_url(pg_server: PostgresServer, template_db: str) -> Iterator[str]:
+    """A fresh, migrated database for one test. Its pooled connections are closed after the
+    test: kept for the whole session, a thousand tests' pools would exhaust the server."""
+    from ductor_celery.store.db import dispose_url
+
+    url = _fresh_db(pg_server, template_db)
+    yield url
+    dispose_url(url)
 
 
 def _broker(redis_server: RedisServer) -> str:

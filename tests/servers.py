@@ -447,7 +447,7 @@ class PostgresServer(_ManagedServer):
         "fsync": "off",
         "synchronous_commit": "on",
         "full_page_writes": "off",
-        "max_connections": "300",
+        "max_connections": "500",
         "shared_buffers": "128MB",
         # The data dir is usually on tmpfs (RAM); keep WAL from growing towards the 1GB default.
         "max_wal_size": "256MB",

@@ -89,7 +89,7 @@ def test_a_running_step_stops_on_the_cancel_and_the_run_ends_cancelled(
     token = f"{handle.run_id}:a:1"
     thread, out = _run_in_thread(ductor, step, token)
     ductor.cancel(handle.run_id, reason="not needed")
-    assert run_tick(ductor.runtime, handle.run_id) == "committed"
+    # Applied by the call: the run is asked to stop, and waits for the attempt.
     view = ductor.get(handle.run_id)
     assert view.status == RunStatus.RUNNING  # asked, waiting for the attempt to stop
     assert _attempt(ductor, token).cancel_requested_at is not None

@@ -134,7 +134,7 @@ def test_every_printed_form_of_a_secret_is_kept_out_of_tables_views_and_logs(
     assert error["type"] == "KeyError" and error["message"] == "'***'"
     assert "KeyError: '***'" in error["traceback"] and "RuntimeError: ***" in error["traceback"]
 
-    with TestClient(create_app(d)) as client:
+    with TestClient(create_app(d, allowed_hosts=["testserver"])) as client:
         api = client.get(f"/api/runs/{view.run_id}")
         page = client.get(f"/runs/{view.run_id}")
     assert api.status_code == 200 and page.status_code == 200

@@ -15,10 +15,12 @@ from celery import Celery
 from inline_support import url
 
 from ductor_celery import Ductor, Workflow
+from ductor_celery.engine.kinds import ControlKind
 from ductor_celery.runtime.coordinator import run_tick
 from ductor_celery.runtime.steps import execute_attempt
 from ductor_celery.store import attempts
 from ductor_celery.store.db import get_engine
+from ductor_celery.store.external import insert_control
 
 __all__ = ["url"]  # the fixture: PostgreSQL and SQLite
 
@@ -109,8 +111,7 @@ def test_a_finished_run_with_a_late_outcome_still_folds_it(ductor: Any, url: str
     run_tick(ductor.runtime, run_id)
     [token] = _tokens(ductor, run_id)
     assert attempts.claim(ductor.runtime.engine(), token, "late-worker") is not None
-    ductor.terminate(run_id)
-    assert run_tick(ductor.runtime, run_id) == "committed"
+    ductor.terminate(run_id)  # applied by the call (its own tick)
     assert ductor.get(run_id).status == "terminated"
     with get_engine(url).begin() as conn:
         # The closed attempt's outcome, as a worker that ran on would have left it.
@@ -129,7 +130,8 @@ def test_a_finished_run_with_a_late_outcome_still_folds_it(ductor: Any, url: str
 
 def test_a_finished_run_with_a_control_handles_it(ductor: Any) -> None:
     run_id, _ = _finished(ductor)
-    ductor.redrive(run_id, from_node="a")  # a control row; its wake-up is not delivered here
+    # A control row no tick has handled (its caller could not tick: the coordinator does).
+    insert_control(ductor.runtime.engine(), run_id=run_id, kind=ControlKind.REDRIVE, node="a")
     assert run_tick(ductor.runtime, run_id) == "committed"
     assert ductor.get(run_id).status == "running"
 

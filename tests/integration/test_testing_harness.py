@@ -337,10 +337,11 @@ def test_child_runs_and_controls_inside_the_harness(tmp_path: Path) -> None:
         assert view.status == RunStatus.SUCCEEDED
         assert view.nodes["nap"].finished_at == T0 + timedelta(hours=2)
 
-        # Any control on the Ductor itself is delivered by the next run() or advance().
+        # A control on the Ductor itself is applied before the call returns, on the clock.
         other = h.start("naps")
         ductor.cancel(other.run_id, reason="not needed")
-        assert h.get(other).status == RunStatus.RUNNING
+        view = h.get(other)
+        assert view.status == RunStatus.CANCELLED and view.finished_at == h.now
         assert h.run(other).status == RunStatus.CANCELLED
 
 

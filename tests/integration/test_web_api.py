@@ -488,7 +488,9 @@ def edge_api(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[TestClie
     world = World(url)
     world.d.start("web_flow", input={"x": 1})
     # raise_server_exceptions=False: a 500 is an answer here, not an exception in the test.
-    with TestClient(create_app(world.d, token=TOKEN), raise_server_exceptions=False) as c:
+    with TestClient(
+        create_app(world.d, token=TOKEN, allowed_hosts=[TESTSERVER]), raise_server_exceptions=False
+    ) as c:
         yield c
     forget_engine(world.d.settings.database_url)  # its pooled connections back to the server
 
