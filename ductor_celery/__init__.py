@@ -24,9 +24,11 @@ from .errors import (
     WrongDatabase,
 )
 from .runtime.steps import Step, StepContext
-from .views import NodeView, RunHandle, RunPage, RunView, ScheduleView
+from .views import AuditEntry, AuditPage, NodeView, RunHandle, RunPage, RunView, ScheduleView
 
 __all__ = [
+    "AuditEntry",
+    "AuditPage",
     "ConcurrencyLimit",
     "DefinitionError",
     "Ductor",

@@ -5,6 +5,7 @@ Every error prints one line on stderr and exits non-zero; read commands take ``-
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import sys
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from .audit import AuditSource, acting_as
 from .errors import DuctorError
 from .limits import MAX_DURATION_S, MAX_JSON_DEPTH, MAX_LIST_LIMIT
 from .settings import EMBEDDED_DATABASE_URL, normalize_url, redact_url
@@ -126,11 +128,30 @@ def _duration(start: datetime | None, end: datetime | None) -> str:
     return f"{(end - start).total_seconds():.3f}s"
 
 
+def _os_user() -> str | None:
+    """The operating-system user: who acts, unless ``--by`` says otherwise."""
+    try:
+        return getpass.getuser()[:200] or None
+    except Exception:  # noqa: BLE001 - no user name (a container with a bare uid)
+        return None
+
+
+def _by_option(fn: Any) -> Any:
+    return click.option(
+        "--by",
+        default=_os_user,
+        show_default="the operating-system user",
+        help="Who acts, for the audit log.",
+    )(fn)
+
+
 @click.group(name="ductor")
 @click.option("-A", "--app", "app_path", default=None, help="The Celery app, e.g. proj.app:app.")
 @click.pass_context
 def ductor(ctx: click.Context, app_path: str | None) -> None:
     """Durable workflows on Celery."""
+    # Every action of this command is recorded as from the command line (the audit log).
+    ctx.with_resource(acting_as(AuditSource.CLI))
     if ctx.obj is None:
         ctx.obj = {"app": app_path}
     elif isinstance(ctx.obj, dict):
@@ -169,6 +190,7 @@ def migrate(ctx: click.Context, database_url: str | None) -> None:
 @click.option(
     "--deadline", default=None, type=float, help="Seconds from its start; then it is timed_out."
 )
+@_by_option
 @click.pass_context
 def start(
     ctx: click.Context,
@@ -180,6 +202,7 @@ def start(
     delay: float | None,
     version_text: str | None,
     deadline: float | None,
+    by: str | None,
 ) -> None:
     """Start a run of WORKFLOW; prints {"run_id", "workflow_id"} (then the run, with --wait)."""
     value = _parse_json(input_json, "--input")
@@ -197,6 +220,7 @@ def start(
         delay=delay,
         version=version,
         deadline=deadline,
+        by=by,
     )
     click.echo(json.dumps({"run_id": handle.run_id, "workflow_id": handle.workflow_id}))
     if wait_:
@@ -285,6 +309,61 @@ _COLORS = {
     "skipped": "dim",
     "pending": "white",
 }
+
+
+@ductor.command()
+@click.argument("target", required=False)
+@click.option("--actor", default=None, help="Only what this actor did.")
+@click.option("--action", default=None, help="Only this action (pause, start, prune...).")
+@click.option("--since", default=None, help="At or after: ISO 8601 or an age (2h, 7d).")
+@click.option("--cursor", default=None, help="The next-page cursor a previous listing printed.")
+@click.option("--limit", default=50, type=int, show_default=True, help=f"1..{MAX_LIST_LIMIT}.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.pass_context
+def audit(
+    ctx: click.Context,
+    target: str | None,
+    actor: str | None,
+    action: str | None,
+    since: str | None,
+    cursor: str | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """Who did what, newest first: of TARGET (a run id or workflow id), or of everything."""
+    from datetime import UTC
+
+    from .web.timeparse import parse_time
+
+    start = None if since is None else _call(parse_time, since, "--since", datetime.now(UTC))
+    d = _load_ductor(ctx)
+    page = _call(
+        d.audit, target, actor=actor, action=action, since=start, limit=limit, cursor=cursor
+    )
+    if as_json:
+        for entry in page:
+            click.echo(entry.model_dump_json())
+        if page.next_cursor is not None:
+            click.echo(f"next cursor: {page.next_cursor}", err=True)
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{len(page)} audit entries")
+    for column in ("at", "actor", "action", "source", "run id", "node", "detail"):
+        table.add_column(column)
+    for e in page:
+        table.add_row(
+            _when(e.at),
+            e.actor or "",
+            e.action,
+            e.source,
+            e.run_id or "",
+            e.node or "",
+            _short(json.dumps(e.detail)) if e.detail else "",
+        )
+    _console().print(table)
+    if page.next_cursor is not None:
+        click.echo(f"next cursor: {page.next_cursor}  (more: add --cursor {page.next_cursor})")
 
 
 def _status(status: str) -> str:
@@ -435,14 +514,20 @@ def doctor(ctx: click.Context, timeout: float) -> None:
 @click.option(
     "--idempotency-key", default=None, help="A repeat of the key is accepted and ignored."
 )
+@_by_option
 @click.pass_context
 def signal(
-    ctx: click.Context, target: str, name: str, payload: str | None, idempotency_key: str | None
+    ctx: click.Context,
+    target: str,
+    name: str,
+    payload: str | None,
+    idempotency_key: str | None,
+    by: str | None,
 ) -> None:
     """Send signal NAME to TARGET (run id or workflow id)."""
     value = _parse_json(payload, "--payload")
     signal_id = _call(
-        _load_ductor(ctx).signal, target, name, value, idempotency_key=idempotency_key
+        _load_ductor(ctx).signal, target, name, value, idempotency_key=idempotency_key, by=by
     )
     click.echo(json.dumps({"signal_id": signal_id}))
 
@@ -453,7 +538,12 @@ def _decision(approved: bool) -> click.Command:
     @click.command(name=verb, help=f"{verb.capitalize()} the waiting approval NODE of TARGET.")
     @click.argument("target")
     @click.argument("node")
-    @click.option("--by", default=None, help="Who decides.")
+    @click.option(
+        "--by",
+        default=_os_user,
+        show_default="the operating-system user",
+        help="Who decides (recorded with the decision and in the audit log).",
+    )
     @click.option("--comment", default=None)
     @click.pass_context
     def decide(
@@ -480,10 +570,11 @@ def _control(kind: str, with_reason: bool) -> click.Command:
     )
     @click.argument("target", required=False)
     @_bulk_options
+    @_by_option
     @click.pass_context
     def control(ctx: click.Context, /, target: str | None, **options: Any) -> None:
         d = _load_ductor(ctx)
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"by": options.get("by")}
         if with_reason and options.get("reason") is not None:
             kwargs["reason"] = options["reason"]
         if kind == "redrive" and options.get("from_node") is not None:
@@ -576,9 +667,11 @@ def _bulk_control(
         kwargs["has_input"] = True
     if "from_node" in kwargs:  # the client's name for it
         kwargs["node"] = kwargs.pop("from_node")
+    kwargs["requested_by"] = kwargs.pop("by", None)
     if kind == "continue_as_new" and options.get("version_text") is not None:
         kwargs["version"] = _parse_version(options["version_text"], latest=True)
-    result = _call(bulk.apply, d.client, selection, **kwargs)
+    with acting_as(AuditSource.BULK):
+        result = _call(bulk.apply, d.client, selection, **kwargs)
     for run_id, why in result.refused:
         click.echo(f"refused {run_id}: {why}", err=True)
     click.echo(f"{name} requested for {result.applied} of {count} runs")
@@ -736,6 +829,7 @@ def schedule_group() -> None:
     help="While the previous run is open: skip, buffer_one or allow.",
 )
 @click.option("--catchup-window", default=None, help="Catch up missed fire times this recent (5m).")
+@_by_option
 @click.pass_context
 def schedule_add(
     ctx: click.Context,
@@ -747,6 +841,7 @@ def schedule_add(
     input_json: str | None,
     overlap: str,
     catchup_window: str | None,
+    by: str | None,
 ) -> None:
     """Define schedule NAME (replacing one of that name); prints it as JSON."""
     value = _parse_json(input_json, "--input")
@@ -763,6 +858,7 @@ def schedule_add(
         timezone=timezone,
         input=value,
         overlap=overlap,
+        by=by,
         **options,
     )
     click.echo(view.model_dump_json())
@@ -771,10 +867,13 @@ def schedule_add(
 def _schedule_action(verb: str, method: str, help_text: str) -> None:
     @schedule_group.command(name=verb, help=help_text)
     @click.argument("name")
+    @_by_option
     @click.pass_context
-    def action(ctx: click.Context, name: str) -> None:
+    def action(ctx: click.Context, name: str, by: str | None) -> None:
         d = _load_ductor(ctx)
-        found = _call(getattr(d, method), name)
+        # Removing a schedule is an audited action; pausing and triggering are not (yet).
+        extra = {"by": by} if method == "unschedule" else {}
+        found = _call(getattr(d, method), name, **extra)
         if found is not None:  # trigger: the run it started
             click.echo(json.dumps({"run_id": found.run_id, "workflow_id": found.workflow_id}))
         else:
@@ -791,14 +890,17 @@ _schedule_action("trigger", "trigger_schedule", "Start a run of NAME now; prints
 @click.option("--older-than", required=True, help="Finished longer ago than this: 30d, 12h...")
 @click.option("--status", "statuses", multiple=True, help="Only this finished status (repeat).")
 @click.option("--dry-run", is_flag=True, help="Only count the runs that would be deleted.")
+@_by_option
 @click.pass_context
-def prune(ctx: click.Context, older_than: str, statuses: tuple[str, ...], dry_run: bool) -> None:
+def prune(
+    ctx: click.Context, older_than: str, statuses: tuple[str, ...], dry_run: bool, by: str | None
+) -> None:
     """Delete finished runs (attempts, transitions, signals, controls too), in batches."""
     from datetime import timedelta
 
     age = timedelta(seconds=_seconds(older_than, "--older-than"))
     d = _load_ductor(ctx)
-    count = _call(d.prune, older_than=age, statuses=list(statuses) or None, dry_run=dry_run)
+    count = _call(d.prune, older_than=age, statuses=list(statuses) or None, dry_run=dry_run, by=by)
     click.echo(f"{count} runs would be deleted" if dry_run else f"{count} runs deleted")
 
 

@@ -5,6 +5,7 @@ It never imports ``runtime/``: the facade hands it a ``wake`` function.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -17,7 +18,9 @@ from typing import Any, TypeVar
 
 from sqlalchemy.engine import Engine
 
+from . import audit as audit_source
 from . import limits, tracing
+from .audit import AuditAction
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
 from .engine.deadline import deadline_after
 from .engine.kinds import (
@@ -40,13 +43,32 @@ from .errors import (
     WorkflowNotFound,
 )
 from .settings import Settings
-from .store import clock, external, finishes, inputs, joined, runs
+from .store import audit, clock, external, finishes, inputs, joined, runs
 from .store.db import db_now, get_engine, with_retry
 from .store.outputs import EngineOutputs
 from .store.runs import RunRow
-from .views import NodeView, RunHandle, RunPage, RunView
+from .views import AuditEntry, AuditPage, NodeView, RunHandle, RunPage, RunView
 
 log = logging.getLogger("ductor_celery.client")
+
+
+def _audit_cursor(cursor: str | None) -> int | None:
+    """The id an ``AuditPage.next_cursor`` continues before."""
+    if cursor is None:
+        return None
+    if not isinstance(cursor, str) or not cursor.startswith("a") or not cursor[1:].isdigit():
+        raise ValueError(f"cursor {str(cursor)[:100]!r} is not a cursor that audit() returned")
+    if len(cursor) > 20:
+        raise ValueError("cursor is not a cursor that audit() returned")
+    return int(cursor[1:])
+
+
+def _who(by: str | None) -> audit.Who:
+    """Who asks (``by=``, checked as an id) and from where (the calling layer's source)."""
+    if by is not None:
+        check_id(by, "by")
+    return audit.Who(actor=by, source=audit_source.current_source())
+
 
 #: Ticks a control call runs at most to reach its control: one per control queued before it.
 MAX_CONTROL_TICKS = 20
@@ -338,6 +360,7 @@ class Client:
         connection: Any = None,
         using: str | None = None,
         version: int | None = None,
+        by: str | None = None,
     ) -> RunHandle:
         """Insert a pending run and wake it. ``version``: that registered version of the
         workflow (default: the newest). ``delay``/``start_at``: it stays pending until
@@ -354,6 +377,7 @@ class Client:
         if version is not None:
             check_version(version)
         check_deadline(deadline)
+        who = _who(by)
         value = check_payload(
             input, f"input of workflow {workflow!r}", self.settings.max_payload_bytes
         )
@@ -379,6 +403,7 @@ class Client:
                 fire_at,
                 due_now,
                 self._deadline_at(spec, deadline, fire_at),
+                who,
             )
         engine = self.engine
         # The times first: a start_at too far ahead is refused before anything is written.
@@ -399,6 +424,7 @@ class Client:
                 trace_context=traceparent,
                 start_at=start_at,
                 deadline_at=deadline_at,
+                who=who,
             ),
             what="insert run",
         )
@@ -416,6 +442,7 @@ class Client:
         start_at: datetime | None,
         due_now: bool,
         deadline_at: datetime | None = None,
+        who: audit.Who | None = None,
     ) -> RunHandle:
         """The run's rows in the caller's transaction (not retried here: a transaction is the
         caller's to retry); the wake-up once it commits (a delayed run: its timer's)."""
@@ -429,6 +456,7 @@ class Client:
             trace_context=tracing.start_run(run_id, spec.name),
             start_at=start_at,
             deadline_at=deadline_at,
+            who=who,
         )
         if created and due_now:
             caller.on_commit(
@@ -525,9 +553,11 @@ class Client:
         name: str,
         payload: Any = None,
         idempotency_key: str | None = None,
+        by: str | None = None,
     ) -> int:
         """Accept a signal for the run (kept until a node consumes it). Returns its id."""
         check_target(target)
+        who = _who(by)
         check_id(name, "signal name")
         if name.startswith("ductor."):
             raise ValueError(
@@ -554,6 +584,7 @@ class Client:
                 name=name,
                 payload=value,
                 idempotency_key=key,
+                who=who,
             ),
             what="insert signal",
         )
@@ -568,8 +599,7 @@ class Client:
         verb = "approve" if approved else "reject"
         check_target(target)
         check_id(node, "node")
-        if by is not None:
-            check_id(by, "by")
+        who = _who(by)
         check_text(comment, "comment", self.settings.max_payload_bytes)
         row = self._open_row(target, f"{verb} {node!r}")
         spec = self._read(runs.load_definition, self.engine, row.spec_hash)
@@ -604,6 +634,9 @@ class Client:
                 name=approval_signal(node),
                 payload=decision,
                 idempotency_key=decision_key(row.run_id, node, started),
+                who=who,
+                action=AuditAction.APPROVE if approved else AuditAction.REJECT,
+                node=node,
             ),
             what="insert decision",
         )
@@ -632,7 +665,7 @@ class Client:
         check_target(target)
         check_text(reason, "reason", self.settings.max_payload_bytes)
         if requested_by is not None:
-            check_id(requested_by, "requested_by")
+            check_id(requested_by, "by")
         if node is not None:
             if kind != ControlKind.REDRIVE:
                 raise ValueError(f"from_node is for redrive, not {kind}")
@@ -663,6 +696,7 @@ class Client:
                 has_input=has_input,
                 node=node,
                 spec_hash=spec_hash,
+                source=audit_source.current_source().value,
             ),
             what=f"insert {kind}",
         )
@@ -728,6 +762,41 @@ class Client:
         if row is None:
             raise RunNotFound(f"no run with run id or workflow id {target!r}")
         return row
+
+    def audit(
+        self,
+        target: str | None = None,
+        *,
+        actor: str | None = None,
+        action: str | None = None,
+        since: datetime | str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> AuditPage:
+        """Audit entries newest first (``target``: a run id, or a workflow id: every run of
+        it). Bad arguments: ``TypeError``/``ValueError`` naming them, as ``list_runs``."""
+        if actor is not None:
+            check_id(actor, "actor")
+        if action is not None:
+            check_id(action, "action")
+            if action not in {a.value for a in AuditAction}:
+                known = ", ".join(a.value for a in AuditAction)
+                raise ValueError(f"unknown audit action {action!r} (one of: {known})")
+        check_list_args(None, None, limit)
+        since_at = check_time(since, "since")
+        before = _audit_cursor(cursor)
+        where = audit.AuditFilter(actor=actor, action=action, since=since_at)
+        if target is not None:
+            check_target(target)
+            ids = self._read(runs.run_ids_of, self.engine, target)
+            if not ids:
+                raise RunNotFound(f"no run with run id or workflow id {target!r}")
+            where = dataclasses.replace(where, run_ids=tuple(ids), workflow_id=target)
+        rows, last = self._read(audit.entries, self.engine, where, limit=limit, before_id=before)
+        return AuditPage(
+            entries=[AuditEntry(**{**r, "detail": r["detail"] or {}}) for r in rows],
+            next_cursor=None if last is None else f"a{last}",
+        )
 
     def get(self, target: str) -> RunView:
         check_target(target)
@@ -832,7 +901,13 @@ class Client:
         )
 
     def continue_as_new(
-        self, target: str, *, input: Any = None, has_input: bool = False, version: Any = None
+        self,
+        target: str,
+        *,
+        input: Any = None,
+        has_input: bool = False,
+        version: Any = None,
+        requested_by: str | None = None,
     ) -> None:
         """Queue a continue-as-new; ``version``: ``"latest"`` (the newest definition) or a
         registered version number moves the successor to that definition."""
@@ -854,6 +929,7 @@ class Client:
             input=input,
             has_input=has_input,
             spec_hash=spec_hash,
+            requested_by=requested_by,
         )
 
     def _save_definitions(self, spec: WorkflowSpec) -> None:

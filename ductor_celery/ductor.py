@@ -22,7 +22,7 @@ from .schedules import DEFAULT_CATCHUP_WINDOW_S, Schedules
 from .settings import Settings
 from .store import migrate
 from .values import declare_annotations, register_type
-from .views import RunHandle, RunPage, RunView, ScheduleView
+from .views import AuditPage, RunHandle, RunPage, RunView, ScheduleView
 
 log = logging.getLogger("ductor_celery")
 
@@ -197,6 +197,7 @@ class Ductor:
         connection: Any = None,
         using: str | None = None,
         version: int | None = None,
+        by: str | None = None,
     ) -> RunHandle:
         """Start a run; with ``delay`` (seconds) or ``start_at`` (an aware datetime) it stays
         ``pending`` until then (a timer row, cancellable like any open run). ``deadline``:
@@ -214,6 +215,7 @@ class Ductor:
             connection=connection,
             using=using,
             version=version,
+            by=by,
         )
 
     def get(self, target: str) -> RunView:
@@ -244,10 +246,15 @@ class Ductor:
         )
 
     def signal(
-        self, target: str, name: str, payload: Any = None, idempotency_key: str | None = None
+        self,
+        target: str,
+        name: str,
+        payload: Any = None,
+        idempotency_key: str | None = None,
+        by: str | None = None,
     ) -> int:
         """Send a durable signal to a run (run id or workflow id). Returns the signal's id."""
-        return self.client.signal(target, name, payload, idempotency_key=idempotency_key)
+        return self.client.signal(target, name, payload, idempotency_key=idempotency_key, by=by)
 
     def approve(
         self, target: str, node: str, by: str | None = None, comment: str | None = None
@@ -259,19 +266,27 @@ class Ductor:
     ) -> None:
         self.client.decide(target, node, approved=False, by=by, comment=comment)
 
-    def pause(self, target: str, reason: str | None = None) -> None:
-        self.client.control(target, ControlKind.PAUSE, reason=reason)
+    def pause(self, target: str, reason: str | None = None, by: str | None = None) -> None:
+        """Pause the run, applied before this returns (``InvalidOperation`` if its state does
+        not allow it); ``by``: who asks, for the audit log."""
+        self.client.control(target, ControlKind.PAUSE, reason=reason, requested_by=by)
 
-    def resume(self, target: str) -> None:
-        self.client.control(target, ControlKind.RESUME)
+    def resume(self, target: str, by: str | None = None) -> None:
+        self.client.control(target, ControlKind.RESUME, requested_by=by)
 
-    def cancel(self, target: str, reason: str | None = None) -> None:
-        self.client.control(target, ControlKind.CANCEL, reason=reason)
+    def cancel(self, target: str, reason: str | None = None, by: str | None = None) -> None:
+        self.client.control(target, ControlKind.CANCEL, reason=reason, requested_by=by)
 
-    def terminate(self, target: str, reason: str | None = None) -> None:
-        self.client.control(target, ControlKind.TERMINATE, reason=reason)
+    def terminate(self, target: str, reason: str | None = None, by: str | None = None) -> None:
+        self.client.control(target, ControlKind.TERMINATE, reason=reason, requested_by=by)
 
-    def redrive(self, target: str, from_node: str | None = None, input: Any = None) -> None:
+    def redrive(
+        self,
+        target: str,
+        from_node: str | None = None,
+        input: Any = None,
+        by: str | None = None,
+    ) -> None:
         """Reopen a finished run: failed and cancelled nodes run again with a fresh retry
         budget (a failed, cancelled or terminated run). ``from_node``: that node and every
         node after it run again too, upstream outputs kept; any finished run, a succeeded one
@@ -283,10 +298,15 @@ class Ductor:
             node=from_node,
             input=input,
             has_input=input is not None,
+            requested_by=by,
         )
 
     def continue_as_new(
-        self, target: str, input: Any = None, version: int | str | None = None
+        self,
+        target: str,
+        input: Any = None,
+        version: int | str | None = None,
+        by: str | None = None,
     ) -> None:
         """Close the run as ``continued`` and start its successor with the same workflow id.
 
@@ -296,10 +316,24 @@ class Ductor:
         successor runs that definition (docs/operations.md); default: the run's own.
         """
         self.client.continue_as_new(
-            target, input=input, has_input=input is not None, version=version
+            target, input=input, has_input=input is not None, version=version, requested_by=by
         )
 
-    # -- schedules ------------------------------------------------------------------------------
+    def audit(
+        self,
+        target: str | None = None,
+        *,
+        actor: str | None = None,
+        action: str | None = None,
+        since: datetime | str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> AuditPage:
+        """Who did what, newest first: an ``AuditPage`` of ``AuditEntry`` (docs/operations.md,
+        "Who did what"). ``target``: a run id or a workflow id (every run of it)."""
+        return self.client.audit(
+            target, actor=actor, action=action, since=since, limit=limit, cursor=cursor
+        )
 
     def schedule(
         self,
@@ -312,6 +346,7 @@ class Ductor:
         input: Any = None,
         overlap: str = "skip",
         catchup_window: float = DEFAULT_CATCHUP_WINDOW_S,
+        by: str | None = None,
     ) -> ScheduleView:
         """Start ``workflow`` on a cron expression (in ``timezone``) or ``every`` N seconds,
         fired by the coordinator's sweeper: one run per fire time, whose workflow id is
@@ -328,10 +363,11 @@ class Ductor:
             input=input,
             overlap=overlap,
             catchup_window=catchup_window,
+            by=by,
         )
 
-    def unschedule(self, name: str) -> None:
-        self.schedules.unschedule(name)
+    def unschedule(self, name: str, by: str | None = None) -> None:
+        self.schedules.unschedule(name, by=by)
 
     def pause_schedule(self, name: str) -> None:
         self.schedules.pause(name)
@@ -353,12 +389,13 @@ class Ductor:
         older_than: timedelta,
         statuses: list[str] | None = None,
         dry_run: bool = False,
+        by: str | None = None,
     ) -> int:
         """Delete finished runs (with their attempts, transitions, signals and controls) that
         finished more than ``older_than`` ago, in short batches; never a child of a parent
         that stays. ``statuses``: only these finished statuses. ``dry_run``: only count.
         Returns how many runs were (or would be) deleted."""
-        return retention.prune(self.client, older_than, statuses=statuses, dry_run=dry_run)
+        return retention.prune(self.client, older_than, statuses=statuses, dry_run=dry_run, by=by)
 
     def local_workers(self, concurrency: int = 4) -> Any:
         """Run a coordinator and step consumers as threads in this process (a context manager)."""

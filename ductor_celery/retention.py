@@ -7,9 +7,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from . import limits
-from .client import Client
+from .audit import current_source
+from .client import Client, check_id
 from .engine.status import TERMINAL_RUN_STATUSES, RunStatus
 from .store import retention
+from .store.audit import Who
 from .store.db import db_now, with_retry
 
 
@@ -65,11 +67,14 @@ def prune(
     statuses: Any = None,
     dry_run: bool = False,
     batch_size: int = retention.DEFAULT_BATCH_SIZE,
+    by: str | None = None,
 ) -> int:
     """Delete finished runs that finished more than ``older_than`` ago (with dry_run: count
     them). Returns the number of runs."""
     age = check_older_than(older_than)
     wanted = check_statuses(statuses)
+    if by is not None:
+        check_id(by, "by")
     if not isinstance(dry_run, bool):
         raise TypeError(f"dry_run must be True or False, got {type(dry_run).__name__}")
     engine = client.engine
@@ -79,6 +84,12 @@ def prune(
     # Each batch is its own transaction and safe to repeat: a retried batch deletes the
     # runs it finds then.
     return with_retry(
-        lambda: retention.prune(engine, cutoff=cutoff, statuses=wanted, batch_size=batch_size),
+        lambda: retention.prune(
+            engine,
+            cutoff=cutoff,
+            statuses=wanted,
+            batch_size=batch_size,
+            who=Who(by, current_source()),
+        ),
         what="prune",
     )

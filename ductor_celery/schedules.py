@@ -13,11 +13,13 @@ from datetime import datetime
 from typing import Any
 
 from . import limits
+from .audit import current_source
 from .client import Client, check_id, check_payload
 from .engine.fire_times import check_cadence
 from .errors import ScheduleNotFound
 from .store import runs
 from .store import schedules as rows
+from .store.audit import Who
 from .store.db import db_now, with_retry
 from .views import RunHandle, ScheduleView
 
@@ -56,9 +58,12 @@ class Schedules:
         input: Any = None,
         overlap: str = "skip",
         catchup_window: float = DEFAULT_CATCHUP_WINDOW_S,
+        by: str | None = None,
     ) -> ScheduleView:
         check_schedule_name(name)
         check_id(workflow, "workflow")
+        if by is not None:
+            check_id(by, "by")
         cadence = check_cadence(cron, every, timezone)
         if overlap not in rows.OVERLAP_POLICIES:
             raise ValueError(
@@ -95,13 +100,17 @@ class Schedules:
             buffered_fire_at=None,
             last_workflow_id=None,
         )
-        with_retry(lambda: rows.save_schedule(engine, row), what="save schedule")
+        who = Who(by, current_source())
+        with_retry(lambda: rows.save_schedule(engine, row, who), what="save schedule")
         return self.get(name)
 
-    def unschedule(self, name: str) -> None:
+    def unschedule(self, name: str, by: str | None = None) -> None:
         check_schedule_name(name)
+        if by is not None:
+            check_id(by, "by")
+        who = Who(by, current_source())
         if not with_retry(
-            lambda: rows.delete_schedule(self.client.engine, name), what="delete schedule"
+            lambda: rows.delete_schedule(self.client.engine, name, who), what="delete schedule"
         ):
             raise ScheduleNotFound(f"no schedule named {name!r}")
 

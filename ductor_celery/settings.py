@@ -38,6 +38,9 @@ class Settings:
     metrics_host: str = "0.0.0.0"
     #: The sweeper prunes finished runs older than this many days (``None``: keep everything).
     retention_days: float | None = None
+    #: The sweeper deletes audit entries older than this many days (``None``: keep them); an
+    #: entry of a pruned run goes with it, unless it records a bulk action.
+    audit_retention_days: float | None = 365.0
     #: Dotted path to a callable ``name -> str`` resolving ``$.secret.<name>`` and
     #: ``ctx.secret(name)`` in the step worker (or the callable itself, set in this process);
     #: ``None``: ``DUCTOR_SECRET_<NAME>`` env vars.
@@ -91,6 +94,11 @@ class Settings:
             metrics_port=get("metrics_port", defaults.metrics_port, _port("metrics_port")),
             metrics_host=get("metrics_host", defaults.metrics_host, str),
             retention_days=get("retention_days", defaults.retention_days, _days),
+            audit_retention_days=get(
+                "audit_retention_days",
+                defaults.audit_retention_days,
+                lambda v: _days(v, "ductor_audit_retention_days"),
+            ),
             secret_provider=get("secret_provider", defaults.secret_provider, _provider),
             cancel_grace=get("cancel_grace", defaults.cancel_grace, _grace),
         )
@@ -120,8 +128,8 @@ def _flag(value: Any) -> bool:
     raise ValueError(f"a ductor flag setting must be true or false, got {value!r}")
 
 
-def _days(value: Any) -> float:
-    """``ductor_retention_days``: a positive number of days (a string from an env config too)."""
+def _days(value: Any, name: str = "ductor_retention_days") -> float:
+    """A retention: a positive number of days (a string from an env config too)."""
     try:
         days = float(value) if not isinstance(value, bool) else math.nan
     except (TypeError, ValueError):
@@ -130,7 +138,7 @@ def _days(value: Any) -> float:
     # "now - days" on every pass, and 1e12 days would overflow it on every pass.
     if not math.isfinite(days) or not 0 < days <= MAX_DURATION_S / 86400:
         raise ValueError(
-            f"ductor_retention_days must be a positive number of days up to "
+            f"{name} must be a positive number of days up to "
             f"{MAX_DURATION_S / 86400:.0f} (ten years), or None; got {value!r}"
         )
     return days

@@ -128,3 +128,40 @@ class ScheduleView(BaseModel):
     buffered_fire_at: datetime | None = None
     #: The workflow id of the newest run the schedule started.
     last_workflow_id: str | None = None
+
+
+class AuditEntry(BaseModel):
+    """One action that took effect (docs/operations.md, "Who did what")."""
+
+    model_config = ConfigDict(frozen=True)
+
+    #: When it took effect (the database's clock).
+    at: datetime
+    #: Who: ``by=`` (the CLI's default, the operating-system user; the console, the token's
+    #: name), or ``None``.
+    actor: str | None = None
+    #: ``start``, ``pause``, ``resume``, ``cancel``, ``terminate``, ``redrive``,
+    #: ``continue_as_new``, ``signal``, ``approve``, ``reject``, ``schedule``, ``unschedule``,
+    #: ``prune``.
+    action: str
+    run_id: str | None = None
+    workflow_id: str | None = None
+    node: str | None = None
+    detail: dict[str, Any] = {}
+    #: ``api``, ``cli``, ``web``, ``schedule``, ``parent``, ``bulk``.
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class AuditPage:
+    """One page of ``audit()``, newest first; ``next_cursor`` (``None`` on the last page) is
+    the ``cursor=`` of the page after it. Iterable like the list of its entries."""
+
+    entries: list[AuditEntry]
+    next_cursor: str | None = None
+
+    def __iter__(self) -> Iterator[AuditEntry]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)

@@ -23,9 +23,10 @@ from ..definition.spec import WorkflowSpec
 from ..engine import RunState, TickPayload
 from ..engine.children import child_workflow_id
 from ..engine.deadline import deadline_after
+from ..engine.kinds import CONTROL_APPLIED
 from ..engine.status import OPEN_RUN_STATUSES
 from .load import newest_of_chain
-from .tables import AttemptRow, ControlRow, RunRow, Tables, TransitionRow, json_copy
+from .tables import AttemptRow, AuditRow, ControlRow, RunRow, Tables, TransitionRow, json_copy
 
 _OPEN = frozenset(s.value for s in OPEN_RUN_STATUSES)
 
@@ -96,6 +97,19 @@ def commit(
         for c in tables.controls:
             if c.id == handled.id:
                 c.handled_at, c.result = now, handled.result[:2000]
+                if handled.result == CONTROL_APPLIED:
+                    tables.audit.append(
+                        AuditRow(
+                            at=now,
+                            actor=c.requested_by,
+                            action=c.kind,
+                            run_id=c.run_id,
+                            workflow_id=run.workflow_id,
+                            node=c.node,
+                            detail={"reason": c.reason[:500]} if c.reason else None,
+                            source=c.source or "api",
+                        )
+                    )
         # A tick drains one control: wake the run at once for the next one.
         if any(c.run_id == run.run_id and c.handled_at is None for c in tables.controls):
             outbox += _insert_outbox(tables, [wakeup_intent(run.run_id)])
@@ -274,6 +288,7 @@ def _children(
                 has_input=False,
                 requested_by=f"parent:{run.run_id}",
                 created_at=now,
+                source="parent",
             )
         )
         intents.append(wakeup_intent(target.run_id))

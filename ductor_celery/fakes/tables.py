@@ -105,6 +105,21 @@ class ControlRow:
     result: str | None = None
     node: str | None = None
     spec_hash: str | None = None
+    source: str | None = None
+
+
+@dataclass
+class AuditRow:
+    """An ``eec_audit`` row (store/audit.py): an action that took effect."""
+
+    at: datetime
+    actor: str | None
+    action: str
+    run_id: str | None
+    workflow_id: str | None
+    node: str | None
+    detail: dict[str, Any] | None
+    source: str
 
 
 @dataclass
@@ -127,6 +142,7 @@ class Tables:
     attempts: dict[str, AttemptRow] = field(default_factory=dict)
     signals: list[SignalRow] = field(default_factory=list)
     controls: list[ControlRow] = field(default_factory=list)
+    audit: list[AuditRow] = field(default_factory=list)
     transitions: list[TransitionRow] = field(default_factory=list)
     #: Unsent outbox rows by id (``InMemoryStore.delete_outbox`` removes sent ones).
     outbox: dict[int, OutboxRow] = field(default_factory=dict)

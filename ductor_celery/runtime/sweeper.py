@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
 
+from ..audit import AuditSource
 from ..engine.status import TERMINAL_RUN_STATUSES
-from ..store import retention, schedules, sweep
+from ..store import audit, retention, schedules, sweep
+from ..store.audit import Who
 from ..store.db import db_now
 from . import metrics
 
@@ -152,19 +154,31 @@ class Sweeper:
         most every PRUNE_EVERY_S (several coordinators skip each other's locked batches)."""
         days = self.rt.settings.retention_days
         now = time.monotonic()
-        if days is None or (self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY_S):
+        if self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY_S:
             return 0
         self._pruned_at = now
+        self._prune_audit(engine)
+        if days is None:
+            return 0
         cutoff = db_now(engine) - timedelta(days=days)
         pruned = retention.prune(
             engine,
             cutoff=cutoff,
             statuses=TERMINAL_RUN_STATUSES,
             max_batches=PRUNE_BATCHES_PER_SWEEP,
+            who=Who("ductor_retention_days", AuditSource.SCHEDULE),
         )
         if pruned:
             log.info("sweep: pruned %d runs finished before %s", pruned, cutoff.isoformat())
         return pruned
+
+    def _prune_audit(self, engine: Any) -> int:
+        """``ductor_audit_retention_days``: delete audit entries older than that (with the
+        runs' prune, at most every PRUNE_EVERY_S)."""
+        days = self.rt.settings.audit_retention_days
+        if days is None:
+            return 0
+        return audit.delete_older_than(engine, db_now(engine) - timedelta(days=days))
 
     def _throttle(self, run_ids: list[str], window: float) -> list[str]:
         """Drop runs woken for the same reason within ``window`` seconds."""

@@ -12,9 +12,11 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 
+from ..audit import AuditAction
 from ..engine.kinds import ControlKind
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from ..errors import InvalidOperation
+from . import audit
 from .schema import workflow_control, workflow_run, workflow_signal
 
 #: First key of the advisory locks that order one workflow id's signals ("ductor" in ASCII-ish).
@@ -42,9 +44,14 @@ def insert_signal(
     workflow_id: str,
     name: str,
     payload: Any,
-    idempotency_key: str | None,
+    idempotency_key: str,
+    who: audit.Who | None = None,
+    action: AuditAction = AuditAction.SIGNAL,
+    node: str | None = None,
 ) -> tuple[int, bool, str]:
-    """Accept a signal. Returns (id, created, run id it went to).
+    """Accept a signal. Returns (id, created, run id it went to). ``who``: its audit entry
+    (``action``: an approval's decision is ``approve``/``reject`` on ``node``), in the same
+    transaction; a repeated idempotency key writes none.
 
     A repeated idempotency key returns the first signal's id. A run that was continued as new
     hands the signal to its successor; a run that finished otherwise refuses it.
@@ -70,6 +77,20 @@ def insert_signal(
             idempotency_key=idempotency_key,
         )
         row = conn.execute(stmt.returning(workflow_signal.c.id)).one()
+        if who is not None:
+            detail = {"signal": name} if action == AuditAction.SIGNAL else {}
+            if action == AuditAction.SIGNAL and not idempotency_key.startswith("ductor:"):
+                detail["idempotency_key"] = idempotency_key
+            audit.record(
+                conn,
+                action,
+                actor=who.actor,
+                source=who.source,
+                run_id=run_id,
+                workflow_id=workflow_id,
+                node=node,
+                detail=detail,
+            )
         return int(row.id), True, run_id
 
 
@@ -114,9 +135,11 @@ def insert_control(
     has_input: bool = False,
     node: str | None = None,
     spec_hash: str | None = None,
+    source: str | None = None,
 ) -> int:
     """Queue a control. ``node``: a redrive's from-node; ``spec_hash``: a continue-as-new's
-    target definition (stored by the caller first)."""
+    target definition (stored by the caller first); ``requested_by`` and ``source``: who asked,
+    copied into the audit entry by the tick that applies it."""
     with engine.begin() as conn:
         return int(
             conn.execute(
@@ -130,6 +153,7 @@ def insert_control(
                     has_input=has_input,
                     node=node,
                     spec_hash=spec_hash,
+                    source=source,
                 )
                 .returning(workflow_control.c.id)
             ).scalar_one()

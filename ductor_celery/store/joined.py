@@ -38,6 +38,7 @@ from sqlalchemy.exc import IntegrityError
 from ..definition.spec import WorkflowSpec
 from ..errors import WrongDatabase
 from . import runs
+from .audit import Who
 from .schema import dumps_json
 
 log = logging.getLogger("ductor_celery.client")
@@ -335,6 +336,7 @@ def insert_run_on(
     trace_context: str | None = None,
     start_at: datetime | None = None,
     deadline_at: datetime | None = None,
+    who: Who | None = None,
 ) -> tuple[str, bool]:
     """``runs.insert_run`` in the caller's transaction: the definitions the run pins, then the
     run. Returns (run_id, created); an open run of the same workflow id wins (a savepoint keeps
@@ -358,6 +360,8 @@ def insert_run_on(
             if start_at is not None:  # a delayed run: its timer row wakes it (never an ETA)
                 joined.execute(runs.timer_insert(run_id, start_at))
             joined.execute(statement)
+            if who is not None:
+                joined.execute(runs.start_entry(who, run_id, workflow_id, spec))
     except joined.integrity_errors:
         existing = joined.execute(runs.open_run_of(workflow_id))
         if not existing:

@@ -22,7 +22,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from ..audit import AuditAction
 from ..engine.status import TERMINAL_RUN_STATUSES, RunStatus
+from . import audit
+from .audit import Who
 from .db import is_postgres
 from .schema import (
     concurrency_lease,
@@ -94,8 +97,10 @@ def prune_batch(
     cutoff: datetime,
     statuses: Iterable[RunStatus],
     batch_size: int = DEFAULT_BATCH_SIZE,
+    who: Who | None = None,
 ) -> int:
-    """Delete one batch of prunable runs in one transaction; how many runs it deleted."""
+    """Delete one batch of prunable runs in one transaction; how many runs it deleted. The
+    runs' audit entries go with them (but for bulk actions'); ``who``: the batch's own entry."""
     query = (
         sa.select(workflow_run.c.run_id)
         .where(_prunable(cutoff, tuple(statuses)))
@@ -111,6 +116,19 @@ def prune_batch(
         for table in _RUN_TABLES:
             conn.execute(sa.delete(table).where(table.c.run_id.in_(run_ids)))
         conn.execute(sa.delete(workflow_run).where(workflow_run.c.run_id.in_(run_ids)))
+        audit.delete_for_runs(conn, run_ids)
+        if who is not None:
+            audit.record(
+                conn,
+                AuditAction.PRUNE,
+                actor=who.actor,
+                source=who.source,
+                detail={
+                    "runs": len(run_ids),
+                    "finished_before": cutoff.isoformat(),
+                    "statuses": sorted(s.value for s in statuses),
+                },
+            )
     return len(run_ids)
 
 
@@ -122,6 +140,7 @@ def prune(
     batch_size: int = DEFAULT_BATCH_SIZE,
     max_batches: int | None = None,
     on_batch: Callable[[int, float], None] | None = None,
+    who: Who | None = None,
 ) -> int:
     """Delete prunable runs batch after batch until none is left (or ``max_batches``).
 
@@ -132,7 +151,9 @@ def prune(
     total = batches = 0
     while max_batches is None or batches < max_batches:
         started = time.monotonic()
-        deleted = prune_batch(engine, cutoff=cutoff, statuses=wanted, batch_size=batch_size)
+        deleted = prune_batch(
+            engine, cutoff=cutoff, statuses=wanted, batch_size=batch_size, who=who
+        )
         if on_batch is not None and deleted:
             on_batch(deleted, time.monotonic() - started)
         total += deleted

@@ -17,10 +17,11 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from .. import limits
+from ..audit import AuditAction
 from ..definition.spec import WorkflowSpec
 from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
-from . import clock
+from . import audit, clock
 from .db import aware
 from .schema import (
     step_attempt,
@@ -253,8 +254,10 @@ def insert_run(
     trace_context: str | None = None,
     start_at: datetime | None = None,
     deadline_at: datetime | None = None,
+    who: audit.Who | None = None,
 ) -> tuple[str, bool]:
     """Insert a pending run. Returns (run_id, created); an open run of the same workflow id wins.
+    ``who``: the start's audit entry, in the same transaction.
 
     A delayed run (``start_at``) gets its timer row in the same transaction: the sweeper wakes
     it when it is due, so no wake-up need be sent now.
@@ -275,6 +278,8 @@ def insert_run(
             if start_at is not None:
                 conn.execute(timer_insert(run_id, start_at))
             conn.execute(statement)
+            if who is not None:
+                conn.execute(start_entry(who, run_id, workflow_id, spec))
         return run_id, True
     except IntegrityError:
         with engine.connect() as conn:
@@ -285,6 +290,18 @@ def insert_run(
         if existing is None:
             raise
         return existing, False
+
+
+def start_entry(who: audit.Who, run_id: str, workflow_id: str, spec: WorkflowSpec) -> Any:
+    """The audit entry of a run's start."""
+    return audit.entry_insert(
+        AuditAction.START,
+        actor=who.actor,
+        source=who.source,
+        run_id=run_id,
+        workflow_id=workflow_id,
+        detail={"workflow": spec.name, "version": spec.version},
+    )
 
 
 def run_exists(conn: Connection, run_id: str) -> bool:
@@ -475,3 +492,15 @@ def transitions_of(engine: Engine, run_id: str, limit: int = 200) -> list[Any]:
             .limit(limit)
         ).all()
     return list(reversed(rows))
+
+
+def run_ids_of(engine: Engine, target: str) -> list[str]:
+    """The run ``target`` names (a run id), or every run of a workflow id."""
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                sa.select(workflow_run.c.run_id).where(
+                    sa.or_(workflow_run.c.run_id == target, workflow_run.c.workflow_id == target)
+                )
+            ).scalars()
+        )

@@ -23,13 +23,15 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
+from ..audit import AuditAction, AuditSource
 from ..definition.spec import WorkflowSpec
 from ..engine.deadline import deadline_after
 from ..engine.fire_times import Cadence, DueFires, due_fires, fire_id
 from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES
+from .audit import Who, record
 from .db import aware, db_now, is_postgres
-from .runs import pending_run
+from .runs import pending_run, start_entry
 from .schema import workflow_definition, workflow_run, workflow_schedule
 
 log = logging.getLogger("ductor_celery.schedules")
@@ -77,9 +79,9 @@ class ScheduleRow:
         )
 
 
-def save_schedule(engine: Engine, row: ScheduleRow) -> None:
+def save_schedule(engine: Engine, row: ScheduleRow, who: Who | None = None) -> None:
     """Insert the schedule, or replace the one of that name (its previous run stays its
-    previous run, for the overlap policy)."""
+    previous run, for the overlap policy); ``who``: its audit entry, in the same transaction."""
     values = {
         "name": row.name,
         "workflow": row.workflow,
@@ -103,13 +105,30 @@ def save_schedule(engine: Engine, row: ScheduleRow) -> None:
                 set_={**replace, "updated_at": sa.func.now()},
             )
         )
+        if who is not None:
+            cadence = {"cron": row.cron} if row.cron is not None else {"every": row.every}
+            record(
+                conn,
+                AuditAction.SCHEDULE,
+                actor=who.actor,
+                source=who.source,
+                detail={"schedule": row.name, "workflow": row.workflow, **cadence},
+            )
 
 
-def delete_schedule(engine: Engine, name: str) -> bool:
+def delete_schedule(engine: Engine, name: str, who: Who | None = None) -> bool:
     with engine.begin() as conn:
         deleted = conn.execute(
             sa.delete(workflow_schedule).where(workflow_schedule.c.name == name)
         ).rowcount
+        if deleted and who is not None:
+            record(
+                conn,
+                AuditAction.UNSCHEDULE,
+                actor=who.actor,
+                source=who.source,
+                detail={"schedule": name},
+            )
     return bool(deleted)
 
 
@@ -291,6 +310,12 @@ class _Starter:
         try:
             with self.conn.begin_nested():
                 insert_run_on(self.conn, run_id, workflow_id, self._spec, self.s.input, self.now)
+                # Who started it: the schedule (its name), as the sweeper fires it.
+                self.conn.execute(
+                    start_entry(
+                        Who(self.s.name, AuditSource.SCHEDULE), run_id, workflow_id, self._spec
+                    )
+                )
         except IntegrityError:
             # An open run took the id meanwhile (someone started "<name>@<time>" by hand):
             # that is the fire time's run. Without the savepoint the schedule's transaction

@@ -309,6 +309,9 @@ workflow_control = sa.Table(
     sa.Column("kind", sa.String(20), nullable=False),
     sa.Column("reason", sa.Text, nullable=True),
     sa.Column("requested_by", sa.String(200), nullable=True),
+    # Where the request came from (an AuditSource: api, cli, web, bulk, schedule, parent); the
+    # tick that applies the control copies it, with requested_by, into its audit entry.
+    sa.Column("source", sa.String(20), nullable=True),
     sa.Column("input", Json, nullable=True),
     sa.Column("has_input", sa.Boolean, nullable=False, server_default=sa.false()),
     # A redrive from a node: that node (it and everything after it rerun). NULL otherwise.
@@ -383,4 +386,32 @@ workflow_schedule = sa.Table(
     sa.Column("created_at", Ts, nullable=False, server_default=sa.func.now()),
     sa.Column("updated_at", Ts, nullable=False, server_default=sa.func.now()),
     sa.Index("eec_workflow_schedule_next_fire", "next_fire_at"),
+)
+
+audit = sa.Table(
+    "eec_audit",
+    metadata,
+    # One action that took effect (docs/operations.md, "Who did what"), written in the
+    # transaction of what it records; never updated.
+    sa.Column(
+        "id",
+        sa.BigInteger().with_variant(sa.Integer, "sqlite"),
+        primary_key=True,
+        autoincrement=True,
+    ),
+    sa.Column("at", Ts, nullable=False, server_default=sa.func.now()),
+    sa.Column("actor", sa.String(200), nullable=True),
+    # an AuditAction (ductor_celery/audit.py)
+    sa.Column("action", sa.String(20), nullable=False),
+    sa.Column("run_id", sa.String(64), nullable=True),
+    sa.Column("workflow_id", sa.String(200), nullable=True),
+    sa.Column("node", sa.String(200), nullable=True),
+    sa.Column("detail", Json, nullable=True),
+    # an AuditSource (ductor_celery/audit.py)
+    sa.Column("source", sa.String(20), nullable=False),
+    # A run's entries (the run page, audit(target)), and prune's deletes by run id.
+    sa.Index("eec_audit_run", "run_id", "id"),
+    sa.Index("eec_audit_workflow_id", "workflow_id", "id"),
+    # Newest first over everything, and retention's delete by age.
+    sa.Index("eec_audit_at", "at"),
 )

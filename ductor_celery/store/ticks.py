@@ -17,12 +17,14 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
+from ..audit import AuditAction, AuditSource
 from ..coordinator.port import LoadedRun, OutboxRow, TickClaim, VersionConflict, WorkflowIdTaken
 from ..coordinator.rows import outbox_intents, transition_rows, unsent, wakeup_intent
 from ..engine import RunState, TickPayload
 from ..engine.children import child_workflow_id
 from ..engine.deadline import deadline_after
-from . import leases, pg_commit
+from ..engine.kinds import CONTROL_APPLIED
+from . import audit, leases, pg_commit
 from .db import is_postgres
 from .external import lock_workflow_signals
 from .finishes import RUN_FINISHED_CHANNEL
@@ -91,6 +93,9 @@ def _commit_on(
             .where(workflow_control.c.id == payload.handled_control.id)
             .values(handled_at=now, result=payload.handled_control.result[:2000])
         )
+        if payload.handled_control.result == CONTROL_APPLIED:
+            # Who asked, in the commit that applies it: a refused control has no entry.
+            audit.record_applied_control(conn, payload.handled_control.id, now)
         # A tick drains one control. If more are queued, wake the run for the next one now:
         # their own wake-ups may have gone elsewhere (lost with the broker, or sent to the
         # predecessor of a continue-as-new), and the sweeper would take one per 30 s.
@@ -354,6 +359,7 @@ def _children(
     inserted either; the parent then reads it as missing and fails the node, saying why.
     """
     intents: list[dict[str, Any]] = []
+    started: list[dict[str, Any]] = []  # their audit entries (source parent)
     insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
     for child in payload.child_starts:
         found = conn.execute(
@@ -404,6 +410,18 @@ def _children(
         ).first()
         if inserted is not None:  # (rowcount is not reliable for ON CONFLICT on psycopg)
             intents.append(wakeup_intent(child.run_id))
+            started.append(
+                {
+                    "at": now,
+                    "actor": f"parent:{loaded.run_id}",
+                    "action": AuditAction.START.value,
+                    "source": AuditSource.PARENT.value,
+                    "run_id": child.run_id,
+                    "workflow_id": child_workflow_id(loaded.workflow_id, child.workflow_id_suffix),
+                    "node": child.node,
+                    "detail": {"workflow": found.name},
+                }
+            )
         elif not run_exists(conn, child.run_id):
             # Its workflow id is taken by an open run: tick this parent again at once, so it
             # reads the child as missing and fails the node saying so.
@@ -422,10 +440,12 @@ def _children(
                 kind=control.kind,
                 reason=control.reason[:2000],
                 requested_by=f"parent:{loaded.run_id}",
+                source=AuditSource.PARENT.value,
                 created_at=now,
             )
         )
         intents.append(wakeup_intent(target))
+    audit.record_many(conn, started)
     return insert_outbox(conn, intents, now)
 
 
