@@ -94,10 +94,16 @@ class Settings:
             metrics_port=get("metrics_port", defaults.metrics_port, _port("metrics_port")),
             metrics_host=get("metrics_host", defaults.metrics_host, str),
             retention_days=get("retention_days", defaults.retention_days, _days),
-            audit_retention_days=get(
-                "audit_retention_days",
-                defaults.audit_retention_days,
-                lambda v: _days(v, "ductor_audit_retention_days"),
+            # Set to None on purpose (not merely unset): keep every entry.
+            audit_retention_days=(
+                None
+                if "ductor_audit_retention_days" in conf
+                and conf.get("ductor_audit_retention_days") is None
+                else get(
+                    "audit_retention_days",
+                    defaults.audit_retention_days,
+                    lambda v: _days(v, "ductor_audit_retention_days"),
+                )
             ),
             secret_provider=get("secret_provider", defaults.secret_provider, _provider),
             cancel_grace=get("cancel_grace", defaults.cancel_grace, _grace),
