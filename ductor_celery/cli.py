@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from .audit import AuditSource, acting_as
+from .engine.kinds import AuditSource
 from .errors import DuctorError
 from .limits import MAX_DURATION_S, MAX_JSON_DEPTH, MAX_LIST_LIMIT
 from .settings import EMBEDDED_DATABASE_URL, normalize_url, redact_url
+from .store.audit import acting_as
 
 if TYPE_CHECKING:
     from .ductor import Ductor

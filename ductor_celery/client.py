@@ -18,14 +18,13 @@ from typing import Any, TypeVar
 
 from sqlalchemy.engine import Engine
 
-from . import audit as audit_source
 from . import limits, tracing
-from .audit import AuditAction
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
 from .engine.deadline import deadline_after
 from .engine.kinds import (
     CONTROL_ALLOWED,
     REDRIVE_FROM_NODE_ALLOWED,
+    AuditAction,
     ControlKind,
     rejection_of,
     statuses_allowing,
@@ -67,7 +66,7 @@ def _who(by: str | None) -> audit.Who:
     """Who asks (``by=``, checked as an id) and from where (the calling layer's source)."""
     if by is not None:
         check_id(by, "by")
-    return audit.Who(actor=by, source=audit_source.current_source())
+    return audit.Who(actor=by, source=audit.current_source())
 
 
 #: Ticks a control call runs at most to reach its control: one per control queued before it.
@@ -696,7 +695,7 @@ class Client:
                 has_input=has_input,
                 node=node,
                 spec_hash=spec_hash,
-                source=audit_source.current_source().value,
+                source=audit.current_source().value,
             ),
             what=f"insert {kind}",
         )

@@ -7,11 +7,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from . import limits
-from .audit import current_source
 from .client import Client, check_id
 from .engine.status import TERMINAL_RUN_STATUSES, RunStatus
 from .store import retention
-from .store.audit import Who
+from .store.audit import Who, current_source
 from .store.db import db_now, with_retry
 
 

@@ -13,13 +13,12 @@ from datetime import datetime
 from typing import Any
 
 from . import limits
-from .audit import current_source
 from .client import Client, check_id, check_payload
 from .engine.fire_times import check_cadence
 from .errors import ScheduleNotFound
 from .store import runs
 from .store import schedules as rows
-from .store.audit import Who
+from .store.audit import Who, current_source
 from .store.db import db_now, with_retry
 from .views import RunHandle, ScheduleView
 

@@ -9,6 +9,7 @@ no migration. A row may hold a kind this version does not know (written by a new
 
 from __future__ import annotations
 
+import enum
 from enum import StrEnum
 from typing import NewType, Self
 
@@ -97,3 +98,41 @@ def rejection_of(result: str | None) -> str | None:
     if result is not None and result.startswith(_REJECTED):
         return result[len(_REJECTED) :]
     return None
+
+
+# -- the audit log (docs/operations.md, "Who did what") ------------------------------------
+
+
+class AuditAction(enum.StrEnum):
+    START = "start"
+    PAUSE = "pause"
+    RESUME = "resume"
+    CANCEL = "cancel"
+    TERMINATE = "terminate"
+    REDRIVE = "redrive"
+    CONTINUE_AS_NEW = "continue_as_new"
+    SIGNAL = "signal"
+    APPROVE = "approve"
+    REJECT = "reject"
+    SCHEDULE = "schedule"
+    UNSCHEDULE = "unschedule"
+    PRUNE = "prune"
+
+
+class AuditSource(enum.StrEnum):
+    #: A Python call (the default).
+    API = "api"
+    #: The ``ductor`` command.
+    CLI = "cli"
+    #: The web console (the actor is the acting token's name).
+    WEB = "web"
+    #: A bulk control: one entry per run it acted on.
+    BULK = "bulk"
+    #: A schedule's fire (the actor is the schedule's name).
+    SCHEDULE = "schedule"
+    #: A parent run's tick: a child it started, its parent_close control on a child.
+    PARENT = "parent"
+
+
+#: Entries of these sources outlive the runs they name until ``ductor_audit_retention_days``.
+KEPT_PAST_THEIR_RUN = frozenset({AuditSource.BULK})

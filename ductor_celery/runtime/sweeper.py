@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
 
-from ..audit import AuditSource
+from ..engine.kinds import AuditSource
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..store import audit, retention, schedules, sweep
 from ..store.audit import Who

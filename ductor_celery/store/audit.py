@@ -7,7 +7,9 @@ exactly when its action does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextvars
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -15,9 +17,35 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from ..audit import KEPT_PAST_THEIR_RUN, AuditAction, AuditSource
+from ..engine.kinds import KEPT_PAST_THEIR_RUN, AuditAction, AuditSource
 from .db import aware
 from .schema import audit, workflow_control, workflow_run
+
+# -- where an action comes from: the calling layer's word -----------------------------------
+#
+# Plain Python calls are ``api``; the CLI, the console, bulk controls and the sweeper say
+# otherwise with ``acting_as``, a context variable, so no public signature carries a source and
+# a thread or task never sees another's.
+
+_source: contextvars.ContextVar[AuditSource] = contextvars.ContextVar(
+    "ductor_audit_source", default=AuditSource.API
+)
+
+
+def current_source() -> AuditSource:
+    """The source the calling layer declared (``api`` unless one did)."""
+    return _source.get()
+
+
+@contextmanager
+def acting_as(source: AuditSource | str) -> Iterator[None]:
+    """Within the block, actions this thread (or task) takes are recorded as from ``source``."""
+    token = _source.set(AuditSource(source))
+    try:
+        yield
+    finally:
+        _source.reset(token)
+
 
 #: The longest reason or comment an entry keeps (the control row keeps all of it).
 _DETAIL_TEXT = 500

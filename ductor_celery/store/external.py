@@ -12,8 +12,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 
-from ..audit import AuditAction
-from ..engine.kinds import ControlKind
+from ..engine.kinds import AuditAction, ControlKind
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from ..errors import InvalidOperation
 from . import audit

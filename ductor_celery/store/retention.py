@@ -22,7 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from ..audit import AuditAction
+from ..engine.kinds import AuditAction
 from ..engine.status import TERMINAL_RUN_STATUSES, RunStatus
 from . import audit
 from .audit import Who

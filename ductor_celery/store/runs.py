@@ -17,8 +17,8 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from .. import limits
-from ..audit import AuditAction
 from ..definition.spec import WorkflowSpec
+from ..engine.kinds import AuditAction
 from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from . import audit, clock

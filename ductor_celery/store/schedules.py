@@ -23,10 +23,10 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
-from ..audit import AuditAction, AuditSource
 from ..definition.spec import WorkflowSpec
 from ..engine.deadline import deadline_after
 from ..engine.fire_times import Cadence, DueFires, due_fires, fire_id
+from ..engine.kinds import AuditAction, AuditSource
 from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES
 from .audit import Who, record

@@ -401,13 +401,13 @@ audit = sa.Table(
     ),
     sa.Column("at", Ts, nullable=False, server_default=sa.func.now()),
     sa.Column("actor", sa.String(200), nullable=True),
-    # an AuditAction (ductor_celery/audit.py)
+    # an AuditAction (engine/kinds.py)
     sa.Column("action", sa.String(20), nullable=False),
     sa.Column("run_id", sa.String(64), nullable=True),
     sa.Column("workflow_id", sa.String(200), nullable=True),
     sa.Column("node", sa.String(200), nullable=True),
     sa.Column("detail", Json, nullable=True),
-    # an AuditSource (ductor_celery/audit.py)
+    # an AuditSource (engine/kinds.py)
     sa.Column("source", sa.String(20), nullable=False),
     # A run's entries (the run page, audit(target)), and prune's deletes by run id.
     sa.Index("eec_audit_run", "run_id", "id"),

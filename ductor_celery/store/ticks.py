@@ -17,13 +17,12 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
-from ..audit import AuditAction, AuditSource
 from ..coordinator.port import LoadedRun, OutboxRow, TickClaim, VersionConflict, WorkflowIdTaken
 from ..coordinator.rows import outbox_intents, transition_rows, unsent, wakeup_intent
 from ..engine import RunState, TickPayload
 from ..engine.children import child_workflow_id
 from ..engine.deadline import deadline_after
-from ..engine.kinds import CONTROL_APPLIED
+from ..engine.kinds import CONTROL_APPLIED, AuditAction, AuditSource
 from . import audit, leases, pg_commit
 from .db import is_postgres
 from .external import lock_workflow_signals

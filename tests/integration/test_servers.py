@@ -23,7 +23,7 @@ def test_pg_listens_on_loopback_only(pg_server: PostgresServer) -> None:
         with engine.connect() as conn:
             assert conn.scalar(sa.text("SHOW listen_addresses")) == "127.0.0.1"
             assert conn.scalar(sa.text("SHOW fsync")) == "off"
-            assert conn.scalar(sa.text("SHOW max_connections")) == "300"
+            assert conn.scalar(sa.text("SHOW max_connections")) == "500"
     finally:
         engine.dispose()
 
