@@ -235,7 +235,8 @@ GOOD_SCALARS = st.one_of(
 BAD_SCALARS = st.sampled_from(
     [NAN, INF, -INF, "a\x00b", "\x00", "\ud800", "x\udfff"]
 ) | st.sampled_from([MAX_DIGITS, -5000]).map(too_many_digits)
-BAD_OBJECTS = st.sampled_from([b"bytes", {1, 2}, object(), Ellipsis, 1j])
+# (bytes are no longer one: a typed value since issue 15, stored as its envelope.)
+BAD_OBJECTS = st.sampled_from([{1, 2}, object(), Ellipsis, 1j])
 
 
 def json_values(leaves: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
