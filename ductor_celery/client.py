@@ -657,8 +657,9 @@ class Client:
         node: str | None = None,
         spec_hash: str | None = None,
     ) -> None:
-        """Queue an operator control after checking it makes sense for the run's state.
-        ``node``: a redrive's from-node; ``spec_hash``: a continue-as-new's target definition
+        """An operator control: checked against the run's state, inserted (with who asked and
+        from where), then applied before this returns (``_apply_control``). ``node``: a
+        redrive's from-node; ``spec_hash``: a continue-as-new's target definition
         (``continue_as_new``)."""
         kind = ControlKind(kind)  # a caller's plain string too ("pause"); ValueError if unknown
         check_target(target)
