@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from ductor_celery.web import tokens
+from ductor_celery.web.actions import ACTION_ROLES, ACTIONS, actor_kwargs
 from ductor_celery.web.tokens import Role, TokenError
 
 SECRET = "Zq8-very-secret-value"
@@ -27,6 +28,16 @@ def test_roles_each_allow_what_the_ones_before_allow() -> None:
     assert Role.ADMIN.allows(Role.OPERATOR) and Role.ADMIN.allows(Role.VIEWER)
     assert Role.OPERATOR.allows(Role.OPERATOR) and not Role.OPERATOR.allows(Role.ADMIN)
     assert not Role.VIEWER.allows(Role.OPERATOR)
+    # Every run action the console offers is an operator's.
+    assert set(ACTION_ROLES) == set(ACTIONS)
+    assert set(ACTION_ROLES.values()) == {Role.OPERATOR}
+
+
+def test_only_approve_and_reject_pass_by_until_the_controls_take_it() -> None:
+    assert actor_kwargs("approve", "alice") == {"by": "alice"}
+    assert actor_kwargs("reject", "alice") == {"by": "alice"}
+    for action in ("pause", "resume", "cancel", "terminate", "redrive", "signal"):
+        assert actor_kwargs(action, "alice") == {}
 
 
 def test_plain_and_hashed_secrets_match_and_nothing_else_does() -> None:
