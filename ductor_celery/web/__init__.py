@@ -18,16 +18,16 @@ if TYPE_CHECKING:
 
 
 def create_app(ductor: Ductor, **options: Any) -> Starlette:
-    """The console's ASGI app (options: ``token``, ``flower_url``, ``poll_interval``,
-    ``allowed_hosts``)."""
+    """The console's ASGI app (options: ``token``, ``tokens``, ``token_file``, ``auth_reads``,
+    ``flower_url``, ``poll_interval``, ``allowed_hosts``)."""
     from .app import create_app as make
 
     return make(ductor, **options)
 
 
 def serve(ductor: Ductor, **options: Any) -> None:
-    """Serve the console with uvicorn (options: ``host``, ``port``, ``token``, ``flower_url``,
-    ``allowed_hosts``)."""
+    """Serve the console with uvicorn (options: ``host``, ``port``, and those of
+    ``create_app``)."""
     from .app import serve as run
 
     run(ductor, **options)

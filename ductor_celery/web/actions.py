@@ -1,9 +1,10 @@
 """The console's actions: each one a call of the facade, the same call the CLI makes.
 
-``run_action(ductor, run_id, action, body)`` checks the body's shape (a JSON object with the
-action's keys only), then calls ``Ductor.pause`` / ``approve`` / ``signal`` ...; every check of
-the values themselves, and of the run's state, is the client's own, so an action the run does
-not allow raises the same ``InvalidOperation`` as ``ductor pause``.
+``run_action(ductor, run_id, action, body, actor)`` checks the body's shape (a JSON object
+with the action's keys only), then calls ``Ductor.pause`` / ``approve`` / ``signal`` ... with
+the acting token's name (``actor_kwargs``); every check of the values themselves, and of the
+run's state, is the client's own, so an action the run does not allow raises the same
+``InvalidOperation`` as ``ductor pause``. ``ACTION_ROLES`` says which role each action needs.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..limits import MAX_JSON_DEPTH
 from .params import BadRequest
+from .tokens import Role
 
 if TYPE_CHECKING:
     from ..ductor import Ductor
 
-#: Each action's body keys: (required, optional).
+#: Each action's body keys: (required, optional). ``by`` of approve/reject is still accepted,
+#: for scripts written before named tokens, and ignored: who acts is the token's name.
 ACTION_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "pause": ((), ("reason",)),
     "resume": ((), ()),
@@ -32,6 +35,9 @@ ACTION_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "signal": (("name",), ("payload", "idempotency_key")),
 }
 ACTIONS = tuple(ACTION_KEYS)
+#: The least role each action needs: every run action is an operator's. The admin's own ones
+#: (bulk controls, schedules, prune) go here, with Role.ADMIN, when the console offers them.
+ACTION_ROLES: dict[str, Role] = dict.fromkeys(ACTIONS, Role.OPERATOR)
 
 
 def _no_constant(name: str) -> Any:
@@ -94,30 +100,47 @@ def _optional(body: Mapping[str, Any], *keys: str) -> dict[str, Any]:
     return {k: body[k] for k in keys if body.get(k) is not None}
 
 
-def _redrive(d: Ductor, run_id: str, body: Mapping[str, Any]) -> None:
+#: The actions whose Ductor method takes ``by=`` on this branch.
+_TAKES_BY = frozenset({"approve", "reject"})
+
+
+def actor_kwargs(action: str, actor: str | None) -> dict[str, Any]:
+    """Who acts, as keyword arguments of the action's Ductor call (every call in ``CALLS``
+    receives them): the acting token's name as ``by=``.
+
+    THE PLACE TO SWITCH once every control and ``signal`` take ``by=`` (issue 23's audit log):
+    drop ``_TAKES_BY`` and return ``{"by": actor}`` for every action (with the source, if the
+    Ductor comes to take one). Today only approve and reject take it."""
+    return {"by": actor} if action in _TAKES_BY else {}
+
+
+def _redrive(d: Ductor, run_id: str, body: Mapping[str, Any], who: dict[str, Any]) -> None:
     extra = _optional(body, "from_node", "input")
     accepted = inspect.signature(d.redrive).parameters
     missing = [k for k in extra if k not in accepted]
     if missing:
         raise BadRequest(f"this ductor cannot redrive with {missing[0]!r}")
-    d.redrive(run_id, **extra)
+    d.redrive(run_id, **extra, **who)
 
 
-CALLS: dict[str, Callable[[Ductor, str, Mapping[str, Any]], Any]] = {
-    "pause": lambda d, r, b: d.pause(r, reason=b.get("reason")),
-    "resume": lambda d, r, b: d.resume(r),
-    "cancel": lambda d, r, b: d.cancel(r, reason=b.get("reason")),
-    "terminate": lambda d, r, b: d.terminate(r, reason=b.get("reason")),
+#: Each action's Ductor call: (ductor, run id, checked body, actor_kwargs) -> anything.
+CALLS: dict[str, Callable[[Ductor, str, Mapping[str, Any], dict[str, Any]], Any]] = {
+    "pause": lambda d, r, b, who: d.pause(r, reason=b.get("reason"), **who),
+    "resume": lambda d, r, b, who: d.resume(r, **who),
+    "cancel": lambda d, r, b, who: d.cancel(r, reason=b.get("reason"), **who),
+    "terminate": lambda d, r, b, who: d.terminate(r, reason=b.get("reason"), **who),
     "redrive": _redrive,
-    "approve": lambda d, r, b: d.approve(r, b["node"], by=b.get("by"), comment=b.get("comment")),
-    "reject": lambda d, r, b: d.reject(r, b["node"], by=b.get("by"), comment=b.get("comment")),
-    "signal": lambda d, r, b: d.signal(
-        r, b["name"], b.get("payload"), idempotency_key=b.get("idempotency_key")
+    "approve": lambda d, r, b, who: d.approve(r, b["node"], comment=b.get("comment"), **who),
+    "reject": lambda d, r, b, who: d.reject(r, b["node"], comment=b.get("comment"), **who),
+    "signal": lambda d, r, b, who: d.signal(
+        r, b["name"], b.get("payload"), idempotency_key=b.get("idempotency_key"), **who
     ),
 }
 
 
-def run_action(d: Ductor, run_id: str, action: str, body: Any) -> None:
-    """Check the body's shape, then make the action's client call (which raises ductor's own
-    errors: InvalidOperation, RunNotFound, PayloadTooLarge ...)."""
-    CALLS[action](d, run_id, check_body(action, body))
+def run_action(d: Ductor, run_id: str, action: str, body: Any, actor: str | None) -> None:
+    """Check the body's shape, then make the action's client call as ``actor`` (the acting
+    token's name), which raises ductor's own errors: InvalidOperation, RunNotFound,
+    PayloadTooLarge ..."""
+    checked = check_body(action, body)
+    CALLS[action](d, run_id, checked, actor_kwargs(action, actor))

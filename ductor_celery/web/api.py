@@ -12,16 +12,19 @@ from starlette.routing import Route
 
 from ..client import check_target
 from ..store import runs
-from .actions import ACTIONS, parse_json, run_action
-from .auth import check_bearer
+from .actions import ACTION_ROLES, ACTIONS, parse_json, run_action
+from .auth import CHALLENGE, actor, check_bearer
 from .console import Console, message_of, status_of
 from .live import run_live
 from .metrics import exposition, registry_for
 from .params import BadRequest, list_query
+from .tokens import Role
 
 
 def error(exc: BaseException) -> JSONResponse:
-    return JSONResponse({"error": message_of(exc)}, status_code=status_of(exc))
+    code = status_of(exc)
+    headers = CHALLENGE if code == 401 else None
+    return JSONResponse({"error": message_of(exc)}, status_code=code, headers=headers)
 
 
 def query_params(request: Request) -> dict[str, list[str]]:
@@ -67,7 +70,8 @@ def routes(console: Console) -> list[Route]:
     async def act(request: Request) -> Response:
         run_id, action = request.path_params["run_id"], request.path_params["action"]
         try:
-            check_bearer(request, console.token)  # first: a read-only console refuses all
+            # First: a read-only console refuses all, and nobody learns more without a token.
+            check_bearer(request, console, ACTION_ROLES.get(action, Role.OPERATOR), action)
             if action not in ACTIONS:
                 raise BadRequest(f"unknown action {action!r} (one of: {', '.join(ACTIONS)})")
             raw = await console.body(request)
@@ -78,7 +82,7 @@ def routes(console: Console) -> list[Route]:
                 except UnicodeDecodeError:
                     raise BadRequest("the body is not UTF-8 text") from None
                 body = parse_json(text, "the body")
-            await run_in_threadpool(run_action, d, run_id, action, body)
+            await run_in_threadpool(run_action, d, run_id, action, body, actor(request))
             view = await run_in_threadpool(d.get, run_id)
         except Exception as exc:  # noqa: BLE001
             return error(exc)

@@ -1,4 +1,4 @@
-"""What every route of the console shares: the Ductor it reads and acts through, its token,
+"""What every route of the console shares: the Ductor it reads and acts through, its tokens,
 its templates, and the answers to ductor's errors."""
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from ..errors import (
     RunNotFound,
     WorkflowNotFound,
 )
-from .auth import Forbidden
+from .auth import Forbidden, Unauthenticated
 from .layout import Layout, graph_nodes, layout
 from .params import BadRequest
+from .tokens import TokenSet
 
 if TYPE_CHECKING:
     from ..definition.spec import WorkflowSpec
@@ -37,6 +38,8 @@ BODY_SLACK = 64 * 1024
 
 def status_of(exc: BaseException) -> int:
     """The HTTP status of an error a client call (or a check of ours) raised."""
+    if isinstance(exc, Unauthenticated):
+        return 401
     if isinstance(exc, Forbidden):
         return 403
     if isinstance(exc, InvalidOperation):
@@ -85,11 +88,14 @@ def short(value: Any, width: int = 80) -> str:
 @dataclass
 class Console:
     ductor: Ductor
-    token: str | None
+    #: Who may read and act (empty: nobody acts, the console is read-only).
+    tokens: TokenSet
     flower_url: str | None
     poll_interval: float
+    #: Reads (pages, the JSON API, /metrics) need a token too (auth.ReadGate).
+    auth_reads: bool = False
     env: Environment = field(init=False)
-    #: Keys what a session keeps of the token (auth.fingerprint); made per process, like the
+    #: Keys what a session keeps of its token (auth.fingerprint); made per process, like the
     #: session cookie's signing key, and never sent anywhere.
     session_key: bytes = field(default_factory=lambda: secrets.token_bytes(32), init=False)
     _layouts: dict[str, Layout] = field(default_factory=dict, init=False)
@@ -110,7 +116,7 @@ class Console:
 
     @property
     def read_only(self) -> bool:
-        return self.token is None
+        return not self.tokens
 
     @property
     def max_body(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -19,12 +20,23 @@ from ..engine.status import OPEN_RUN_STATUSES, TERMINAL_RUN_STATUSES, NodeStatus
 from ..errors import RunNotFound
 from ..store import console as reads
 from ..store import runs
-from .actions import ACTIONS, parse_json, run_action
+from .actions import ACTION_ROLES, ACTIONS, parse_json, run_action
 from .api import query_params
-from .auth import READ_ONLY, check_form, csrf_token, fingerprint, logged_in, same
+from .auth import (
+    READ_ONLY,
+    Forbidden,
+    actor,
+    check_csrf,
+    check_form,
+    csrf_token,
+    log_in,
+    log_out,
+    session_token,
+)
 from .console import Console, message_of, status_of
 from .live import run_live
 from .params import LIST_PARAMS, BadRequest, list_query
+from .tokens import Role
 
 #: Attempt rows the run page shows at most (the newest; a scatter has one per branch).
 ATTEMPTS_SHOWN = 50
@@ -32,16 +44,40 @@ ATTEMPTS_SHOWN = 50
 CONTROL_BUTTONS = ("pause", "resume", "cancel", "terminate", "redrive")
 
 
+def _session(console: Console, request: Request) -> dict[str, Any]:
+    """What every template shows of the session: its CSRF token, who logged in, and whether
+    that token may act on runs (the forms are offered only then)."""
+    who = session_token(request, console)
+    return {
+        "csrf": csrf_token(request),
+        "logged_in": who is not None,
+        "who": who,
+        "can_act": who is not None and who.role.allows(Role.OPERATOR),
+    }
+
+
 def _page(console: Console, request: Request, name: str, status: int = 200, **ctx: Any) -> Response:
     html = console.render(
         name,
         request=request,
-        csrf=csrf_token(request),
-        logged_in=logged_in(request, console.token, console.session_key),
         flash=request.session.pop("flash", None),
+        **_session(console, request),
         **ctx,
     )
     return HTMLResponse(html, status_code=status)
+
+
+def login_page(console: Console) -> Callable[[Request, int, str], Response]:
+    """The login page as ``auth.ReadGate`` answers a page that needs a token: with its status
+    and why, and a way back to the page asked for."""
+
+    def answer(request: Request, status: int, problem: str) -> Response:
+        nxt = _safe_next_value(
+            request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        )
+        return _page(console, request, "login.html", status, next=nxt, problem=problem)
+
+    return answer
 
 
 def _error_page(console: Console, request: Request, exc: BaseException) -> Response:
@@ -199,11 +235,7 @@ def routes(console: Console) -> list[Route]:
             # Text, never HTML: the message names the id from the URL.
             return PlainTextResponse(message_of(exc), status_code=status_of(exc))
         html = console.render(
-            "_fragment.html",
-            request=request,
-            csrf=csrf_token(request),
-            logged_in=logged_in(request, console.token, console.session_key),
-            **ctx,
+            "_fragment.html", request=request, **_session(console, request), **ctx
         )
         return HTMLResponse(html)
 
@@ -211,11 +243,12 @@ def routes(console: Console) -> list[Route]:
         run_id, action = request.path_params["run_id"], request.path_params["action"]
         try:
             form = await console.form(request)
-            check_form(request, console.token, console.session_key, form)
+            check_form(request, console, form, ACTION_ROLES.get(action, Role.OPERATOR), action)
             if action not in ACTIONS:
                 raise BadRequest(f"unknown action {action!r}")
             body = _form_body(action, form)
-            await run_in_threadpool(run_action, console.ductor, run_id, action, body)
+            who = actor(request)
+            await run_in_threadpool(run_action, console.ductor, run_id, action, body, who)
         except Exception as exc:  # noqa: BLE001
             code = status_of(exc)
             try:
@@ -235,25 +268,27 @@ def routes(console: Console) -> list[Route]:
         except Exception as exc:  # noqa: BLE001
             return _error_page(console, request, exc)
         nxt = _safe_next_value(form.get("next"))
-        expected = request.session.get("csrf")
-        if console.token is None:
+        if console.read_only:
             return _page(console, request, "login.html", 403, next=nxt, problem=READ_ONLY)
-        if not isinstance(expected, str) or not same(form.get("csrf_token", ""), expected):
-            problem = "the form's CSRF token is missing or stale: reload the page"
-            return _page(console, request, "login.html", 403, next=nxt, problem=problem)
-        if not same(form.get("token", ""), console.token):
+        try:
+            check_csrf(request, form)
+        except Forbidden as exc:
+            return _page(console, request, "login.html", 403, next=nxt, problem=message_of(exc))
+        token = console.tokens.match(form.get("token", ""))
+        if token is None:
             return _page(console, request, "login.html", 403, next=nxt, problem="wrong token")
-        request.session["auth"] = fingerprint(console.token, console.session_key)
-        request.session["flash"] = "logged in: actions are enabled"
+        log_in(request, console, token)
+        can = "actions are enabled" if token.role.allows(Role.OPERATOR) else "reads only"
+        request.session["flash"] = f"logged in as {token.name} ({token.role}): {can}"
         return RedirectResponse(nxt, status_code=303)
 
     async def logout(request: Request) -> Response:
         try:
             form = await console.form(request)
-            check_form(request, console.token, console.session_key, form)
+            check_form(request, console, form, Role.VIEWER, "logging out")
         except Exception as exc:  # noqa: BLE001
             return _error_page(console, request, exc)
-        request.session.pop("auth", None)
+        log_out(request)
         return RedirectResponse("/", status_code=303)
 
     return [

@@ -7,6 +7,7 @@ downloads a browser of its own.
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import os
 import re
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,6 +62,8 @@ class Console:
             try:
                 with urllib.request.urlopen(f"{self.url}/api/runs?limit=1", timeout=2):  # noqa: S310
                     return
+            except urllib.error.HTTPError:  # an answer (401 where reads need a token): it is up
+                return
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the console did not start: {self.log()}") from None
@@ -96,6 +100,28 @@ def read_only_console(
     shared_cluster: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Console]:
     c = Console(shared_cluster, tmp_path_factory.mktemp("console-ro"), host=OTHER_LOOPBACK)
+    yield c
+    c.stop()
+
+
+#: The named tokens of the token-file console: a viewer's secret in the clear, an operator's
+#: as its SHA-256.
+VIEWER_SECRET, OPERATOR_SECRET = "vera-reads-only-4c1d", "otto-acts-9b7e"
+
+
+@pytest.fixture(scope="module")
+def token_file_console(
+    shared_cluster: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Console]:
+    workdir = tmp_path_factory.mktemp("console-tokens")
+    path = workdir / "tokens.toml"
+    digest = hashlib.sha256(OPERATOR_SECRET.encode()).hexdigest()
+    path.write_text(
+        f'[tokens.vera]\nsecret = "{VIEWER_SECRET}"\nrole = "viewer"\n\n'
+        f'[tokens.otto]\nsecret = "sha256:{digest}"\nrole = "operator"\n'
+    )
+    path.chmod(0o600)
+    c = Console(shared_cluster, workdir, "--token-file", str(path), "--auth-reads")
     yield c
     c.stop()
 
@@ -178,7 +204,7 @@ def test_approving_from_the_page_lets_the_run_finish(
     page.wait_for_selector('[data-node="review"][data-status="waiting"]')
     page.reload()  # the approval form is there once the node waits
     form = page.locator('form[data-approval="review"]')
-    form.locator("input[name=by]").fill("alice")
+    assert form.locator("input[name=by]").count() == 0  # who approves is who logged in
     form.locator("input[name=comment]").fill("looks right")
     form.locator("button[data-action=approve]").click()
     page.wait_for_selector("text=approved review")
@@ -192,7 +218,7 @@ def test_approving_from_the_page_lets_the_run_finish(
     page.wait_for_selector('[data-run-status="succeeded"]', timeout=30_000)
     view = ductor.get(run_id)
     assert view.status == "succeeded"
-    assert view.output["review"]["by"] == "alice"
+    assert view.output["review"]["by"] == "token"  # --token's name
     assert view.output["review"]["comment"] == "looks right"
     # An action the run no longer allows: the client's InvalidOperation, shown on the page.
     status = page.evaluate(
@@ -230,6 +256,38 @@ def test_a_read_only_console_refuses_an_action(
     assert answers == [403, 403]
     assert ductor.get(run_id).nodes["review"].status == "waiting"
     ductor.terminate(run_id)
+
+
+def test_named_tokens_with_roles_and_reads_that_need_one(
+    ductor: Any, token_file_console: Console, page: Any
+) -> None:
+    """``ductor web --token-file F --auth-reads``: the run's page asks for a token first; a
+    viewer reads it without a button; an operator (a hashed entry) approves, as himself."""
+    console = token_file_console
+    run_id = ductor.start("approvals").run_id
+    answer = page.goto(f"{console.url}/runs/{run_id}")
+    assert answer is not None and answer.status == 401
+    assert page.locator("[data-node]").count() == 0 and page.locator("input[name=token]").count()
+    assert page.evaluate("async () => (await fetch('/api/runs')).status") == 401
+    page.fill("input[name=token]", VIEWER_SECRET)
+    page.click("form[action='/login'] button[type=submit]")
+    page.wait_for_url(f"{console.url}/runs/{run_id}")
+    page.wait_for_selector('[data-node="review"][data-status="waiting"]')
+    page.reload()
+    assert page.get_attribute("[data-who]", "data-role") == "viewer"
+    assert page.locator("[data-action]").count() == 0 and "reads only" in page.inner_text("body")
+    page.click("form[action='/logout'] button[type=submit]")
+    page.wait_for_selector("input[name=token]")  # reads need a token again: the login page
+    page.fill("input[name=token]", OPERATOR_SECRET)
+    page.click("form[action='/login'] button[type=submit]")
+    page.goto(f"{console.url}/runs/{run_id}")
+    assert page.get_attribute("[data-who]", "data-who") == "otto"
+    page.locator('form[data-approval="review"] button[data-action=approve]').click()
+    page.wait_for_selector("text=approved review")
+    page.wait_for_selector('[data-node="review"][data-status="succeeded"]')
+    assert ductor.get(run_id).nodes["review"].output["by"] == "otto"
+    ductor.terminate(run_id)
+    assert VIEWER_SECRET not in console.log() and OPERATOR_SECRET not in console.log()
 
 
 def test_the_runs_list_filters_and_pages(ductor: Any, console: Console, page: Any) -> None:

@@ -18,7 +18,7 @@ from celery import Celery
 from starlette.testclient import TestClient
 
 from ductor_celery import Ductor, StepContext, Workflow
-from ductor_celery.web import create_app
+from ductor_celery.web import create_app, tokens
 
 TOKEN = "s3cret-token"
 #: TestClient's Host: allowed explicitly, as a deployment names its own host.
@@ -392,6 +392,6 @@ def test_a_changed_token_logs_the_session_out(ductor: Ductor) -> None:
     with TestClient(app) as client:
         _log_in(client)
         assert "log out" in client.get("/").text
-        app.state.console.token = "another-token"
+        app.state.console.tokens = tokens.single("another-token")
         page = client.get("/").text
         assert "log out" not in page and "log in to act" in page

@@ -222,7 +222,8 @@ def test_approve_lets_the_run_finish_and_invalid_operations_are_409(
     world.drive(run_id)
     view = api.get(f"/api/runs/{run_id}").json()
     assert view["status"] == "succeeded" and view["output"] == 7
-    assert view["nodes"]["review"]["output"]["by"] == "alice"
+    # Who approved is the token's name (--token's is "token"), never the body's "by".
+    assert view["nodes"]["review"]["output"]["by"] == "token"
     redrive = api.post(f"/api/runs/{run_id}/redrive", json={}, headers=_auth())
     assert redrive.status_code == 409 and "cannot redrive" in redrive.json()["error"]
 
