@@ -15,7 +15,9 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..engine.kinds import AuditSource
 from ..limits import MAX_JSON_DEPTH
+from ..store.audit import acting_as
 from .params import BadRequest
 from .tokens import Role
 
@@ -100,18 +102,10 @@ def _optional(body: Mapping[str, Any], *keys: str) -> dict[str, Any]:
     return {k: body[k] for k in keys if body.get(k) is not None}
 
 
-#: The actions whose Ductor method takes ``by=`` on this branch.
-_TAKES_BY = frozenset({"approve", "reject"})
-
-
 def actor_kwargs(action: str, actor: str | None) -> dict[str, Any]:
     """Who acts, as keyword arguments of the action's Ductor call (every call in ``CALLS``
-    receives them): the acting token's name as ``by=``.
-
-    THE PLACE TO SWITCH once every control and ``signal`` take ``by=`` (issue 23's audit log):
-    drop ``_TAKES_BY`` and return ``{"by": actor}`` for every action (with the source, if the
-    Ductor comes to take one). Today only approve and reject take it."""
-    return {"by": actor} if action in _TAKES_BY else {}
+    receives them): the acting token's name as ``by=``, the actor of its audit entry."""
+    return {"by": actor}
 
 
 def _redrive(d: Ductor, run_id: str, body: Mapping[str, Any], who: dict[str, Any]) -> None:
@@ -143,4 +137,5 @@ def run_action(d: Ductor, run_id: str, action: str, body: Any, actor: str | None
     token's name), which raises ductor's own errors: InvalidOperation, RunNotFound,
     PayloadTooLarge ..."""
     checked = check_body(action, body)
-    CALLS[action](d, run_id, checked, actor_kwargs(action, actor))
+    with acting_as(AuditSource.WEB):  # the audit log's source of what this request does
+        CALLS[action](d, run_id, checked, actor_kwargs(action, actor))

@@ -40,6 +40,8 @@ from .tokens import Role
 
 #: Attempt rows the run page shows at most (the newest; a scatter has one per branch).
 ATTEMPTS_SHOWN = 50
+#: Audit entries the run page shows at most (the newest).
+AUDIT_SHOWN = 50
 #: Controls offered as buttons, in this order, when the run's status allows them.
 CONTROL_BUTTONS = ("pause", "resume", "cancel", "terminate", "redrive")
 
@@ -187,6 +189,7 @@ def run_context(console: Console, run_id: str, node: str | None) -> dict[str, An
         "signals": signals,
         "signal_count": signal_count,
         "controls": reads.controls_of(engine, run_id),
+        "audit": d.audit(run_id, limit=AUDIT_SHOWN).entries,
         "children": children,
         "child_count": child_count,
         "terminal": view.status in TERMINAL_RUN_STATUSES,

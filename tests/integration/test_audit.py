@@ -220,3 +220,30 @@ def test_prune_takes_a_runs_entries_but_keeps_bulk_ones_and_its_own(d: Ductor) -
         conn.execute(sa.update(audit_table).values(at=datetime.now(UTC) - timedelta(days=400)))
     assert audit_rows.delete_older_than(engine, datetime.now(UTC) - timedelta(days=365)) >= 2
     assert len(d.audit()) == 0
+
+
+def test_the_console_records_the_acting_tokens_name_and_shows_the_runs_entries(d: Ductor) -> None:
+    from starlette.testclient import TestClient
+
+    from ductor_celery.web import create_app
+
+    run_id = d.start("held", workflow_id="w", by="alice").run_id
+    tokens = {"ops-alice": {"secret": "s3cret-token-value", "role": "operator"}}
+    app = create_app(d, tokens=tokens, allowed_hosts=["testserver"])
+    with TestClient(app) as console:
+        bearer = {"Authorization": "Bearer s3cret-token-value"}
+        answer = console.post(f"/api/runs/{run_id}/pause", json={"reason": "look"}, headers=bearer)
+        assert answer.status_code == 200, answer.text
+        answer = console.post(
+            f"/api/runs/{run_id}/signal", json={"name": "go", "payload": 1}, headers=bearer
+        )
+        assert answer.status_code == 200, answer.text
+        refused = console.post(f"/api/runs/{run_id}/pause", json={}, headers=bearer)
+        assert refused.status_code == 409  # paused already: no entry
+        page = console.get(f"/runs/{run_id}")
+    assert _entries(d, "w")[1:] == [
+        ("ops-alice", "pause", "web", None),
+        ("ops-alice", "signal", "web", None),
+    ]
+    assert page.status_code == 200
+    assert page.text.count('data-audit-action="') == 3 and "ops-alice" in page.text

@@ -33,11 +33,10 @@ def test_roles_each_allow_what_the_ones_before_allow() -> None:
     assert set(ACTION_ROLES.values()) == {Role.OPERATOR}
 
 
-def test_only_approve_and_reject_pass_by_until_the_controls_take_it() -> None:
-    assert actor_kwargs("approve", "alice") == {"by": "alice"}
-    assert actor_kwargs("reject", "alice") == {"by": "alice"}
-    for action in ("pause", "resume", "cancel", "terminate", "redrive", "signal"):
-        assert actor_kwargs(action, "alice") == {}
+def test_every_action_passes_the_acting_tokens_name_as_by() -> None:
+    for action in ("approve", "reject", "pause", "resume", "cancel", "terminate", "redrive"):
+        assert actor_kwargs(action, "alice") == {"by": "alice"}
+    assert actor_kwargs("signal", "alice") == {"by": "alice"}
 
 
 def test_plain_and_hashed_secrets_match_and_nothing_else_does() -> None:
