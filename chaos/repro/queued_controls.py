@@ -52,9 +52,12 @@ def reproduce(url: str) -> dict[str, object]:
     engine = sa.create_engine(url)
     run_id = ductor.start("repro_queued_controls", workflow_id="repro-controls").run_id
     coordinator.run_tick(rt, run_id)
-    for _ in range(3):
-        ductor.pause("repro-controls")  # accepted: the run is running until a tick pauses it
-    ductor.cancel("repro-controls")
+    # Queued as clients whose own tick did not get to them leave them (a control call applies
+    # its control before it returns, so the queue is made here row by row).
+    from ductor_celery.store.external import insert_control
+
+    for kind in ("pause", "pause", "pause", "cancel"):
+        insert_control(rt.engine(), run_id=run_id, kind=kind)
     sent: list[object] = []
     real_send = rt.dispatcher.send
     rt.dispatcher.send = lambda rows: (sent.extend(rows), real_send(rows))[1]
