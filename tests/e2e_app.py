@@ -423,6 +423,22 @@ for _policy in ("terminate", "cancel", "abandon"):
     _parent.output("$.nodes.child.output")
     ductor.register(_parent)
 
+# A parent that goes on past its child's checkpoint and stays open (waits for "hold"): its
+# child keeps running after the checkpoint, and gets the policy if the parent is cancelled,
+# terminated or timed out (issue 23).
+for _policy in ("terminate", "cancel", "abandon"):
+    _parent = Workflow(f"e2e_cp_parent_{_policy}")
+    _parent.subworkflow(
+        "child",
+        workflow="e2e_child",
+        input={"id": "$.input.id"},
+        until="printed",
+        parent_close=_policy,
+    )
+    _parent.wait_signal("hold", signal="hold", after=["child"])
+    _parent.output("$.nodes.child.output")
+    ductor.register(_parent)
+
 leaf = Workflow("e2e_leaf")
 leaf.scatter("squares", square, over="$.input.items", args={"refuse": "$.input.refuse"})
 leaf.output("$.nodes.squares.output")
