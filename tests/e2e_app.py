@@ -278,6 +278,69 @@ killable.step("after", echo, after=["work"], args={"value": 1})
 ductor.register(killable)
 
 
+# Terminate reaches every running step (issue 23): a step that appends a line to a file every
+# 100 ms, run on each path a step can take: inline in the first tick's message, inline after
+# another step's message, a held scatter branch (tests/e2e/test_cancel_terminate.py).
+
+
+def _scribble(ctx: StepContext, path: str, seconds: float, beat: bool) -> str:
+    """A line to ``path`` every 100 ms for ``seconds`` (heartbeating each time with ``beat``),
+    then ``<path>.done``. Its pid and the attempt's token open the file (``<path>.who``)."""
+    with open(f"{path}.who", "w") as fh:
+        fh.write(f"{os.getpid()} {ctx.node} {ctx.branch}")
+    until = time.monotonic() + seconds
+    lines = 0
+    while time.monotonic() < until:
+        with open(path, "a") as fh:
+            fh.write(f"{os.getpid()} {ctx.node} {ctx.branch} {lines} {time.time():.3f}\n")
+        lines += 1
+        if beat:
+            ctx.heartbeat({"lines": lines})  # raises StepCancelled once the run is closed
+        time.sleep(0.1)
+    with open(f"{path}.done", "w") as fh:
+        fh.write("ran to the end")
+    return "ran to the end"
+
+
+@ductor.step(name="e2e.scribble", timeout=120.0)
+def scribble(ctx: StepContext, path: str, seconds: float = 60.0, beat: bool = False) -> str:
+    return _scribble(ctx, path, seconds, beat)
+
+
+@ductor.step(name="e2e.scribble_item", timeout=120.0)
+def scribble_item(
+    ctx: StepContext, item: int, path: str, slow: int, seconds: float = 60.0, beat: bool = False
+) -> Any:
+    """A quick branch, except item ``slow``, which scribbles."""
+    if item != slow:
+        return item
+    return _scribble(ctx, path, seconds, beat)
+
+
+_scribbling = {"path": "$.input.path", "seconds": "$.input.seconds", "beat": "$.input.beat"}
+
+scribble_one = Workflow("scribble_one")  # the first tick's step: inline in the start message
+scribble_one.step("work", scribble, args=_scribbling)
+ductor.register(scribble_one)
+
+scribble_after = Workflow("scribble_after")  # started delayed: "first" goes as a message
+scribble_after.step("first", echo, args={"value": 1})
+scribble_after.step("work", scribble, after=["first"], args=_scribbling)
+ductor.register(scribble_after)
+
+scribble_scatter = Workflow("scribble_scatter")  # "first"'s tick claims item 0, holds 1-3
+scribble_scatter.step("first", echo, args={"value": 1})
+scribble_scatter.scatter(
+    "each",
+    scribble_item,
+    over="$.input.items",
+    args={**_scribbling, "slow": "$.input.slow"},
+    max_parallel=4,
+    after=["first"],
+)
+ductor.register(scribble_scatter)
+
+
 # --- scatter/gather --------------------------------------------------------------------------
 
 
@@ -357,6 +420,22 @@ for _policy in ("terminate", "cancel", "abandon"):
     _parent.subworkflow(
         "child", workflow="e2e_child", input={"id": "$.input.id"}, parent_close=_policy
     )
+    _parent.output("$.nodes.child.output")
+    ductor.register(_parent)
+
+# A parent that goes on past its child's checkpoint and stays open (waits for "hold"): its
+# child keeps running after the checkpoint, and gets the policy if the parent is cancelled,
+# terminated or timed out (issue 23).
+for _policy in ("terminate", "cancel", "abandon"):
+    _parent = Workflow(f"e2e_cp_parent_{_policy}")
+    _parent.subworkflow(
+        "child",
+        workflow="e2e_child",
+        input={"id": "$.input.id"},
+        until="printed",
+        parent_close=_policy,
+    )
+    _parent.wait_signal("hold", signal="hold", after=["child"])
     _parent.output("$.nodes.child.output")
     ductor.register(_parent)
 

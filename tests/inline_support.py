@@ -78,10 +78,12 @@ def start_run(
 
 
 def deliver(ductor: Ductor, row: OutboxRow, queue: str | None = QUEUE) -> str:
-    """The Celery task's body for the message ``row`` would have been."""
+    """The Celery task's body for the message ``row`` would have been (its task id is the
+    token, as the dispatcher sends it: the carrier of what it runs)."""
     step = ductor.runtime.step_named(row.task)
     assert step is not None
-    return execute_attempt(ductor.runtime, step, row.payload["token"], "w1@host", queue=queue)
+    token = row.payload["token"]
+    return execute_attempt(ductor.runtime, step, token, "w1@host", queue=queue, carrier=token)
 
 
 def run_row(ductor: Ductor, run_id: str) -> Any:

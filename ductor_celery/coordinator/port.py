@@ -61,6 +61,10 @@ class TickClaim:
     #: claims each as it starts it, as a message would. Left unclaimed (the worker died),
     #: the tick re-sends them as messages after ``ductor_resend_unclaimed_after``.
     held: tuple[str, ...] = ()
+    #: The task id of the Celery message the worker runs the claimed attempt under (the
+    #: message that began its inline chain), written with the claim: a terminate revokes it
+    #: with ``terminate=True``, which kills the step although it has no message of its own.
+    carrier: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,8 @@ them in dicts; sharing this code is what makes the two commits agree."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -56,6 +58,35 @@ def _attempt_intent(d: Dispatch) -> dict[str, Any]:
     if d.terminate:
         row["payload"] = row["payload"] | {"terminate": True}
     return row
+
+
+def carrier_revokes(
+    payload: TickPayload, carriers: Mapping[str, str | None]
+) -> list[dict[str, Any]]:
+    """Revokes with ``terminate=True`` of the messages the attempts a terminate (or a run
+    deadline) closes run under: ``carriers`` maps each closed attempt's token to the task id
+    its worker claimed it under (store/schema.py ``carrier``), as the close read it back.
+
+    An attempt run inline after another step's message, or held after it, has no message of
+    its own: revoking its token reaches nothing, and the step would run on. Its carrier is the
+    message that began its inline chain, still running while the attempt is; killing that
+    message kills the step. It is safe because a carrier only ever runs attempts of one run
+    (runtime/inline.py), the run being terminated. A carrier that is the attempt's own token,
+    or one revoked already in this tick, is not sent again; a revoke that only drops a queued
+    message (cancel) kills nothing, so it has none."""
+    revoked = {d.token for d in payload.dispatches if d.kind == DispatchKind.REVOKE}
+    rows: list[dict[str, Any]] = []
+    for d in payload.dispatches:
+        if d.kind != DispatchKind.REVOKE or not d.terminate:
+            continue
+        carrier = carriers.get(d.token)
+        if not carrier or carrier in revoked:
+            continue
+        revoked.add(carrier)
+        row = _attempt_intent(dataclasses.replace(d, token=carrier))
+        row["payload"]["carrier_of"] = d.token
+        rows.append(row)
+    return rows
 
 
 def transition_rows(run_id: str, now: datetime, payload: TickPayload) -> list[dict[str, Any]]:

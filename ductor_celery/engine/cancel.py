@@ -14,7 +14,7 @@ from datetime import datetime
 
 from ..limits import later
 from .context import TickContext
-from .schedule import close_in_flight
+from .schedule import close_stopped_run
 from .slots import slots
 from .state import RunState
 from .status import RunStatus
@@ -67,7 +67,7 @@ def settle_cancel(t: TickContext) -> None:
     closing = reason
     if still:
         closing = f"{reason} ({len(still)} attempt(s) still running after the grace: closed)"
-    close_in_flight(t, reason, revoke=True)
+    close_stopped_run(t, reason)
     state.cancel = None
     state.continue_pending = None
     t.payload.error = {"type": "Cancel", "message": reason}

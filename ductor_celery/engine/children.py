@@ -10,16 +10,17 @@ checkpoint. See docs/fan-out.md.
 from __future__ import annotations
 
 import hashlib
+from datetime import datetime
 from typing import Any
 
 from ..definition.paths import Scope, resolve
-from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec
+from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec, WorkflowSpec
 from ..limits import MAX_ID_LENGTH, later
 from .context import TickContext
-from .inputs import ChildControl, ChildSnapshot, ChildStart
+from .inputs import ChildControl, ChildSnapshot, ChildStart, ControlIn
 from .kinds import ControlKind
 from .payloads import refusal
-from .state import ChildWork, ScatterState
+from .state import ChildWork, RunState, ScatterState
 from .status import OPEN_RUN_STATUSES, NodeStatus
 
 #: Child statuses that end the parent's wait with a failure.
@@ -176,6 +177,69 @@ def child_error(snap: ChildSnapshot, until: str | None = None) -> dict[str, Any]
         "child_run_id": snap.run_id,
         "child_error": snap.error,
     }
+
+
+def checkpointed_children(spec: WorkflowSpec, state: RunState) -> dict[str, str]:
+    """Child runs past the ``until=`` checkpoint their sub-workflow node waited for (child run
+    id -> node): the node succeeded, and the child may still be running."""
+    found: dict[str, str] = {}
+    for node_id, ns in state.nodes.items():
+        node = spec.graph.nodes.get(node_id)
+        work = ns.work
+        if (
+            ns.status == NodeStatus.SUCCEEDED
+            and isinstance(node, SubworkflowNodeSpec)
+            and node.until is not None
+            and isinstance(work, ChildWork)
+            and work.child_run
+        ):
+            found[work.child_run] = node_id
+    return found
+
+
+def may_stop(state: RunState, control: ControlIn | None, now: datetime) -> bool:
+    """Whether a tick with these inputs may cancel, terminate or time the run out: a cancel or
+    terminate control to apply, a cancel requested earlier (it settles once nothing is in
+    flight or its grace passes), or a deadline come due. Only then does parent-close reach
+    the children past their checkpoint, so only then does the loader read them."""
+    if control is not None and control.kind in (ControlKind.CANCEL, ControlKind.TERMINATE):
+        return True
+    if state.cancel is not None:
+        return True
+    return state.deadline_at is not None and state.deadline_at <= now
+
+
+def children_to_read(
+    spec: WorkflowSpec, state: RunState, *, stopping: bool
+) -> dict[str, str | None]:
+    """The child runs whose snapshots a tick needs (child run id -> the checkpoint awaited,
+    ``None`` for none): those the run waits on (sub-workflows, child-run scatters), and, when
+    the tick ``may_stop`` the run, those past their checkpoint (only their status matters:
+    whether parent-close still has something to close). Both loaders read this set."""
+    wanted: dict[str, str | None] = {}
+    for node_id, ns in state.nodes.items():
+        if ns.status != NodeStatus.WAITING:
+            continue
+        node = spec.graph.nodes.get(node_id)
+        work = ns.work
+        if isinstance(node, SubworkflowNodeSpec) and isinstance(work, ChildWork):
+            if work.child_run:
+                wanted[work.child_run] = node.until
+        elif isinstance(node, ChildScatterNodeSpec) and ns.scatter is not None:
+            wanted.update({b.token: None for b in ns.scatter.branches.values() if b.token})
+    if stopping:
+        for child in checkpointed_children(spec, state):
+            wanted.setdefault(child, None)
+    return wanted
+
+
+def close_checkpointed_children(t: TickContext, reason: str) -> None:
+    """Parent-close for the children past their ``until=`` checkpoint, when the run is
+    cancelled, terminated or timed out: the node succeeded long ago, but the child belongs
+    to the run and is closed by its node's policy as a child still awaited is. A run that
+    succeeds or fails leaves them running (its nodes reached what they waited for)."""
+    for child, node_id in checkpointed_children(t.spec, t.payload.state).items():
+        close_child(t, node_id, child, reason)
 
 
 def close_child(t: TickContext, node_id: str, child: str, reason: str) -> None:

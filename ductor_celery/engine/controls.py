@@ -20,7 +20,7 @@ from .kinds import (
     control_rejected,
 )
 from .redrive import from_node_problem, redrive
-from .schedule import close_in_flight
+from .schedule import close_in_flight, close_stopped_run
 from .slots import slots
 from .state import RunState, StepWork
 from .status import NodeStatus, RunStatus
@@ -102,8 +102,9 @@ def control_problem(
 
 
 def revoke_and_close(t: TickContext, reason: str) -> None:
-    """Close every open attempt and parked node; ask workers to drop attempts in flight."""
-    close_in_flight(t, reason, revoke=True)
+    """Close every open attempt and parked node; ask workers to drop attempts in flight; close
+    the run's open children, those past their checkpoint included."""
+    close_stopped_run(t, reason)
 
 
 def request_auto_continue(t: TickContext) -> None:

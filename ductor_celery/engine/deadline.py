@@ -6,8 +6,9 @@ row, so the sweeper wakes the run at its deadline even when nothing else happens
 while the run is paused too (the deadline is for the whole run, not its busy time).
 
 Timing out closes the run as terminate does: every open attempt is closed as cancelled and
-its message revoked with ``terminate=True`` (a step still running is stopped at once), retry
-timers and parked nodes are dropped, and open child runs get their node's parent-close policy.
+its message (and carrier) revoked with ``terminate=True`` (a step still running is stopped at
+once), retry timers and parked nodes are dropped, and open child runs get their node's
+parent-close policy, a child past its ``until=`` checkpoint included.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from ..limits import later
 from .context import TickContext
 from .kinds import DispatchKind
-from .schedule import close_in_flight
+from .schedule import close_stopped_run
 from .status import OPEN_RUN_STATUSES, RunStatus
 
 
@@ -46,7 +47,7 @@ def time_out_if_due(t: TickContext) -> bool:
     if deadline is None or state.status not in OPEN_RUN_STATUSES or t.now < deadline:
         return False
     reason = f"run deadline {deadline.isoformat()} passed"
-    close_in_flight(t, reason, revoke=True)
+    close_stopped_run(t, reason)
     hard_revokes(t)
     state.continue_pending = None
     t.payload.error = {"type": "RunTimeout", "message": reason}

@@ -14,7 +14,7 @@ from ..definition.spec import (
     SubworkflowNodeSpec,
 )
 from ..values import truthy
-from .children import close_child, start_subworkflow
+from .children import close_checkpointed_children, close_child, start_subworkflow
 from .context import TickContext
 from .delay import waiting_to_start
 from .external import park_node
@@ -63,6 +63,14 @@ def close_in_flight(
                 close_child(t, node_id, work.child_run, reason)
         ns.finished_at = t.now
         t.move_node(node_id, NodeStatus.CANCELLED, reason)
+
+
+def close_stopped_run(t: TickContext, reason: str) -> None:
+    """What a run cancelled, terminated or timed out closes: everything in flight (attempts
+    revoked) and every open child run by its node's parent-close policy, a child past its
+    ``until=`` checkpoint included."""
+    close_in_flight(t, reason, revoke=True)
+    close_checkpointed_children(t, reason)
 
 
 def _dependency_done(t: TickContext, dep: str) -> bool:

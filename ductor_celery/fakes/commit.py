@@ -18,7 +18,13 @@ from ..coordinator.port import (
     VersionConflict,
     WorkflowIdTaken,
 )
-from ..coordinator.rows import outbox_intents, transition_rows, unsent, wakeup_intent
+from ..coordinator.rows import (
+    carrier_revokes,
+    outbox_intents,
+    transition_rows,
+    unsent,
+    wakeup_intent,
+)
 from ..definition.spec import WorkflowSpec
 from ..engine import RunState, TickPayload
 from ..engine.children import child_workflow_id
@@ -66,11 +72,13 @@ def commit(
     if payload.successor is not None:
         run.continued_to = payload.successor.run_id
 
+    carriers: dict[str, str | None] = {}
     for closed in payload.closed:
         row = tables.attempts.get(closed.token)
         if row is None or row.finished_at is not None:
             # Its worker finished it after our load: roll back, recompute, fold the result.
             raise VersionConflict(f"attempt {closed.token} finished meanwhile")
+        carriers[closed.token] = row.carrier
         row.finished_at, row.outcome, row.error = now, closed.outcome, json_copy(closed.error)
         row.finished_seq = tables.next_id("finish")
         row.retryable, row.folded = False, True
@@ -84,7 +92,8 @@ def commit(
     _insert_attempts(tables, loaded, payload, now, claim)
     for t in transition_rows(loaded.run_id, now, payload):
         tables.transitions.append(TransitionRow(**t))
-    outbox = _insert_outbox(tables, outbox_intents(payload, unsent(claim)))
+    intents = outbox_intents(payload, unsent(claim))
+    outbox = _insert_outbox(tables, intents + carrier_revokes(payload, carriers))
 
     for applied in payload.applied_signals:
         signal = next((s for s in tables.signals if s.id == applied.id), None)
@@ -176,6 +185,7 @@ def _insert_attempts(
             created_at=now,
             claimed_at=None if claimed_by is None else now,
             claimed_by=claimed_by,
+            carrier=None if claimed_by is None or claim is None else claim.carrier,
         )
 
 

@@ -19,7 +19,7 @@ from ..engine import (
     SignalIn,
     TickInputs,
 )
-from ..engine.children import child_run_id
+from ..engine.children import child_run_id, children_to_read, may_stop
 from ..engine.inputs import ChildSnapshot
 from ..engine.kinds import ControlKind
 from ..engine.outputs import (
@@ -32,7 +32,7 @@ from ..engine.outputs import (
 from ..engine.redrive import reads_for
 from ..engine.scatter import BatchAttempt, assemble, assemble_batched, child_final
 from ..engine.slots import slots
-from ..engine.state import ChildWork, ScatterState
+from ..engine.state import ScatterState
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..engine.tick import ACTIVE, read_nodes
 from ..engine.versions import successor_spec_hash
@@ -83,7 +83,7 @@ def load(
             for node, ns in state.nodes.items()
             if ns.status in ACTIVE and ns.scatter is not None and ns.scatter.gathering
         },
-        children=_children_of(tables, spec, state),
+        children=_children_of(tables, spec, state, may_stop(state, control, now)),
         successor_spec=specs.get(successor_spec_hash(state, control) or ""),
     )
     return loaded, spec, inputs
@@ -278,20 +278,11 @@ def child_output(tables: Tables, spec: WorkflowSpec, node: str, child: str) -> A
     return row.output if until is None else checkpoint_of(row.state, until)[1]
 
 
-def _children_of(tables: Tables, spec: WorkflowSpec, state: RunState) -> dict[str, ChildSnapshot]:
-    wanted: dict[str, str | None] = {}
-    for node_id, ns in state.nodes.items():
-        if ns.status != NodeStatus.WAITING:
-            continue
-        node = spec.graph.nodes.get(node_id)
-        work = ns.work
-        if isinstance(node, SubworkflowNodeSpec) and isinstance(work, ChildWork):
-            if work.child_run:
-                wanted[work.child_run] = node.until
-        elif isinstance(node, ChildScatterNodeSpec) and ns.scatter is not None:
-            wanted.update({b.token: None for b in ns.scatter.branches.values() if b.token})
+def _children_of(
+    tables: Tables, spec: WorkflowSpec, state: RunState, stopping: bool
+) -> dict[str, ChildSnapshot]:
     out: dict[str, ChildSnapshot] = {}
-    for child, until in wanted.items():
+    for child, until in children_to_read(spec, state, stopping=stopping).items():
         row = newest_of_chain(tables, child)
         if row is None:
             out[child] = ChildSnapshot(run_id=child, status="missing")

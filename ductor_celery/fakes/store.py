@@ -177,12 +177,13 @@ class InMemoryStore:
 
     # -- the step worker's writes --------------------------------------------------------------
 
-    def claim(self, token: str, worker: str = "fake-worker") -> bool:
-        """The worker's claim: only an attempt nobody claimed and nobody closed."""
+    def claim(self, token: str, worker: str = "fake-worker", carrier: str | None = None) -> bool:
+        """The worker's claim: only an attempt nobody claimed and nobody closed. ``carrier``:
+        the task id of the message the worker runs it under (``store.attempts.claim``)."""
         row = self.attempt(token)
         if row.claimed_at is not None or row.finished_at is not None:
             return False
-        row.claimed_at, row.claimed_by = self.now, worker
+        row.claimed_at, row.claimed_by, row.carrier = self.now, worker, carrier
         return True
 
     def heartbeat(self, token: str) -> bool:

@@ -64,6 +64,8 @@ class AttemptRow:
     folded: bool = False
     claimed_at: datetime | None = None
     claimed_by: str | None = None
+    #: The task id of the message whose worker runs it (``store/schema.py``'s column).
+    carrier: str | None = None
     heartbeat_at: datetime | None = None
     #: A cooperative cancel asked this attempt to stop (the commit of the cancel's tick).
     cancel_requested_at: datetime | None = None

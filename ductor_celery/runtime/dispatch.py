@@ -35,6 +35,8 @@ class Dispatcher:
         #: Runs whose attempts a revoke with terminate kills: the first-tick message of each,
         #: if it is still running that run's inline chain, is killed too (``first_tick_id``).
         killed: dict[str, None] = {}
+        #: Task ids revoked with terminate by these rows (no id twice).
+        terminated: set[str] = set()
         with self.app.producer_or_acquire() as producer:
             for sent, row in enumerate(rows):
                 if sent:
@@ -57,11 +59,14 @@ class Dispatcher:
                 elif row.kind == DispatchKind.REVOKE:
                     # Drops the message if it is still queued; a step already running finishes
                     # (its attempt is closed, so its outcome is discarded), unless the revoke
-                    # terminates (terminate, a run deadline): then its worker kills it.
+                    # terminates (terminate, a run deadline): then its worker kills it. The
+                    # token is an attempt's, or the carrier an attempt with no message of its
+                    # own runs under (coordinator/rows.py, ``carrier_revokes``).
                     terminate = bool(row.payload.get("terminate"))
                     self.app.control.revoke(row.payload["token"], terminate=terminate)
                     if terminate:
                         killed[row.run_id] = None
+                        terminated.add(row.payload["token"])
                 elif row.kind == DispatchKind.WAKEUP:
                     self._wake(row.run_id, producer)
                 else:  # written by a newer version of ductor: leave a trace, do not crash
@@ -70,8 +75,11 @@ class Dispatcher:
             # An attempt run inline has no message of its own to kill by its token; one that
             # a first tick started runs inside that message, whose id the run's id gives. Only
             # that run's attempts ever run in it (an inline chain never leaves its run), and a
-            # message already finished is not killed again.
-            self.app.control.revoke(first_tick_id(run_id), terminate=True)
+            # message already finished is not killed again. The attempt's recorded carrier
+            # names that message too; this covers attempts claimed by a worker that records
+            # none (an older version, during a rolling upgrade).
+            if first_tick_id(run_id) not in terminated:
+                self.app.control.revoke(first_tick_id(run_id), terminate=True)
 
     def wake(self, run_id: str) -> None:
         with self.app.producer_or_acquire() as producer:

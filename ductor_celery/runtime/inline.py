@@ -28,6 +28,12 @@ its message had just arrived and been claimed (``ductor_inline_steps``; docs/arc
   scatter (``TickClaim.held``, and earlier ones still in flight, adopted), which it claims and
   runs one after another, writing each outcome alone, before one tick folds them all
   (docs/architecture.md, "Held branches").
+- One run per chain: a chain is bound to the run of the message that began it and claims
+  nothing in a tick of any other run. Every claim it makes (in a commit, or of a held branch)
+  records that message's task id as the attempt's carrier; a terminate or a run deadline
+  revokes it with ``terminate=True``, which under prefork kills the process running the step
+  (docs/operations.md, "Terminate reaches every running step"). One run per chain is what
+  makes that kill safe.
 """
 
 from __future__ import annotations
@@ -94,6 +100,13 @@ class InlineChain:
     identity: Callable[[], str]
     left: int
     deadline: float
+    #: The task id of the message the chain runs in: written with each claim it makes, so a
+    #: terminate can kill the step it runs by revoking this message (coordinator/rows.py,
+    #: ``carrier_revokes``). None: a message with no id (a direct call), nothing recorded.
+    carrier: str | None = None
+    #: The one run whose attempts this chain runs (``bind``). A chain never runs another
+    #: run's attempt: that is what makes killing its message on a terminate safe.
+    run_id: str | None = None
     _chosen: tuple[ClaimedAttempt, Step, str] | None = None
     _kept: tuple[ClaimedAttempt, Step, str] | None = None
     _chosen_held: list[_Held] = field(default_factory=list)
@@ -107,20 +120,37 @@ class InlineChain:
 
     @classmethod
     def start(
-        cls, rt: Runtime, queue: str | None, identity: Callable[[], str]
+        cls,
+        rt: Runtime,
+        queue: str | None,
+        identity: Callable[[], str],
+        carrier: str | None = None,
+        run_id: str | None = None,
     ) -> InlineChain | None:
-        """A chain for a message delivered from ``queue``; None when inline steps are off."""
+        """A chain for a message delivered from ``queue`` with task id ``carrier``, for the
+        run ``run_id`` if already known (else ``bind`` names it); None when inline steps are
+        off."""
         limit = rt.settings.inline_steps
         if not queue or limit <= 0 or not rt.settings.eager_ticks:
             return None
-        return cls(rt, queue, identity, limit, time.monotonic() + INLINE_BUDGET_S)
+        return cls(rt, queue, identity, limit, time.monotonic() + INLINE_BUDGET_S, carrier, run_id)
+
+    def bind(self, run_id: str) -> None:
+        """The run of the attempt the message claimed: the only run whose attempts this chain
+        will run. Bound once; a chain asked to run another run's attempts refuses (``choose``)."""
+        if self.run_id is None:
+            self.run_id = run_id
 
     def choose(self, loaded: LoadedRun, payload: TickPayload) -> TickClaim | None:
         """``Keeper.choose``: the first of the tick's new attempts this worker may run, and,
-        after a quick step, more branches of the same scatter to run after it (``held``)."""
+        after a quick step, more branches of the same scatter to run after it (``held``).
+        Only attempts of the chain's own run: its message (the carrier) is killed when that
+        run is terminated, so it must never be running another run's step then."""
         self._chosen = None
         self._chosen_held = []
         if self._kept is not None or self.left <= 0 or time.monotonic() > self.deadline:
+            return None
+        if loaded.run_id != self.run_id:
             return None
         new = {a.token: a for a in payload.new_attempts}
         first: TickClaim | None = None
@@ -156,14 +186,18 @@ class InlineChain:
                 trace_context=loaded.trace_context,
             )
             self._chosen = (claimed, step, worker)
-            first, first_node = TickClaim(attempt.token, worker), attempt.node
+            first = TickClaim(attempt.token, worker, carrier=self.carrier)
+            first_node = attempt.node
         if first is None:
             return None
         self._adopt(payload, first.token)
         if not any(not h.adopted for h in self._chosen_held):
             return first
         return TickClaim(
-            first.token, first.worker, tuple(h.token for h in self._chosen_held if not h.adopted)
+            first.token,
+            first.worker,
+            tuple(h.token for h in self._chosen_held if not h.adopted),
+            carrier=self.carrier,
         )
 
     def _adopt(self, payload: TickPayload, first: str) -> None:

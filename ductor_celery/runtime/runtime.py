@@ -137,7 +137,9 @@ class Runtime:
                 log.warning("start message with a run id that %s dropped: %.200r", problem, run_id)
                 return "malformed"
             request = task.request
-            return first_tick(rt, run_id, request.hostname, _delivered_from(request))
+            return first_tick(
+                rt, run_id, request.hostname, _delivered_from(request), _task_id(request)
+            )
 
         return first
 
@@ -151,7 +153,12 @@ class Runtime:
                 return "malformed"
             request = task.request
             return execute_attempt(
-                rt, step, token, hostname=request.hostname, queue=_delivered_from(request)
+                rt,
+                step,
+                token,
+                hostname=request.hostname,
+                queue=_delivered_from(request),
+                carrier=_task_id(request),
             )
 
         # Celery compiles a signature checker named after the task function with exec
@@ -208,6 +215,16 @@ def _id_problem(value: Any, limit: int) -> str | None:
     if "\x00" in value or any("\ud800" <= ch <= "\udfff" for ch in value):
         return "holds a NUL or a lone surrogate"
     return None
+
+
+def _task_id(request: Any) -> str | None:
+    """The message's task id, which a revoke names: the attempts its process runs record it
+    as their carrier (store/schema.py). None for a call with no message, or an id the column
+    cannot hold (nothing is recorded: a terminate then reaches the step by its heartbeat)."""
+    task_id = getattr(request, "id", None)
+    if not isinstance(task_id, str) or _id_problem(task_id, TOKEN_CHARS) is not None:
+        return None
+    return task_id
 
 
 def _delivered_from(request: Any) -> str | None:

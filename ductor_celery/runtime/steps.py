@@ -362,7 +362,12 @@ def _invalid(problem: str) -> _Outcome:
 
 
 def execute_attempt(
-    rt: Runtime, step: Step, token: str, hostname: str | None = None, queue: str | None = None
+    rt: Runtime,
+    step: Step,
+    token: str,
+    hostname: str | None = None,
+    queue: str | None = None,
+    carrier: str | None = None,
 ) -> str:
     """Claim, run, record, wake. Returns what happened (for logs and tests).
 
@@ -373,11 +378,14 @@ def execute_attempt(
 
     ``queue``: the queue the message came from. A step the tick then starts on that same
     queue may run here next, claimed in the tick's commit, with no message (runtime/inline.py).
+    ``carrier``: the message's task id (the token, as the dispatcher sends it), written with
+    every claim this message's process makes, so that a terminate can kill it whichever of
+    them it is running (coordinator/rows.py, ``carrier_revokes``).
     """
     engine = rt.engine()
-    chain = InlineChain.start(rt, queue, lambda: worker_identity(hostname))
+    chain = InlineChain.start(rt, queue, lambda: worker_identity(hostname), carrier)
     me = worker_identity(hostname)
-    claimed = _claim(engine, token, me, step)
+    claimed = _claim(engine, token, me, step, carrier)
     if isinstance(claimed, attempts.WrongStep):
         # Run nothing: the arguments are another function's. The attempt's own message (or
         # the sweeper's re-send) still claims it.
@@ -391,12 +399,20 @@ def execute_attempt(
     if claimed is None:
         log.info("attempt %s already claimed or closed; message ignored", token)
         return "duplicate"
+    if chain is not None:
+        chain.bind(claimed.run_id)
     outcome = _run_claimed(rt, engine, step, claimed, me, chain)
     _run_inline(rt, engine, chain, hostname)
     return outcome
 
 
-def first_tick(rt: Runtime, run_id: str, hostname: str | None, queue: str | None) -> str:
+def first_tick(
+    rt: Runtime,
+    run_id: str,
+    hostname: str | None,
+    queue: str | None,
+    carrier: str | None = None,
+) -> str:
     """The first tick of a run just started, run by the step worker its start message reached
     (eager ticks; ``Runtime.wake_started``), then the step that tick claimed for this worker
     and the inline chain after it (runtime/inline.py): no hop to the coordinator and no step
@@ -406,13 +422,16 @@ def first_tick(rt: Runtime, run_id: str, hostname: str | None, queue: str | None
     waiting. When another tick holds it, or the tick fails, the coordinator is woken and ticks
     the run instead; a start message that is lost is covered by the sweeper, which wakes the
     coordinator for a run still pending after ``LOST_WAKEUP_AFTER_S``.
+
+    ``carrier``: the start message's task id (``dispatch.first_tick_id``), written with each
+    attempt the chain claims (``execute_attempt``).
     """
     if not rt.settings.eager_ticks:
         # This worker ticks nothing itself (a client configured otherwise sent it here).
         rt.wake(run_id)
         return "forwarded"
     engine = rt.engine()
-    chain = InlineChain.start(rt, queue, lambda: worker_identity(hostname))
+    chain = InlineChain.start(rt, queue, lambda: worker_identity(hostname), carrier, run_id)
     try:
         tick = run_tick(rt, run_id, eager=True, keep=chain)
     except Exception as exc:  # noqa: BLE001 - the coordinator can always do it instead
@@ -443,12 +462,13 @@ def _run_inline(rt: Runtime, engine: Any, chain: InlineChain | None, hostname: s
 
 
 def _claim(
-    engine: Any, token: str, me: str, step: Step
+    engine: Any, token: str, me: str, step: Step, carrier: str | None
 ) -> attempts.ClaimedAttempt | attempts.WrongStep | None:
     """The claim a message's attempt and a held branch both take (retried on a dropped
-    connection: the identity is unique per claim, so a retry finds its own claim)."""
+    connection: the identity is unique per claim, so a retry finds its own claim), recording
+    the message it runs under (``carrier``)."""
     return with_retry(
-        functools.partial(attempts.claim, engine, token, me, step=step.name),
+        functools.partial(attempts.claim, engine, token, me, step=step.name, carrier=carrier),
         what="claim attempt",
     )
 
@@ -469,7 +489,7 @@ def _next_inline(
             # Fault tests: die holding branches, with outcomes written alone and not ticked.
             failpoint("held_before_claim")
             me = chain.identity()
-            claimed = _claim(engine, token, me, step)
+            claimed = _claim(engine, token, me, step, chain.carrier)
             if isinstance(claimed, attempts.ClaimedAttempt):
                 return claimed, step, me, True
             continue

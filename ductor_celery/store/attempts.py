@@ -64,7 +64,12 @@ class WrongStep:
 
 
 def claim(
-    engine: Engine, token: str, worker: str, *, step: str | None = None
+    engine: Engine,
+    token: str,
+    worker: str,
+    *,
+    step: str | None = None,
+    carrier: str | None = None,
 ) -> ClaimedAttempt | WrongStep | None:
     """Take the attempt for this worker. None if it was claimed or closed already.
 
@@ -76,16 +81,20 @@ def claim(
     nothing and returns ``WrongStep``. (``None`` skips the check: for tests and tools that
     play the worker by hand; the step worker always passes its step.)
 
+    ``carrier``: the task id of the Celery message this worker process runs the attempt
+    under (the attempt's own token, or the message that began its inline chain), written
+    with the claim: a terminate revokes it with ``terminate=True`` (store/ticks.py).
+
     A claim is exclusive: a duplicate or redelivered message for a claimed token does nothing.
     If the claiming worker died, the coordinator's start-to-close timeout retries the node
     under a new token.
     """
     if is_postgres(engine):
-        return _claim_postgres(engine, token, worker, step)
+        return _claim_postgres(engine, token, worker, step, carrier)
     claim_stmt = (
         sa.update(step_attempt)
         .where(*_claimable(token, worker))
-        .values(claimed_at=_now(engine), claimed_by=worker)
+        .values(claimed_at=_now(engine), claimed_by=worker, carrier=carrier)
     )
     if step is not None:
         claim_stmt = claim_stmt.where(step_attempt.c.step == step)
@@ -164,7 +173,8 @@ def _seconds_between(start: Any, end: Any) -> float | None:
 @functools.cache
 def _pg_claim_statement(check_step: bool) -> Any:
     """The PostgreSQL claim, built once per process (bind parameters ``b_token``,
-    ``b_worker``, ``b_step``): building a statement with a CTE costs more than running it.
+    ``b_worker``, ``b_carrier``, ``b_step``): building a statement with a CTE costs more than
+    running it.
 
     The UPDATE ... FROM the run (returning its workflow id and context too) runs as a CTE, left
     joined to the attempt row itself, so a miss still says which step the token belongs to
@@ -174,10 +184,11 @@ def _pg_claim_statement(check_step: bool) -> Any:
     # Not named after columns: an UPDATE would read such parameters as SET values.
     token = sa.bindparam("b_token", type_=sa.String)
     worker = sa.bindparam("b_worker", type_=sa.String)
+    carrier = sa.bindparam("b_carrier", type_=sa.String)
     update = (
         sa.update(step_attempt)
         .where(*_claimable(token, worker), workflow_run.c.run_id == step_attempt.c.run_id)
-        .values(claimed_at=sa.func.now(), claimed_by=worker)
+        .values(claimed_at=sa.func.now(), claimed_by=worker, carrier=carrier)
     )
     if check_step:
         update = update.where(step_attempt.c.step == sa.bindparam("b_step", type_=sa.String))
@@ -197,11 +208,11 @@ def _pg_claim_statement(check_step: bool) -> Any:
 
 
 def _claim_postgres(
-    engine: Engine, token: str, worker: str, step: str | None
+    engine: Engine, token: str, worker: str, step: str | None, carrier: str | None
 ) -> ClaimedAttempt | WrongStep | None:
     """The claim in one round trip and one statement, in autocommit (no BEGIN, no COMMIT: a
     single UPDATE is atomic by itself)."""
-    params = {"b_token": token, "b_worker": worker}
+    params: dict[str, str | None] = {"b_token": token, "b_worker": worker, "b_carrier": carrier}
     if step is not None:
         params["b_step"] = step
     with autocommit(engine) as conn:

@@ -16,12 +16,12 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec, WorkflowSpec
-from ..engine import NodeStatus, RunState
-from ..engine.children import child_run_id
+from ..engine import RunState
+from ..engine.children import child_run_id, children_to_read
 from ..engine.inputs import ChildSnapshot
 from ..engine.outputs import checkpoint_of
 from ..engine.scatter import BatchAttempt, assemble, assemble_batched, child_final
-from ..engine.state import ChildWork, ScatterState
+from ..engine.state import ScatterState
 from .schema import step_attempt, workflow_run
 
 
@@ -75,19 +75,12 @@ def gather_any(conn: Connection, spec: WorkflowSpec, node: str, sc: ScatterState
     return gather(conn, node, sc)
 
 
-def children_of(conn: Connection, spec: WorkflowSpec, state: RunState) -> dict[str, ChildSnapshot]:
-    """Snapshots of the child runs this run waits on (sub-workflows and child-run scatters)."""
-    wanted: dict[str, str | None] = {}  # child run id -> checkpoint awaited
-    for node_id, ns in state.nodes.items():
-        if ns.status != NodeStatus.WAITING:
-            continue
-        node = spec.graph.nodes.get(node_id)
-        work = ns.work
-        if isinstance(node, SubworkflowNodeSpec) and isinstance(work, ChildWork):
-            if work.child_run:
-                wanted[work.child_run] = node.until
-        elif isinstance(node, ChildScatterNodeSpec) and ns.scatter is not None:
-            wanted.update({b.token: None for b in ns.scatter.branches.values() if b.token})
+def children_of(
+    conn: Connection, spec: WorkflowSpec, state: RunState, *, stopping: bool = False
+) -> dict[str, ChildSnapshot]:
+    """Snapshots of the child runs this run waits on (sub-workflows and child-run scatters),
+    and with ``stopping`` of those past their checkpoint too (``engine.children``)."""
+    wanted = children_to_read(spec, state, stopping=stopping)  # child run id -> checkpoint
     if not wanted:
         return {}
     newest = child_runs(conn, list(wanted), with_state=any(wanted.values()))

@@ -28,6 +28,7 @@ from ..engine import (
     SignalIn,
     TickInputs,
 )
+from ..engine.children import may_stop
 from ..engine.kinds import ControlKind
 from ..engine.outputs import OutputRef, output_ref, received_events, resolve_outputs
 from ..engine.redrive import reads_for
@@ -135,7 +136,7 @@ def load_on(
             for node, ns in state.nodes.items()
             if ns.status in ACTIVE and ns.scatter is not None and ns.scatter.gathering
         },
-        children=children_of(conn, spec, state),
+        children=children_of(conn, spec, state, stopping=may_stop(state, control, now)),
         successor_spec=_successor_spec(conn, spec_for, successor_spec_hash(state, control)),
     )
     return loaded, spec, inputs

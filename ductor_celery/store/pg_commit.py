@@ -61,15 +61,16 @@ WITH run_update AS (
 ), attempts AS (
     INSERT INTO eec_workflow_step_attempt
         (token, run_id, node, branch, generation, attempt, step, queue, args, timeout,
-         created_at, folded, claimed_at, claimed_by)
+         created_at, folded, claimed_at, claimed_by, carrier)
     SELECT a.token, %(run_id)s, a.node, a.branch, a.generation, a.attempt, a.step, a.queue,
            a.args::jsonb, a.timeout, %(now)s, false,
-           CASE WHEN a.claimed_by IS NULL THEN NULL ELSE %(now)s END, a.claimed_by
+           CASE WHEN a.claimed_by IS NULL THEN NULL ELSE %(now)s END, a.claimed_by, a.carrier
     FROM unnest(%(a_token)s::varchar[], %(a_node)s::varchar[], %(a_branch)s::int[],
                 %(a_generation)s::int[], %(a_attempt)s::int[], %(a_step)s::varchar[],
                 %(a_queue)s::varchar[], %(a_args)s::text[], %(a_timeout)s::float8[],
-                %(a_claimed_by)s::varchar[])
-         AS a(token, node, branch, generation, attempt, step, queue, args, timeout, claimed_by)
+                %(a_claimed_by)s::varchar[], %(a_carrier)s::varchar[])
+         AS a(token, node, branch, generation, attempt, step, queue, args, timeout, claimed_by,
+              carrier)
     WHERE EXISTS (SELECT 1 FROM run_update)
 ), transitions AS (
     INSERT INTO eec_workflow_transition (run_id, seq, node, from_status, to_status, reason, at)
@@ -130,6 +131,9 @@ def commit(
         a_timeout=[float(a.timeout) for a in new],
         a_claimed_by=[
             claim.worker if claim is not None and a.token == claim.token else None for a in new
+        ],
+        a_carrier=[
+            claim.carrier if claim is not None and a.token == claim.token else None for a in new
         ],
         t_seq=[t["seq"] for t in transitions],
         t_node=[t["node"] for t in transitions],

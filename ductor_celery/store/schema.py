@@ -175,6 +175,12 @@ step_attempt = sa.Table(
     sa.Column("created_at", Ts, nullable=False, server_default=sa.func.now()),
     sa.Column("claimed_at", Ts, nullable=True),
     sa.Column("claimed_by", sa.String(200), nullable=True),
+    # The task id of the Celery message whose worker process runs the attempt (set with the
+    # claim): its own token, or the message that began the inline chain it runs in (another
+    # step's token, or "<run id>:first_tick"). A terminate or a run deadline revokes it with
+    # terminate=True: the only way to kill a step that has no message of its own. A carrier
+    # only ever runs attempts of one run (runtime/inline.py).
+    sa.Column("carrier", sa.String(300), nullable=True),
     sa.Column("heartbeat_at", Ts, nullable=True),
     # The details of the latest ctx.heartbeat(details), shown by `ductor show`.
     sa.Column("heartbeat_details", Json, nullable=True),

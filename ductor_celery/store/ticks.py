@@ -18,7 +18,13 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from ..coordinator.port import LoadedRun, OutboxRow, TickClaim, VersionConflict, WorkflowIdTaken
-from ..coordinator.rows import outbox_intents, transition_rows, unsent, wakeup_intent
+from ..coordinator.rows import (
+    carrier_revokes,
+    outbox_intents,
+    transition_rows,
+    unsent,
+    wakeup_intent,
+)
 from ..engine import RunState, TickPayload
 from ..engine.children import child_workflow_id
 from ..engine.deadline import deadline_after
@@ -212,10 +218,13 @@ def _commit_core(
     prior = _prior_attempts(conn, payload)
     leases.lock_keys(conn, released_keys + [k for _, k in _lease_keys(payload, prior) if k])
 
+    carriers: dict[str, str | None] = {}
     for closed in payload.closed:
         # Conditional on the attempt still being open: if its worker finished it after our
         # load, roll back and recompute, so the worker's result is folded, not overwritten.
-        res = conn.execute(
+        # The carrier is read back by the same statement: a held branch claimed after our load
+        # is claimed before this update (which then sees its carrier) or refused after it.
+        found = conn.execute(
             sa.update(step_attempt)
             .where(step_attempt.c.token == closed.token, step_attempt.c.finished_at.is_(None))
             .values(
@@ -225,9 +234,11 @@ def _commit_core(
                 retryable=False,
                 folded=True,
             )
-        )
-        if res.rowcount != 1:
+            .returning(step_attempt.c.carrier)
+        ).first()
+        if found is None:
             raise VersionConflict(f"attempt {closed.token} finished meanwhile")
+        carriers[closed.token] = found.carrier
 
     if payload.folded:
         conn.execute(_fold_statement(), {"b_tokens": payload.folded})
@@ -240,7 +251,8 @@ def _commit_core(
         conn.execute(
             sa.insert(workflow_transition), transition_rows(loaded.run_id, loaded.now, payload)
         )
-    outbox = insert_outbox(conn, outbox_intents(payload, waiting | unsent(claim)), now)
+    intents = outbox_intents(payload, waiting | unsent(claim))
+    outbox = insert_outbox(conn, intents + carrier_revokes(payload, carriers), now)
     if released_keys:
         outbox.extend(leases.release(conn, closed_tokens, now))
 
@@ -542,6 +554,7 @@ def _insert_attempts(
                 "lease_limit": limit,
                 "claimed_at": None if claimed_by is None else now,
                 "claimed_by": claimed_by,
+                "carrier": None if claimed_by is None or claim is None else claim.carrier,
             }
         )
         if lease_key:

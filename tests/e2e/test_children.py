@@ -85,6 +85,58 @@ def test_cancelling_the_parent_applies_the_parent_close_policy(
         assert ductor.wait(child.run_id, timeout=30).status == child_status
 
 
+def _past_the_checkpoint(ductor: Any, policy: str, **start: Any) -> tuple[Any, Any]:
+    """A parent whose child passed its checkpoint (the node succeeded), the child waiting for
+    "go" and the parent for "hold"."""
+    parent = ductor.start(f"e2e_cp_parent_{policy}", input={"id": 1}, **start)
+    child = _until(lambda: _children(ductor, parent.run_id))[0]
+    _until(lambda: ductor.get(parent.run_id).nodes["child"].status == NodeStatus.SUCCEEDED)
+    _until(lambda: ductor.get(child.run_id).nodes["go"].status == NodeStatus.WAITING)
+    assert ductor.get(parent.run_id).status == RunStatus.RUNNING
+    return parent, child
+
+
+@pytest.mark.parametrize(
+    ("policy", "control", "child_status"),
+    [
+        ("terminate", "terminate", RunStatus.TERMINATED),
+        ("cancel", "terminate", RunStatus.CANCELLED),
+        ("terminate", "cancel", RunStatus.TERMINATED),
+        ("abandon", "terminate", RunStatus.RUNNING),
+    ],
+)
+def test_stopping_the_parent_applies_the_policy_to_a_child_past_its_checkpoint(
+    ductor: Any, policy: str, control: str, child_status: RunStatus
+) -> None:
+    parent, child = _past_the_checkpoint(ductor, policy)
+    getattr(ductor, control)(parent.run_id, reason="stop")
+    view = ductor.wait(parent.run_id, timeout=30)
+    assert view.status in (RunStatus.TERMINATED, RunStatus.CANCELLED)
+    assert view.nodes["child"].status == NodeStatus.SUCCEEDED
+    if child_status == RunStatus.RUNNING:
+        time.sleep(1.0)
+        assert ductor.get(child.run_id).status == RunStatus.RUNNING
+        ductor.terminate(child.run_id)  # tidy up the abandoned child
+    else:
+        assert ductor.wait(child.run_id, timeout=30).status == child_status
+
+
+def test_a_parent_timing_out_terminates_its_child_past_its_checkpoint(ductor: Any) -> None:
+    parent, child = _past_the_checkpoint(ductor, "terminate", deadline=5)
+    assert ductor.wait(parent.run_id, timeout=30).status == RunStatus.TIMED_OUT
+    assert ductor.wait(child.run_id, timeout=30).status == RunStatus.TERMINATED
+
+
+def test_a_parent_that_succeeds_leaves_its_child_past_its_checkpoint_running(ductor: Any) -> None:
+    parent, child = _past_the_checkpoint(ductor, "terminate")
+    ductor.signal(parent.run_id, "hold")
+    assert ductor.wait(parent.run_id, timeout=30).status == RunStatus.SUCCEEDED
+    time.sleep(1.0)
+    assert ductor.get(child.run_id).status == RunStatus.RUNNING
+    ductor.signal(child.run_id, "go", "now")
+    assert ductor.wait(child.run_id, timeout=30).status == RunStatus.SUCCEEDED
+
+
 def test_child_run_scatter_gathers_child_outputs_with_tolerated_failures(ductor: Any) -> None:
     groups = [[1, 2], [3], [4, 5, 6], [], [7]]
     parent = ductor.start("e2e_child_scatter", input={"groups": groups, "refuse": [3]})

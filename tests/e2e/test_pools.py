@@ -106,3 +106,67 @@ def test_a_sigkill_mid_step_is_recovered_under_the_pool(
     assert view.output == "slept on attempt 2"
     assert [a.outcome for a in cluster.attempts(handle.run_id)] == ["timed_out", "succeeded"]
     assert cluster.executions(handle.run_id) == 2
+
+
+def _lines(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def _until(check: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
+        time.sleep(0.05)
+
+
+def _outcome(cluster: Any, run_id: str, node: str) -> tuple[str, str]:
+    [row] = [a for a in cluster.attempts(run_id) if a.node == node]
+    return row.outcome, row.token
+
+
+def test_terminate_is_cooperative_under_the_pool(
+    cluster_factory: Any, client_for: Any, tmp_path: Path, pool: str
+) -> None:
+    """Issue 23: only prefork kills a running step at once (threads and solo have nothing to
+    kill it with; gevent kills the greenlet at its next switch). A terminate closes the run's
+    attempts at once, and a step run inline after another step's message (a delayed run's
+    second step) stops at its next heartbeat (``StepCancelled``); its outcome is refused."""
+    cluster = cluster_factory()
+    cluster.start_coordinator()
+    cluster.start_steps(concurrency=_concurrency(pool), pool=pool)
+    ductor = client_for(cluster)
+    beating = tmp_path / "beating.txt"
+    handle = ductor.start(
+        "scribble_after", input={"path": str(beating), "seconds": 60, "beat": True}, delay=0.5
+    )
+    _until(lambda: len(_lines(beating).splitlines()) >= 3, "scribbling")
+    ductor.terminate(handle.run_id, reason="stop now")
+    returned = time.monotonic()
+    assert ductor.get(handle.run_id).status == RunStatus.TERMINATED
+    time.sleep(max(0.0, returned + 2 - time.monotonic()))
+    at_2 = _lines(beating)
+    time.sleep(max(0.0, returned + 4 - time.monotonic()))
+    assert _lines(beating) == at_2, "the step did not stop at its next heartbeat"
+    assert not Path(f"{beating}.done").exists()
+    assert _outcome(cluster, handle.run_id, "work")[0] == "cancelled"  # closed by the terminate
+
+    # A step that never heartbeats: under threads and solo it runs to its end (here 3 s);
+    # under gevent the revoke of its message kills the greenlet at its next switch (a sleep).
+    deaf = tmp_path / "deaf.txt"
+    handle = ductor.start(
+        "scribble_after", input={"path": str(deaf), "seconds": 3, "beat": False}, delay=0.5
+    )
+    _until(lambda: len(_lines(deaf).splitlines()) >= 3, "scribbling")
+    ductor.terminate(handle.run_id, reason="stop now")
+    returned = time.monotonic()
+    if pool == "gevent":
+        time.sleep(max(0.0, returned + 2 - time.monotonic()))
+        at_2 = _lines(deaf)
+        time.sleep(max(0.0, returned + 4 - time.monotonic()))
+        assert _lines(deaf) == at_2 and not Path(f"{deaf}.done").exists()
+    else:
+        _until(lambda: Path(f"{deaf}.done").exists(), "end of the step", timeout=10)
+        assert len(_lines(deaf).splitlines()) >= 25  # every line of its 3 s
+    time.sleep(0.5)  # its outcome, refused: the attempt stays as the terminate closed it
+    assert ductor.get(handle.run_id).status == RunStatus.TERMINATED
+    assert _outcome(cluster, handle.run_id, "work")[0] == "cancelled"

@@ -3,6 +3,7 @@ tick never starts two; a child's commit wakes its parent; parent-close writes ch
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -199,3 +200,129 @@ def test_a_control_for_a_child_that_continues_as_new_moves_to_its_successor(
         ).scalar_one()
     assert succ is not None
     assert [(r.run_id, r.kind) for r in rows] == [("k1", "continue_as_new"), (succ, "terminate")]
+
+
+# --- parent-close reaches a child past its checkpoint (issue 23) ----------------------------
+# Through the Ductor facade on both databases: controls are applied by the call; the child's
+# and parent's wake-ups are recorded (inline_support.RecordingDispatcher) and ticked by hand.
+
+from inline_support import RecordingDispatcher, deliver, make_ductor, url  # noqa: E402
+
+from ductor_celery import Ductor, RunStatus, StepContext  # noqa: E402
+from ductor_celery.runtime.coordinator import run_tick  # noqa: E402
+
+__all__ = ["url"]  # the fixture: PostgreSQL and SQLite
+
+
+def _checkpointing(ductor: Ductor, policy: str) -> None:
+    """``kid``: a step, the checkpoint ``cp``, then waits for the signal ``go``. ``mom``: waits
+    for ``kid`` until ``cp`` (``parent_close=policy``), then for the signal ``hold``."""
+
+    def label(ctx: StepContext) -> str:
+        ctx.patch({"label": "L1"})
+        return "L1"
+
+    kid = Workflow("kid")
+    kid.step("a", ductor.step(name="pc.label")(label))
+    kid.checkpoint("cp", after=["a"])
+    kid.wait_signal("go", signal="go", after=["cp"])
+    ductor.register(kid)
+    mom = Workflow("mom")
+    mom.subworkflow("sub", workflow="kid", until="cp", parent_close=policy)
+    mom.wait_signal("hold", signal="hold", after=["sub"])
+    ductor.register(mom)
+
+
+def _child_past_its_checkpoint(
+    ductor: Ductor, recorder: RecordingDispatcher, **start: Any
+) -> tuple[str, str]:
+    """Start ``mom`` and drive it until its child passed ``cp`` and waits for ``go``."""
+    rt = ductor.runtime
+    mom = ductor.start("mom", **start).run_id
+    assert run_tick(rt, mom) == "committed"
+    [kid] = [r.run_id for r in recorder.rows if r.kind == "wakeup"]
+    recorder.rows.clear()
+    assert run_tick(rt, kid) == "committed"
+    [step] = [r for r in recorder.rows if r.kind == "step"]
+    recorder.rows.clear()
+    deliver(ductor, step)  # "a", then the child's eager tick passes the checkpoint
+    assert ductor.get(kid).nodes["cp"].status == "succeeded"
+    run_tick(rt, mom)
+    view = ductor.get(mom)
+    assert view.nodes["sub"].status == "succeeded" and view.status == RunStatus.RUNNING
+    recorder.rows.clear()
+    return mom, kid
+
+
+def _settle(ductor: Ductor, recorder: RecordingDispatcher) -> None:
+    """Tick every run a recorded wake-up names (the parent's control to its child)."""
+    for row in list(recorder.rows):
+        if row.kind == "wakeup":
+            run_tick(ductor.runtime, row.run_id)
+    recorder.rows.clear()
+
+
+@pytest.mark.parametrize(
+    ("policy", "control", "child_after"),
+    [
+        ("terminate", "terminate", RunStatus.TERMINATED),
+        ("terminate", "cancel", RunStatus.TERMINATED),
+        ("cancel", "terminate", RunStatus.CANCELLED),
+        ("cancel", "cancel", RunStatus.CANCELLED),
+        ("abandon", "terminate", RunStatus.RUNNING),
+        ("abandon", "cancel", RunStatus.RUNNING),
+    ],
+)
+def test_stopping_a_parent_closes_its_child_past_the_checkpoint_by_the_policy(
+    url: str, policy: str, control: str, child_after: RunStatus
+) -> None:
+    ductor, recorder = make_ductor(url)
+    _checkpointing(ductor, policy)
+    mom, kid = _child_past_its_checkpoint(ductor, recorder)
+    getattr(ductor, control)(mom, reason="stop")
+    assert ductor.get(mom).status in (RunStatus.TERMINATED, RunStatus.CANCELLED)
+    _settle(ductor, recorder)
+    assert ductor.get(kid).status == child_after
+
+
+def test_a_parent_timing_out_closes_its_child_past_the_checkpoint(url: str) -> None:
+    ductor, recorder = make_ductor(url)
+    _checkpointing(ductor, "terminate")
+    mom, kid = _child_past_its_checkpoint(ductor, recorder, deadline=1.0)
+    deadline = time.monotonic() + 10
+    while ductor.get(mom).status != RunStatus.TIMED_OUT:  # the sweeper's wake-up, by hand
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+        run_tick(ductor.runtime, mom)
+    _settle(ductor, recorder)
+    assert ductor.get(kid).status == RunStatus.TERMINATED
+
+
+def test_a_parent_that_succeeds_leaves_its_child_past_the_checkpoint_running(url: str) -> None:
+    ductor, recorder = make_ductor(url)
+    _checkpointing(ductor, "terminate")
+    mom, kid = _child_past_its_checkpoint(ductor, recorder)
+    ductor.signal(mom, "hold")
+    run_tick(ductor.runtime, mom)
+    assert ductor.get(mom).status == RunStatus.SUCCEEDED
+    _settle(ductor, recorder)
+    assert ductor.get(kid).status == RunStatus.RUNNING
+    ductor.signal(kid, "go")
+    run_tick(ductor.runtime, kid)
+    assert ductor.get(kid).status == RunStatus.SUCCEEDED
+
+
+def test_a_child_past_its_checkpoint_that_finished_gets_no_control(url: str) -> None:
+    ductor, recorder = make_ductor(url)
+    _checkpointing(ductor, "terminate")
+    mom, kid = _child_past_its_checkpoint(ductor, recorder)
+    ductor.signal(kid, "go")
+    run_tick(ductor.runtime, kid)
+    assert ductor.get(kid).status == RunStatus.SUCCEEDED
+    recorder.rows.clear()
+    ductor.terminate(mom)
+    with get_engine(url).connect() as conn:
+        controls = conn.execute(
+            sa.text("SELECT count(*) FROM eec_workflow_control WHERE run_id = :r"), {"r": kid}
+        ).scalar_one()
+    assert controls == 0

@@ -19,6 +19,7 @@ __all__ = ["url"]  # the fixture: PostgreSQL and SQLite
 from ductor_celery import Ductor, RunStatus, StepContext
 from ductor_celery.definition import Workflow
 from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime.dispatch import first_tick_id
 from ductor_celery.runtime.steps import first_tick
 
 
@@ -47,6 +48,15 @@ def test_a_started_run_goes_to_the_step_workers_and_runs_to_the_end_there(url: s
     assert recorder.rows == [] and recorder.wakes == []  # no step message, no coordinator
     assert [a.claimed_by.split(":")[0] for a in attempt_rows(ductor, run_id)] == ["w1@host"] * 5
     assert outbox_rows(ductor) == []
+
+
+def test_the_steps_a_first_tick_runs_record_its_message_as_their_carrier(url: str) -> None:
+    ductor, _ = make_ductor(url)
+    _chain(ductor, 3)
+    run_id = ductor.start("chain").run_id
+    carrier = first_tick_id(run_id)
+    assert first_tick(ductor.runtime, run_id, "w1@host", QUEUE, carrier) == "committed"
+    assert [a.carrier for a in attempt_rows(ductor, run_id)] == [carrier] * 3
 
 
 def test_with_eager_ticks_off_a_started_run_wakes_the_coordinator(url: str) -> None:

@@ -87,6 +87,9 @@ def test_one_message_runs_a_quick_scatter_several_branches_per_tick(
     rows = attempt_rows(ductor, run_id)
     assert sorted(r.branch for r in rows) == list(range(40))  # one attempt per branch
     assert all(r.outcome == "succeeded" and r.folded for r in rows)
+    # Each ran in the first message's process, claimed in a commit, held or adopted: each
+    # records that message as its carrier (a terminate kills it to stop any of them).
+    assert {r.carrier for r in rows} == {first[0].payload["token"]}
     # The other first messages were still "in the broker": the chain adopted their branches,
     # so each now finds its attempt claimed and is dropped.
     assert [deliver(ductor, row) for row in first[1:]] == ["duplicate"] * 7

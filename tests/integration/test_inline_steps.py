@@ -266,6 +266,90 @@ def test_a_step_that_exits_its_process_takes_no_inline_step(database_url: str) -
     assert a.outcome == "failed" and b.claimed_at is None
 
 
+def test_each_inline_step_records_the_message_it_runs_under(url: str) -> None:
+    """The carrier: the task id of the message whose process runs the attempt, written with
+    its claim (here in the commit of the tick that creates it)."""
+    ductor, recorder = make_ductor(url)
+    _chain(ductor, 4, _add_one(ductor))
+    run_id, first = start_run(ductor, "chain", recorder)
+    deliver(ductor, first)
+    rows = attempt_rows(ductor, run_id)
+    assert [r.carrier for r in rows] == [first.payload["token"]] * 4
+
+
+def _terminating_chain(ductor: Ductor, kind: str) -> None:
+    """s0 adds one; s1, run inline after s0's message, applies ``kind`` to its own run (as an
+    operator would meanwhile) and returns."""
+
+    def stop_my_run(ctx: StepContext, value: int = 0) -> int:
+        getattr(ductor, kind)(ctx.run_id, reason="stop now")
+        return value + 1
+
+    wf = Workflow("stops")
+    wf.step("s0", _add_one(ductor), args={"value": 0})
+    stop = ductor.step(name="inline.stop_my_run", retry=RetryPolicy(max_attempts=1))(stop_my_run)
+    wf.step("s1", stop, after=["s0"], args={"value": "$.nodes.s0.output"})
+    ductor.register(wf)
+
+
+def test_a_terminate_kills_the_message_an_inline_step_runs_under(url: str) -> None:
+    """s1 has no message of its own: the terminate revokes its token (which reaches nothing)
+    and, with terminate=True, s0's message, whose process runs s1."""
+    ductor, recorder = make_ductor(url)
+    _terminating_chain(ductor, "terminate")
+    run_id, first = start_run(ductor, "stops", recorder)
+    deliver(ductor, first)
+    assert run_row(ductor, run_id).status == "terminated"
+    s0, s1 = attempt_rows(ductor, run_id)
+    assert s1.carrier == s0.token and s1.outcome == "cancelled"
+    revokes = [(r.payload["token"], r.payload.get("terminate")) for r in recorder.rows]
+    assert revokes == [(s1.token, True), (s0.token, True)]
+    assert recorder.rows[1].payload["carrier_of"] == s1.token
+    assert all(r.kind == "revoke" and r.run_id == run_id for r in recorder.rows)
+
+
+def test_a_cancel_kills_no_message(url: str) -> None:
+    """A cooperative cancel (and its close after the grace) only revokes without terminate:
+    a step is asked to stop, never killed, so no carrier is revoked."""
+    ductor, recorder = make_ductor(url, cancel_grace=0)
+    _terminating_chain(ductor, "cancel")
+    run_id, first = start_run(ductor, "stops", recorder)
+    deliver(ductor, first)
+    assert run_row(ductor, run_id).status == "cancelled"
+    s0, s1 = attempt_rows(ductor, run_id)
+    assert s1.carrier == s0.token
+    assert [(r.payload["token"], r.payload.get("terminate")) for r in recorder.rows] == [
+        (s1.token, None)
+    ]
+
+
+def test_a_chain_never_runs_another_runs_attempt(database_url: str) -> None:
+    """A carrier only ever runs attempts of one run (what makes killing it on that run's
+    terminate safe): a chain bound to run A offered a tick of run B claims nothing, and B's
+    step goes out as a message."""
+    ductor, recorder = make_ductor(database_url)
+    _chain(ductor, 2, _add_one(ductor))
+    run_a = ductor.start("chain").run_id
+    run_b = ductor.start("chain").run_id
+    chain = inline.InlineChain.start(
+        ductor.runtime, QUEUE, lambda: "w1@host:1:x", carrier="message-a", run_id=run_a
+    )
+    assert chain is not None
+    chain.bind(run_b)  # bound once: a later bind changes nothing
+    assert chain.run_id == run_a
+    assert run_tick(ductor.runtime, run_b, eager=True, keep=chain) == "committed"
+    assert chain.kept is None
+    [b0] = attempt_rows(ductor, run_b)
+    assert b0.claimed_at is None and b0.carrier is None
+    assert recorder.steps() == ["s0"]
+    recorder.rows.clear()
+    assert run_tick(ductor.runtime, run_a, eager=True, keep=chain) == "committed"
+    assert chain.kept is not None and chain.kept[0].run_id == run_a
+    [a0] = attempt_rows(ductor, run_a)
+    assert a0.claimed_at is not None and a0.carrier == "message-a"
+    assert recorder.steps() == []
+
+
 class RecordingEvents:
     """Stands for ``app.events``: what the inline steps' event dispatcher buffers and
     publishes (one broker message per ``flush``, as Celery's ``task.multi`` batches)."""

@@ -303,6 +303,62 @@ def test_an_eager_tick_claims_the_attempt_its_worker_keeps_and_sends_no_message_
     assert not store.claim(second.token), "a duplicate message would find it claimed"
 
 
+def test_a_terminate_also_kills_the_carrier_of_an_attempt_with_no_message_of_its_own() -> None:
+    """The fake's commit reads each closed attempt's carrier as the SQL one does, and a
+    revoke that terminates also names it (coordinator/rows.py, ``carrier_revokes``)."""
+    store, sent, coordinator = _world()
+    wf = Workflow("two")
+    wf.step("a", "s.a")
+    wf.step("b", "s.b", after=["a"])
+    run_id = store.start(wf.build())
+    coordinator.tick(run_id)
+    [first] = sent.step_tokens()
+    sent.take()
+    store.claim(first, carrier=first)
+    store.finish(first, output=1)
+
+    class Keep:
+        def choose(self, loaded: Any, payload: Any) -> TickClaim | None:
+            return TickClaim(payload.new_attempts[0].token, "w-inline", carrier=first)
+
+        def committed(self) -> None:
+            pass
+
+    coordinator.tick(run_id, eager=True, keep=Keep())
+    [second] = store.open_attempts(run_id)
+    assert second.carrier == first
+    store.control(run_id, "terminate", reason="stop")
+    coordinator.tick(run_id)
+    assert store.run(run_id).status == "terminated"
+    revokes = [r.payload for r in sent.take() if r.kind == DispatchKind.REVOKE]
+    assert [(p["token"], p.get("terminate"), p.get("carrier_of")) for p in revokes] == [
+        (second.token, True, None),
+        (first, True, second.token),
+    ]
+
+
+def test_carrier_revokes_name_each_killing_revokes_carrier_once() -> None:
+    """Only a revoke that terminates names a carrier; one that is the attempt's own token, or
+    was revoked already (another revoke, another attempt of the same chain), is not sent
+    twice; an attempt with no recorded carrier has none."""
+    from ductor_celery.coordinator.rows import carrier_revokes
+    from ductor_celery.engine import RunState, TickPayload
+    from ductor_celery.engine.inputs import Dispatch
+
+    def revoke(token: str, terminate: bool = True) -> Dispatch:
+        return Dispatch(DispatchKind.REVOKE, "r", "n", token, "s", None, terminate)
+
+    payload = TickPayload(state=RunState())
+    payload.dispatches = [revoke("t1"), revoke("t2"), revoke("t3"), revoke("t4"), revoke("m")]
+    carriers = {"t1": "m", "t2": "c", "t3": "c", "t4": None, "m": "m"}
+    assert [
+        (r["payload"]["token"], r["payload"]["carrier_of"])
+        for r in carrier_revokes(payload, carriers)
+    ] == [("c", "t2")]
+    payload.dispatches = [revoke("t1", terminate=False)]
+    assert carrier_revokes(payload, {"t1": "m"}) == []
+
+
 def test_a_coordinator_tick_cannot_wait_for_a_lock_in_one_thread_and_says_so() -> None:
     store, _, coordinator = _world()
     wf = Workflow("one")

@@ -131,6 +131,148 @@ def test_a_child_that_finished_already_gets_no_control() -> None:
     assert p.child_controls == []
 
 
+def _holding_parent(policy: str = "terminate", *, fails: bool = False) -> Any:
+    """A parent that goes on after its child's checkpoint and stays open: it waits for a
+    signal (or, ``fails``, runs a step that will fail)."""
+    child = _child()
+    wf = Workflow("parent")
+    wf.subworkflow(
+        "sub", workflow="child", input={"id": "$.input.id"}, until="printed", parent_close=policy
+    )
+    if fails:
+        wf.step("after", FakeStep(), after=["sub"])
+    else:
+        wf.wait_signal("hold", signal="hold", after=["sub"])
+    return wf.build(None, {"child": child}.get)
+
+
+def _past_checkpoint(spec: Any) -> tuple[RunState, str]:
+    """The parent with its child past the checkpoint: the sub node succeeded, the child runs."""
+    s0 = _tick(spec, RunState()).state
+    child = s0.nodes["sub"].child.child_run
+    snap = ChildSnapshot(child, "running", checkpoints={"printed": {"label": "L7"}})
+    p = _tick(spec, s0, children={child: snap})
+    assert p.state.nodes["sub"].status == "succeeded"
+    assert p.state.status == RunStatus.RUNNING and p.child_controls == []
+    return p.state, child
+
+
+@pytest.mark.parametrize("control", ["terminate", "cancel"])
+@pytest.mark.parametrize(
+    ("policy", "kind"), [("terminate", "terminate"), ("cancel", "cancel"), ("abandon", None)]
+)
+def test_stopping_the_parent_closes_a_child_past_its_checkpoint(
+    control: str, policy: str, kind: str | None
+) -> None:
+    spec = _holding_parent(policy)
+    state, child = _past_checkpoint(spec)
+    p = _tick(
+        spec,
+        state,
+        control=ControlIn(id=1, kind=control, reason="bye"),
+        children={child: ChildSnapshot(child, "paused")},
+    )
+    assert p.state.status == (
+        RunStatus.TERMINATED if control == "terminate" else RunStatus.CANCELLED
+    )
+    assert p.state.nodes["sub"].status == "succeeded"  # the node keeps what it got
+    assert [(c.run_id, c.kind) for c in p.child_controls] == ([(child, kind)] if kind else [])
+    assert all("parent run p" in c.reason for c in p.child_controls)
+
+
+def test_a_parent_timing_out_closes_a_child_past_its_checkpoint() -> None:
+    spec = _holding_parent()
+    state, child = _past_checkpoint(spec)
+    state.deadline_at = T0
+    p = _tick(spec, state, children={child: ChildSnapshot(child, "running")})
+    assert p.state.status == RunStatus.TIMED_OUT
+    assert [(c.run_id, c.kind) for c in p.child_controls] == [(child, "terminate")]
+
+
+def test_a_cooperative_cancel_closes_a_child_past_its_checkpoint_when_it_settles() -> None:
+    """The cancel waits for an attempt in flight; the child is closed with the run."""
+    spec = _holding_parent(fails=True)
+    state, child = _past_checkpoint(spec)
+    assert state.nodes["after"].status == "running"
+    asked = _tick(spec, state, control=ControlIn(id=1, kind="cancel"), children={})
+    assert asked.state.cancel is not None and asked.child_controls == []
+    from ductor_celery.engine import AttemptResult
+
+    stopped = AttemptResult(
+        token=asked.state.nodes["after"].step.token or "",
+        node="after",
+        outcome="cancelled",
+        error={"type": "StepCancelled", "message": "stopped"},
+        retryable=False,
+    )
+    p = _tick(
+        spec,
+        asked.state,
+        results=(stopped,),
+        children={child: ChildSnapshot(child, "running")},
+    )
+    assert p.state.status == RunStatus.CANCELLED
+    assert [(c.run_id, c.kind) for c in p.child_controls] == [(child, "terminate")]
+
+
+def test_a_finished_child_past_its_checkpoint_gets_no_control() -> None:
+    spec = _holding_parent()
+    state, child = _past_checkpoint(spec)
+    for status in ("succeeded", "failed", "terminated", "cancelled", "timed_out"):
+        p = _tick(
+            spec,
+            state,
+            control=ControlIn(id=1, kind="terminate"),
+            children={child: ChildSnapshot(child, status)},
+        )
+        assert p.state.status == RunStatus.TERMINATED and p.child_controls == [], status
+
+
+def test_a_parent_that_succeeds_or_fails_leaves_a_child_past_its_checkpoint_running() -> None:
+    spec = _holding_parent()
+    state, child = _past_checkpoint(spec)
+    from ductor_celery.engine.inputs import SignalIn
+
+    done = _tick(
+        spec,
+        state,
+        signals=(SignalIn(id=1, name="hold", payload=None),),
+        children={child: ChildSnapshot(child, "running")},
+    )
+    assert done.state.status == RunStatus.SUCCEEDED and done.child_controls == []
+    spec = _holding_parent(fails=True)
+    state, child = _past_checkpoint(spec)
+    from ductor_celery.engine import AttemptResult
+
+    failed = AttemptResult(
+        token=state.nodes["after"].step.token or "",
+        node="after",
+        outcome="failed",
+        error={"type": "ValueError", "message": "no"},
+        retryable=False,
+    )
+    p = _tick(spec, state, results=(failed,), children={child: ChildSnapshot(child, "running")})
+    assert p.state.status == RunStatus.FAILED and p.child_controls == []
+
+
+def test_the_loaders_read_children_past_their_checkpoint_only_when_the_run_may_stop() -> None:
+    from ductor_celery.engine.children import children_to_read, may_stop
+
+    spec = _holding_parent()
+    state, child = _past_checkpoint(spec)
+    assert children_to_read(spec, state, stopping=False) == {}
+    assert children_to_read(spec, state, stopping=True) == {child: None}
+    assert not may_stop(state, None, T0)
+    assert not may_stop(state, ControlIn(id=1, kind="pause"), T0)
+    assert may_stop(state, ControlIn(id=1, kind="terminate"), T0)
+    assert may_stop(state, ControlIn(id=1, kind="cancel"), T0)
+    state.deadline_at = T0
+    assert may_stop(state, None, T0)
+    state.deadline_at = None
+    state.cancel = {"reason": "r", "grace_until": T0.isoformat()}
+    assert may_stop(state, None, T0)
+
+
 def test_redrive_starts_a_new_child_under_a_new_id() -> None:
     spec = _parent()
     s0 = _tick(spec, RunState()).state
