@@ -343,7 +343,7 @@ class Client:
     def engine(self) -> Engine:
         if self._get_engine is not None:
             return self._get_engine()
-        return get_engine(self.settings.database_url)
+        return get_engine(self.settings.database_url, prepare=self.settings.database_prepare)
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -385,7 +385,11 @@ class Client:
             self._remember_spec(spec)
         run_id = uuid.uuid4().hex
         if connection is not None or using is not None:
-            caller = joined.join(connection, using, get_engine(self.settings.database_url))
+            caller = joined.join(
+                connection,
+                using,
+                get_engine(self.settings.database_url, prepare=self.settings.database_prepare),
+            )
             # A delay reads the database's clock; without one, touch nothing outside the
             # caller's transaction (on SQLite another connection would wait for its lock).
             fire_at, due_now = (
@@ -948,7 +952,7 @@ class Client:
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         row = self._row(target)
-        with finishes.listener(self.engine, self.settings.database_url) as listener:
+        with finishes.listener(self.engine, self.settings.listen_url) as listener:
             while True:
                 # Read after the listener started, so a finish just before it is not missed.
                 row, done = self._poll(target, row.run_id)

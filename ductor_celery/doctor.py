@@ -34,7 +34,7 @@ def run_checks(d: Ductor, timeout: float = 2.0) -> list[Check]:
     settings = d.settings
     checks: list[Check] = []
     url = sa.engine.make_url(settings.database_url).render_as_string(hide_password=True)
-    engine = get_engine(settings.database_url)
+    engine = get_engine(settings.database_url, prepare=settings.database_prepare)
     try:
         with engine.connect() as conn:
             conn.execute(sa.text("SELECT 1"))

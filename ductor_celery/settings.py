@@ -17,6 +17,14 @@ EMBEDDED_DATABASE_URL = "sqlite:///.ductor/ductor.sqlite3"
 @dataclass(frozen=True, slots=True)
 class Settings:
     database_url: str = EMBEDDED_DATABASE_URL
+    #: The connection ``Client.wait`` LISTENs on (``None``: ``database_url``). Behind a
+    #: transaction-pooling PgBouncer, a direct URL to PostgreSQL: LISTEN is session state.
+    listen_database_url: str | None = None
+    #: Let psycopg prepare statements on the server after a few executions (faster on a direct
+    #: connection). False behind PgBouncer in transaction pooling mode before 1.21 (without
+    #: ``max_prepared_statements``): a prepared statement is session state, and the next
+    #: transaction may run on another server connection.
+    database_prepare: bool = True
     steps_queue: str = "ductor-steps"
     coord_queue: str = "ductor-coord"
     sweep_interval: float = 1.0
@@ -53,6 +61,11 @@ class Settings:
     def embedded(self) -> bool:
         return self.database_url.startswith("sqlite")
 
+    @property
+    def listen_url(self) -> str:
+        """Where ``wait()`` listens: ``listen_database_url``, else ``database_url``."""
+        return self.listen_database_url or self.database_url
+
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             resend_unclaimed_after=self.resend_unclaimed_after,
@@ -71,6 +84,12 @@ class Settings:
             or os.environ.get("DUCTOR_DATABASE_URL")
             or EMBEDDED_DATABASE_URL
         )
+        listen_url = conf.get("ductor_listen_database_url") or os.environ.get(
+            "DUCTOR_LISTEN_DATABASE_URL"
+        )
+        prepare = conf.get("ductor_database_prepare")
+        if prepare is None:
+            prepare = os.environ.get("DUCTOR_DATABASE_PREPARE") or None
         defaults = cls()
 
         def get(key: str, default: Any, kind: Callable[[Any], Any]) -> Any:
@@ -79,6 +98,8 @@ class Settings:
 
         return cls(
             database_url=normalize_url(str(url)),
+            listen_database_url=normalize_url(str(listen_url)) if listen_url else None,
+            database_prepare=defaults.database_prepare if prepare is None else _flag(prepare),
             steps_queue=get("steps_queue", defaults.steps_queue, str),
             coord_queue=get("coord_queue", defaults.coord_queue, str),
             sweep_interval=get("sweep_interval", defaults.sweep_interval, float),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from servers import PostgresServer, RedisServer
+from servers import PgBouncer, PostgresServer, RedisServer
 
 # --- server fixtures ------------------------------------------------------------------------
 # One private PostgreSQL and one Redis server per pytest session (see tests/servers.py): both
@@ -26,6 +26,14 @@ def pg_server() -> Iterator[PostgresServer]:
 def redis_server() -> Iterator[RedisServer]:
     """The session's Redis server; ``redis_server.url(db)`` gives a ``redis://`` URL."""
     with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(pg_server: PostgresServer) -> Iterator[PgBouncer]:
+    """A PgBouncer in transaction pooling mode in front of the session's PostgreSQL;
+    ``pgbouncer.url(dbname)`` reaches any of its databases through the pooler."""
+    with PgBouncer(pg_server) as server:
         yield server
 
 

@@ -20,6 +20,7 @@ Design notes:
 * Leftovers: servers are stopped on ``atexit``. If the test process dies without running atexit
   (SIGKILL, OOM, a hard timeout), a tiny ``sh`` watchdog per server notices within a second,
   shuts the server down and removes its temp dir.
+* PgBouncer refuses to run as root as well: it runs as ``postgres`` the same way.
 * ``restart()`` keeps the port and the data dir, so URLs handed out before stay valid.
   Redis runs without persistence, so a Redis restart also empties it (a lost broker).
 """
@@ -47,6 +48,7 @@ import redis
 from psycopg import sql
 
 __all__ = [
+    "PgBouncer",
     "PostgresServer",
     "RedisServer",
     "ServerError",
@@ -670,3 +672,120 @@ class RedisServer(_ManagedServer):
             return bool(client.ping())
         finally:
             client.close()
+
+
+# --------------------------------------------------------------------------------------------
+# PgBouncer
+# --------------------------------------------------------------------------------------------
+
+
+def find_pgbouncer() -> str:
+    """The ``pgbouncer`` binary: on PATH, else where Debian puts it (/usr/sbin, off a user's
+    PATH)."""
+    exe = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+    if not Path(exe).is_file():
+        raise ServerError(
+            "pgbouncer not found; install the `pgbouncer` package (scripts/test does)"
+        )
+    return exe
+
+
+class PgBouncer(_ManagedServer):
+    """A private PgBouncer on 127.0.0.1 in front of ``postgres``, every database passed
+    through, trust auth (the user list holds ``postgres`` alone).
+
+    ``pool_mode`` is transaction pooling unless told otherwise: a server connection serves a
+    client for one transaction, then the next client's; with ``pool_size`` smaller than the
+    clients' pools, consecutive transactions of one client land on different server
+    connections, which is what breaks anything that relies on session state.
+    """
+
+    _kind = "pgbouncer"
+    _stop_signal = signal.SIGTERM  # immediate shutdown (SIGINT would wait for clients)
+    _orphan_signal = "TERM"
+
+    def __init__(
+        self,
+        postgres: PostgresServer,
+        *,
+        pool_mode: str = "transaction",
+        pool_size: int = 2,
+        port: int | None = None,
+        base_dir: Path | str | None = None,
+        start_timeout: float = 30.0,
+    ) -> None:
+        super().__init__(port=port, base_dir=base_dir, start_timeout=start_timeout)
+        self.postgres = postgres
+        self.pool_mode = pool_mode
+        self.pool_size = pool_size
+        self.executable = find_pgbouncer()
+        self._os_user: pwd.struct_passwd | None = None
+        if os.geteuid() == 0:
+            try:
+                self._os_user = pwd.getpwnam("postgres")
+            except KeyError:
+                raise ServerError(
+                    "running as root but there is no `postgres` OS user to run PgBouncer as"
+                ) from None
+
+    def url(self, dbname: str = "postgres") -> str:
+        """SQLAlchemy URL (psycopg 3 driver) for ``dbname`` through the pooler."""
+        if self.port is None:
+            raise ServerError("PgBouncer has not been started")
+        return f"postgresql+psycopg://postgres@{LOOPBACK}:{self.port}/{dbname}"
+
+    def log_text(self) -> str:
+        """The whole log (its warnings are what the tests look at)."""
+        return self.log_path.read_text(errors="replace")
+
+    def _make_tmpdir(self) -> Path:
+        tmp = super()._make_tmpdir()
+        if self._os_user is not None:
+            os.chown(tmp, self._os_user.pw_uid, self._os_user.pw_gid)
+        return tmp
+
+    def _spawn_kwargs(self) -> dict[str, Any]:
+        env = {**os.environ, "LC_ALL": "C", "LANG": "C"}
+        if self._os_user is None:
+            return {"env": env}
+        env.update(HOME=self._os_user.pw_dir, USER="postgres", LOGNAME="postgres")
+        return {
+            "env": env,
+            "user": self._os_user.pw_uid,
+            "group": self._os_user.pw_gid,
+            "extra_groups": [],
+        }
+
+    def _command(self) -> list[str]:
+        # Written on every start: the port may have changed after a lost race for it.
+        ini = self.tmpdir / "pgbouncer.ini"
+        users = self.tmpdir / "userlist.txt"
+        users.write_text('"postgres" ""\n')
+        ini.write_text(
+            "[databases]\n"
+            f"* = host={LOOPBACK} port={self.postgres.port}\n"
+            "[pgbouncer]\n"
+            f"listen_addr = {LOOPBACK}\n"
+            f"listen_port = {self.port}\n"
+            f"unix_socket_dir = {self.tmpdir}\n"
+            "auth_type = trust\n"
+            f"auth_file = {users}\n"
+            f"pool_mode = {self.pool_mode}\n"
+            f"default_pool_size = {self.pool_size}\n"
+            "max_client_conn = 2000\n"
+            "max_db_connections = 0\n"
+            "log_connections = 0\n"
+            "log_disconnections = 0\n"
+            "admin_users = postgres\n"
+        )
+        if self._os_user is not None:
+            for path in (ini, users):
+                os.chown(path, self._os_user.pw_uid, self._os_user.pw_gid)
+        return [self.executable, str(ini)]
+
+    def _probe(self) -> bool:
+        with psycopg.connect(
+            host=LOOPBACK, port=self.port, user="postgres", dbname="postgres", connect_timeout=2
+        ) as conn:
+            conn.execute("SELECT 1")
+        return True

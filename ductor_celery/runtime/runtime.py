@@ -47,7 +47,7 @@ class Runtime:
             app.steps["consumer"].add(PoisonGuard)
 
     def engine(self) -> Engine:
-        engine = get_engine(self.settings.database_url)
+        engine = get_engine(self.settings.database_url, prepare=self.settings.database_prepare)
         if self.settings.embedded and not self._schema_ready:
             self._ensure_embedded_schema()
         return engine

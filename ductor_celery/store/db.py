@@ -1,7 +1,16 @@
 """Engines per process, created after fork, and the transient-error retry used by every writer.
 
 A prefork child must never reuse a connection pool inherited from its parent (two processes
-on one socket corrupt the protocol), so engines are keyed by (pid, url) and built lazily.
+on one socket corrupt the protocol), so engines are keyed by (pid, url, prepare) and built
+lazily.
+
+Nothing here relies on session state, so the URL may go through PgBouncer in transaction
+pooling mode: every statement runs in a transaction (or alone, autocommit), the advisory locks
+are transaction-scoped, no ``SET`` outlives its transaction. The one thing the pooler breaks is
+psycopg's server-side prepared statements (a connection prepares a statement after
+``PREPARE_THRESHOLD`` executions and the next transaction may land on another server
+connection): ``prepare=False`` turns them off (``ductor_database_prepare``). LISTEN goes
+through its own connection (``store/finishes.py``, ``ductor_listen_database_url``).
 """
 
 from __future__ import annotations
@@ -26,7 +35,11 @@ from .schema import dumps_json
 
 log = logging.getLogger("ductor_celery.store")
 
-_engines: dict[tuple[int, str], Engine] = {}
+_engines: dict[tuple[int, str, bool], Engine] = {}
+
+#: psycopg's own default: a statement is prepared on the server once it has been executed this
+#: many times on a connection (the tick's commit, the claim, the loads: a worker's hot path).
+PREPARE_THRESHOLD = 5
 _lock = threading.Lock()
 
 T = TypeVar("T")
@@ -71,21 +84,23 @@ def autocommit(engine: Engine) -> Any:
     return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
 
 
-def get_engine(url: str) -> Engine:
-    """The engine for ``url`` in this process (a new one after a fork)."""
-    key = (os.getpid(), url)
+def get_engine(url: str, *, prepare: bool = True) -> Engine:
+    """The engine for ``url`` in this process (a new one after a fork). ``prepare``: let
+    psycopg prepare statements on the server (``Settings.database_prepare``; SQLite ignores
+    it)."""
+    key = (os.getpid(), url, prepare or url.startswith("sqlite"))
     engine = _engines.get(key)
     if engine is not None:
         return engine
     with _lock:
         engine = _engines.get(key)
         if engine is None:
-            engine = _create_engine(url)
+            engine = _create_engine(url, prepare=key[2])
             _engines[key] = engine
     return engine
 
 
-def _create_engine(url: str) -> Engine:
+def _create_engine(url: str, *, prepare: bool) -> Engine:
     if url.startswith("sqlite"):
         path = sa.engine.make_url(url).database
         if path and path != ":memory:":
@@ -120,6 +135,8 @@ def _create_engine(url: str) -> Engine:
         pool_size=5,
         max_overflow=10,
         pool_recycle=1800,
+        # None: never prepare (what a transaction-pooling PgBouncer before 1.21 needs).
+        connect_args={"prepare_threshold": PREPARE_THRESHOLD if prepare else None},
     )
 
 
@@ -145,9 +162,10 @@ def dispose_all() -> None:
 def forget_engine(url: str) -> None:
     """Dispose of this process's engine for ``url`` and drop it (a throwaway database)."""
     with _lock:
-        engine = _engines.pop((os.getpid(), url), None)
-    if engine is not None:
-        engine.dispose()
+        engines = [_engines.pop((os.getpid(), url, p), None) for p in (True, False)]
+    for engine in engines:
+        if engine is not None:
+            engine.dispose()
 
 
 def is_postgres(engine: Engine) -> bool:

@@ -54,15 +54,19 @@ class _Polling:
 
 
 @contextmanager
-def listener(engine: Engine, database_url: str) -> Iterator[FinishListener]:
+def listener(engine: Engine, listen_url: str) -> Iterator[FinishListener]:
     """A listener for as long as the block runs. Its LISTEN starts before the block, so a
-    caller that reads the run inside the block cannot miss a finish between the two."""
+    caller that reads the run inside the block cannot miss a finish between the two.
+
+    ``listen_url`` (``Settings.listen_url``) gets a connection of its own: LISTEN is session
+    state, which a transaction-pooling PgBouncer does not keep (its notifications arrive on a
+    server connection no client is linked to), so behind one it is a direct URL."""
     if not is_postgres(engine):
         yield _Polling()
         return
     import psycopg
 
-    url = sa.engine.make_url(database_url).set(drivername="postgresql")
+    url = sa.engine.make_url(listen_url).set(drivername="postgresql")
     with psycopg.connect(url.render_as_string(hide_password=False), autocommit=True) as conn:
         conn.execute(f"LISTEN {RUN_FINISHED_CHANNEL}")
         yield _Notified(conn)

@@ -64,7 +64,7 @@ _ALEMBIC_LOCK = threading.RLock()
 
 def upgrade(url: str, revision: str = "head") -> None:
     cfg = alembic_config(url)
-    engine = get_engine(url)
+    engine = get_engine(url, prepare=False)  # not hot; and safe behind any pooler
     with _ALEMBIC_LOCK, engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
@@ -72,7 +72,7 @@ def upgrade(url: str, revision: str = "head") -> None:
 
 def downgrade(url: str, revision: str) -> None:
     cfg = alembic_config(url)
-    engine = get_engine(url)
+    engine = get_engine(url, prepare=False)  # not hot; and safe behind any pooler
     with _ALEMBIC_LOCK, engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.downgrade(cfg, revision)
