@@ -39,6 +39,10 @@ ductor_database_url = os.environ.get(
 )
 # A step that sets no timeout of its own is presumed lost after two minutes.
 ductor_default_step_timeout = os.environ.get("DUCTOR_DEFAULT_STEP_TIMEOUT", "120")
+# Behind PgBouncer in transaction pooling mode (README, "Behind PgBouncer"): a direct URL for
+# wait()'s LISTEN, and DUCTOR_DATABASE_PREPARE=false.
+ductor_listen_database_url = os.environ.get("DUCTOR_LISTEN_DATABASE_URL")
+ductor_database_prepare = os.environ.get("DUCTOR_DATABASE_PREPARE")
 ductor_steps_queue = os.environ.get("DUCTOR_STEPS_QUEUE")
 ductor_coord_queue = os.environ.get("DUCTOR_COORD_QUEUE")
 ductor_sweep_interval = os.environ.get("DUCTOR_SWEEP_INTERVAL")

@@ -1,6 +1,6 @@
 """The tick's own cost on a real PostgreSQL, in this process: no broker, no workers.
 
-    PYTHONPATH=. python benchmarks/tick_cost.py [--rounds 5] [--ticks 400]
+    PYTHONPATH=. python benchmarks/tick_cost.py [--rounds 5] [--ticks 400] [--prepare-ab]
 
 Starts a throwaway PostgreSQL (tests/servers.py), then, each round:
 - committed: ``--ticks`` first ticks of fresh one-step runs (pending -> running: the run
@@ -16,11 +16,15 @@ Step messages are not sent (the dispatcher's ``send`` records them): what is tim
 and the CPU time this process spent per tick (the Python side of the tick; PostgreSQL's own
 time is in the wall figure only; the least of the rounds is the steadiest on a busy machine),
 so A/B runs of two checkouts (``PYTHONPATH=<checkout>``) can be compared side by side.
+``--prepare-ab``: each round three times, interleaved, with psycopg's server-side prepares on,
+off (``ductor_database_prepare = False``), and off through a PgBouncer in transaction pooling
+mode (tests/servers.py), the cost of running behind one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -30,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from celery import Celery  # noqa: E402
-from servers import PostgresServer  # noqa: E402
+from servers import PgBouncer, PostgresServer  # noqa: E402
 
 from ductor_celery import Ductor, Workflow  # noqa: E402
 from ductor_celery.engine.kinds import DispatchKind  # noqa: E402
@@ -43,16 +47,54 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--ticks", type=int, default=400)
+    parser.add_argument(
+        "--prepare-ab",
+        action="store_true",
+        help="each round in three setups, side by side: server-side prepares on, off, and off "
+        "through PgBouncer in transaction pooling mode (ductor_database_prepare)",
+    )
     args = parser.parse_args()
-    with PostgresServer() as pg:
+    with contextlib.ExitStack() as stack:
+        pg = stack.enter_context(PostgresServer())
         pg.create_database("tick_cost")
         url = pg.url("tick_cost")
         upgrade(url)
+        setups = {"": (url, True)}
+        if args.prepare_ab:
+            pooler = stack.enter_context(PgBouncer(pg, pool_size=4))
+            setups = {
+                "prepare on, ": (url, True),
+                "prepare off, ": (url, False),
+                "prepare off via PgBouncer, ": (pooler.url("tick_cost"), False),
+            }
+        benches = {label: _Bench(*setup) for label, setup in setups.items()}
+        figures: dict[str, list[tuple[float, float]]] = {
+            f"{label}{name}": [] for label in setups for name in ("committed", "no-op", "fold")
+        }
+        for _ in range(args.rounds):
+            for label, bench in benches.items():  # interleaved: the same machine load
+                for name, figure in bench.round(args.ticks).items():
+                    figures[f"{label}{name}"].append(figure)
+        for name, rounds in figures.items():
+            wall = statistics.median(w for w, _ in rounds)
+            cpu = statistics.median(c for _, c in rounds)
+            least = min(c for _, c in rounds)
+            sys.stdout.write(
+                f"{name} tick: median wall {1000 * wall:.3f} ms, this process's CPU "
+                f"{1000 * cpu:.3f} ms (least of the rounds {1000 * least:.3f} ms)\n"
+            )
+
+
+class _Bench:
+    """One Ductor on ``url``, prepares on or off, with its finished run for no-op ticks."""
+
+    def __init__(self, url: str, prepare: bool) -> None:
         app = Celery("tick_cost", set_as_current=False)
         app.conf.broker_url = "memory://"
+        app.conf.ductor_database_prepare = prepare
         ductor = Ductor(app, database_url=url)
-        sent: list[Any] = []
-        ductor.runtime.dispatcher.send = sent.extend  # type: ignore[method-assign]
+        self.sent: list[Any] = []
+        ductor.runtime.dispatcher.send = self.sent.extend  # type: ignore[method-assign,assignment]
         ductor.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
         ductor.runtime.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
         ductor.step(name="t.one")(lambda ctx: 1)
@@ -64,33 +106,29 @@ def main() -> None:
             chain.step(f"s{i}", "t.one", after=[f"s{i - 1}"] if i else [])
         chain.output({f"s{i}": f"$.nodes.s{i}.output" for i in range(CHAIN)})
         ductor.register(chain)
-        rt = ductor.runtime
-        finished = ductor.start("one", input={}).run_id
-        ductor.terminate(finished)
+        self.ductor = ductor
+        self.finished = ductor.start("one", input={}).run_id
+        ductor.terminate(self.finished)
         for _ in range(20):
-            run_tick(rt, finished)
-        figures: dict[str, list[tuple[float, float]]] = {"committed": [], "no-op": [], "fold": []}
-        for _ in range(args.rounds):
-            runs = [ductor.start("one", input={}).run_id for _ in range(args.ticks)]
-            w0, c0 = time.perf_counter(), time.process_time()
-            for run_id in runs:
-                assert run_tick(rt, run_id) == "committed"
-            w1, c1 = time.perf_counter(), time.process_time()
-            figures["committed"].append(((w1 - w0) / args.ticks, (c1 - c0) / args.ticks))
-            w0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(args.ticks):
-                assert run_tick(rt, finished) == "noop"
-            w1, c1 = time.perf_counter(), time.process_time()
-            figures["no-op"].append(((w1 - w0) / args.ticks, (c1 - c0) / args.ticks))
-            figures["fold"].append(_fold_ticks(ductor, sent, args.ticks // CHAIN))
-        for name, rounds in figures.items():
-            wall = statistics.median(w for w, _ in rounds)
-            cpu = statistics.median(c for _, c in rounds)
-            least = min(c for _, c in rounds)
-            sys.stdout.write(
-                f"{name} tick: median wall {1000 * wall:.3f} ms, this process's CPU "
-                f"{1000 * cpu:.3f} ms (least of the rounds {1000 * least:.3f} ms)\n"
-            )
+            run_tick(ductor.runtime, self.finished)
+
+    def round(self, ticks: int) -> dict[str, tuple[float, float]]:
+        """Per-tick wall and CPU of each kind of tick, one round."""
+        ductor, rt = self.ductor, self.ductor.runtime
+        out = {}
+        runs = [ductor.start("one", input={}).run_id for _ in range(ticks)]
+        w0, c0 = time.perf_counter(), time.process_time()
+        for run_id in runs:
+            assert run_tick(rt, run_id) == "committed"
+        w1, c1 = time.perf_counter(), time.process_time()
+        out["committed"] = ((w1 - w0) / ticks, (c1 - c0) / ticks)
+        w0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(ticks):
+            assert run_tick(rt, self.finished) == "noop"
+        w1, c1 = time.perf_counter(), time.process_time()
+        out["no-op"] = ((w1 - w0) / ticks, (c1 - c0) / ticks)
+        out["fold"] = _fold_ticks(ductor, self.sent, ticks // CHAIN)
+        return out
 
 
 CHAIN = 6
