@@ -83,11 +83,11 @@ def _fresh_db(pg_server: PostgresServer, template: str) -> str:
 def database_url(pg_server: PostgresServer, template_db: str) -> Iterator[str]:
     """A fresh, migrated database for one test. Its pooled connections are closed after the
     test: kept for the whole session, a thousand tests' pools would exhaust the server."""
-    from ductor_celery.store.db import dispose_url
+    from ductor_celery.store.db import forget_engine
 
     url = _fresh_db(pg_server, template_db)
     yield url
-    dispose_url(url)
+    forget_engine(url)
 
 
 def _broker(redis_server: RedisServer) -> str:

@@ -140,16 +140,6 @@ def _create_engine(url: str, *, prepare: bool) -> Engine:
     )
 
 
-def dispose_url(url: str) -> None:
-    """Close and forget this process's engine of ``url`` (a database about to be dropped)."""
-    with _lock:
-        for key, engine in list(_engines.items()):
-            if key[1] == url:
-                if key[0] == os.getpid():
-                    engine.dispose()
-                del _engines[key]
-
-
 def dispose_all() -> None:
     """Forget every engine of this process (used after fork and at shutdown)."""
     with _lock:

@@ -15,7 +15,7 @@ from servers import PgBouncer
 from ductor_celery import Ductor, RunStatus, StepContext, Workflow
 from ductor_celery.settings import Settings
 from ductor_celery.store import finishes
-from ductor_celery.store.db import dispose_url, get_engine
+from ductor_celery.store.db import forget_engine, get_engine
 
 
 def _pooled(database_url: str, pgbouncer: PgBouncer) -> str:
@@ -80,7 +80,7 @@ def test_workflows_run_through_the_pooler(
             (RunStatus.SUCCEEDED, i + 5) for i in range(30)
         ]
     finally:
-        dispose_url(pooled)
+        forget_engine(pooled)
 
 
 def test_wait_listens_on_the_direct_url_and_is_told_at_once(
@@ -98,4 +98,4 @@ def test_wait_listens_on_the_direct_url_and_is_told_at_once(
         # Told, not the safety poll (1 s) running out.
         assert took < finishes.SAFETY_POLL_S / 2, took
     finally:
-        dispose_url(pooled)
+        forget_engine(pooled)
