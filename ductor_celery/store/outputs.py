@@ -23,17 +23,19 @@ T = TypeVar("T")
 
 
 def attempt_outputs(conn: Connection, tokens: list[str]) -> dict[str, Any]:
-    """Attempt outputs by token; cached (an output never changes once written)."""
+    """Attempt outputs by token; cached once the attempt finished (an output never changes
+    once written, but an open attempt's has not been written yet)."""
     cache = outputs_cache(conn.engine)
     found, missing = cache.get_many(tokens)
     if missing:
         rows = conn.execute(
-            sa.select(step_attempt.c.token, step_attempt.c.output).where(
-                step_attempt.c.token.in_(missing)
-            )
+            sa.select(
+                step_attempt.c.token, step_attempt.c.output, step_attempt.c.finished_at
+            ).where(step_attempt.c.token.in_(missing))
         )
         for r in rows:
-            cache.put(r.token, r.output)
+            if r.finished_at is not None:  # an open attempt's NULL is not its output yet
+                cache.put(r.token, r.output)
             found[r.token] = r.output
     return found
 
