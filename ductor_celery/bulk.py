@@ -13,7 +13,8 @@ from datetime import datetime
 from typing import Any
 
 from . import limits
-from .client import Client, check_aware, check_id
+from .call_checks import check_aware, check_id
+from .client import Client
 from .engine.kinds import REDRIVE_FROM_NODE_ALLOWED, ControlKind, statuses_allowing
 from .engine.status import RunStatus
 from .errors import InvalidOperation, RunNotFound

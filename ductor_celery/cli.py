@@ -209,7 +209,7 @@ def start(
     value = _parse_json(input_json, "--input")
     version = _parse_version(version_text)
     if wait_:
-        from .client import check_timeout
+        from .call_checks import check_timeout
 
         _call(check_timeout, timeout)  # before the run starts, not after
     d = _load_ductor(ctx)

@@ -7,7 +7,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from . import limits
-from .client import Client, check_id
+from .call_checks import check_id
+from .client import Client
 from .engine.status import TERMINAL_RUN_STATUSES, RunStatus
 from .store import retention
 from .store.audit import Who, current_source

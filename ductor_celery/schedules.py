@@ -13,7 +13,8 @@ from datetime import datetime
 from typing import Any
 
 from . import limits
-from .client import Client, check_id, check_payload
+from .call_checks import check_id, check_payload
+from .client import Client
 from .engine.fire_times import check_cadence
 from .errors import ScheduleNotFound
 from .store import runs

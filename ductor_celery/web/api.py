@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..client import check_target
+from ..call_checks import check_target
 from ..store import runs
 from .actions import ACTION_ROLES, ACTIONS, parse_json, run_action
 from .auth import CHALLENGE, actor, check_bearer

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from ..client import check_target
+from ..call_checks import check_target
 from ..definition.spec import ApprovalNodeSpec
 from ..engine.kinds import CONTROL_ALLOWED
 from ..engine.status import OPEN_RUN_STATUSES, TERMINAL_RUN_STATUSES, NodeStatus, RunStatus

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from ..client import check_list_filter
+from ..call_checks import check_list_filter
 from ..limits import MAX_LIST_LIMIT
 from .timeparse import parse_time
 

@@ -48,8 +48,8 @@ from ductor_celery import (
     Workflow,
     WorkflowNotFound,
 )
+from ductor_celery.call_checks import check_timeout
 from ductor_celery.cli import ductor as ductor_cli
-from ductor_celery.client import check_timeout
 from ductor_celery.definition import WorkflowSpec
 from ductor_celery.engine.payloads import check_json
 from ductor_celery.errors import DefinitionError

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from support import NOW, RUN, pure_tick
 
-from ductor_celery.client import check_control
+from ductor_celery.call_checks import check_control
 from ductor_celery.definition import RetryPolicy, Workflow
 from ductor_celery.engine import ControlIn, RunState, RunStatus, TickInputs
 from ductor_celery.engine.controls import control_problem
