@@ -491,7 +491,8 @@ class Client:
         if self._tick_here is not None:
             try:
                 for _ in range(MAX_CONTROL_TICKS):
-                    self._tick_here(run_id)
+                    if self._tick_here(run_id) == "busy":
+                        break  # another tick held the run for seconds: stalled (store/load.py)
                     handled, result = self._read(external.control_outcome, self.engine, control_id)
                     if handled:
                         break

@@ -82,9 +82,10 @@ def run_tick(
     prelude: Prelude | None = None,
     keep: Keeper | None = None,
 ) -> str:
-    """One tick of one run. Returns "missing", "noop", "committed" or "conflict"; with
-    ``eager``, "busy" when another tick holds the run's lock (the caller then wakes the
-    coordinator, which waits for it).
+    """One tick of one run. Returns "missing", "noop", "committed" or "conflict"; "busy"
+    when another tick holds the run's lock: with ``eager`` at once (the caller then wakes the
+    coordinator, which waits for it), otherwise after waiting ``TICK_LOCK_TIMEOUT`` for a tick
+    that stalled (the sweeper's lost-wake-up scan comes back to the run: store/tick_store.py).
 
     An eager tick leaves the coalesced wake-up row alone: a row there means a tick message is
     queued whose tick has not started, and that tick clears it (store/wakes.py).

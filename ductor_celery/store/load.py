@@ -165,12 +165,24 @@ def _remember(cache: ImmutableCache, key: str, value: Any) -> Any:
     return value
 
 
+#: PostgreSQL's "lock_timeout" error: the tick's ``FOR UPDATE`` waited ``TICK_LOCK_TIMEOUT``.
+LOCK_NOT_AVAILABLE = "55P03"
+
+
 def _run_row(
     conn: Connection, run_id: str, wait_for_lock: bool = True, *, with_input: bool = True
 ) -> Any:
     postgres = is_postgres(conn.engine)
     query = _run_row_statement(postgres, postgres and not wait_for_lock, with_input)
-    row = conn.execute(query, {"b_run": run_id}).one_or_none()
+    try:
+        row = conn.execute(query, {"b_run": run_id}).one_or_none()
+    except sa.exc.OperationalError as exc:
+        if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+            raise
+        # Another tick held the run past ``TICK_LOCK_TIMEOUT`` (a process stopped or cut off
+        # mid-tick): leave the run to the sweeper's lost-wake-up scan rather than wait on
+        # with this worker's whole queue behind it (store/tick_store.py).
+        raise RunBusy(run_id) from exc
     if row is not None and postgres and row.snapshot_version != row.record_version:
         # This statement waited for the run's lock while another tick committed the run.
         # Under READ COMMITTED the locked row is re-read as that tick left it, but the

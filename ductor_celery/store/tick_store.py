@@ -13,17 +13,37 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar
 
+import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from ..coordinator.port import Loaded, LoadedRun, OutboxRow, TickClaim
 from ..definition.spec import WorkflowSpec
 from ..engine import EngineConfig, TickPayload
 from . import wakes
-from .db import with_retry
+from .db import is_postgres, with_retry
 from .load import load_on
 from .ticks import commit_on, refresh_stale_timer, reject_control
 
 T = TypeVar("T")
+
+#: A tick's transaction holds its run's row lock from the load to the commit, a few
+#: milliseconds. Its process may stop or be cut off from the database in between (a SIGSTOP, a
+#: partition, a host gone): PostgreSQL would keep the lock, and every other tick of the run
+#: waiting on it, until TCP gives up on the silent client (two hours with the server's default
+#: keepalives). So each tick's transaction bounds both ends, transaction-local (``SET LOCAL``:
+#: through a transaction-pooling PgBouncer too, and nothing outlives the tick):
+#: - the server ends a transaction idle this long between two of its statements, which
+#:   releases the lock; the stalled process finds out at its next statement and retries its
+#:   tick from the start (``with_retry``; ``record_version`` fences whatever it computed);
+#: - a tick waits at most this long for the lock, then leaves the run to the sweeper's
+#:   lost-wake-up scan (``load._run_row``): a coordinator runs one tick at a time, and would
+#:   otherwise stall every run behind one it cannot lock.
+TICK_IDLE_TIMEOUT = "20s"
+TICK_LOCK_TIMEOUT = "5s"
+_BOUND_TICK = sa.text(
+    "SELECT set_config('idle_in_transaction_session_timeout', :idle, true), "
+    "set_config('lock_timeout', :lock, true)"
+)
 
 #: A pinned definition by its hash, read on the tick's connection when not cached.
 SpecFor = Callable[[str, Connection], WorkflowSpec]
@@ -32,12 +52,13 @@ SpecFor = Callable[[str, Connection], WorkflowSpec]
 class SqlTickStore:
     """``TickStore`` over an SQLAlchemy engine."""
 
-    __slots__ = ("engine", "spec_for", "config")
+    __slots__ = ("engine", "spec_for", "config", "postgres")
 
     def __init__(self, engine: Engine, spec_for: SpecFor, config: EngineConfig) -> None:
         self.engine = engine
         self.spec_for = spec_for
         self.config = config
+        self.postgres = is_postgres(engine)
 
     def transaction(self) -> SqlTickTransaction:
         return SqlTickTransaction(self)
@@ -68,6 +89,14 @@ class SqlTickTransaction:
     def __enter__(self) -> SqlTickTransaction:
         self._begin = self._store.engine.begin()
         self.conn = self._begin.__enter__()
+        if self._store.postgres:
+            try:
+                self.conn.execute(
+                    _BOUND_TICK, {"idle": TICK_IDLE_TIMEOUT, "lock": TICK_LOCK_TIMEOUT}
+                )
+            except BaseException as exc:
+                self._begin.__exit__(type(exc), exc, exc.__traceback__)
+                raise
         return self
 
     def __exit__(

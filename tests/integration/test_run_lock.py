@@ -93,6 +93,71 @@ def test_a_coordinator_tick_waits_for_the_run_lock_and_then_commits(
     assert _record_version(database_url, run_id) == 1
 
 
+def test_a_coordinator_tick_gives_up_on_a_lock_held_by_a_stalled_tick(
+    ductor: Any, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tick whose process stopped or was cut off mid-tick keeps the run's lock: the
+    coordinator (one tick at a time) must not wait on it with every other run behind it. It
+    returns "busy" after TICK_LOCK_TIMEOUT, writes nothing, and the run stays for the sweeper
+    (whose lost-wake-up scan ticks it again)."""
+    monkeypatch.setattr(tick_store, "TICK_LOCK_TIMEOUT", "300ms")
+    run_id = ductor.start("fan", input={"items": [1]}).run_id
+    release, held = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_run_lock, args=(database_url, run_id, release, held))
+    holder.start()
+    try:
+        assert held.wait(5)
+        started = time.monotonic()
+        assert run_tick(ductor.runtime, run_id) == "busy"
+        assert 0.25 <= time.monotonic() - started < 3.0
+        assert _record_version(database_url, run_id) == 0
+    finally:
+        release.set()
+        holder.join()
+    assert run_tick(ductor.runtime, run_id) == "committed"
+
+
+def test_the_server_ends_a_tick_that_stalls_holding_the_lock(
+    ductor: Any, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tick stalled between its load and its commit (a SIGSTOP, a partition: its
+    transaction idle while holding the run's row lock) is ended by the server after
+    TICK_IDLE_TIMEOUT, which frees the lock for the next tick; the stalled tick's next
+    statement fails as a lost connection (retried from the start, fenced by record_version)."""
+    monkeypatch.setattr(tick_store, "TICK_IDLE_TIMEOUT", "500ms")
+    run_id = ductor.start("fan", input={"items": [1]}).run_id
+    store = tick_store.SqlTickStore(
+        get_engine(database_url), ductor.runtime.spec_for, ductor.settings.engine_config()
+    )
+    with pytest.raises(sa.exc.DBAPIError) as failed:  # noqa: PT012 - the stall is inside
+        with store.transaction() as tx:
+            assert tx.load(run_id, wait_for_lock=True) is not None
+            # Another tick can take the lock once the server has ended the stalled one.
+            other = sa.create_engine(database_url, poolclass=sa.pool.NullPool)
+            try:
+                deadline = time.monotonic() + 10
+                while True:
+                    try:
+                        with other.begin() as conn:
+                            conn.execute(
+                                sa.text(
+                                    "SELECT 1 FROM eec_workflow_run WHERE run_id = :r "
+                                    "FOR UPDATE NOWAIT"
+                                ),
+                                {"r": run_id},
+                            )
+                        break
+                    except sa.exc.OperationalError:
+                        assert time.monotonic() < deadline, "the stalled tick kept the lock"
+                        time.sleep(0.1)
+            finally:
+                other.dispose()
+            tx.conn.execute(sa.text("SELECT 1"))  # the stalled tick wakes up: its session is gone
+    assert failed.value.connection_invalidated
+    assert _record_version(database_url, run_id) == 0
+    assert run_tick(ductor.runtime, run_id) == "committed"
+
+
 def test_eager_and_coordinator_ticks_racing_on_one_scatter_never_recompute(
     ductor: Any, database_url: str
 ) -> None:
