@@ -32,14 +32,14 @@ dict shaped exactly like a well-formed scalar envelope (the two keys ``__type__`
 in kombu. Any other dict, ``__type__`` key or not, reads back as itself.
 
 Data never chooses code. A model or dataclass envelope names its class (``module:qualname``,
-not defined inside a function), and it is rebuilt only into a class this process declared:
-with ``register_type`` (``Ductor.register_type``), or by naming it in a registered step's
-parameter or return annotations (``declare_annotations``); the classes their fields name come
-with them. Nothing is ever imported because a value names it. An envelope of an undeclared
-class, or one that does not hold what its kind says (base64 that is not base64, a Decimal past
-the bounds, extra keys), stays the plain dict it was sent as. A Decimal is bounded at the door
-(encoding refuses one past ``DECIMAL_MAX_DIGITS`` digits or an exponent beyond
-``DECIMAL_MAX_EXPONENT``) and again where it is decoded.
+not defined inside a function), and it is rebuilt only into a class this process declared
+(``declared.py``): with ``register_type`` (``Ductor.register_type``), or by naming it in a
+registered step's parameter or return annotations (``declare_annotations``); the classes their
+fields name come with them. Nothing is ever imported because a value names it. An envelope of
+an undeclared class, or one that does not hold what its kind says (base64 that is not base64,
+a Decimal past the bounds, extra keys), stays the plain dict it was sent as. A Decimal is
+bounded at the door (encoding refuses one past ``DECIMAL_MAX_DIGITS`` digits or an exponent
+beyond ``DECIMAL_MAX_EXPONENT``) and again where it is decoded.
 """
 
 from __future__ import annotations
@@ -48,8 +48,6 @@ import base64
 import dataclasses
 import enum
 import json
-import threading
-import typing
 import uuid
 from collections.abc import Callable
 from datetime import date, datetime, time
@@ -57,6 +55,12 @@ from decimal import Decimal
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+
+# The declared classes are kept in ``declared.py``; their names are re-exported here, where
+# the facade and older callers import them.
+from .declared import declare_annotations as declare_annotations
+from .declared import declared as declared
+from .declared import register_type as register_type
 
 TYPE_KEY = "__type__"
 VALUE_KEY = "__value__"
@@ -196,89 +200,6 @@ def encode(value: Any) -> Any:
     return json.loads(_ENCODER.encode(value))
 
 
-# -- the classes values may carry ----------------------------------------------------------------
-
-#: Every model and dataclass this process may rebuild, by the path its envelopes name
-#: (``module:Qual.Name``). Only the app's code adds to it (``register_type``, and the annotations
-#: of its registered steps); data never does, and nothing is imported to fill it.
-_declared: dict[str, type] = {}
-_declared_lock = threading.Lock()
-
-
-def _carried(cls: Any) -> bool:
-    """Whether ``cls`` is a class values may carry as an envelope (a model or a dataclass)."""
-    return isinstance(cls, type) and (issubclass(cls, BaseModel) or dataclasses.is_dataclass(cls))
-
-
-def register_type(cls: type) -> None:
-    """Declare a pydantic model or dataclass that values may carry: an envelope naming it is
-    rebuilt into it. The classes its fields are annotated with are declared with it (a
-    ``Shipment`` field ``to: Point`` declares ``Point``): the app wrote those names, not data.
-    Raises ``TypeError`` for anything else."""
-    if not _carried(cls):
-        raise TypeError(
-            f"register_type() takes a pydantic model or dataclass class, got {cls!r:.200}"
-        )
-    _declare(_classes_in(cls))
-
-
-def declare_annotations(fn: Callable[..., Any]) -> None:
-    """Declare the models and dataclasses named in ``fn``'s parameter and return annotations
-    (``order: Order``, ``-> list[Receipt]``, ``Optional[Point]``...), and those of their fields.
-    Annotations that cannot be resolved declare nothing (the step's arguments then are not
-    converted either; ``runtime.arguments`` logs it)."""
-    try:
-        hints = typing.get_type_hints(fn)
-    except Exception:  # noqa: BLE001 - a forward reference that does not resolve
-        hints = getattr(fn, "__annotations__", None) or {}
-        if not isinstance(hints, dict):
-            return
-    found: dict[str, type] = {}
-    for hint in hints.values():
-        if not isinstance(hint, str):
-            found.update(_classes_in(hint))
-    _declare(found)
-
-
-def declared(path: str) -> type | None:
-    """The class declared under ``path``, or ``None``."""
-    return _declared.get(path)
-
-
-def _declare(classes: dict[str, type]) -> None:
-    if classes:
-        with _declared_lock:
-            _declared.update(classes)
-
-
-def _classes_in(annotation: Any) -> dict[str, type]:
-    """Every model and dataclass an annotation names, with those their fields name, by path."""
-    found: dict[str, type] = {}
-    seen: set[int] = set()
-    todo = [annotation]
-    while todo:
-        hint = todo.pop()
-        if id(hint) in seen or len(seen) > 10_000:
-            continue
-        seen.add(id(hint))
-        todo.extend(a for a in typing.get_args(hint) if not isinstance(a, str))
-        if not _carried(hint):
-            continue
-        found[f"{hint.__module__}:{hint.__qualname__}"] = hint
-        todo.extend(_field_annotations(hint))
-    return found
-
-
-def _field_annotations(cls: type) -> list[Any]:
-    if issubclass(cls, BaseModel):
-        return [f.annotation for f in cls.model_fields.values() if f.annotation is not None]
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # noqa: BLE001 - a forward reference that does not resolve
-        hints = {f.name: f.type for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    return [h for h in hints.values() if not isinstance(h, str)]
-
-
 # -- decoding ------------------------------------------------------------------------------------
 
 
@@ -293,7 +214,7 @@ REBUILD_ERRORS = (Exception, SystemExit)
 
 
 def _class_of(path: Any, fits: Callable[[type], bool]) -> Any:
-    cls = _declared.get(path) if isinstance(path, str) else None
+    cls = declared(path) if isinstance(path, str) else None
     if cls is None or not fits(cls):
         raise _Malformed
     return cls

@@ -26,17 +26,16 @@ from hypothesis import HealthCheck, given, settings
 from pydantic import BaseModel, model_validator
 
 from ductor_celery import Ductor, StepContext
+from ductor_celery.declared import declared, register_type
 from ductor_celery.engine.payloads import check_json
 from ductor_celery.runtime.arguments import ArgumentRefused, prepare
 from ductor_celery.runtime.steps import StepContext as Ctx
 from ductor_celery.values import (
     ValueNotDecodable,
-    declared,
     decode,
     decode_as_data,
     decode_lenient,
     encode,
-    register_type,
     truthy,
 )
 from ductor_celery.views import NodeView, RunView

@@ -85,7 +85,7 @@ DIALECT_FREE = (
     "runtime",
     "client.py",
     "ductor.py",
-    "cli.py",
+    "cli",
     "views.py",
     "schedules.py",
     "retention.py",
