@@ -139,6 +139,24 @@ def test_local_workers_run_a_workflow_end_to_end_on_sqlite(tmp_path: Path) -> No
     assert view.nodes["c"].output is None
 
 
+def test_leaving_local_workers_does_not_wait_out_the_consumer_loops_cycles(
+    tmp_path: Path,
+) -> None:
+    """Celery's blocking consumer loop (the in-memory transport's) waits 2 s per cycle and
+    runs one more cycle on its way out: every ``with local_workers()`` took 4 s to leave."""
+    import time
+
+    d = Ductor(_app(tmp_path))
+    d.step(name="t.one")(lambda ctx: 1)
+    wf = Workflow("one")
+    wf.step("a", "t.one")
+    d.register(wf)
+    with d.local_workers():
+        assert d.wait(d.start("one").run_id, timeout=30).status == RunStatus.SUCCEEDED
+        leaving = time.monotonic()
+    assert time.monotonic() - leaving < 1.5
+
+
 def test_bad_step_options_are_refused_not_ignored(tmp_path: Path) -> None:
     from ductor_celery import ConcurrencyLimit
 
