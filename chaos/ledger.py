@@ -19,14 +19,27 @@ Both writes ride out a PostgreSQL restart or a terminated connection for ``DEADL
 insert whose commit answer was lost is retried; the unique nonce turns the second insert into
 a no-op. If the ledger cannot be written at all, the step raises ``LedgerUnavailable`` (its
 attempt fails and is retried): an execution that is not in the ledger never returns a result.
+
+On a fleet (``scripts/chaos --fleet``, docs/fleet.md) the ledger is written out of band, as
+Jepsen's control node keeps its history: with ``CHAOS_LEDGER_DIR`` set, ``begin`` and ``end``
+append a JSON line each to a file of their process in that directory (one ``write`` of a whole
+line on an ``O_APPEND`` file, before the step does its work, so a SIGKILL loses nothing), and
+gates are files there too. The network faults cut a worker from the database, not from its
+own disk: a step keeps running, and finishes, while its host is partitioned, and the record of
+what it did is still complete. ``load_files`` copies the lines into ``chaos_ledger`` (times
+from the same machine's clock) before the checker reads it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import threading
 import time
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -101,6 +114,84 @@ def _drop() -> None:
             pass
 
 
+def _dir() -> Path | None:
+    path = os.environ.get("CHAOS_LEDGER_DIR")
+    return Path(path) if path else None
+
+
+_file_lock = threading.Lock()
+
+
+def _append(record: dict[str, Any]) -> None:
+    """One line, one write, on this process's file (O_APPEND: lines never interleave)."""
+    directory = _dir()
+    assert directory is not None
+    line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+    path = directory / f"ledger-{os.getpid()}.jsonl"
+    with _file_lock:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+
+def _gate_path(key: str) -> Path:
+    directory = _dir()
+    assert directory is not None
+    return directory / "gates" / hashlib.sha256(key.encode()).hexdigest()
+
+
+def mark_gate(key: str) -> None:
+    """The driver opens a gate: with a file ledger, the file the steps look for (the row in
+    ``chaos_gate`` is written as well, by the caller)."""
+    if _dir() is None:
+        return
+    path = _gate_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(key)
+
+
+def load_files(directory: Path, dsn: str) -> int:
+    """Copy a file ledger into ``chaos_ledger`` (executions in start order); returns the
+    number of executions. A torn last line (a process killed mid-write) is skipped."""
+    begins: dict[str, dict[str, Any]] = {}
+    ends: dict[str, dict[str, Any]] = {}
+    for path in sorted(directory.glob("ledger-*.jsonl")):
+        for raw in path.read_bytes().splitlines():
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                continue
+            if rec.get("op") == "begin":
+                begins.setdefault(rec["nonce"], rec)
+            elif rec.get("op") == "end":
+                ends.setdefault(rec["nonce"], rec)
+
+    def ts(t: float | None) -> datetime | None:
+        return None if t is None else datetime.fromtimestamp(t, UTC)
+
+    rows = []
+    for b in sorted(begins.values(), key=lambda r: r["t"]):
+        e = ends.get(b["nonce"], {})
+        ok = e.get("ok")
+        rows.append(
+            (
+                b["nonce"], b["token"], b["run_id"], b["workflow_id"], b["node"], b["branch"],
+                b["attempt"], b["step"], b["lease_key"], b["pid"], ts(b["t"]), ts(e.get("t")),
+                ok, Jsonb(e.get("result")) if ok else None, e.get("error"),
+            )
+        )  # fmt: skip
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.cursor() as cur:
+        cur.executemany(
+            "INSERT INTO chaos_ledger (nonce, token, run_id, workflow_id, node, branch, attempt,"
+            " step, lease_key, pid, started_at, ended_at, ok, result, error) VALUES (%s, %s, %s,"
+            " %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (nonce) DO NOTHING",
+            rows,
+        )
+    return len(rows)
+
+
 def _with_retry(what: str, fn: Any) -> Any:
     deadline = time.monotonic() + DEADLINE_S
     delay = 0.1
@@ -128,6 +219,15 @@ def begin(
     lease_key: str | None = None,
 ) -> None:
     """Record that a step function starts executing (before it does anything else)."""
+    if _dir() is not None:
+        _append(
+            {
+                "op": "begin", "t": time.time(), "nonce": nonce, "token": token,
+                "run_id": run_id, "workflow_id": workflow_id, "node": node, "branch": branch,
+                "attempt": attempt, "step": step, "lease_key": lease_key, "pid": os.getpid(),
+            }
+        )  # fmt: skip
+        return
 
     def insert(conn: psycopg.Connection[Any]) -> None:
         conn.execute(
@@ -153,6 +253,12 @@ def begin(
 
 def end(nonce: str, *, ok: bool, result: Any = None, error: str | None = None) -> None:
     """Record how the execution ended (idempotent: an UPDATE by nonce)."""
+    if _dir() is not None:
+        _append(
+            {"op": "end", "t": time.time(), "nonce": nonce, "ok": ok, "result": result,
+             "error": error}
+        )  # fmt: skip
+        return
 
     def update(conn: psycopg.Connection[Any]) -> None:
         conn.execute(
@@ -165,6 +271,9 @@ def end(nonce: str, *, ok: bool, result: Any = None, error: str | None = None) -
 
 
 def gate_open(key: str) -> bool:
+    if _dir() is not None:
+        return _gate_path(key).exists()
+
     def read(conn: psycopg.Connection[Any]) -> bool:
         found = conn.execute("SELECT 1 FROM chaos_gate WHERE key = %s", (key,)).fetchone()
         return found is not None

@@ -51,6 +51,22 @@ KINDS: dict[str, tuple[float, str]] = {
 
 REDIS_OUTAGE_S = 20.0
 
+#: The fleet's faults (``scripts/chaos --fleet``, chaos/fleet_run.py, docs/fleet.md), added to
+#: the kinds above when the harness runs on hosts in network namespaces. Target "host": a
+#: step-worker or coordinator host; "failover": the database pair.
+FLEET_KINDS: dict[str, tuple[float, str]] = {
+    "partition_db": (3.0, "host"),  # the host and the database (and pooler) stop hearing each other
+    "partition_broker": (3.0, "host"),  # the host and the broker
+    "partition_all": (2.0, "host"),  # the host's port on the bridge down: cut from everything
+    "flap": (1.5, "host"),  # that port down and up every few hundred milliseconds
+    "failover": (1.0, "failover"),  # primary killed, standby promoted, old primary rebuilt
+}
+#: The fleet's kinds that every fleet run injects early (the first faults of its schedule).
+FLEET_FIRST = ["partition_db", "partition_broker", "failover", "partition_all", "flap"]
+#: ``Fault.param`` bits of a partition: longer than the step timeout; one-way (only the peers'
+#: packets to the host are lost: its requests arrive and are acted on, the answers never come).
+PARTITION_LONG, PARTITION_ONE_WAY = 1, 2
+
 
 @dataclass
 class Fault:
@@ -83,12 +99,17 @@ def make_schedule(
     mean_gap_s: float,
     step_timeout: float,
     warmup_s: float = 2.0,
+    kinds: dict[str, tuple[float, str]] | None = None,
+    first: list[str] | None = None,
 ) -> list[Fault]:
     """The fault schedule for ``seed``: a pure function of its arguments.
 
     ``workers``: worker name -> role ("steps"/"coord"); ``failpoints``: names of workers
-    started with a failpoint.
+    started with a failpoint. ``kinds``: kind -> (weight, target role), ``KINDS`` by default
+    (the fleet passes ``KINDS`` and the ``FLEET_KINDS`` its topology can inject); ``first``:
+    kinds scheduled before the shuffled round of every other kind (in this order).
     """
+    kinds_map = KINDS if kinds is None else kinds
     rng = random.Random(seed)
     busy: dict[str, float] = {}
     by_role: dict[str, list[str]] = {
@@ -98,10 +119,15 @@ def make_schedule(
         "redis": ["redis"],
         "pg": ["pg"],
         "broker": ["broker"],
+        "host": sorted(workers),
+        "failover": ["pg"],  # the database pair: never at once with a restart of PostgreSQL
     }
-    kinds = sorted(KINDS)
+    kinds = sorted(kinds_map)
     bag = kinds[:]
     rng.shuffle(bag)
+    if first:
+        head = [k for k in first if k in kinds_map]
+        bag = [k for k in bag if k not in head] + head[::-1]  # pop() takes from the end
     faults: list[Fault] = []
     t = warmup_s
     while True:
@@ -111,8 +137,8 @@ def make_schedule(
         if bag:
             kind = bag.pop()
         else:
-            kind = rng.choices(kinds, weights=[KINDS[k][0] for k in kinds])[0]
-        role = KINDS[kind][1]
+            kind = rng.choices(kinds, weights=[kinds_map[k][0] for k in kinds])[0]
+        role = kinds_map[kind][1]
         duration, param = _shape(rng, kind, step_timeout)
         if t + duration > window_s:
             continue
@@ -158,6 +184,17 @@ def _shape(rng: random.Random, kind: str, step_timeout: float) -> tuple[float, i
         return 0.0, rng.randint(5, 40)  # messages to copy
     if kind == "forged":
         return 0.0, rng.randint(5, 30)  # messages to forge
+    if kind in ("partition_db", "partition_broker", "partition_all"):
+        long = rng.random() < 0.5
+        one_way = kind != "partition_all" and rng.random() < 0.3
+        duration = (
+            step_timeout + rng.uniform(2.0, 6.0) if long else step_timeout * rng.uniform(0.3, 0.8)
+        )
+        return duration, (PARTITION_LONG if long else 0) | (PARTITION_ONE_WAY if one_way else 0)
+    if kind == "flap":
+        return rng.uniform(3.0, 8.0), rng.randint(200, 800)  # period in milliseconds
+    if kind == "failover":
+        return rng.uniform(0.5, 3.0), rng.randint(0, 1)  # down time; 1: synchronous standby
     return 0.0, 0
 
 
@@ -175,6 +212,8 @@ def _hold(kind: str, duration: float) -> float:
         return duration + 6.0
     if kind == "pg_terminate":
         return 1.0
+    if kind == "failover":
+        return duration + 25.0  # the promotion, then the old primary rebuilt as the standby
     return duration + 1.0
 
 

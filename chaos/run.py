@@ -5,6 +5,8 @@ Usage (from the repo root)::
     scripts/chaos                          # 5 minutes of faults, seed 1
     scripts/chaos --minutes 1 --seed 7     # the short run the test suite makes
     scripts/chaos --minutes 60 --seed 42 --report chaos-report.json
+    scripts/chaos --fleet --minutes 2      # every process group on a host of its own
+                                           # (network namespaces), partitions among the faults
 
 One invocation:
 
@@ -22,6 +24,8 @@ One invocation:
 6. prints a table, writes the JSON report, and exits 1 on any violation or stuck run.
 
 Everything it started is stopped on exit, also on Ctrl-C and on error. See docs/reliability.md.
+With ``--fleet`` (chaos/fleet_run.py, docs/fleet.md) the servers, each worker and the driver
+run in network namespaces of their own on a private bridge, and the nemesis adds partitions.
 """
 
 # ruff: noqa: T201 - a command-line report
@@ -132,6 +136,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--schedule-only", action="store_true", help="print the fault schedule for --seed and exit"
     )
+    fleet = p.add_argument_group("fleet (docs/fleet.md)")
+    fleet.add_argument(
+        "--fleet",
+        action="store_true",
+        help="every server, worker and the driver on a host of its own (a network namespace, "
+        "needs root), with partitions and flapping links among the faults",
+    )
+    fleet.add_argument("--broker", choices=["redis", "rabbitmq"], default="redis")
+    fleet.add_argument("--pooler", choices=["none", "pgbouncer"], default="none")
     return p.parse_args(argv)
 
 
@@ -164,6 +177,9 @@ def schedule_for(args: argparse.Namespace) -> list[Any]:
 
 
 class Harness:
+    #: Every fault kind the report counts (``faults_by_kind``), injected or not.
+    kinds: dict[str, Any] = KINDS
+
     def __init__(self, args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
         self.args = args
         self.stack = stack
@@ -194,29 +210,18 @@ class Harness:
             format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s",
         )
         say(f"work dir {base}")
-        t = time.monotonic()
-        self.pg = PostgresServer()
-        self.pg.start()
-        self.stack.callback(self.pg.stop)
-        self.redis = RedisServer()
-        self.redis.start()
-        self.stack.callback(self.redis.stop)
-        self.pg.create_database(DBNAME)
-        self.db_url = self.pg.url(DBNAME)
-        say(
-            f"PostgreSQL 127.0.0.1:{self.pg.port}, Redis 127.0.0.1:{self.redis.port} "
-            f"({time.monotonic() - t:.1f}s)"
-        )
+        self.start_servers()
         self.env = {
             **os.environ,
             "DUCTOR_DATABASE_URL": self.db_url,
-            "CHAOS_BROKER_URL": self.redis.url(0),
+            "CHAOS_BROKER_URL": self.broker_url,
             "CHAOS_LEDGER_DSN": self.pg.conninfo(DBNAME),
             "CHAOS_MAX_TRANSITIONS": str(args.max_transitions),
             "CHAOS_STEP_TIMEOUT": str(args.step_timeout),
             "PYTHONPATH": os.pathsep.join(
                 [str(CHAOS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
             ),
+            **self.extra_env(),
         }
         for key in ("DUCTOR_FAILPOINT", "DUCTOR_FAILPOINT_MARKER"):
             self.env.pop(key, None)
@@ -230,13 +235,14 @@ class Harness:
                     "CHAOS_LEDGER_DSN",
                     "CHAOS_MAX_TRANSITIONS",
                     "CHAOS_STEP_TIMEOUT",
+                    *self.extra_env(),
                 )
             }
         )
         from ductor_celery.store.db import dispose_all
         from ductor_celery.store.migrate import upgrade
 
-        upgrade(self.db_url)
+        upgrade(self.migrate_url)
         dispose_all()
         import ledger
         import psycopg
@@ -249,12 +255,12 @@ class Harness:
         import sqlalchemy as sa
 
         self.engine = sa.create_engine(
-            self.db_url, pool_size=12, max_overflow=8, pool_pre_ping=True
+            self.migrate_url, pool_size=12, max_overflow=8, pool_pre_ping=True
         )
         self.stack.callback(self.engine.dispose)
         t = time.monotonic()
         for name, role, wargs, fp, eager in worker_plan(args):
-            worker = Worker(
+            worker = self.make_worker(
                 name,
                 role,
                 wargs,
@@ -276,6 +282,55 @@ class Harness:
         self.report["commands"] = sorted(
             {" ".join(["celery", "-A", "app", "worker", *w.args]) for w in self.workers.values()}
         )
+
+    def start_servers(self) -> None:
+        """PostgreSQL and Redis on 127.0.0.1; sets ``pg``, ``redis``, ``db_url`` (what the
+        workers use), ``migrate_url`` (a direct connection: migrations, the driver's reads),
+        ``broker_url``."""
+        t = time.monotonic()
+        self.pg = PostgresServer()
+        self.pg.start()
+        self.stack.callback(self.pg.stop)
+        self.redis = RedisServer()
+        self.redis.start()
+        self.stack.callback(self.redis.stop)
+        self.pg.create_database(DBNAME)
+        self.db_url = self.migrate_url = self.pg.url(DBNAME)
+        self.broker_url = self.redis.url(0)
+        say(
+            f"PostgreSQL 127.0.0.1:{self.pg.port}, Redis 127.0.0.1:{self.redis.port} "
+            f"({time.monotonic() - t:.1f}s)"
+        )
+
+    def extra_env(self) -> dict[str, str]:
+        """More environment for the workers and the driver's client."""
+        return {}
+
+    def make_worker(self, *args: Any, **kwargs: Any) -> Worker:
+        return Worker(*args, **kwargs)
+
+    def make_schedule(self) -> list[Any]:
+        return schedule_for(self.args)
+
+    def make_nemesis(self, schedule: list[Any]) -> Nemesis:
+        return Nemesis(
+            schedule,
+            self.workers,
+            self.pg,
+            self.redis,
+            DBNAME,
+            self.app.app.send_task,
+            STEPS_QUEUE,
+            COORD_QUEUE,
+            self.args.seed,
+            publish=self.publish_raw,
+        )
+
+    def before_check(self) -> None:
+        """Called once the workers are stopped, before the checker reads the tables."""
+
+    def extra_report(self) -> dict[str, Any]:
+        return {}
 
     def publish_raw(
         self, queue: str, body: str | bytes, content_type: str, headers: dict[str, Any] | None
@@ -376,7 +431,7 @@ class Harness:
         args = self.args
         from workload import Workload
 
-        schedule = [] if args.no_faults else schedule_for(args)
+        schedule = [] if args.no_faults else self.make_schedule()
         self.schedule = schedule
         window = args.minutes * 60.0
         say(
@@ -385,18 +440,7 @@ class Harness:
         )
         workload = Workload(self.app.ductor, self.engine, args.seed, target_open=args.open_runs)
         self.workload = workload
-        nemesis = Nemesis(
-            schedule,
-            self.workers,
-            self.pg,
-            self.redis,
-            DBNAME,
-            self.app.app.send_task,
-            STEPS_QUEUE,
-            COORD_QUEUE,
-            args.seed,
-            publish=self.publish_raw,
-        )
+        nemesis = self.make_nemesis(schedule)
         t0 = time.monotonic()
         t0_wall = time.time()
         workload.t0 = t0
@@ -447,6 +491,7 @@ class Harness:
             left = self.leftovers()
         workload.stop()
         self.stop_workers()
+        self.before_check()
         t_end = time.monotonic()
 
         from checker import Checker, print_violations
@@ -506,7 +551,7 @@ class Harness:
                 "window_s": window,
                 "faults_scheduled": len(schedule),
                 "faults_injected": sum(injected.values()),
-                "faults_by_kind": {k: injected.get(k, 0) for k in sorted(KINDS)},
+                "faults_by_kind": {k: injected.get(k, 0) for k in sorted(self.kinds)},
                 "fault_schedule": faults,
                 "last_fault_end_s": round(last_fault, 2),
                 "time_to_all_terminal_s": None if recovery is None else round(recovery, 2),
@@ -530,6 +575,7 @@ class Harness:
                 # Workers restarted mid-run import the package as it is then.
                 "code_at_end": code_fingerprint(),
                 **result,
+                **self.extra_report(),
             }
         )
         print_violations(checker.violations)
@@ -542,6 +588,8 @@ class Harness:
             self.dump()
         return 1 if bad else 0
 
+    pg_host = "127.0.0.1"
+
     def dump(self) -> None:
         out = self.workdir / "chaos.sql"
         pg_dump = self.pg.bindir / "pg_dump"
@@ -550,7 +598,7 @@ class Harness:
                 [
                     str(pg_dump),
                     "-h",
-                    "127.0.0.1",
+                    self.pg_host,
                     "-p",
                     str(self.pg.port),
                     "-U",
@@ -583,6 +631,12 @@ class Harness:
             ("faults injected", f"{r['faults_injected']} of {r['faults_scheduled']} scheduled"),
         ]
         rows += [(f"  {k}", v) for k, v in r["faults_by_kind"].items()]
+        rows += [
+            (f"  {k}", f"not scheduled: {why}")
+            for k, why in r.get("faults_not_scheduled", {}).items()
+        ]
+        if r.get("hosts"):
+            rows.append(("hosts (network namespaces)", ", ".join(r["hosts"])))
         rows += [
             ("violations", r["violations"]),
             *[(f"  {k}", v) for k, v in r["violations_by_invariant"].items() if v],
@@ -622,12 +676,17 @@ class Harness:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    harness_class: type[Harness] = Harness
+    if args.fleet:
+        from fleet_run import FleetHarness, fleet_schedule
+
+        harness_class = FleetHarness
     if args.schedule_only:
-        for fault in schedule_for(args):
+        for fault in fleet_schedule(args) if args.fleet else schedule_for(args):
             print(json.dumps(fault.to_json()))
         return 0
     with contextlib.ExitStack() as stack:
-        harness = Harness(args, stack)
+        harness = harness_class(args, stack)
         harness.setup()
         return harness.run()
 

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import ledger
 import sqlalchemy as sa
 
 from ductor_celery import DuctorError, InvalidOperation
@@ -426,6 +427,7 @@ class Workload:
                     {"k": script.input["key"]},
                 )
             )
+            ledger.mark_gate(script.input["key"])
         script.redrives += 1
         try:
             self.call("redrive", lambda: self.ductor.redrive(script.workflow_id))

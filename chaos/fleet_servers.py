@@ -1,0 +1,231 @@
+"""The test servers of ``tests/servers.py``, each on a host of a fleet (chaos/fleet.py).
+
+``tests/servers.py`` starts its servers on 127.0.0.1. Here a mixin, ``InHost``, puts any of
+them on a fleet host instead, without changing that file:
+
+* the command the server class builds runs behind ``ip netns exec <host's namespace>`` (which
+  execs it: the server's pid stays the pid the class waits for and signals), and every
+  ``127.0.0.1`` in it becomes the host's address (``listen_addresses``, ``--bind``);
+* a server the class runs as another OS user (PostgreSQL and PgBouncer refuse root) is
+  started as root up to ``ip netns exec`` and drops to that user with ``setpriv`` right after
+  (``Popen(user=...)`` would drop root before ``ip`` could join the namespace);
+* the port is fixed (each host has an address of its own: nothing else listens there), so a
+  restart keeps every URL handed out;
+* ``url``/``conninfo``/``client`` and the readiness probe use the host's address; they must be
+  called from a thread inside the fleet (the harness's driver has entered its host).
+
+A new server kind (RabbitMQ, a PostgreSQL standby) plugs in the same way: a subclass that
+mixes ``InHost`` in, and a probe on the host's address. ``make_broker`` is where the broker
+kind is chosen; a kind whose server class is not in ``tests/servers.py`` yet raises
+``Unavailable`` with the reason, which the harness reports.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import psycopg
+import redis
+import servers
+from fleet import Fleet
+from servers import LOOPBACK, PgBouncer, PostgresServer, RedisServer
+
+
+class Unavailable(RuntimeError):
+    """A server kind (or a fault that needs it) this tree cannot provide yet."""
+
+
+class InHost:
+    """Mixin for a ``tests/servers.py`` server class: run it on ``host`` of ``fleet``."""
+
+    fleet: Fleet
+    host: str
+    _launching = False
+
+    def _in_host(self, fleet: Fleet, host: str) -> None:
+        self.fleet = fleet
+        self.host = host
+
+    @property
+    def addr(self) -> str:
+        return self.fleet.addr(self.host)
+
+    def _launch(self) -> None:
+        self._launching = True
+        try:
+            super()._launch()  # type: ignore[misc]
+        finally:
+            self._launching = False
+
+    def _spawn_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(super()._spawn_kwargs())  # type: ignore[misc]
+        if self._launching:
+            # Root until `ip netns exec` has joined the namespace; setpriv drops it (below).
+            for key in ("user", "group", "extra_groups"):
+                kwargs.pop(key, None)
+        return kwargs
+
+    def _command(self) -> list[str]:
+        cmd = [arg.replace(LOOPBACK, self.addr) for arg in super()._command()]  # type: ignore[misc]
+        runs_as = super()._spawn_kwargs()  # type: ignore[misc]
+        prefix = self.fleet.exec_prefix(self.host)
+        if runs_as.get("user") is not None:
+            prefix += [
+                "setpriv",
+                f"--reuid={runs_as['user']}",
+                f"--regid={runs_as['group']}",
+                "--clear-groups",
+            ]
+        return [*prefix, *cmd]
+
+    def _tcp_probe(self, port: int) -> bool:
+        with socket.create_connection((self.addr, port), timeout=1):
+            return True
+
+
+class FleetPostgres(InHost, PostgresServer):
+    """PostgreSQL on a fleet host, port 5432, trusting the fleet's subnet (as the loopback-only
+    test server trusts 127.0.0.1; replication too, for a standby)."""
+
+    def __init__(self, fleet: Fleet, host: str, **kwargs: Any) -> None:
+        self._in_host(fleet, host)
+        super().__init__(port=5432, **kwargs)
+
+    def _prepare(self) -> None:
+        super()._prepare()
+        subnet = str(self.fleet.net)
+        hba = self.data_dir / "pg_hba.conf"
+        with open(hba, "a") as f:
+            f.write(f"host all all {subnet} trust\nhost replication all {subnet} trust\n")
+
+    def url(self, dbname: str = "postgres") -> str:
+        return f"postgresql+psycopg://postgres@{self.addr}:{self.port}/{dbname}"
+
+    def conninfo(self, dbname: str = "postgres") -> str:
+        return f"host={self.addr} port={self.port} user=postgres dbname={dbname} connect_timeout=5"
+
+    def _probe(self) -> bool:
+        with psycopg.connect(
+            host=self.addr, port=self.port, user="postgres", dbname="postgres", connect_timeout=2
+        ) as conn:
+            conn.execute("SELECT 1")
+        return True
+
+
+class FleetRedis(InHost, RedisServer):
+    """Redis on a fleet host, port 6379, no persistence (a restart loses everything)."""
+
+    kind = "redis"
+
+    def __init__(self, fleet: Fleet, host: str, **kwargs: Any) -> None:
+        self._in_host(fleet, host)
+        # Protected mode refuses every client but 127.0.0.1 when there is no password; the
+        # server listens on the fleet's private address only, inside its namespace.
+        extra = ["--protected-mode", "no", *kwargs.pop("extra_args", [])]
+        super().__init__(port=6379, extra_args=extra, **kwargs)
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://{self.addr}:{self.port}/{db}"
+
+    def client(self, db: int = 0) -> redis.Redis:
+        return redis.Redis.from_url(self.url(db))
+
+    def _probe(self) -> bool:
+        client = redis.Redis(host=self.addr, port=self.port, socket_connect_timeout=1)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+
+
+class FleetPgBouncer(InHost, PgBouncer):
+    """PgBouncer on a fleet host, port 6432, in front of ``postgres`` (transaction pooling)."""
+
+    def __init__(self, fleet: Fleet, host: str, postgres: FleetPostgres, **kwargs: Any) -> None:
+        self._in_host(fleet, host)
+        super().__init__(postgres, port=6432, **kwargs)
+
+    def _command(self) -> list[str]:
+        cmd = super()._command()
+        # The config file the class wrote names 127.0.0.1 twice: where PostgreSQL is, where to
+        # listen.
+        ini = self.tmpdir / "pgbouncer.ini"
+        pg = self.postgres
+        assert isinstance(pg, FleetPostgres)
+        text = ini.read_text()
+        text = text.replace(f"host={LOOPBACK}", f"host={pg.addr}")
+        text = text.replace(f"listen_addr = {LOOPBACK}", f"listen_addr = {self.addr}")
+        ini.write_text(text)
+        return cmd
+
+    def url(self, dbname: str = "postgres") -> str:
+        return f"postgresql+psycopg://postgres@{self.addr}:{self.port}/{dbname}"
+
+    def _probe(self) -> bool:
+        with psycopg.connect(
+            host=self.addr, port=self.port, user="postgres", dbname="postgres", connect_timeout=2
+        ) as conn:
+            conn.execute("SELECT 1")
+        return True
+
+
+def broker_unavailable(kind: str) -> str | None:
+    """Why the broker ``kind`` cannot run on the fleet in this tree (None: it can)."""
+    if kind == "redis":
+        return None
+    if kind == "rabbitmq":
+        if getattr(servers, "RabbitMQServer", None) is None:
+            return "tests/servers.py has no RabbitMQServer in this tree"
+        return None
+    return f"unknown broker kind {kind!r}"
+
+
+def make_broker(kind: str, fleet: Fleet, host: str) -> Any:
+    """The broker server of ``kind`` on ``host`` (not started)."""
+    if reason := broker_unavailable(kind):
+        raise Unavailable(reason)
+    if kind == "redis":
+        return FleetRedis(fleet, host)
+    rabbit_class: Any = getattr(servers, "RabbitMQServer")  # noqa: B009 - absent in this tree
+
+    class FleetRabbit(InHost, rabbit_class):  # type: ignore[misc, valid-type]
+        """RabbitMQ on a fleet host (the generic mixin: 127.0.0.1 in its command becomes the
+        host's address; the probe is a TCP connect to its port)."""
+
+        kind = "rabbitmq"
+
+        def __init__(self) -> None:
+            self._in_host(fleet, host)
+            super().__init__()
+
+        def url(self, *args: Any) -> str:
+            return str(super().url(*args)).replace(LOOPBACK, self.addr)
+
+        def _probe(self) -> bool:
+            assert self.port is not None
+            return self._tcp_probe(int(self.port))
+
+    return FleetRabbit()
+
+
+def standby_unavailable() -> str | None:
+    """Why the fleet has no streaming standby (so no ``failover`` fault) in this tree."""
+    if not any(hasattr(obj, "promote") for obj in vars(servers).values() if isinstance(obj, type)):
+        return (
+            "no streaming standby: tests/servers.py has no primary/standby pair with promote() "
+            "in this tree"
+        )
+    return "tests/servers.py has a standby, but the fleet does not start one yet"
+
+
+__all__ = [
+    "FleetPgBouncer",
+    "FleetPostgres",
+    "FleetRedis",
+    "InHost",
+    "Unavailable",
+    "broker_unavailable",
+    "make_broker",
+    "standby_unavailable",
+]
