@@ -19,6 +19,10 @@ last 5 s. Needs root. Exits 1 when it reproduces (finished attempts drop to 0 wh
 backend waits for the lock of coord0's).
 
 Run: ``PYTHONPATH=. .venv/bin/python chaos/repro/coordinator_cut_mid_commit.py`` (about 2.5 min)
+
+Fixed: every tick now bounds its transaction's idle time and its lock wait
+(``store/tick_store.py``, docs/architecture.md "A tick that stalls holding the lock"); the
+repro then exits 0 (0 of 9 samples stalled, 240-340 attempts finished per 5 s during the cut).
 """
 
 # ruff: noqa: T201
