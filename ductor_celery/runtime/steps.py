@@ -20,14 +20,16 @@ from ..definition.spec import BATCH_ARG
 from ..engine.payloads import json_problem, storable_text
 from ..errors import InvalidSecretName, NonRetryableError, SecretNotFound, StepCancelled
 from ..store import attempts, wakes
-from ..store.db import ValuesRefused, with_retry
+from ..store.db import ValuesRefused, outages, with_retry
 from ..store.outbox import OutboxRow
+from ..store.schema import dumps_json
 from ..values import ValueNotDecodable, decode, decode_lenient
 from . import batch, metrics
 from .arguments import ArgumentRefused, prepare
 from .coordinator import Keeper, PreludeRefused, run_tick
 from .failpoints import failpoint
 from .inline import InlineChain, TaskEvents, as_current_task, flush_events
+from .lost_outcomes import lost_outcomes
 from .outbox_janitor import sent_outbox
 from .secrets import (
     AttemptSecrets,
@@ -538,26 +540,69 @@ def _run_claimed(
             result, interrupt = _run(step, ctx, claimed.args, claimed.token, limit, call)
         tracing.mark_outcome(span, result.outcome, result.error)
     ran_s = time.perf_counter() - began
+    remember = (
+        None if interrupt is not None else _keep_until_safe(rt, engine, step, claimed, me, result)
+    )
     # A process about to stop takes no next step (it would be left claimed until its timeout).
     keep = None if interrupt is not None else chain
     try:
         if keep is not None:
             keep.ran(ran_s)
-        if keep is not None and keep.holding:
-            # More branches of this run are held for this worker: write the outcome alone;
-            # the tick after the last of them folds them all.
-            outcome = _record(rt, engine, step, claimed.token, result)
-            keep.unticked = claimed.run_id
-        else:
-            outcome = _record_and_advance(
-                rt, engine, step, claimed.token, claimed.run_id, result, keep
-            )
+        try:
+            if keep is not None and keep.holding:
+                # More branches of this run are held for this worker: write the outcome alone;
+                # the tick after the last of them folds them all.
+                outcome = _record(rt, engine, step, claimed.token, result)
+                keep.unticked = claimed.run_id
+            else:
+                outcome = _record_and_advance(
+                    rt, engine, step, claimed.token, claimed.run_id, result, keep
+                )
+        except Exception:
+            if remember is not None:
+                remember(False)  # not written: written once the database is back
+            raise
+        if remember is not None:
+            remember(True)
         if outcome != "closed":  # a closed attempt was counted by the tick that closed it
             metrics.record_attempt(step.name, outcome, ran_s)
     finally:
         if interrupt is not None:
             raise interrupt
     return outcome
+
+
+def _keep_until_safe(
+    rt: Runtime,
+    engine: Any,
+    step: Step,
+    claimed: attempts.ClaimedAttempt,
+    me: str,
+    result: _Outcome,
+) -> Callable[[bool], None] | None:
+    """Get ready to remember the outcome about to be written, to write it again if a failover
+    loses the commit (runtime/lost_outcomes.py). Call what this returns once the write
+    returned (True) or gave up (False: then it is written once the database is back)."""
+    keeper = lost_outcomes(rt.settings.database_url, prepare=rt.settings.database_prepare)
+    if keeper is None:
+        return None
+    try:
+        size = len(dumps_json([result.output, result.patch, result.error]))
+    except Exception:  # noqa: BLE001 - not measurable: not kept (the write reports it)
+        return None
+    began = outages()
+
+    def write_again() -> str:
+        outcome = _record(rt, engine, step, claimed.token, result)
+        rt.wake(claimed.run_id)  # not coalesced: a wake-up row may be a lost commit's too
+        return outcome
+
+    def remember(written: bool) -> None:
+        keeper.keep(
+            claimed.token, claimed.run_id, me, size, write_again, since=began, written=written
+        )
+
+    return remember
 
 
 @dataclass(frozen=True, slots=True)
