@@ -49,6 +49,8 @@ log = logging.getLogger("ductor_celery.step")
 FINISH_DEADLINE_S = 600.0
 #: ``ctx.cancelled`` reads its attempt row at most this often (a step may poll it in a loop).
 CANCEL_LOOK_INTERVAL_S = 1.0
+#: After a heartbeat that failed to reach the database, the next is not tried before this.
+HEARTBEAT_PAUSE_S = 1.0
 
 #: The longest exception message and traceback tail kept in an attempt's error, and the
 #: longest database or exception cause quoted in a message.
@@ -282,26 +284,50 @@ def _describe(exc: BaseException) -> str:
 # -- heartbeats ---------------------------------------------------------------------------------
 
 
+class _HeartbeatPause:
+    """After a heartbeat that did not reach the database, the step's next heartbeats within
+    ``HEARTBEAT_PAUSE_S`` are skipped: a step that heartbeats in a loop must not turn into a
+    loop of connection attempts and warnings while the database is away (a failover, a
+    restart). Short: once the database is back, a heartbeat must get through well within the
+    step's ``heartbeat_timeout``."""
+
+    def __init__(self) -> None:
+        self._until = 0.0
+
+    def skip(self) -> bool:
+        return time.monotonic() < self._until
+
+    def failed(self) -> None:
+        self._until = time.monotonic() + HEARTBEAT_PAUSE_S
+
+
 def _heartbeat(
     engine: Any,
     token: str,
     details: Any,
     limit: int,
     redact: Callable[[Any], Any] = lambda value: value,
+    pause: _HeartbeatPause | None = None,
 ) -> bool:
     """A heartbeat is a hint: a database blip or odd details must not fail the user's step,
     and details the database refuses must not cost the heartbeat itself. ``redact``: the
-    attempt's secrets out of the (encoded) details. Returns whether the attempt should stop
+    attempt's secrets out of the (encoded) details. ``pause``: the attempt's, to skip
+    heartbeats for a while after one that failed. Returns whether the attempt should stop
     (its run's cancel requested, or the attempt closed)."""
+    if pause is not None and pause.skip():
+        return False  # unknown: a heartbeat after the pause asks again
     value, problem = _payload(details, "heartbeat details", min(limit, 65536))
     value = redact(value)
     if problem is not None:
         log.warning("attempt %s: %s; recording the heartbeat without them", token, problem)
     try:
-        return _record_heartbeat(engine, token, value)
+        stop = _record_heartbeat(engine, token, value)
     except Exception as exc:  # noqa: BLE001
         log.warning("heartbeat for %s not recorded: %s", token, _describe(exc))
+        if pause is not None:
+            pause.failed()
         return False  # unknown: the next heartbeat asks again
+    return stop
 
 
 def _record_heartbeat(engine: Any, token: str, details: Any) -> bool:
@@ -641,6 +667,7 @@ def _context(
     limit: int,
     secrets: AttemptSecrets,
 ) -> StepContext:
+    pause = _HeartbeatPause()
     return StepContext(
         run_id=claimed.run_id,
         workflow_id=claimed.workflow_id,
@@ -650,7 +677,7 @@ def _context(
         input_fn=read_input,
         context=claimed.context,
         heartbeat_fn=lambda details: _heartbeat(
-            engine, claimed.token, details, limit, secrets.redact
+            engine, claimed.token, details, limit, secrets.redact, pause
         ),
         secret_fn=secrets.get,
         cancelled_fn=lambda: _should_stop(engine, claimed.token),

@@ -1,6 +1,7 @@
-"""The sweeper through a database outage (issue 24): failing sweeps back off instead of
-asking a database that is away (or being failed over) every interval, each with a
-traceback; the first sweep that works brings the interval back."""
+"""The sweeper and heartbeats through a database outage (issue 24): failing sweeps back off
+instead of asking a database that is away (or being failed over) every interval, each with a
+traceback, and the first sweep that works brings the interval back; a step heartbeating in a
+loop does not become a loop of connection attempts."""
 
 from __future__ import annotations
 
@@ -49,3 +50,34 @@ def test_failing_sweeps_back_off_and_a_good_one_resets_the_interval(
     records = [r for r in caplog.records if "database unreachable" in r.getMessage()]
     assert len(records) == failing
     assert all(r.exc_info is None and "host 2" not in r.getMessage() for r in records)
+
+
+def test_heartbeats_pause_after_one_fails_to_reach_the_database(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step heartbeating in a loop while the database is away tries it about once a
+    second, not at every call."""
+    from ductor_celery.runtime import steps
+
+    tries: list[float] = []
+    down = [True]
+
+    def heartbeat(engine: Any, token: str, details: Any) -> bool:
+        tries.append(time.monotonic())
+        if down[0]:
+            raise OperationalError("UPDATE", {}, Exception("connection refused"))
+        return False
+
+    monkeypatch.setattr(steps.attempts, "heartbeat", heartbeat)
+    monkeypatch.setattr(steps, "HEARTBEAT_PAUSE_S", 0.2)
+    pause = steps._HeartbeatPause()
+    began = time.monotonic()
+    while time.monotonic() - began < 0.5:
+        assert steps._heartbeat(None, "t", {"n": 1}, 1000, pause=pause) is False
+        time.sleep(0.005)
+    assert 2 <= len(tries) <= 4, len(tries)  # about every 0.2 s, not ~100 times
+    down[0] = False
+    time.sleep(0.25)
+    steps._heartbeat(None, "t", None, 1000, pause=pause)
+    steps._heartbeat(None, "t", None, 1000, pause=pause)
+    assert time.monotonic() - tries[-2] < 0.1  # back: every heartbeat is written again
