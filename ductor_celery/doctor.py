@@ -27,6 +27,18 @@ def _first_line(exc: BaseException) -> str:
     return f"{exc.__class__.__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def _server(conn: sa.Connection) -> tuple[str, bool]:
+    """Which PostgreSQL server answered (a multi-host URL names several), and whether it is
+    a standby; nothing to say on SQLite."""
+    if conn.dialect.name != "postgresql":
+        return "", False
+    row = conn.execute(
+        sa.text("SELECT inet_server_addr()::text, inet_server_port(), pg_is_in_recovery()")
+    ).one()
+    where = f"{row[0].split('/')[0]}:{row[1]}" if row[0] else "the local socket"
+    return f"answered by {where}", bool(row[2])
+
+
 def run_checks(d: Ductor, timeout: float = 2.0) -> list[Check]:
     from .store.db import get_engine
     from .store.migrate import current_revision, head_revision
@@ -38,7 +50,20 @@ def run_checks(d: Ductor, timeout: float = 2.0) -> list[Check]:
     try:
         with engine.connect() as conn:
             conn.execute(sa.text("SELECT 1"))
-        checks.append(Check("database", True, f"reachable ({url})"))
+            server, standby = _server(conn)
+        if standby:
+            # A URL naming one host that is (now) a standby, or several without read-write:
+            # every write would fail.
+            checks.append(
+                Check(
+                    "database",
+                    False,
+                    f"reachable ({url}), but {server} is a standby (read-only): point the URL "
+                    "at the primary, or name every host with target_session_attrs=read-write",
+                )
+            )
+            return checks
+        checks.append(Check("database", True, f"reachable ({url}{server and ', '}{server})"))
         current, head = current_revision(engine), head_revision(settings.database_url)
         if current == head:
             checks.append(Check("schema", True, f"at head ({head})"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +99,9 @@ class Settings:
 
         return cls(
             database_url=normalize_url(str(url)),
-            listen_database_url=normalize_url(str(listen_url)) if listen_url else None,
+            listen_database_url=(
+                normalize_url(str(listen_url), "ductor_listen_database_url") if listen_url else None
+            ),
             database_prepare=defaults.database_prepare if prepare is None else _flag(prepare),
             steps_queue=get("steps_queue", defaults.steps_queue, str),
             coord_queue=get("coord_queue", defaults.coord_queue, str),
@@ -223,9 +226,119 @@ def redact_url(url: str) -> str:
     return sa.engine.make_url(url).render_as_string(hide_password=True)
 
 
-def normalize_url(url: str) -> str:
-    """``postgresql://`` and ``postgres://`` mean psycopg 3 to us."""
+def normalize_url(url: str, setting: str = "ductor_database_url") -> str:
+    """``postgresql://`` and ``postgres://`` mean psycopg 3 to us; several hosts are written
+    in the one form SQLAlchemy and libpq both read (``multi_host_url``). ``setting``: the
+    setting the URL came from, named in the error a bad URL raises."""
     for prefix in ("postgres://", "postgresql://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix) :]
+            url = "postgresql+psycopg://" + url[len(prefix) :]
+            break
+    if url.startswith("postgresql"):
+        url = multi_host_url(url, setting)
     return url
+
+
+# --- several database hosts (a primary and its standbys; docs/reliability.md) ---------------
+#
+# libpq reads ``postgresql://u@h1:5432,h2:5433/db``: try each host in turn, and with
+# ``target_session_attrs=read-write`` keep only the one that accepts writes, so after a
+# failover every new connection finds the new primary by itself. SQLAlchemy cannot parse a
+# port in such a host list (it reads "5432,h2:5433" as the port), and renders its own
+# multi-host form (``?host=h1:5432&host=h2``) into a broken list for an IPv6 address. So a URL
+# naming several hosts is rewritten into query parameters both pass through unchanged:
+# ``postgresql+psycopg://u@/db?host=h1,h2&port=5432,5433`` (an empty port: libpq's default).
+
+#: The authority of a URL as SQLAlchemy splits it (user, then password up to the "@"), the
+#: hosts up to the path or query, and the rest.
+_AUTHORITY = re.compile(
+    r"(?P<head>[\w+]+://(?:[^:/]*(?::[^@]*)?@)?)(?P<hosts>[^/?]*)(?P<tail>.*)\Z", re.S
+)
+#: ``target_session_attrs`` values that always land on a server that takes writes.
+_WRITABLE_SESSION_ATTRS = ("read-write", "primary")
+
+
+def multi_host_url(url: str, setting: str = "ductor_database_url") -> str:
+    """``url`` with several hosts (``h1:p1,h2:p2`` after the "@") rewritten as
+    ``?host=h1,h2&port=p1,p2``, and ``target_session_attrs=read-write`` added when several
+    hosts are named and the URL does not choose: libpq's default ("any") would take the first
+    host that answers, a standby after a failover, where every write fails. A URL with one
+    host is returned as it is. Raises ``ValueError`` naming ``setting`` for an empty host, a
+    port that is not a number from 1 to 65535, or a host list given twice."""
+    import sqlalchemy as sa
+
+    match = _AUTHORITY.match(url)
+    if match is not None and "," in match["hosts"]:
+        hosts, ports = _split_hosts(match["hosts"], setting)
+        path, _, query = match["tail"].partition("?")
+        parsed = sa.engine.make_url(f"{match['head']}{path}" + (f"?{query}" if query else ""))
+        if "host" in parsed.query or "port" in parsed.query:
+            raise ValueError(
+                f"{setting} names its hosts twice: in the address ({match['hosts']!r}) and as "
+                "host= or port= parameters; keep one of them"
+            )
+        extra = {"host": ",".join(hosts)}
+        if any(ports):
+            extra["port"] = ",".join(ports)
+        url = parsed.update_query_dict(extra).render_as_string(hide_password=False)
+    parsed = sa.engine.make_url(url)
+    hosts = _query_hosts(parsed, setting)
+    if len(hosts) < 2 and (parsed.host is None or "," not in parsed.host):
+        return url
+    attrs = parsed.query.get("target_session_attrs")
+    if attrs is None:
+        return parsed.update_query_dict({"target_session_attrs": "read-write"}).render_as_string(
+            hide_password=False
+        )
+    if attrs not in _WRITABLE_SESSION_ATTRS:
+        raise ValueError(
+            f"{setting} names several hosts with target_session_attrs={attrs!r}: ductor writes, "
+            "so a connection must reach the primary; use read-write (the default ductor adds) "
+            "or primary"
+        )
+    return url
+
+
+def _split_hosts(text: str, setting: str) -> tuple[list[str], list[str]]:
+    """``h1:p1,[::1]:p2,h3`` as hosts and ports ("" where none is given), checked."""
+    hosts: list[str] = []
+    ports: list[str] = []
+    entries = text.split(",")
+    for number, entry in enumerate(entries, 1):
+        where = f"host {number} of {len(entries)} in {text!r}"
+        if entry.startswith("["):  # an IPv6 address, with its port after the bracket
+            host, bracket, rest = entry[1:].partition("]")
+            if not bracket or (rest and not rest.startswith(":")):
+                raise ValueError(f"{setting}: {where} is not a bracketed IPv6 address")
+            port = rest[1:]
+            has_port = bool(rest)
+        else:
+            host, colon, port = entry.partition(":")
+            has_port = bool(colon)
+        if not host.strip():
+            raise ValueError(f"{setting}: {where} is empty")
+        if has_port:
+            _check_port(port, setting, where)
+        hosts.append(host)
+        ports.append(port)
+    return hosts, ports
+
+
+def _query_hosts(parsed: Any, setting: str) -> list[str]:
+    """The hosts a URL names as ``host=`` parameters (SQLAlchemy's own multi-host forms
+    too), their ports checked."""
+    values = parsed.query.get("host", ())
+    hosts = [h for v in ((values,) if isinstance(values, str) else values) for h in v.split(",")]
+    if len(hosts) > 1 and not all(h.strip() for h in hosts):
+        raise ValueError(f"{setting}: an empty host in the host= parameters {hosts!r}")
+    port_values = parsed.query.get("port", ())
+    for value in (port_values,) if isinstance(port_values, str) else port_values:
+        for port in value.split(","):
+            if port:
+                _check_port(port, setting, f"the port= parameter {value!r}")
+    return hosts
+
+
+def _check_port(port: str, setting: str, where: str) -> None:
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"{setting}: {where} has port {port!r}; a port is a number 1 to 65535")

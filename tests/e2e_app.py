@@ -568,3 +568,63 @@ if _deployed_version >= 2:
     versioned.step("c", echo, after=["b"], args={"value": "c"})
 versioned.output({"version": _deployed_version})
 ductor.register(versioned)
+
+# -- database failover (tests/e2e/test_failover_e2e.py) ----------------------------------------
+# These steps count their executions in a file (E2E_LEDGER_FILE), outside the database that
+# fails over: with asynchronous replication a commit lost with the old primary would take a
+# ledger row with it, and the count of duplicates would come out too low.
+
+
+def _tally_ledger(ctx: StepContext) -> None:
+    path = os.environ.get("E2E_LEDGER_FILE")
+    if not path:
+        return
+    line = f"{ctx.run_id} {ctx.node} {ctx.branch} {ctx.attempt} {os.getpid()}\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())  # one write with O_APPEND: lines never interleave
+    finally:
+        os.close(fd)
+
+
+@ductor.step(name="e2e.tally")
+def tally(ctx: StepContext, value: int, pause: float = 0.0) -> int:
+    _tally_ledger(ctx)
+    time.sleep(pause)
+    return value + 1
+
+
+@ductor.step(name="e2e.tally_sum")
+def tally_sum(ctx: StepContext, parts: list[int]) -> int:
+    _tally_ledger(ctx)
+    return sum(parts)
+
+
+#: Steps of a failover chain: its output is its input plus this.
+FAILOVER_CHAIN_STEPS = 6
+failover_chain = Workflow("failover_chain")
+for i in range(FAILOVER_CHAIN_STEPS):
+    failover_chain.step(
+        f"t{i}",
+        tally,
+        after=[f"t{i - 1}"] if i else [],
+        args={
+            "value": f"$.nodes.t{i - 1}.output" if i else "$.input.value",
+            "pause": "$.input.pause",
+        },
+    )
+failover_chain.output(f"$.nodes.t{FAILOVER_CHAIN_STEPS - 1}.output")
+ductor.register(failover_chain)
+
+failover_fan = Workflow("failover_fan")  # output: sum(item + 1 for item in items)
+failover_fan.scatter(
+    "each",
+    tally,
+    over="$.input.items",
+    item_arg="value",
+    args={"pause": "$.input.pause"},
+    max_parallel=4,
+)
+failover_fan.step("sum", tally_sum, after=["each"], args={"parts": "$.nodes.each.output"})
+failover_fan.output("$.nodes.sum.output")
+ductor.register(failover_fan)

@@ -52,6 +52,7 @@ __all__ = [
     "PostgresServer",
     "RedisServer",
     "ServerError",
+    "StandbyServer",
     "default_base_dir",
     "find_pg_bindir",
     "free_port",
@@ -609,6 +610,178 @@ class PostgresServer(_ManagedServer):
         ) as conn:
             conn.execute("SELECT 1")
         return True
+
+
+# --------------------------------------------------------------------------------------------
+# A streaming standby, for failover tests (tests/e2e/test_failover_e2e.py)
+# --------------------------------------------------------------------------------------------
+
+
+class StandbyServer(PostgresServer):
+    """A hot standby of ``primary``, made by ``pg_basebackup -R`` and streaming from it;
+    ``promote()`` makes it the primary (``pg_ctl promote``), as a failover does.
+
+    ``sync=True``: the primary then waits for this standby before it acknowledges a commit
+    (``synchronous_standby_names = '*'``, ``synchronous_commit`` is already ``on``), so a
+    commit a client saw succeed survives the primary's loss. It is set on the primary by
+    ``ALTER SYSTEM`` *after* the base backup: a copy of the setting would make the promoted
+    standby wait for a standby of its own on every commit, forever. Without ``sync``, the
+    primary acknowledges commits before the standby has them (asynchronous replication).
+
+    The standby's data dir is a copy of the primary's; its settings are the primary's. Its
+    ``url()`` reads only until it is promoted; writes fail as read-only.
+
+    Example::
+
+        with PostgresServer() as primary, StandbyServer(primary, sync=True) as standby:
+            primary.kill()
+            standby.promote()
+    """
+
+    _kind = "pg-standby"
+
+    def __init__(
+        self,
+        primary: PostgresServer,
+        *,
+        sync: bool = False,
+        port: int | None = None,
+        base_dir: Path | str | None = None,
+        start_timeout: float = 60.0,
+    ) -> None:
+        super().__init__(
+            port=port,
+            settings=primary.settings,
+            bindir=primary.bindir,
+            base_dir=base_dir or primary.base_dir,
+            start_timeout=start_timeout,
+        )
+        self.primary = primary
+        self.sync = sync
+        self._paused: list[int] = []
+
+    def start(self) -> None:
+        """Take the base backup (first start), start streaming, and wait until the primary
+        sees this standby streaming (and, with ``sync``, as its synchronous standby)."""
+        if self.primary.port is None or not self.primary.running:
+            raise ServerError("the primary must be running before its standby starts")
+        first_start = self._tmpdir is None
+        super().start()
+        if first_start:
+            self._wait_streaming()
+
+    def promote(self, timeout: float = 60.0) -> None:
+        """``pg_ctl promote``, waiting until the server accepts writes."""
+        result = subprocess.run(
+            [
+                str(self.bindir / "pg_ctl"), "promote", "-D", str(self.data_dir),
+                "-w", "-t", str(int(timeout)),
+            ],
+            cwd=self.tmpdir,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            check=False,
+            **self._spawn_kwargs(),
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise ServerError(
+                f"pg_ctl promote failed ({result.returncode}): {result.stdout}{result.stderr}\n"
+                f"log tail:\n{self.log_tail()}"
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.connect() as conn:
+                row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
+            if row is not None and not row[0]:
+                return
+            if time.monotonic() > deadline:
+                raise ServerError(f"standby on port {self.port} still in recovery after promote")
+            time.sleep(0.05)
+
+    def wait_caught_up(self, timeout: float = 30.0) -> None:
+        """Wait until this standby has replayed everything the primary has written so far."""
+        with self.primary.connect() as conn:
+            row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+        assert row is not None
+        target = row[0]
+        deadline = time.monotonic() + timeout
+        with self.connect() as conn:
+            while True:
+                done = conn.execute(
+                    "SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (target,)
+                ).fetchone()
+                if done is not None and done[0]:
+                    return
+                if time.monotonic() > deadline:
+                    raise ServerError(f"standby did not replay up to {target} in {timeout:.0f}s")
+                time.sleep(0.02)
+
+    def pause_streaming(self) -> list[int]:
+        """SIGSTOP the primary's WAL senders: from now on the primary's commits do not reach
+        this standby (asynchronous: they are acknowledged anyway, and lost if the primary dies
+        now; synchronous: they wait). ``resume_streaming()`` undoes it; a killed primary takes
+        its stopped senders along."""
+        with self.primary.connect() as conn:
+            pids = [row[0] for row in conn.execute("SELECT pid FROM pg_stat_replication")]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        self._paused.extend(pids)
+        return pids
+
+    def resume_streaming(self) -> None:
+        for pid in self._paused:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self._paused.clear()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        # No initdb: a copy of the primary, with standby.signal and primary_conninfo (-R).
+        cmd = [
+            str(self.bindir / "pg_basebackup"),
+            "-h", LOOPBACK, "-p", str(self.primary.port), "-U", "postgres",
+            "-D", str(self.data_dir), "-R", "-X", "stream", "-c", "fast", "--no-sync",
+        ]  # fmt: skip
+        result = subprocess.run(
+            cmd,
+            cwd=self.tmpdir,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            check=False,
+            **self._spawn_kwargs(),
+        )
+        if result.returncode != 0:
+            raise ServerError(
+                f"pg_basebackup failed with code {result.returncode}:\n"
+                f"{result.stdout}\n{result.stderr}"
+            )
+
+    def _wait_streaming(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        with self.primary.connect() as conn:
+            if self.sync:
+                conn.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
+                conn.execute("SELECT pg_reload_conf()")
+            want = "sync" if self.sync else "async"
+            while True:
+                states = [
+                    row[0]
+                    for row in conn.execute(
+                        "SELECT sync_state FROM pg_stat_replication WHERE state = 'streaming'"
+                    )
+                ]
+                if want in states:
+                    return
+                if time.monotonic() > deadline:
+                    raise ServerError(
+                        f"standby on port {self.port} not streaming ({want}) within "
+                        f"{self.start_timeout:.0f}s; replication: {states}; log tail:\n"
+                        f"{self.log_tail()}"
+                    )
+                time.sleep(0.05)
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import threading
 
 from sqlalchemy.engine import Engine
 
+from ..store.db import brief
 from ..store.outbox import delete_outbox
 
 log = logging.getLogger("ductor_celery.outbox")
@@ -53,7 +54,7 @@ class SentOutbox:
                 delete_outbox(self._engine, batch)
             except Exception as exc:  # noqa: BLE001 - never crash here
                 # Left to the sweeper, which sends them once more and deletes them then.
-                log.warning("could not delete %d sent outbox rows: %s", len(batch), exc)
+                log.warning("could not delete %d sent outbox rows: %s", len(batch), brief(exc))
 
     def _loop(self) -> None:
         while not self._closed:

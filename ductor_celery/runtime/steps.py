@@ -20,14 +20,16 @@ from ..definition.spec import BATCH_ARG
 from ..engine.payloads import json_problem, storable_text
 from ..errors import InvalidSecretName, NonRetryableError, SecretNotFound, StepCancelled
 from ..store import attempts, wakes
-from ..store.db import ValuesRefused, with_retry
+from ..store.db import ValuesRefused, outages, with_retry
 from ..store.outbox import OutboxRow
+from ..store.schema import dumps_json
 from ..values import ValueNotDecodable, decode, decode_lenient
 from . import batch, metrics
 from .arguments import ArgumentRefused, prepare
 from .coordinator import Keeper, PreludeRefused, run_tick
 from .failpoints import failpoint
 from .inline import InlineChain, TaskEvents, as_current_task, flush_events
+from .lost_outcomes import lost_outcomes
 from .outbox_janitor import sent_outbox
 from .secrets import (
     AttemptSecrets,
@@ -47,6 +49,8 @@ log = logging.getLogger("ductor_celery.step")
 FINISH_DEADLINE_S = 600.0
 #: ``ctx.cancelled`` reads its attempt row at most this often (a step may poll it in a loop).
 CANCEL_LOOK_INTERVAL_S = 1.0
+#: After a heartbeat that failed to reach the database, the next is not tried before this.
+HEARTBEAT_PAUSE_S = 1.0
 
 #: The longest exception message and traceback tail kept in an attempt's error, and the
 #: longest database or exception cause quoted in a message.
@@ -280,26 +284,50 @@ def _describe(exc: BaseException) -> str:
 # -- heartbeats ---------------------------------------------------------------------------------
 
 
+class _HeartbeatPause:
+    """After a heartbeat that did not reach the database, the step's next heartbeats within
+    ``HEARTBEAT_PAUSE_S`` are skipped: a step that heartbeats in a loop must not turn into a
+    loop of connection attempts and warnings while the database is away (a failover, a
+    restart). Short: once the database is back, a heartbeat must get through well within the
+    step's ``heartbeat_timeout``."""
+
+    def __init__(self) -> None:
+        self._until = 0.0
+
+    def skip(self) -> bool:
+        return time.monotonic() < self._until
+
+    def failed(self) -> None:
+        self._until = time.monotonic() + HEARTBEAT_PAUSE_S
+
+
 def _heartbeat(
     engine: Any,
     token: str,
     details: Any,
     limit: int,
     redact: Callable[[Any], Any] = lambda value: value,
+    pause: _HeartbeatPause | None = None,
 ) -> bool:
     """A heartbeat is a hint: a database blip or odd details must not fail the user's step,
     and details the database refuses must not cost the heartbeat itself. ``redact``: the
-    attempt's secrets out of the (encoded) details. Returns whether the attempt should stop
+    attempt's secrets out of the (encoded) details. ``pause``: the attempt's, to skip
+    heartbeats for a while after one that failed. Returns whether the attempt should stop
     (its run's cancel requested, or the attempt closed)."""
+    if pause is not None and pause.skip():
+        return False  # unknown: a heartbeat after the pause asks again
     value, problem = _payload(details, "heartbeat details", min(limit, 65536))
     value = redact(value)
     if problem is not None:
         log.warning("attempt %s: %s; recording the heartbeat without them", token, problem)
     try:
-        return _record_heartbeat(engine, token, value)
+        stop = _record_heartbeat(engine, token, value)
     except Exception as exc:  # noqa: BLE001
         log.warning("heartbeat for %s not recorded: %s", token, _describe(exc))
+        if pause is not None:
+            pause.failed()
         return False  # unknown: the next heartbeat asks again
+    return stop
 
 
 def _record_heartbeat(engine: Any, token: str, details: Any) -> bool:
@@ -538,26 +566,69 @@ def _run_claimed(
             result, interrupt = _run(step, ctx, claimed.args, claimed.token, limit, call)
         tracing.mark_outcome(span, result.outcome, result.error)
     ran_s = time.perf_counter() - began
+    remember = (
+        None if interrupt is not None else _keep_until_safe(rt, engine, step, claimed, me, result)
+    )
     # A process about to stop takes no next step (it would be left claimed until its timeout).
     keep = None if interrupt is not None else chain
     try:
         if keep is not None:
             keep.ran(ran_s)
-        if keep is not None and keep.holding:
-            # More branches of this run are held for this worker: write the outcome alone;
-            # the tick after the last of them folds them all.
-            outcome = _record(rt, engine, step, claimed.token, result)
-            keep.unticked = claimed.run_id
-        else:
-            outcome = _record_and_advance(
-                rt, engine, step, claimed.token, claimed.run_id, result, keep
-            )
+        try:
+            if keep is not None and keep.holding:
+                # More branches of this run are held for this worker: write the outcome alone;
+                # the tick after the last of them folds them all.
+                outcome = _record(rt, engine, step, claimed.token, result)
+                keep.unticked = claimed.run_id
+            else:
+                outcome = _record_and_advance(
+                    rt, engine, step, claimed.token, claimed.run_id, result, keep
+                )
+        except Exception:
+            if remember is not None:
+                remember(False)  # not written: written once the database is back
+            raise
+        if remember is not None:
+            remember(True)
         if outcome != "closed":  # a closed attempt was counted by the tick that closed it
             metrics.record_attempt(step.name, outcome, ran_s)
     finally:
         if interrupt is not None:
             raise interrupt
     return outcome
+
+
+def _keep_until_safe(
+    rt: Runtime,
+    engine: Any,
+    step: Step,
+    claimed: attempts.ClaimedAttempt,
+    me: str,
+    result: _Outcome,
+) -> Callable[[bool], None] | None:
+    """Get ready to remember the outcome about to be written, to write it again if a failover
+    loses the commit (runtime/lost_outcomes.py). Call what this returns once the write
+    returned (True) or gave up (False: then it is written once the database is back)."""
+    keeper = lost_outcomes(rt.settings.database_url, prepare=rt.settings.database_prepare)
+    if keeper is None:
+        return None
+    try:
+        size = len(dumps_json([result.output, result.patch, result.error]))
+    except Exception:  # noqa: BLE001 - not measurable: not kept (the write reports it)
+        return None
+    began = outages()
+
+    def write_again() -> str:
+        outcome = _record(rt, engine, step, claimed.token, result)
+        rt.wake(claimed.run_id)  # not coalesced: a wake-up row may be a lost commit's too
+        return outcome
+
+    def remember(written: bool) -> None:
+        keeper.keep(
+            claimed.token, claimed.run_id, me, size, write_again, since=began, written=written
+        )
+
+    return remember
 
 
 @dataclass(frozen=True, slots=True)
@@ -596,6 +667,7 @@ def _context(
     limit: int,
     secrets: AttemptSecrets,
 ) -> StepContext:
+    pause = _HeartbeatPause()
     return StepContext(
         run_id=claimed.run_id,
         workflow_id=claimed.workflow_id,
@@ -605,7 +677,7 @@ def _context(
         input_fn=read_input,
         context=claimed.context,
         heartbeat_fn=lambda details: _heartbeat(
-            engine, claimed.token, details, limit, secrets.redact
+            engine, claimed.token, details, limit, secrets.redact, pause
         ),
         secret_fn=secrets.get,
         cancelled_fn=lambda: _should_stop(engine, claimed.token),

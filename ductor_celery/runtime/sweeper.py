@@ -23,7 +23,7 @@ from ..engine.kinds import AuditSource
 from ..engine.status import TERMINAL_RUN_STATUSES
 from ..store import audit, retention, schedules, sweep
 from ..store.audit import Who
-from ..store.db import db_now
+from ..store.db import brief, db_now, is_transient
 from . import metrics
 
 if TYPE_CHECKING:
@@ -42,6 +42,8 @@ LOST_REWAKE_AFTER_S = 30.0
 #: time, so a backlog of old runs never holds up the sweep's other work for long.
 PRUNE_EVERY_S = 60.0
 PRUNE_BATCHES_PER_SWEEP = 10
+#: Sweeps that fail wait twice as long each time, up to this (or the sweep interval).
+SWEEP_BACKOFF_MAX_S = 5.0
 
 
 class Sweeper:
@@ -63,11 +65,23 @@ class Sweeper:
 
     def _loop(self) -> None:
         interval = self.rt.settings.sweep_interval
-        while not self._stop.wait(interval):
+        wait = interval
+        while not self._stop.wait(wait):
             try:
                 self.sweep_once()
-            except Exception:  # noqa: BLE001 - keep sweeping through outages
-                log.exception("sweep failed; retrying in %.1fs", interval)
+            except Exception as exc:  # noqa: BLE001 - keep sweeping through outages
+                # Failing sweeps back off (a database that is away, being failed over, is not
+                # asked every interval), up to SWEEP_BACKOFF_MAX_S: once it is back, the next
+                # sweep comes soon enough.
+                wait = min(max(wait * 2, interval), max(interval, SWEEP_BACKOFF_MAX_S))
+                if is_transient(exc):
+                    log.warning(
+                        "sweep: database unreachable (%s); next sweep in %.1fs", brief(exc), wait
+                    )
+                else:
+                    log.exception("sweep failed; retrying in %.1fs", wait)
+            else:
+                wait = interval
 
     def sweep_once(self) -> dict[str, int]:
         engine = self.rt.engine()

@@ -342,6 +342,30 @@ def _pg_finish_unleased() -> Any:
     )
 
 
+def may_lose_commits(engine: Engine) -> bool:
+    """Whether a commit this database acknowledged can still be lost: PostgreSQL, whose
+    failover to an asynchronous standby drops the last commits (runtime/lost_outcomes.py);
+    not SQLite, a file on this machine."""
+    return is_postgres(engine)
+
+
+def open_claims(engine: Engine, tokens: list[str]) -> dict[str, str | None]:
+    """Of ``tokens``, the attempts still open (not finished), each with who claimed it
+    (``None``: nobody, or a claim the database no longer has). An attempt the database does
+    not have at all is left out. ``runtime/lost_outcomes.py``: outcomes a failover lost."""
+    found: dict[str, str | None] = {}
+    with engine.connect() as conn:
+        for start in range(0, len(tokens), 500):
+            rows = conn.execute(
+                sa.select(step_attempt.c.token, step_attempt.c.claimed_by).where(
+                    step_attempt.c.token.in_(tokens[start : start + 500]),
+                    step_attempt.c.finished_at.is_(None),
+                )
+            )
+            found.update({row.token: row.claimed_by for row in rows})
+    return found
+
+
 @refusing_values()
 def heartbeat(engine: Engine, token: str, details: Any = None) -> bool:
     """Record that the attempt is alive (and how far it got); a closed attempt is left alone.

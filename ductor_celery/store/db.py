@@ -100,6 +100,12 @@ def get_engine(url: str, *, prepare: bool = True) -> Engine:
     return engine
 
 
+def open_engine(url: str, *, prepare: bool = True) -> Engine | None:
+    """``get_engine``'s engine if this process has it, else ``None`` (never makes one): for
+    a background look that must stop once its engine was forgotten or disposed of."""
+    return _engines.get((os.getpid(), url, prepare or url.startswith("sqlite")))
+
+
 def _create_engine(url: str, *, prepare: bool) -> Engine:
     if url.startswith("sqlite"):
         path = sa.engine.make_url(url).database
@@ -128,16 +134,99 @@ def _create_engine(url: str, *, prepare: bool) -> Engine:
 
         return engine
     # No pool_pre_ping: it costs a round trip per checkout, and every caller already retries
-    # a whole transaction on a dropped connection (with_retry), which also covers a restart.
-    return sa.create_engine(
+    # a whole transaction on a dropped connection (with_retry), which also covers a restart
+    # and a failover (the first error invalidates the whole pool; the retry reconnects).
+    engine = sa.create_engine(
         url,
         json_serializer=dumps_json,
         pool_size=5,
         max_overflow=10,
         pool_recycle=1800,
-        # None: never prepare (what a transaction-pooling PgBouncer before 1.21 needs).
-        connect_args={"prepare_threshold": PREPARE_THRESHOLD if prepare else None},
+        connect_args={
+            **connect_defaults(url),
+            # None: never prepare (what a transaction-pooling PgBouncer before 1.21 needs).
+            "prepare_threshold": PREPARE_THRESHOLD if prepare else None,
+        },
     )
+    event.listen(engine, "handle_error", _on_error)
+    return engine
+
+
+# --- failover: finding the primary again (docs/reliability.md, "Database failover") --------
+
+#: libpq connection settings ductor adds unless the URL sets them. A host that does not
+#: answer (down, or cut off by the network) is given up after ``connect_timeout`` seconds, and
+#: libpq goes on to the next host of a multi-host URL (psycopg's own default is 130 s per
+#: host); keepalives and ``tcp_user_timeout`` (milliseconds) notice a server gone silent in
+#: about a minute, where the OS defaults take two hours on an idle connection and some
+#: fifteen minutes with data in flight.
+CONNECT_DEFAULTS: dict[str, str] = {
+    "connect_timeout": "5",
+    "keepalives": "1",
+    "keepalives_idle": "30",
+    "keepalives_interval": "10",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+}
+
+#: A write on a server that is (now) a standby: "cannot execute ... in a read-only
+#: transaction". The connection reached the old primary after it was demoted, or a DNS name
+#: that still pointed at it: the pool must be dropped for the retry to find the new one.
+_READ_ONLY_SQLSTATES = frozenset({"25006"})
+
+
+def connect_defaults(url: str) -> dict[str, str]:
+    """``CONNECT_DEFAULTS`` without the settings ``url`` chooses itself (PostgreSQL only)."""
+    parsed = sa.engine.make_url(url)
+    if parsed.get_backend_name() != "postgresql":
+        return {}
+    return {k: v for k, v in CONNECT_DEFAULTS.items() if k not in parsed.query}
+
+
+def psycopg_connect_args(url: str) -> dict[str, Any]:
+    """Keyword arguments for ``psycopg.connect`` to the database ``url`` names: SQLAlchemy's
+    own translation (which passes several hosts and ports through as libpq's lists) plus
+    ``connect_defaults``. For the connections ductor opens without SQLAlchemy (LISTEN)."""
+    parsed = sa.engine.make_url(url)
+    _args, kwargs = parsed.get_dialect()().create_connect_args(parsed)
+    return {**connect_defaults(url), **kwargs}
+
+
+#: How many times this process found the database gone (a dropped connection, a failed
+#: connect, a write refused as read-only): ``outages()``.
+_outages = 0
+
+
+def outages() -> int:
+    """A count that moves whenever this process has found its PostgreSQL database gone since
+    it started: whoever remembers something written before can tell it may have been lost
+    (``runtime/lost_outcomes.py``)."""
+    return _outages
+
+
+def _on_error(context: Any) -> None:
+    """Every database error of a PostgreSQL engine. A write refused as read-only invalidates
+    the connection (and the pool) as a dropped connection does, so ``with_retry`` retries it
+    on a new one; a lost or refused connection counts as an outage."""
+    global _outages
+    if getattr(context.original_exception, "sqlstate", None) in _READ_ONLY_SQLSTATES:
+        context.is_disconnect = True
+    if context.is_disconnect or context.connection is None:  # None: the connect failed
+        _outages += 1
+
+
+def server_identity(engine: Engine) -> str:
+    """Which PostgreSQL server answers, since when: it changes when a failover or a restart
+    put another server (or the same one, started again) behind the URL, pooler or DNS name
+    included. One round trip, nothing read from a table."""
+    with autocommit(engine) as conn:
+        row = conn.execute(
+            sa.text(
+                "SELECT concat_ws(' ', inet_server_addr(), inet_server_port(), "
+                "pg_postmaster_start_time())"
+            )
+        ).scalar_one()
+    return str(row)
 
 
 def dispose_all() -> None:
@@ -196,6 +285,13 @@ def is_transient(exc: BaseException) -> bool:
     return True  # psycopg: connection failures, restarts, serialization failures, deadlocks
 
 
+def brief(exc: BaseException) -> str:
+    """An error for a log line: its first line (a failed multi-host connect lists every host
+    on lines of its own; SQLAlchemy adds the statement and its parameters)."""
+    lines = str(exc).strip().splitlines()
+    return (lines[0] if lines else type(exc).__name__)[:500]
+
+
 def with_retry(
     fn: Callable[[], T],
     *,
@@ -220,6 +316,6 @@ def with_retry(
                 raise
             if time.monotonic() - start > deadline_s:
                 raise StoreUnavailable(f"{what}: database unreachable: {exc}") from exc
-            log.warning("%s: database error, retrying in %.1fs: %s", what, delay, exc)
+            log.warning("%s: database error, retrying in %.1fs: %s", what, delay, brief(exc))
             time.sleep(delay)
             delay = min(delay * 2, max_delay)

@@ -8,15 +8,16 @@ poll below.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
-import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from .db import is_postgres
+from .db import brief, is_postgres, psycopg_connect_args
 
 if TYPE_CHECKING:
     import psycopg
@@ -25,6 +26,10 @@ RUN_FINISHED_CHANNEL = "ductor_run_finished"
 
 #: Longest wait between two looks at the run, even when told nothing.
 SAFETY_POLL_S = 1.0
+#: A lost LISTEN connection is tried again after SAFETY_POLL_S, doubling up to this.
+RELISTEN_MAX_S = 30.0
+
+log = logging.getLogger("ductor_celery.client")
 
 
 class FinishListener(Protocol):
@@ -33,13 +38,61 @@ class FinishListener(Protocol):
 
 
 class _Notified:
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
-        self._conn = conn
+    """LISTENs on a connection of its own, and gets a new one when it is lost (a restart, a
+    failover): meanwhile it waits as the safety poll does. A notification sent while no
+    connection listened is missed, which costs nothing: the caller reads the run after
+    every ``wait_for``, and a new connection LISTENs before that read."""
+
+    def __init__(self, connect: Callable[[], psycopg.Connection[Any]]) -> None:
+        self._connect = connect
+        self._conn: psycopg.Connection[Any] | None = None
+        self._retry_at = 0.0
+        self._delay = SAFETY_POLL_S
+        self.listen()
+
+    def listen(self) -> None:
+        """(Re)connect and LISTEN; on failure, try again after a growing pause (never a
+        loop of connection attempts)."""
+        conn = None
+        try:
+            conn = self._connect()
+            conn.execute(f"LISTEN {RUN_FINISHED_CHANNEL}")
+        except Exception as exc:  # noqa: BLE001 - psycopg's errors, a bad conninfo: poll
+            self._retry_at = time.monotonic() + self._delay
+            log.warning(
+                "wait(): cannot LISTEN (%s); polling, next try in %.0fs",
+                brief(exc),
+                self._delay,
+            )
+            self._delay = min(self._delay * 2, RELISTEN_MAX_S)
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+            return
+        self._conn, self._delay = conn, SAFETY_POLL_S
 
     def wait_for(self, run_id: str, seconds: float) -> None:
-        for note in self._conn.notifies(timeout=min(SAFETY_POLL_S, seconds)):
-            if note.payload == run_id:
-                return
+        timeout = max(0.0, min(SAFETY_POLL_S, seconds))
+        if self._conn is None and time.monotonic() >= self._retry_at:
+            self.listen()
+            if self._conn is not None:
+                return  # LISTENing again: let the caller read the run (it may be done)
+        if self._conn is None:
+            time.sleep(timeout)
+            return
+        try:
+            for note in self._conn.notifies(timeout=timeout):
+                if note.payload == run_id:
+                    return
+        except Exception as exc:  # noqa: BLE001 - a lost connection: listen again later
+            log.warning("wait(): LISTEN connection lost (%s); listening again", brief(exc))
+            self.close()
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
 
 
 class _Polling:
@@ -66,7 +119,10 @@ def listener(engine: Engine, listen_url: str) -> Iterator[FinishListener]:
         return
     import psycopg
 
-    url = sa.engine.make_url(listen_url).set(drivername="postgresql")
-    with psycopg.connect(url.render_as_string(hide_password=False), autocommit=True) as conn:
-        conn.execute(f"LISTEN {RUN_FINISHED_CHANNEL}")
-        yield _Notified(conn)
+    # Several hosts and the connect defaults as the engine has them (store/db.py).
+    args = psycopg_connect_args(listen_url)
+    notified = _Notified(lambda: psycopg.connect(autocommit=True, **args))
+    try:
+        yield notified
+    finally:
+        notified.close()
