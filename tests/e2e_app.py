@@ -568,3 +568,18 @@ if _deployed_version >= 2:
     versioned.step("c", echo, after=["b"], args={"value": "c"})
 versioned.output({"version": _deployed_version})
 ductor.register(versioned)
+
+# -- a step on a queue of its own (tests/e2e/test_rabbitmq_e2e.py: declared like ductor's) ----
+
+
+@ductor.step(name="e2e.side", queue="e2e-side")
+def side(ctx: StepContext, value: Any = None) -> Any:
+    _ledger(ctx)
+    return value
+
+
+side_queue = Workflow("side_queue")
+side_queue.step("first", echo, args={"value": "$.input.value"})
+side_queue.step("aside", side, after=["first"], args={"value": "$.nodes.first.output"})
+side_queue.output("$.nodes.aside.output")
+ductor.register(side_queue)

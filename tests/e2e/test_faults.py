@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import sqlalchemy as sa
+from brokers import purge, queue_length
 
 from ductor_celery import RunStatus
 
@@ -119,12 +119,11 @@ def test_a_lost_step_message_is_resent_with_the_same_token(
     ductor = client_for(cluster)
     handle = ductor.start("flaky", input={"fail_times": 0})
     # No step worker yet: wait for the step message, then throw it away (a lost message).
-    broker = redis.Redis.from_url(cluster.broker_url)
     deadline = time.monotonic() + 15
-    while broker.llen("ductor-steps") == 0:
+    while queue_length(cluster.broker_url, "ductor-steps") == 0:
         assert time.monotonic() < deadline, cluster.logs()
         time.sleep(0.05)
-    broker.delete("ductor-steps")
+    purge(cluster.broker_url, "ductor-steps")
     cluster.start_steps(concurrency=1)
     view = ductor.wait(handle.run_id, timeout=60)
     assert view.status == RunStatus.SUCCEEDED, cluster.logs()
@@ -140,7 +139,7 @@ def test_a_lost_wakeup_is_replaced_by_the_sweeper(cluster_factory: Any, client_f
     handle = ductor.start("chain10", input={"value": 9})
     # No coordinator yet: throw away every wake-up sent so far.
     time.sleep(1.0)
-    redis.Redis.from_url(cluster.broker_url).delete("ductor-coord")
+    purge(cluster.broker_url, "ductor-coord")
     cluster.start_coordinator()
     view = ductor.wait(handle.run_id, timeout=60)
     assert view.status == RunStatus.SUCCEEDED, cluster.logs()
