@@ -38,7 +38,9 @@ def queue_length(broker_url: str, queue: str) -> int:
         with kombu.Connection(broker_url) as conn:
             try:
                 return int(conn.default_channel.queue_declare(queue, passive=True).message_count)
-            except conn.channel_errors:  # NOT_FOUND: nothing was ever sent there
+            except conn.channel_errors as exc:  # NOT_FOUND: nothing was ever sent there
+                if getattr(exc, "reply_code", None) != 404:
+                    raise
                 return 0
     client = redis.Redis.from_url(broker_url)
     try:
@@ -51,7 +53,11 @@ def purge(broker_url: str, queue: str) -> None:
     """Throw away every message ready on ``queue`` (a lost message, as far as ductor knows)."""
     if is_amqp(broker_url):
         with kombu.Connection(broker_url) as conn:
-            conn.default_channel.queue_purge(queue)
+            try:
+                conn.default_channel.queue_purge(queue)
+            except conn.channel_errors as exc:  # NOT_FOUND: nothing was ever sent there
+                if getattr(exc, "reply_code", None) != 404:
+                    raise
         return
     client = redis.Redis.from_url(broker_url)
     try:

@@ -148,6 +148,24 @@ class BrokerQueues:
     def arguments(self) -> dict[str, Any]:
         return queue_arguments(self.settings.classic_queues)
 
+    def hook(self) -> None:
+        """Make the app's queue table declare ductor's queues as ductor does whenever Celery
+        makes one of them by its name (``Queues.new_missing``): ``send_task(queue=
+        "ductor-steps")`` or a step task's ``apply_async`` in a process where ductor has not
+        published yet, ``celery worker -Q ductor-steps``. Called once the app is configured;
+        nothing is read from the broker or the configuration until a queue is looked up."""
+        amqp = self.app.amqp
+        if getattr(amqp.queues_cls, "_ductor_queues", None) is self:
+            return
+        amqp.queues_cls = _ductor_queues_class(amqp.queues_cls, self)
+        built = amqp.__dict__.get("queues")  # a table made before this call: the same, on it
+        if built is not None and not isinstance(built, amqp.queues_cls):
+            built.__class__ = _ductor_queues_class(type(built), self)
+
+    def declares(self, name: str) -> bool:
+        """Whether ductor declares the queue of that name itself (RabbitMQ only)."""
+        return self.amqp and name in set(self._names())
+
     def install(self) -> None:
         """Put ductor's declarations into ``app.amqp.queues`` (RabbitMQ only; idempotent).
 
@@ -157,6 +175,7 @@ class BrokerQueues:
         declared in ``task_queues``."""
         if not self.amqp:
             return
+        self.hook()
         queues = self.app.amqp.queues
         done: set[str] = queues.__dict__.setdefault("_ductor_installed", set())
         wanted = [name for name in self._names() if name not in done]
@@ -170,10 +189,7 @@ class BrokerQueues:
                 continue
             queue = queues.new_missing(name)  # the exchange and binding Celery would give it
             queue.queue_arguments = self.arguments()
-            queues[name] = queue  # the app's defaults apply (task_queue_max_priority too)
-            if not self.settings.classic_queues:
-                # RabbitMQ 3.x refuses x-max-priority on a quorum queue.
-                queue.queue_arguments.pop("x-max-priority", None)
+            queues[name] = queue  # the app's defaults apply (not x-max-priority on quorum)
             if consuming is not None and name in consuming:
                 consuming[name] = queue
 
@@ -258,6 +274,30 @@ def _exists(connection: Any, name: str) -> bool:
     finally:
         with _suppressed():
             channel.close()
+
+
+def _ductor_queues_class(base: type, broker: BrokerQueues) -> type:
+    """``base`` (Celery's ``Queues``), making ductor's queues with ductor's arguments."""
+
+    class DuctorQueues(base):  # type: ignore[misc]
+        _ductor_queues = broker
+
+        def new_missing(self, name: str) -> Any:
+            queue = super().new_missing(name)
+            if broker.declares(name):
+                queue.queue_arguments = broker.arguments()
+            return queue
+
+        def __setitem__(self, name: str, queue: Any) -> None:
+            super().__setitem__(name, queue)
+            # task_queue_max_priority gives every queue x-max-priority, which RabbitMQ 3.x
+            # refuses on a quorum queue: not on ductor's.
+            arguments = queue.queue_arguments or {}
+            if arguments.get("x-queue-type") == "quorum" and broker.declares(name):
+                arguments.pop("x-max-priority", None)
+
+    DuctorQueues.__name__ = DuctorQueues.__qualname__ = f"Ductor{base.__name__}"
+    return DuctorQueues
 
 
 def _declared_by_app(task_queues: Any) -> set[str]:

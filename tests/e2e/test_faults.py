@@ -16,10 +16,11 @@ from ductor_celery import RunStatus
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(params=["eager", "coordinator-only"])
+@pytest.fixture(params=[pytest.param("eager", marks=pytest.mark.broker_core), "coordinator-only"])
 def cluster_factory(request: pytest.FixtureRequest, cluster_factory: Any) -> Any:
     """Every fault test runs twice: with eager ticks (step workers tick the run they just
-    advanced) and with every tick on the coordinator queue (``ductor_eager_ticks=False``)."""
+    advanced) and with every tick on the coordinator queue (``ductor_eager_ticks=False``).
+    The eager one is in the core run again over RabbitMQ (conftest.py, "broker_core")."""
     eager = "1" if request.param == "eager" else "0"
 
     def make(**env: str) -> Any:

@@ -31,7 +31,7 @@ from brokers import is_amqp, queue_length
 
 from ductor_celery import NodeStatus, RunStatus
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.broker_core]
 
 STEPS = "ductor-steps"
 COORD = "ductor-coord"
