@@ -25,7 +25,8 @@ On RabbitMQ (an ``amqp://``, ``amqps://`` or ``pyamqp://`` broker URL):
   global pools, keyed by the connection's options and reset after a fork like the app's), not
   a setting of the whole app: the app's other publishes (the user's tasks, task events, remote
   control) keep the app's connections and their cost. A confirm costs a round trip per
-  message (benchmarks/README.md, "Publisher confirms").
+  message: 500 wake-ups to a quorum queue on loopback took 0.73 ms a message confirmed,
+  0.46 ms not (README, "With RabbitMQ"); on a disk that syncs, a confirm waits for the sync.
 
 A queue that exists already with other arguments (a classic queue made before, by an older
 ductor or by Celery's ``task_create_missing_queues``) makes RabbitMQ close the channel with
