@@ -8,7 +8,10 @@ Every value comes from the environment, with loopback defaults, so one file serv
 the tests (``examples/shop``, ``tests/e2e/test_examples_shop.py``) and a deployment:
 
 * ``CELERY_BROKER_URL``: the broker (``redis://127.0.0.1:6379/0``). Celery itself lets this
-  variable win over any configuration; reading it here keeps the two in step.
+  variable win over any configuration; reading it here keeps the two in step. RabbitMQ
+  (``amqp://user:password@host:5672/vhost``) needs nothing else: ductor's queues are quorum
+  queues there, ``DUCTOR_CLASSIC_QUEUES=true`` for classic ones (README, "With RabbitMQ");
+  ``broker_transport_options`` below is Redis's and RabbitMQ ignores it.
 * ``DUCTOR_DATABASE_URL``: where runs live (``postgresql+psycopg://ductor@127.0.0.1:5432/ductor``).
 * ``DUCTOR_DEFAULT_STEP_TIMEOUT``: seconds (``120``).
 * ``DUCTOR_<SETTING>`` for any other ``ductor_<setting>`` (README, "Settings"): unset, ductor's
@@ -52,3 +55,5 @@ ductor_eager_ticks = os.environ.get("DUCTOR_EAGER_TICKS")
 ductor_inline_steps = os.environ.get("DUCTOR_INLINE_STEPS")
 ductor_metrics_port = os.environ.get("DUCTOR_METRICS_PORT")
 ductor_metrics_host = os.environ.get("DUCTOR_METRICS_HOST")
+# On RabbitMQ: classic queues (with x-max-priority) instead of quorum queues.
+ductor_classic_queues = os.environ.get("DUCTOR_CLASSIC_QUEUES")

@@ -86,6 +86,7 @@ def run_checks(d: Ductor, timeout: float = 2.0) -> list[Check]:
     except Exception as exc:  # noqa: BLE001
         checks.append(Check("broker", False, f"unreachable: {_first_line(exc)}"))
         return checks
+    checks.extend(_queue_declarations(d, timeout))
     try:
         replies = app.control.inspect(timeout=timeout).active_queues() or {}
     except Exception as exc:  # noqa: BLE001
@@ -110,4 +111,32 @@ def run_checks(d: Ductor, timeout: float = 2.0) -> list[Check]:
                     f"no worker consumes it: tasks routed there pile up; start '{cmd}'",
                 )
             )
+    return checks
+
+
+def _queue_declarations(d: Ductor, timeout: float) -> list[Check]:
+    """On RabbitMQ: is each of ductor's queues on the broker of the type ductor declares
+    (runtime/broker.py)? A queue not there yet is fine (ductor declares it); one of another
+    type is what stops ductor's messages and workers (``QueueMismatch``)."""
+    from .errors import QueueMismatch
+
+    queues = d.runtime.queues
+    if not queues.amqp:
+        return []
+    kind = "a classic queue" if d.settings.classic_queues else "a quorum queue"
+    checks: list[Check] = []
+    try:
+        with d.app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, timeout=timeout)
+            found = queues.check(conn, queues.names(), create=False)
+    except Exception as exc:  # noqa: BLE001 - a finding, not a crash
+        return [Check("queue declarations", False, f"cannot check: {_first_line(exc)}")]
+    for name, state in found.items():
+        if isinstance(state, QueueMismatch):
+            checks.append(Check(f"queue {name} declaration", False, str(state)))
+        elif state == "missing":
+            detail = f"not on the broker yet: ductor declares it as {kind} when it first sends"
+            checks.append(Check(f"queue {name} declaration", True, detail))
+        else:
+            checks.append(Check(f"queue {name} declaration", True, f"{kind}, as ductor declares"))
     return checks

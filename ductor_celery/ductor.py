@@ -66,6 +66,9 @@ class Ductor:
                     **(conf.broker_transport_options or {}),
                     "polling_interval": 0.01,
                 }
+            # On RabbitMQ, Celery makes ductor's queues as ductor declares them (quorum queues,
+            # runtime/broker.py) whoever looks them up first.
+            self._runtime.queues.hook()
             # Flower needs task events; turn them on unless the user decided otherwise.
             for key in ("worker_send_task_events", "task_send_sent_event"):
                 if key not in conf.changes:

@@ -14,6 +14,8 @@
       PayloadNotSerializable     a value that cannot be stored exactly (NaN, NUL, too deep, ...)
       StoreUnavailable           the database could not be reached
       WrongDatabase              start(connection=/using=) on another database than ductor's
+      QueueMismatch              a ductor queue on RabbitMQ exists with other arguments (names
+                                 the queue and the two ways out)
     NonRetryableError            raise it inside a step to fail without retry
       SecretNotFound             a step's secret the provider does not have (names it)
       InvalidSecretName          ctx.secret(name) of a name that is not [A-Za-z_][A-Za-z0-9_]*
@@ -76,6 +78,11 @@ class StoreUnavailable(DuctorError):
 
 class WrongDatabase(DuctorError, ValueError):
     """The connection given to start() is not to ductor's database."""
+
+
+class QueueMismatch(DuctorError):
+    """RabbitMQ refused to declare one of ductor's queues: it exists with other arguments
+    (a classic queue where ductor declares a quorum one, or the reverse)."""
 
 
 class NonRetryableError(Exception):

@@ -57,6 +57,9 @@ class Settings:
     #: A cancelled run's attempts in flight get this many seconds to stop on their own
     #: (``ctx.cancelled``, ``StepCancelled``) before they are closed.
     cancel_grace: float = 30.0
+    #: On RabbitMQ, declare ductor's queues as classic queues (with ``x-max-priority``) instead
+    #: of quorum queues (runtime/broker.py). No effect on Redis.
+    classic_queues: bool = False
 
     @property
     def embedded(self) -> bool:
@@ -131,7 +134,23 @@ class Settings:
             ),
             secret_provider=get("secret_provider", defaults.secret_provider, _provider),
             cancel_grace=get("cancel_grace", defaults.cancel_grace, _grace),
+            classic_queues=_classic_queues(conf, defaults.classic_queues),
         )
+
+
+def _classic_queues(conf: Mapping[str, Any], default: bool) -> bool:
+    """``ductor_classic_queues``, else ``DUCTOR_CLASSIC_QUEUES`` from the environment."""
+    value = conf.get("ductor_classic_queues")
+    if value is None:
+        value = os.environ.get("DUCTOR_CLASSIC_QUEUES") or None
+    if value is None:
+        return default
+    try:
+        return _flag(value)
+    except ValueError:
+        raise ValueError(
+            f"ductor_classic_queues (or DUCTOR_CLASSIC_QUEUES) must be true or false, got {value!r}"
+        ) from None
 
 
 def _provider(value: Any) -> str | Callable[[str], Any]:

@@ -120,11 +120,17 @@ class Cluster:
         self.engine = sa.create_engine(database_url, poolclass=sa.pool.NullPool)
 
     def start_steps(
-        self, concurrency: int = 2, name: str = "steps", pool: str | None = None, **env: str
+        self,
+        concurrency: int = 2,
+        name: str = "steps",
+        pool: str | None = None,
+        queues: str = "ductor-steps",
+        **env: str,
     ) -> Worker:
-        """A step worker; ``pool``: Celery's ``-P`` (prefork when ``None``)."""
+        """A step worker; ``pool``: Celery's ``-P`` (prefork when ``None``); ``queues``: its
+        ``-Q``."""
         pool_args = ["-P", pool] if pool else []
-        return self._start(name, ["-Q", "ductor-steps", "-c", str(concurrency), *pool_args], env)
+        return self._start(name, ["-Q", queues, "-c", str(concurrency), *pool_args], env)
 
     def start_coordinator(self, name: str = "coord", **env: str) -> Worker:
         return self._start(name, ["-Q", "ductor-coord", "-c", "1"], env)

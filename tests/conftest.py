@@ -90,21 +90,33 @@ def database_url(pg_server: PostgresServer, template_db: str) -> Iterator[str]:
     forget_engine(url)
 
 
-def _broker(redis_server: RedisServer) -> str:
+def _broker(request: pytest.FixtureRequest, redis_server: RedisServer) -> str:
+    """A broker URL of its own for one cluster: a Redis db, or with DUCTOR_TEST_BROKER=rabbitmq
+    a new vhost on the session's RabbitMQ node (see the RabbitMQ block at the end)."""
+    if e2e_broker() == "rabbitmq":
+        server = request.getfixturevalue("rabbitmq_server")
+        return str(server.url(server.new_vhost()))
     return redis_server.url(next(_redis_dbs) % 16)
 
 
 @pytest.fixture
 def cluster_factory(
-    pg_server: PostgresServer, redis_server: RedisServer, template_db: str, tmp_path: Path
+    request: pytest.FixtureRequest,
+    pg_server: PostgresServer,
+    redis_server: RedisServer,
+    template_db: str,
+    tmp_path: Path,
 ) -> Iterator[Any]:
-    """Make Clusters (a fresh database + Redis db + worker processes); stopped at teardown."""
+    """Make Clusters (a fresh database + broker + worker processes); stopped at teardown.
+    ``broker``: this broker URL instead of the session's (``DUCTOR_TEST_BROKER``)."""
     made: list[Cluster] = []
 
-    def make(app: str = "e2e_app", cwd: Path | None = None, **env: str) -> Cluster:
+    def make(
+        app: str = "e2e_app", cwd: Path | None = None, broker: str | None = None, **env: str
+    ) -> Cluster:
         cluster = Cluster(
             _fresh_db(pg_server, template_db),
-            _broker(redis_server),
+            broker or _broker(request, redis_server),
             tmp_path,
             app=app,
             cwd=cwd or TESTS_DIR,
@@ -120,6 +132,7 @@ def cluster_factory(
 
 @pytest.fixture(scope="module")
 def shared_cluster(
+    request: pytest.FixtureRequest,
     pg_server: PostgresServer,
     redis_server: RedisServer,
     template_db: str,
@@ -128,7 +141,7 @@ def shared_cluster(
     """One running step worker and coordinator shared by a module's well-behaved tests."""
     cluster = Cluster(
         _fresh_db(pg_server, template_db),
-        _broker(redis_server),
+        _broker(request, redis_server),
         tmp_path_factory.mktemp("cluster"),
     )
     try:
@@ -159,3 +172,33 @@ def client_for(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
     yield make
     sys.modules.pop("e2e_app", None)
+
+
+# --- RabbitMQ: DUCTOR_TEST_BROKER=rabbitmq and the broker-core marker ------------------------
+# The e2e tier runs over Redis; DUCTOR_TEST_BROKER=rabbitmq makes every cluster (cluster_factory,
+# shared_cluster) use a vhost of its own on one private RabbitMQ node instead. scripts/test runs
+# the tests marked ``broker_core`` (a chosen core: workflows, faults, external input, fan-out,
+# eager ticks, forged messages) a second time that way, after the whole suite over Redis.
+
+from brokers import e2e_broker  # noqa: E402
+from servers import RabbitMQServer  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    e2e_broker()  # a typo in DUCTOR_TEST_BROKER stops the session at once
+    config.addinivalue_line(
+        "markers",
+        "broker_core: the e2e core that scripts/test runs again over RabbitMQ "
+        "(DUCTOR_TEST_BROKER=rabbitmq)",
+    )
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_server() -> Iterator[RabbitMQServer]:
+    """The session's RabbitMQ node; ``rabbitmq_server.url(rabbitmq_server.new_vhost())`` is an
+    ``amqp://`` URL of a vhost no one else uses."""
+    with RabbitMQServer() as server:
+        yield server
+
+
+# --- end RabbitMQ -----------------------------------------------------------------------------

@@ -628,3 +628,18 @@ failover_fan.scatter(
 failover_fan.step("sum", tally_sum, after=["each"], args={"parts": "$.nodes.each.output"})
 failover_fan.output("$.nodes.sum.output")
 ductor.register(failover_fan)
+
+# -- a step on a queue of its own (tests/e2e/test_rabbitmq_e2e.py: declared like ductor's) ----
+
+
+@ductor.step(name="e2e.side", queue="e2e-side")
+def side(ctx: StepContext, value: Any = None) -> Any:
+    _ledger(ctx)
+    return value
+
+
+side_queue = Workflow("side_queue")
+side_queue.step("first", echo, args={"value": "$.input.value"})
+side_queue.step("aside", side, after=["first"], args={"value": "$.nodes.first.output"})
+side_queue.output("$.nodes.aside.output")
+ductor.register(side_queue)

@@ -962,3 +962,268 @@ class PgBouncer(_ManagedServer):
         ) as conn:
             conn.execute("SELECT 1")
         return True
+
+
+# --------------------------------------------------------------------------------------------
+# RabbitMQ
+# --------------------------------------------------------------------------------------------
+
+import itertools  # noqa: E402
+import json  # noqa: E402
+import threading  # noqa: E402
+import urllib.parse  # noqa: E402
+
+import amqp  # noqa: E402
+
+
+def find_rabbitmq_bindir() -> Path:
+    """Where Debian's ``rabbitmq-server`` package keeps the scripts that run a node without
+    switching to the ``rabbitmq`` user (/usr/sbin's wrappers do): ``$DUCTOR_TEST_RABBITMQ_BINDIR``,
+    else /usr/lib/rabbitmq/bin."""
+    bindir = Path(os.environ.get("DUCTOR_TEST_RABBITMQ_BINDIR") or "/usr/lib/rabbitmq/bin")
+    if not (bindir / "rabbitmq-server").is_file() or not shutil.which("epmd"):
+        raise ServerError(
+            f"rabbitmq-server not found in {bindir} (or no epmd on PATH); install the "
+            "`rabbitmq-server` package (scripts/test does) or set DUCTOR_TEST_RABBITMQ_BINDIR"
+        )
+    return bindir
+
+
+class RabbitMQServer(_ManagedServer):
+    """A private RabbitMQ node on 127.0.0.1, no plugins, user ``guest`` (password ``guest``).
+
+    Everything the node and ``rabbitmqctl`` would take from the machine is in the temp dir or
+    on a free loopback port: the node name (unique), mnesia (queues, definitions, quorum logs),
+    the config, the enabled-plugins file (none), HOME (the Erlang cookie), and a private
+    ``epmd`` on its own port bound to 127.0.0.1; the Erlang distribution listener (which
+    ``rabbitmqctl`` talks to) is bound to 127.0.0.1 too, and no epmd is ever started by Erlang
+    itself (``-start_epmd false``: an epmd it started would outlive the node).
+
+    ``restart()`` is a clean stop and start and ``kill()`` a SIGKILL of the node: both keep
+    mnesia, so durable queues and their persistent messages survive either (quorum queues
+    confirm a message only once it is on disk). One exception seen with RabbitMQ 3.10: a quorum
+    queue declared a moment (~0.1 s) before a kill can come back without its Raft member, and
+    consuming from it then times out (INTERNAL_ERROR after 60 s); declared a few seconds
+    before, or followed by a clean restart, it recovers. ``stop()`` leaves no Erlang process
+    behind.
+
+    Isolation: each test cluster gets a virtual host of its own (``new_vhost``), so queues,
+    Celery's control and event exchanges and every message stay apart; vhosts are made in
+    batches (one ``rabbitmqctl import_definitions`` call, ~0.5 s, per 16), because every
+    ``rabbitmqctl`` call starts an Erlang VM.
+    """
+
+    _kind = "rabbitmq"
+    _stop_signal = signal.SIGTERM  # the start script forwards it: a clean node shutdown
+    _orphan_signal = "TERM"
+    #: Vhosts made at a time by ``new_vhost``.
+    VHOST_BATCH = 16
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        bindir: Path | str | None = None,
+        base_dir: Path | str | None = None,
+        start_timeout: float = 60.0,
+    ) -> None:
+        super().__init__(port=port, base_dir=base_dir, start_timeout=start_timeout)
+        self.bindir = Path(bindir) if bindir is not None else find_rabbitmq_bindir()
+        self.node = f"ductor_{os.getpid()}_{os.urandom(4).hex()}@localhost"
+        self._epmd: subprocess.Popen[bytes] | None = None
+        self._epmd_watchdog: subprocess.Popen[bytes] | None = None
+        self._epmd_port: int | None = None
+        self._vhosts: list[str] = []
+        self._vhost_serial = itertools.count(1)
+        self._ctl_lock = threading.Lock()
+
+    # -- public API ----------------------------------------------------------------------
+
+    def url(self, vhost: str = "/") -> str:
+        """``amqp://guest:guest@127.0.0.1:PORT/VHOST`` (the vhost URL-quoted: ``/`` is %2F)."""
+        if self.port is None:
+            raise ServerError("RabbitMQ has not been started")
+        return f"amqp://guest:guest@{LOOPBACK}:{self.port}/{urllib.parse.quote(vhost, safe='')}"
+
+    def new_vhost(self) -> str:
+        """A virtual host no one has used yet, with all permissions for ``guest``."""
+        with self._ctl_lock:
+            if not self._vhosts:
+                self._make_vhosts(self.VHOST_BATCH)
+            return self._vhosts.pop(0)
+
+    def ctl(self, *args: str, timeout: float = 60.0) -> str:
+        """Run ``rabbitmqctl ARGS`` against this node; its stdout. ServerError on failure."""
+        result = subprocess.run(
+            [str(self.bindir / "rabbitmqctl"), "-n", self.node, *args],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=timeout,
+            env=self._env(ctl_port=free_port()),
+        )
+        if result.returncode != 0:
+            raise ServerError(
+                f"rabbitmqctl {' '.join(args)} failed with code {result.returncode}:\n"
+                f"{result.stdout}\n{result.stderr}"
+            )
+        return result.stdout
+
+    def queues(self, vhost: str) -> dict[str, dict[str, Any]]:
+        """Every queue of ``vhost`` as the node sees it: name -> {type, arguments, messages}."""
+        out = self.ctl(
+            "list_queues", "-p", vhost, "--formatter", "json", "-q",
+            "name", "type", "arguments", "messages",
+        )  # fmt: skip
+        return {q["name"]: q for q in json.loads(out or "[]")}
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _env(self, ctl_port: int | None = None) -> dict[str, str]:
+        tmp = self.tmpdir
+        loopback_dist = "-start_epmd false -kernel inet_dist_use_interface {127,0,0,1}"
+        env = {
+            **os.environ,
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "HOME": str(tmp / "home"),  # the Erlang cookie, for the node and rabbitmqctl
+            "RABBITMQ_CONF_ENV_FILE": str(tmp / "rabbitmq-env.conf"),  # not /etc/rabbitmq's
+            "RABBITMQ_NODENAME": self.node,
+            "RABBITMQ_CONFIG_FILE": str(tmp / "rabbitmq.conf"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(tmp / "advanced.config"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(tmp / "enabled_plugins"),
+            "RABBITMQ_MNESIA_BASE": str(tmp / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(tmp / "log"),
+            "RABBITMQ_LOGS": "-",
+            "RABBITMQ_PID_FILE": str(tmp / "rabbitmq.pid"),
+            "ERL_EPMD_PORT": str(self._epmd_port),
+            "ERL_EPMD_ADDRESS": LOOPBACK,
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": loopback_dist,
+            "RABBITMQ_CTL_ERL_ARGS": loopback_dist,
+        }
+        if ctl_port is not None:
+            env["RABBITMQ_CTL_DIST_PORT_MIN"] = env["RABBITMQ_CTL_DIST_PORT_MAX"] = str(ctl_port)
+        return env
+
+    def _prepare(self) -> None:
+        tmp = self.tmpdir
+        for sub in ("home", "mnesia", "log"):
+            (tmp / sub).mkdir()
+        (tmp / "enabled_plugins").write_text("[].\n")
+        (tmp / "rabbitmq-env.conf").write_text("")
+        self._start_epmd()
+
+    def _start_epmd(self) -> None:
+        """A private epmd in the foreground (so it is ours to stop), on a free port, loopback."""
+        self._epmd_port = free_port()
+        with open(self.tmpdir / "epmd.log", "ab") as log:
+            self._epmd = subprocess.Popen(
+                ["epmd", "-port", str(self._epmd_port), "-address", LOOPBACK],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._epmd_watchdog = subprocess.Popen(
+            [
+                "sh", "-c", _WATCHDOG_SH, "ductor-epmd-watchdog",
+                str(os.getpid()), str(self._epmd.pid), "TERM", str(self.tmpdir),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while True:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection((LOOPBACK, self._epmd_port), timeout=0.5),
+            ):
+                return
+            if self._epmd.poll() is not None or time.monotonic() > deadline:
+                raise ServerError(
+                    f"epmd on {LOOPBACK}:{self._epmd_port} did not start: "
+                    f"{(self.tmpdir / 'epmd.log').read_text(errors='replace')}"
+                )
+            time.sleep(0.02)
+
+    def _stop_epmd(self) -> None:
+        if self._epmd_watchdog is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._epmd_watchdog.pid, signal.SIGKILL)
+            self._epmd_watchdog.wait()
+            self._epmd_watchdog = None
+        if self._epmd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._epmd.kill()
+            self._epmd.wait()
+            self._epmd = None
+
+    def _command(self) -> list[str]:
+        # Written on every start: the port may have changed after a lost race for it. The
+        # distribution port is new each start too (nothing keeps it).
+        (self.tmpdir / "rabbitmq.conf").write_text(
+            f"listeners.tcp.1 = {LOOPBACK}:{self.port}\n"
+            f"distribution.listener.interface = {LOOPBACK}\n"
+            "log.console = true\n"
+            "log.console.level = info\n"
+            "log.file = false\n"
+        )
+        return [str(self.bindir / "rabbitmq-server")]
+
+    def _spawn_kwargs(self) -> dict[str, Any]:
+        env = self._env()
+        env["RABBITMQ_DIST_PORT"] = str(free_port())
+        return {"env": env}
+
+    def _probe(self) -> bool:
+        conn = amqp.Connection(f"{LOOPBACK}:{self.port}", connect_timeout=1)
+        try:
+            conn.connect()
+        finally:
+            with contextlib.suppress(Exception):
+                conn.close()
+        return True
+
+    def _make_vhosts(self, count: int) -> None:
+        names = [f"v{next(self._vhost_serial)}" for _ in range(count)]
+        definitions = self.tmpdir / "vhosts.json"
+        definitions.write_text(
+            json.dumps(
+                {
+                    "vhosts": [{"name": n} for n in names],
+                    "permissions": [
+                        {
+                            "user": "guest",
+                            "vhost": n,
+                            "configure": ".*",
+                            "write": ".*",
+                            "read": ".*",
+                        }
+                        for n in names
+                    ],
+                }
+            )
+        )
+        self.ctl("import_definitions", str(definitions))
+        # The import runs on after rabbitmqctl returns: wait until the last vhost lets us in.
+        deadline = time.monotonic() + 30
+        while True:
+            conn = amqp.Connection(f"{LOOPBACK}:{self.port}", virtual_host=names[-1])
+            try:
+                conn.connect()
+                break
+            except Exception as exc:  # noqa: BLE001 - not there yet
+                if time.monotonic() > deadline:
+                    raise ServerError(f"vhosts {names} never appeared: {exc}") from exc
+                time.sleep(0.05)
+            finally:
+                with contextlib.suppress(Exception):
+                    conn.close()
+        self._vhosts.extend(names)
+
+    def _cleanup(self) -> None:
+        self._stop_epmd()
+        super()._cleanup()

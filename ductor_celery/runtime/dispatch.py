@@ -7,6 +7,7 @@ from typing import Any
 
 from ..engine.kinds import DispatchKind
 from ..store.outbox import OutboxRow
+from .broker import BrokerQueues
 from .failpoints import failpoint
 
 log = logging.getLogger("ductor_celery.dispatch")
@@ -22,12 +23,26 @@ def first_tick_id(run_id: str) -> str:
 
 
 class Dispatcher:
-    """Publishes step messages and wake-ups. A hint channel: losing a message loses nothing."""
+    """Publishes step messages and wake-ups. A hint channel: losing a message loses nothing.
 
-    def __init__(self, app: Any, steps_queue: str, coord_queue: str) -> None:
+    ``queues`` gives the producers (on RabbitMQ, with publisher confirms, and ductor's queue
+    declarations in place: runtime/broker.py); without it, the app's own producer pool."""
+
+    def __init__(
+        self, app: Any, steps_queue: str, coord_queue: str, queues: BrokerQueues | None = None
+    ) -> None:
         self.app = app
         self.steps_queue = steps_queue
         self.coord_queue = coord_queue
+        self.queues = queues
+
+    def _producer(self) -> Any:
+        if self.queues is None:
+            return self.app.producer_or_acquire()
+        return self.queues.producer()
+
+    def _options(self) -> dict[str, Any]:
+        return {} if self.queues is None else self.queues.publish_options()
 
     def send(self, rows: list[OutboxRow]) -> None:
         if not rows:
@@ -37,7 +52,8 @@ class Dispatcher:
         killed: dict[str, None] = {}
         #: Task ids revoked with terminate by these rows (no id twice).
         terminated: set[str] = set()
-        with self.app.producer_or_acquire() as producer:
+        options = self._options()
+        with self._producer() as producer:
             for sent, row in enumerate(rows):
                 if sent:
                     # Fault tests: die with part of a tick's messages sent (the sweeper sends
@@ -55,6 +71,7 @@ class Dispatcher:
                         producer=producer,
                         argsrepr=repr([token]),
                         kwargsrepr=repr({"run_id": row.run_id, "node": row.payload.get("node")}),
+                        **options,
                     )
                 elif row.kind == DispatchKind.REVOKE:
                     # Drops the message if it is still queued; a step already running finishes
@@ -68,7 +85,7 @@ class Dispatcher:
                         killed[row.run_id] = None
                         terminated.add(row.payload["token"])
                 elif row.kind == DispatchKind.WAKEUP:
-                    self._wake(row.run_id, producer)
+                    self._wake(row.run_id, producer, options)
                 else:  # written by a newer version of ductor: leave a trace, do not crash
                     log.error("unknown outbox kind %r for run %s", row.kind, row.run_id)
         for run_id in killed:
@@ -82,33 +99,38 @@ class Dispatcher:
                 self.app.control.revoke(first_tick_id(run_id), terminate=True)
 
     def wake(self, run_id: str) -> None:
-        with self.app.producer_or_acquire() as producer:
-            self._wake(run_id, producer)
+        with self._producer() as producer:
+            self._wake(run_id, producer, self._options())
 
     def first_tick(self, run_id: str) -> None:
         """Send a run just started to the step workers, whose first tick runs its first step
         in the same process (``steps.first_tick``). Its task id names the run, so that a
         terminate can kill it while it runs that run's attempts (``send``)."""
-        self.app.send_task(
-            FIRST_TICK_TASK_NAME,
-            args=[run_id],
-            task_id=first_tick_id(run_id),
-            queue=self.steps_queue,
-            serializer="json",
-        )
+        with self._producer() as producer:
+            self.app.send_task(
+                FIRST_TICK_TASK_NAME,
+                args=[run_id],
+                task_id=first_tick_id(run_id),
+                queue=self.steps_queue,
+                serializer="json",
+                producer=producer,
+                **self._options(),
+            )
 
     def wake_many(self, run_ids: list[str]) -> None:
         if not run_ids:
             return
-        with self.app.producer_or_acquire() as producer:
+        options = self._options()
+        with self._producer() as producer:
             for run_id in run_ids:
-                self._wake(run_id, producer)
+                self._wake(run_id, producer, options)
 
-    def _wake(self, run_id: str, producer: Any) -> None:
+    def _wake(self, run_id: str, producer: Any, options: dict[str, Any]) -> None:
         self.app.send_task(
             TICK_TASK_NAME,
             args=[run_id],
             queue=self.coord_queue,
             serializer="json",
             producer=producer,
+            **options,
         )

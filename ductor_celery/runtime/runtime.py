@@ -13,6 +13,7 @@ from ..definition.spec import WorkflowSpec
 from ..settings import Settings
 from ..store import runs
 from ..store.db import get_engine
+from .broker import BrokerQueues, QueuesBootstep
 from .coordinator import run_tick
 from .dispatch import FIRST_TICK_TASK_NAME, TICK_TASK_NAME, Dispatcher
 from .failpoints import failpoint
@@ -30,9 +31,13 @@ class Runtime:
     def __init__(self, app: Any, settings: Settings) -> None:
         self.app = app
         self.settings = settings
-        self.dispatcher = Dispatcher(app, settings.steps_queue, settings.coord_queue)
         self._specs: dict[str, WorkflowSpec] = {}
         self._steps: dict[str, Step] = {}
+        #: ductor's queues on the broker (RabbitMQ: quorum queues, confirms; runtime/broker.py).
+        self.queues = BrokerQueues(app, settings, self.ductor_queues)
+        self.dispatcher = Dispatcher(
+            app, settings.steps_queue, settings.coord_queue, queues=self.queues
+        )
         self._specs_lock = threading.Lock()
         self._schema_ready = False
         self.failpoint = failpoint
@@ -43,6 +48,8 @@ class Runtime:
             app.steps["worker"].add(SweeperBootstep)
         if MetricsBootstep not in app.steps["worker"]:
             app.steps["worker"].add(MetricsBootstep)
+        if QueuesBootstep not in app.steps["worker"]:
+            app.steps["worker"].add(QueuesBootstep)
         if PoisonGuard not in app.steps["consumer"]:
             app.steps["consumer"].add(PoisonGuard)
 

@@ -15,6 +15,8 @@ import pytest
 from ductor_celery import RunStatus
 
 pytestmark = pytest.mark.e2e
+#: Run again over RabbitMQ by scripts/test (conftest.py, "broker_core").
+broker_core = pytest.mark.broker_core
 
 
 def _wait_for_file(path: Path, timeout: float = 30.0) -> None:
@@ -24,7 +26,11 @@ def _wait_for_file(path: Path, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("inline", [False, True], ids=["inline-off", "inline-on"])
+@pytest.mark.parametrize(
+    "inline",
+    [pytest.param(False, marks=pytest.mark.broker_core), True],
+    ids=["inline-off", "inline-on"],
+)
 def test_a_step_worker_killed_after_its_eager_commit_and_before_dispatch_loses_nothing(
     cluster_factory: Any, client_for: Any, tmp_path: Path, inline: bool
 ) -> None:
@@ -143,6 +149,7 @@ def test_a_quick_scatter_runs_several_branches_per_tick_on_real_workers(
     assert cluster.record_version(handle.run_id) < 90
 
 
+@broker_core
 def test_a_step_worker_killed_while_holding_branches_loses_none_and_runs_none_twice(
     cluster_factory: Any, client_for: Any, tmp_path: Path
 ) -> None:

@@ -12,6 +12,8 @@ import sqlalchemy as sa
 from ductor_celery import InvalidOperation, NodeStatus, RunNotFound, RunStatus
 
 pytestmark = pytest.mark.e2e
+#: Run again over RabbitMQ by scripts/test (conftest.py, "broker_core").
+broker_core = pytest.mark.broker_core
 
 
 @pytest.fixture
@@ -26,6 +28,7 @@ def _wait_for(predicate: Any, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
+@broker_core
 def test_a_signal_sent_early_is_kept_until_its_node_is_reached(ductor: Any) -> None:
     handle = ductor.start("signals")
     ductor.signal(handle.run_id, "payment", {"amount": 10}, idempotency_key="pay-1")
@@ -36,6 +39,7 @@ def test_a_signal_sent_early_is_kept_until_its_node_is_reached(ductor: Any) -> N
     assert view.nodes["paid"].output == {"amount": 10}
 
 
+@broker_core
 def test_signals_to_finished_or_unknown_runs_are_refused(ductor: Any, shared_cluster: Any) -> None:
     handle = ductor.start("flaky", input={"fail_times": 0})
     ductor.wait(handle.run_id, timeout=30)
@@ -51,6 +55,7 @@ def test_signals_to_finished_or_unknown_runs_are_refused(ductor: Any, shared_clu
     assert stored == 0
 
 
+@broker_core
 def test_hundred_concurrent_signals_with_twenty_duplicate_keys_apply_eighty_times_in_order(
     ductor: Any, shared_cluster: Any
 ) -> None:
@@ -97,6 +102,7 @@ def test_hundred_concurrent_signals_with_twenty_duplicate_keys_apply_eighty_time
     assert view.output == [{"key": r.key} for r in rows]
 
 
+@broker_core
 def test_a_sleep_survives_a_coordinator_sigkill_and_fires_once(
     cluster_factory: Any, client_for: Any
 ) -> None:
@@ -123,6 +129,7 @@ def test_a_sleep_survives_a_coordinator_sigkill_and_fires_once(
     assert cluster.executions(handle.run_id, "woke") == 1
 
 
+@broker_core
 def test_approval_and_event_set(ductor: Any) -> None:
     handle = ductor.start("approvals", workflow_id="kyc-1")
     with pytest.raises(InvalidOperation, match="not an approval node"):
@@ -141,6 +148,7 @@ def test_approval_and_event_set(ductor: Any) -> None:
         ductor.approve("kyc-1", "review", by="carol")  # too late: the run is finished
 
 
+@broker_core
 def test_reject_fails_the_run(ductor: Any) -> None:
     handle = ductor.start("approvals")
     _wait_for(lambda: ductor.get(handle.run_id).nodes["review"].status == NodeStatus.WAITING)
@@ -164,7 +172,9 @@ def _open_attempts(cluster: Any, run_id: str) -> int:
         )
 
 
-@pytest.mark.parametrize("control", ["cancel", "terminate"])
+@pytest.mark.parametrize(
+    "control", ["cancel", pytest.param("terminate", marks=pytest.mark.broker_core)]
+)
 def test_cancel_and_terminate_leave_no_attempt_open(
     ductor: Any, shared_cluster: Any, control: str
 ) -> None:
@@ -193,6 +203,7 @@ def test_cancel_and_terminate_leave_no_attempt_open(
         assert redriven.nodes["slow_a"].attempts >= 2
 
 
+@broker_core
 def test_pause_lets_running_attempts_finish_and_dispatches_nothing(
     ductor: Any, shared_cluster: Any
 ) -> None:
@@ -212,6 +223,7 @@ def test_pause_lets_running_attempts_finish_and_dispatches_nothing(
     assert ductor.wait(handle.run_id, timeout=30).status == RunStatus.SUCCEEDED
 
 
+@broker_core
 def test_continue_as_new_carries_finished_steps_and_links_both_ways(
     ductor: Any, shared_cluster: Any
 ) -> None:

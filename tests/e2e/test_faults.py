@@ -8,18 +8,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import sqlalchemy as sa
+from brokers import purge, queue_length
 
 from ductor_celery import RunStatus
 
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(params=["eager", "coordinator-only"])
+@pytest.fixture(params=[pytest.param("eager", marks=pytest.mark.broker_core), "coordinator-only"])
 def cluster_factory(request: pytest.FixtureRequest, cluster_factory: Any) -> Any:
     """Every fault test runs twice: with eager ticks (step workers tick the run they just
-    advanced) and with every tick on the coordinator queue (``ductor_eager_ticks=False``)."""
+    advanced) and with every tick on the coordinator queue (``ductor_eager_ticks=False``).
+    The eager one is in the core run again over RabbitMQ (conftest.py, "broker_core")."""
     eager = "1" if request.param == "eager" else "0"
 
     def make(**env: str) -> Any:
@@ -119,12 +120,11 @@ def test_a_lost_step_message_is_resent_with_the_same_token(
     ductor = client_for(cluster)
     handle = ductor.start("flaky", input={"fail_times": 0})
     # No step worker yet: wait for the step message, then throw it away (a lost message).
-    broker = redis.Redis.from_url(cluster.broker_url)
     deadline = time.monotonic() + 15
-    while broker.llen("ductor-steps") == 0:
+    while queue_length(cluster.broker_url, "ductor-steps") == 0:
         assert time.monotonic() < deadline, cluster.logs()
         time.sleep(0.05)
-    broker.delete("ductor-steps")
+    purge(cluster.broker_url, "ductor-steps")
     cluster.start_steps(concurrency=1)
     view = ductor.wait(handle.run_id, timeout=60)
     assert view.status == RunStatus.SUCCEEDED, cluster.logs()
@@ -140,7 +140,7 @@ def test_a_lost_wakeup_is_replaced_by_the_sweeper(cluster_factory: Any, client_f
     handle = ductor.start("chain10", input={"value": 9})
     # No coordinator yet: throw away every wake-up sent so far.
     time.sleep(1.0)
-    redis.Redis.from_url(cluster.broker_url).delete("ductor-coord")
+    purge(cluster.broker_url, "ductor-coord")
     cluster.start_coordinator()
     view = ductor.wait(handle.run_id, timeout=60)
     assert view.status == RunStatus.SUCCEEDED, cluster.logs()

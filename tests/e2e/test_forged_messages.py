@@ -27,10 +27,11 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
+from brokers import is_amqp, queue_length
 
 from ductor_celery import NodeStatus, RunStatus
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.broker_core]
 
 STEPS = "ductor-steps"
 COORD = "ductor-coord"
@@ -206,11 +207,7 @@ def outcome(log: str, task_id: str) -> str:
 
 
 def queues_empty(broker_url: str) -> bool:
-    r = redis.Redis.from_url(broker_url)
-    try:
-        return r.llen(STEPS) == 0 and r.llen(COORD) == 0
-    finally:
-        r.close()
+    return queue_length(broker_url, STEPS) == 0 and queue_length(broker_url, COORD) == 0
 
 
 def test_forged_messages_are_logged_and_dropped_and_change_nothing(
@@ -512,9 +509,10 @@ def test_a_malformed_task_envelope_neither_kills_nor_wedges_the_worker(
     finally:
         forger.close()
         # A worker that died (or stops now) restored the message to its queue, and later tests
-        # of this session may get this Redis database again.
+        # of this session may get this Redis database again (a RabbitMQ vhost is never reused).
         for worker in cluster.workers:
             worker.stop()
-        r = redis.Redis.from_url(cluster.broker_url)
-        r.flushdb()
-        r.close()
+        if not is_amqp(cluster.broker_url):
+            r = redis.Redis.from_url(cluster.broker_url)
+            r.flushdb()
+            r.close()

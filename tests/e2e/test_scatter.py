@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from ductor_celery import NodeStatus, RunStatus
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.broker_core]
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ import sqlalchemy as sa
 from ductor_celery import NodeStatus, RunStatus
 
 pytestmark = pytest.mark.e2e
+#: Run again over RabbitMQ by scripts/test (conftest.py, "broker_core").
+broker_core = pytest.mark.broker_core
 
 
 @pytest.fixture
@@ -18,6 +20,7 @@ def ductor(shared_cluster: Any, client_for: Any) -> Any:
     return client_for(shared_cluster)
 
 
+@broker_core
 def test_diamond_runs_with_the_right_outputs(ductor: Any, shared_cluster: Any) -> None:
     handle = ductor.start("diamond", input={"x": 4, "extra": True})
     view = ductor.wait(handle.run_id, timeout=30)
@@ -36,6 +39,7 @@ def test_diamond_runs_with_the_right_outputs(ductor: Any, shared_cluster: Any) -
     assert shared_cluster.executions(handle.run_id) == 5
 
 
+@broker_core
 def test_when_falsy_skips_the_node_and_the_join_still_runs(ductor: Any) -> None:
     view = ductor.wait(ductor.start("diamond", input={"x": 1}).run_id, timeout=30)
     assert view.status == RunStatus.SUCCEEDED
@@ -43,6 +47,7 @@ def test_when_falsy_skips_the_node_and_the_join_still_runs(ductor: Any) -> None:
     assert view.nodes["join"].status == NodeStatus.SUCCEEDED
 
 
+@broker_core
 def test_flaky_step_succeeds_on_attempt_three(ductor: Any, shared_cluster: Any) -> None:
     handle = ductor.start("flaky", input={"fail_times": 2})
     view = ductor.wait(handle.run_id, timeout=30)
@@ -52,6 +57,7 @@ def test_flaky_step_succeeds_on_attempt_three(ductor: Any, shared_cluster: Any) 
     assert shared_cluster.executions(handle.run_id, "flaky") == 3
 
 
+@broker_core
 def test_failing_step_fails_the_run_with_its_error(ductor: Any, shared_cluster: Any) -> None:
     handle = ductor.start("failing")
     view = ductor.wait(handle.run_id, timeout=30)
@@ -65,6 +71,7 @@ def test_failing_step_fails_the_run_with_its_error(ductor: Any, shared_cluster: 
     assert shared_cluster.executions(handle.run_id, "never") == 0
 
 
+@broker_core
 def test_non_retryable_error_fails_without_retry(ductor: Any, shared_cluster: Any) -> None:
     handle = ductor.start("fatal")
     view = ductor.wait(handle.run_id, timeout=30)
@@ -73,6 +80,7 @@ def test_non_retryable_error_fails_without_retry(ductor: Any, shared_cluster: An
     assert shared_cluster.executions(handle.run_id) == 1
 
 
+@broker_core
 def test_unserializable_result_fails_once_and_the_worker_survives(
     ductor: Any, shared_cluster: Any
 ) -> None:
@@ -86,6 +94,7 @@ def test_unserializable_result_fails_once_and_the_worker_survives(
     assert after.status == RunStatus.SUCCEEDED
 
 
+@broker_core
 def test_start_twice_with_an_open_workflow_id_returns_the_same_run(ductor: Any) -> None:
     first = ductor.start("flaky", input={"fail_times": 1}, workflow_id="order-42")
     second = ductor.start("flaky", input={"fail_times": 1}, workflow_id="order-42")
@@ -99,6 +108,7 @@ def test_start_twice_with_an_open_workflow_id_returns_the_same_run(ductor: Any) 
     assert {first.run_id, third.run_id} <= {v.run_id for v in listed}
 
 
+@broker_core
 def test_fifty_duplicate_wakeups_leave_the_run_as_one_would(
     ductor: Any, shared_cluster: Any
 ) -> None:
@@ -130,6 +140,7 @@ def test_fifty_duplicate_wakeups_leave_the_run_as_one_would(
     assert ductor.get(handle.run_id).output == 7
 
 
+@broker_core
 def test_many_concurrent_runs_all_finish_with_each_step_applied_once(
     ductor: Any, shared_cluster: Any
 ) -> None:
@@ -143,6 +154,7 @@ def test_many_concurrent_runs_all_finish_with_each_step_applied_once(
         assert all(a.outcome == "succeeded" and a.folded for a in attempts)
 
 
+@broker_core
 def test_an_oversized_result_fails_the_attempt_without_retry(
     ductor: Any, shared_cluster: Any
 ) -> None:

@@ -115,3 +115,79 @@ def test_redis_ping_and_restart(redis_server: RedisServer) -> None:
         assert client.get("k") is None  # no persistence: a restart is a lost broker
     finally:
         client.close()
+
+
+# --- RabbitMQ --------------------------------------------------------------------------------
+
+import contextlib  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import kombu  # noqa: E402
+from servers import RabbitMQServer, _child_pids  # noqa: E402
+
+
+def _listening(pids: set[int]) -> set[str]:
+    """The addresses (``ip:port``) the given processes listen on, read from /proc."""
+    inodes: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    found = set()
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            if width == 8:
+                ip = ".".join(str(b) for b in raw[::-1])
+            else:  # four little-endian words
+                words = [raw[i : i + 4][::-1] for i in range(0, 16, 4)]
+                ip = "[" + b"".join(words).hex() + "]"
+            found.add(f"{ip}:{int(port, 16)}")
+    return found
+
+
+def _node_pids(server: RabbitMQServer) -> set[int]:
+    """The start script, the Erlang VM under it, and the private epmd."""
+    assert server._proc is not None and server._epmd is not None
+    return {server._proc.pid, *_child_pids(server._proc.pid), server._epmd.pid}
+
+
+def test_rabbitmq_is_private_on_loopback_only_and_leaves_nothing_behind() -> None:
+    server = RabbitMQServer()
+    server.start()
+    try:
+        pids = _node_pids(server)
+        listening = _listening(pids)
+        # AMQP, the Erlang distribution port and epmd: loopback only (epmd also binds ::1).
+        assert f"127.0.0.1:{server.port}" in listening, listening
+        assert len(listening) >= 3, listening
+        loopback = ("127.0.0.1:", "[00000000000000000000000000000001]:")
+        assert all(a.startswith(loopback) for a in listening), listening
+
+        # Vhosts keep clusters apart. (restart() and kill() with messages on quorum queues:
+        # tests/e2e/test_rabbitmq_e2e.py and test_broker_restart_e2e.py.)
+        first, second = server.new_vhost(), server.new_vhost()
+        assert first != second
+        queue = kombu.Queue("q", queue_arguments={"x-queue-type": "quorum"})
+        with kombu.Connection(server.url(first), transport_options={"confirm_publish": True}) as c:
+            c.Producer().publish({"n": 1}, routing_key="q", declare=[queue])
+        assert server.queues(first)["q"]["type"] == "quorum"
+        assert server.queues(second) == {}
+    finally:
+        pids = _node_pids(server)
+        server.stop()
+    assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in pids), pids
+
+
+def _zombie(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    return True
