@@ -145,6 +145,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     fleet.add_argument("--broker", choices=["redis", "rabbitmq"], default="redis")
     fleet.add_argument("--pooler", choices=["none", "pgbouncer"], default="none")
+    fleet.add_argument(
+        "--replication",
+        choices=["sync", "async"],
+        default="sync",
+        help="how the standby on pg1 streams from the primary (the failover fault swaps them)",
+    )
     return p.parse_args(argv)
 
 
