@@ -131,6 +131,19 @@ class FleetStandby(_FleetPg, InHost, StandbyServer):
     def __init__(self, fleet: Fleet, host: str, primary: Any, *, sync: bool) -> None:
         self._in_host(fleet, host)
         super().__init__(primary, sync=sync, port=5432)
+        self.promoted = False
+
+    def start(self) -> None:
+        if self.promoted:
+            # A primary now (a pg_restart of the current primary): ``StandbyServer.start``
+            # would insist that the old primary, long gone, be running.
+            PostgresServer.start(self)
+        else:
+            super().start()
+
+    def promote(self, timeout: float = 60.0) -> None:
+        super().promote(timeout)
+        self.promoted = True
 
     def _prepare(self) -> None:
         cmd = [
