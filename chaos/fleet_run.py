@@ -69,6 +69,7 @@ class Topology:
     broker: str = "redis"
     pooler: str = "none"
     replication: str = "sync"
+    failover_lag: float = 0.0
     workers: dict[str, str] = field(default_factory=dict)  # host -> "steps" | "coord"
     failpoints: list[str] = field(default_factory=list)
 
@@ -79,6 +80,7 @@ class Topology:
             broker=args.broker,
             pooler=args.pooler,
             replication=getattr(args, "replication", "sync"),
+            failover_lag=getattr(args, "failover_lag", 0.0),
             workers={name: role for name, role, _, _, _ in plan},
             failpoints=[name for name, _, _, fp, _ in plan if fp],
         )
@@ -199,7 +201,10 @@ class FleetNemesis(Nemesis):
             return
         self.pg_down = True
         try:
-            fault.detail.update(self.db.failover(fault.duration, self._sleep))
+            # --failover-lag (asynchronous pair, faults whose param is 0): the standby lags
+            # that far behind when the primary dies, so that acknowledged commits are lost.
+            lag = self.topology.failover_lag if fault.param == 0 else 0.0
+            fault.detail.update(self.db.failover(fault.duration, self._sleep, lag_s=lag))
         finally:
             self.pg_down = False
 

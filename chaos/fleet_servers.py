@@ -202,13 +202,23 @@ class DbPair:
         hosts = ",".join(f"{self.fleet.addr(h)}:5432" for h in self.hosts())
         return f"postgresql+psycopg://postgres@{hosts}/{dbname}"
 
-    def failover(self, down_s: float, sleep: Callable[[float], None]) -> dict[str, Any]:
+    def failover(
+        self, down_s: float, sleep: Callable[[float], None], lag_s: float = 0.0
+    ) -> dict[str, Any]:
+        """``lag_s`` > 0 (asynchronous only): the primary's WAL senders are stopped that long
+        before the kill, so the commits it acknowledged in that time never reach the standby
+        and are lost (a standby behind by ``lag_s``, as under load or over a slow link)."""
         if self.standby is None:
             raise Unavailable("no standby to promote")
         old, new = self.primary, self.standby
         detail: dict[str, Any] = {"from": old.host, "to": new.host, "sync": self.sync}
+        if lag_s > 0 and not self.sync:
+            detail["walsenders_stopped"] = len(new.pause_streaming())
+            detail["lag_s"] = lag_s
+            sleep(lag_s)
         t = time.monotonic()
         old.kill()
+        new._paused.clear()  # noqa: SLF001 - they died with the primary
         sleep(down_s)
         new.promote()
         detail["promoted_after_s"] = round(time.monotonic() - t, 2)

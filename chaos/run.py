@@ -151,6 +151,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="sync",
         help="how the standby on pg1 streams from the primary (the failover fault swaps them)",
     )
+    fleet.add_argument(
+        "--failover-lag",
+        type=float,
+        default=0.0,
+        help="async only: stop streaming this many seconds before half the failovers' kill, "
+        "so that acknowledged commits are lost (default 0; see docs/fleet.md)",
+    )
     return p.parse_args(argv)
 
 
