@@ -909,6 +909,23 @@ class Checker:
                         [a, *execs],
                     )
 
+    def lost_with_primary(self, e: Any) -> bool:
+        """Whether execution ``e`` started in the window an asynchronous failover loses: from
+        30 s before the primary was killed to 5 s after the standby was promoted. A commit the
+        old primary acknowledged in that window may never have reached the standby (with
+        synchronous replication nothing acknowledged is lost, and this is always False)."""
+        if self.t0_wall is None or e.get("started_at") is None:
+            return False
+        at = e["started_at"].timestamp() - self.t0_wall
+        for f in self.faults:
+            detail = f.get("detail") or {}
+            if f.get("kind") != "failover" or detail.get("sync", True) or f.get("started") is None:
+                continue
+            promoted = f["started"] + float(detail.get("promoted_after_s") or 0.0)
+            if f["started"] - 30.0 <= at <= promoted + 5.0:
+                return True
+        return False
+
     def check_ledger(self) -> None:
         seen: dict[tuple[str, Any], Any] = {}
         for e in self.ledger:
@@ -917,6 +934,15 @@ class Checker:
                 continue
             key = (e["token"], e["branch"])
             a = self.attempts.get(e["token"])
+            if a is None and self.lost_with_primary(e):
+                # Its claim was among the commits an asynchronous failover lost: the database
+                # forgot the attempt, the ledger (files on the workers' hosts) did not. The step
+                # runs again under a new attempt: a counted duplicate (duplicates()), no harm.
+                self.figures["executions_of_lost_attempts"] = (
+                    self.figures.get("executions_of_lost_attempts", 0) + 1
+                )
+                seen[key] = e
+                continue
             if a is None or a["run_id"] != e["run_id"] or a["node"] != e["node"]:
                 self.fail(
                     e["run_id"],
@@ -1313,7 +1339,9 @@ class Checker:
                     and tr["to_status"] == "pending"
                     and tr["from_status"] in ("failed", "cancelled")
                 ]
-                if (
+                if not a and self.lost_with_primary(earlier):
+                    cause = "the attempt's claim was lost with the primary (asynchronous failover)"
+                elif (
                     b.get("attempt") == 1
                     or outcome == "succeeded"
                     or any(earlier["started_at"] < at < later["started_at"] for at in resets)
@@ -1328,6 +1356,7 @@ class Checker:
                     cause = "attempt closed (cancel, terminate, fail-fast) while it ran"
                 elif outcome == "failed":
                     cause = "a batch retry ran an item that had an output again"
+
                 else:
                     cause = f"other ({outcome} then attempt {b.get('attempt')})"
                 causes[cause] += 1

@@ -6,7 +6,8 @@ The same workload, nemesis and checker as ``chaos/run.py``, on a fleet of networ
 =========  ================================================================================
 host       what runs there (the production commands, from chaos/)
 =========  ================================================================================
-pg0        the PostgreSQL primary (a standby ``pg1`` once tests/servers.py has one)
+pg0, pg1   PostgreSQL: a primary and a streaming standby (``--replication sync|async``);
+           a failover swaps them (no standby with ``--pooler pgbouncer``)
 broker     Redis (or RabbitMQ with ``--broker rabbitmq``, once tests/servers.py has it)
 pooler     PgBouncer in transaction pooling mode (``--pooler pgbouncer``)
 steps<N>   ``celery -A app worker -Q ductor-steps -c 2``
@@ -38,9 +39,8 @@ from typing import Any
 import ledger
 from fleet import Fleet, unavailable_reason
 from fleet_servers import (
+    DbPair,
     FleetPgBouncer,
-    FleetPostgres,
-    Unavailable,
     broker_unavailable,
     make_broker,
     standby_unavailable,
@@ -68,6 +68,8 @@ class Topology:
 
     broker: str = "redis"
     pooler: str = "none"
+    replication: str = "sync"
+    failover_lag: float = 0.0
     workers: dict[str, str] = field(default_factory=dict)  # host -> "steps" | "coord"
     failpoints: list[str] = field(default_factory=list)
 
@@ -77,13 +79,15 @@ class Topology:
         return cls(
             broker=args.broker,
             pooler=args.pooler,
+            replication=getattr(args, "replication", "sync"),
+            failover_lag=getattr(args, "failover_lag", 0.0),
             workers={name: role for name, role, _, _, _ in plan},
             failpoints=[name for name, _, _, fp, _ in plan if fp],
         )
 
     @property
     def standby(self) -> bool:
-        return standby_unavailable() is None
+        return standby_unavailable(self.pooler) is None
 
     def hosts(self) -> list[str]:
         return [
@@ -105,7 +109,7 @@ class Topology:
     def not_scheduled(self) -> dict[str, str]:
         """Fault kinds this topology cannot inject, and why."""
         out = {}
-        if reason := standby_unavailable():
+        if reason := standby_unavailable(self.pooler):
             out["failover"] = reason
         if self.broker != "redis":
             for kind in REDIS_KINDS:
@@ -149,7 +153,10 @@ class FleetWorker(Worker):
 class FleetNemesis(Nemesis):
     """The single-box nemesis plus the network's faults."""
 
-    def __init__(self, *args: Any, fleet: Fleet, topology: Topology, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, fleet: Fleet, topology: Topology, db: DbPair, **kwargs: Any
+    ) -> None:
+        self.db = db
         super().__init__(*args, **kwargs)
         self.fleet = fleet
         self.topology = topology
@@ -178,13 +185,33 @@ class FleetNemesis(Nemesis):
         fault.detail["period_s"] = fault.param / 1000.0
         fault.detail["downs"] = self.fleet.flap(fault.target, fault.param / 1000.0, fault.duration)
 
+    @property  # type: ignore[override]
+    def pg(self) -> Any:
+        """The current primary (a failover moves it)."""
+        return self.db.primary
+
+    @pg.setter
+    def pg(self, value: Any) -> None:
+        pass  # Nemesis.__init__ hands the first primary; self.db knows the current one
+
     def _do_failover(self, fault: Fault) -> None:
-        # Never scheduled while the topology has no standby (Topology.not_scheduled).
-        raise Unavailable(standby_unavailable() or "failover is not wired into the fleet yet")
+        # Scheduled only when the topology has a standby (Topology.not_scheduled).
+        if self.pg_down:
+            fault.result = "skipped: pg down"
+            return
+        self.pg_down = True
+        try:
+            # --failover-lag (asynchronous pair, faults whose param is 0): the standby lags
+            # that far behind when the primary dies, so that acknowledged commits are lost.
+            lag = self.topology.failover_lag if fault.param == 0 else 0.0
+            fault.detail.update(self.db.failover(fault.duration, self._sleep, lag_s=lag))
+        finally:
+            self.pg_down = False
 
     def heal(self, timeout: float = 120.0) -> float:
         last = super().heal(timeout)
         self.fleet.heal()
+        self.db.ensure_running()
         return last
 
 
@@ -220,17 +247,37 @@ class FleetHarness(Harness):
         self.report["hosts"] = self.fleet.namespaces()
         super().setup()
 
+    @property  # type: ignore[override]
+    def pg(self) -> Any:
+        """The current primary (a failover moves it)."""
+        return self.db.primary
+
+    @property  # type: ignore[override]
+    def pg_host(self) -> str:
+        return str(self.db.primary.addr)
+
     def start_servers(self) -> None:
+        from ductor_celery.settings import multi_host_url
+
         t = time.monotonic()
-        self.pg = FleetPostgres(self.fleet, "pg0")
-        self.pg.start()
-        self.stack.callback(self.pg.stop)
+        self.db = DbPair(
+            self.fleet,
+            standby=self.topology.standby,
+            sync=self.topology.replication == "sync",
+        )
+        self.stack.callback(self.db.stop)
+        self.db.primary.start()
         self.redis = make_broker(self.args.broker, self.fleet, "broker")
         self.redis.start()
         self.stack.callback(self.redis.stop)
         self.pg.create_database(DBNAME)
-        self.migrate_url = self.pg.url(DBNAME)
-        self.db_url = self.migrate_url
+        if self.topology.standby:
+            self.db.start()  # the base backup, after the database exists
+            # Every ductor process names both hosts; libpq finds the one that takes writes.
+            self.db_url = self.db.url(DBNAME)
+            self.migrate_url = multi_host_url(self.db_url)
+        else:
+            self.db_url = self.migrate_url = self.pg.url(DBNAME)
         self.pooler: FleetPgBouncer | None = None
         if self.args.pooler == "pgbouncer":
             self.pooler = FleetPgBouncer(self.fleet, "pooler", self.pg, pool_size=20)
@@ -238,9 +285,14 @@ class FleetHarness(Harness):
             self.stack.callback(self.pooler.stop)
             self.db_url = self.pooler.url(DBNAME)
         self.broker_url = self.redis.url(0)
-        self.pg_host = self.pg.addr
         say(
-            f"PostgreSQL {self.pg.addr}:{self.pg.port}, {self.args.broker} "
+            f"PostgreSQL {self.pg.addr}:{self.pg.port}"
+            + (
+                f" + {self.topology.replication} standby {self.db.standby.addr}"
+                if self.db.standby
+                else ""
+            )
+            + f", {self.args.broker} "
             f"{self.redis.addr}:{self.redis.port}"
             + (f", PgBouncer {self.pooler.addr}:{self.pooler.port}" if self.pooler else "")
             + f" ({time.monotonic() - t:.1f}s)"
@@ -283,6 +335,7 @@ class FleetHarness(Harness):
             publish=self.publish_raw,
             fleet=self.fleet,
             topology=self.topology,
+            db=self.db,
         )
 
     def before_check(self) -> None:
@@ -298,6 +351,9 @@ class FleetHarness(Harness):
                 "broker": self.args.broker,
                 "pooler": self.args.pooler,
                 "standby": self.topology.standby,
+                "replication": self.topology.replication if self.topology.standby else None,
+                "failovers": self.db.failovers,
+                "primary_at_end": self.db.primary.host,
                 "groups": self.fleet.groups,
             },
             "faults_not_scheduled": self.topology.not_scheduled(),

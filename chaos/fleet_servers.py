@@ -23,13 +23,16 @@ kind is chosen; a kind whose server class is not in ``tests/servers.py`` yet rai
 from __future__ import annotations
 
 import socket
+import subprocess
+import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import redis
 import servers
 from fleet import Fleet
-from servers import LOOPBACK, PgBouncer, PostgresServer, RedisServer
+from servers import LOOPBACK, PgBouncer, PostgresServer, RedisServer, ServerError, StandbyServer
 
 
 class Unavailable(RuntimeError):
@@ -84,7 +87,27 @@ class InHost:
             return True
 
 
-class FleetPostgres(InHost, PostgresServer):
+class _FleetPg:
+    """What a PostgreSQL server on a fleet host answers to: its host's address, port 5432."""
+
+    addr: str
+    port: int | None
+
+    def url(self, dbname: str = "postgres") -> str:
+        return f"postgresql+psycopg://postgres@{self.addr}:{self.port}/{dbname}"
+
+    def conninfo(self, dbname: str = "postgres") -> str:
+        return f"host={self.addr} port={self.port} user=postgres dbname={dbname} connect_timeout=5"
+
+    def _probe(self) -> bool:
+        with psycopg.connect(
+            host=self.addr, port=self.port, user="postgres", dbname="postgres", connect_timeout=2
+        ) as conn:
+            conn.execute("SELECT 1")
+        return True
+
+
+class FleetPostgres(_FleetPg, InHost, PostgresServer):
     """PostgreSQL on a fleet host, port 5432, trusting the fleet's subnet (as the loopback-only
     test server trusts 127.0.0.1; replication too, for a standby)."""
 
@@ -99,18 +122,129 @@ class FleetPostgres(InHost, PostgresServer):
         with open(hba, "a") as f:
             f.write(f"host all all {subnet} trust\nhost replication all {subnet} trust\n")
 
-    def url(self, dbname: str = "postgres") -> str:
-        return f"postgresql+psycopg://postgres@{self.addr}:{self.port}/{dbname}"
 
-    def conninfo(self, dbname: str = "postgres") -> str:
-        return f"host={self.addr} port={self.port} user=postgres dbname={dbname} connect_timeout=5"
+class FleetStandby(_FleetPg, InHost, StandbyServer):
+    """A streaming standby of ``primary`` (a ``FleetPostgres`` or a promoted ``FleetStandby``)
+    on a fleet host, port 5432: ``pg_basebackup -R`` from the primary's address (its
+    ``pg_hba.conf``, trusting the subnet, comes along)."""
 
-    def _probe(self) -> bool:
-        with psycopg.connect(
-            host=self.addr, port=self.port, user="postgres", dbname="postgres", connect_timeout=2
-        ) as conn:
-            conn.execute("SELECT 1")
-        return True
+    def __init__(self, fleet: Fleet, host: str, primary: Any, *, sync: bool) -> None:
+        self._in_host(fleet, host)
+        super().__init__(primary, sync=sync, port=5432)
+        self.promoted = False
+
+    def start(self) -> None:
+        if self.promoted:
+            # A primary now (a pg_restart of the current primary): ``StandbyServer.start``
+            # would insist that the old primary, long gone, be running.
+            PostgresServer.start(self)
+        else:
+            super().start()
+
+    def promote(self, timeout: float = 60.0) -> None:
+        super().promote(timeout)
+        self.promoted = True
+
+    def _prepare(self) -> None:
+        cmd = [
+            str(self.bindir / "pg_basebackup"),
+            "-h", self.primary.addr, "-p", str(self.primary.port), "-U", "postgres",
+            "-D", str(self.data_dir), "-R", "-X", "stream", "-c", "fast", "--no-sync",
+        ]  # fmt: skip
+        result = subprocess.run(
+            cmd,
+            cwd=self.tmpdir,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            check=False,
+            **self._spawn_kwargs(),
+        )
+        if result.returncode != 0:
+            raise ServerError(
+                f"pg_basebackup from {self.primary.addr} failed ({result.returncode}):\n"
+                f"{result.stdout}\n{result.stderr}"
+            )
+
+
+class DbPair:
+    """The fleet's database: a primary on ``pg0`` and, with ``standby``, a streaming standby on
+    ``pg1``. ``failover()`` swaps them: the primary SIGKILLed, the standby promoted, the old
+    primary's data thrown away and its host rebuilt as the new primary's standby (a fresh base
+    backup), so the next failover goes back."""
+
+    def __init__(self, fleet: Fleet, *, standby: bool, sync: bool) -> None:
+        self.fleet = fleet
+        self.sync = sync
+        self.primary: Any = FleetPostgres(fleet, "pg0")
+        self.standby: Any = None
+        self.want_standby = standby
+        self.failovers = 0
+
+    def start(self) -> None:
+        self.primary.start()
+        if self.want_standby:
+            self._rebuild("pg1")
+
+    def _rebuild(self, host: str) -> float:
+        t = time.monotonic()
+        standby = FleetStandby(self.fleet, host, self.primary, sync=self.sync)
+        standby.start()
+        self.standby = standby
+        return time.monotonic() - t
+
+    def hosts(self) -> list[str]:
+        return ["pg0", *(["pg1"] if self.want_standby else [])]
+
+    def url(self, dbname: str) -> str:
+        """Every host that may be the primary, in libpq's multi-host form (ductor adds
+        ``target_session_attrs=read-write``)."""
+        hosts = ",".join(f"{self.fleet.addr(h)}:5432" for h in self.hosts())
+        return f"postgresql+psycopg://postgres@{hosts}/{dbname}"
+
+    def failover(
+        self, down_s: float, sleep: Callable[[float], None], lag_s: float = 0.0
+    ) -> dict[str, Any]:
+        """``lag_s`` > 0 (asynchronous only): the primary's WAL senders are stopped that long
+        before the kill, so the commits it acknowledged in that time never reach the standby
+        and are lost (a standby behind by ``lag_s``, as under load or over a slow link)."""
+        if self.standby is None:
+            raise Unavailable("no standby to promote")
+        old, new = self.primary, self.standby
+        detail: dict[str, Any] = {"from": old.host, "to": new.host, "sync": self.sync}
+        if lag_s > 0 and not self.sync:
+            detail["walsenders_stopped"] = len(new.pause_streaming())
+            detail["lag_s"] = lag_s
+            sleep(lag_s)
+        t = time.monotonic()
+        old.kill()
+        new._paused.clear()  # noqa: SLF001 - they died with the primary
+        sleep(down_s)
+        new.promote()
+        detail["promoted_after_s"] = round(time.monotonic() - t, 2)
+        self.primary, self.standby = new, None
+        self.failovers += 1
+        old._cleanup()  # noqa: SLF001 - the old primary's data: a fresh base backup replaces it
+        detail["rebuilt_in_s"] = round(self._rebuild(old.host), 2)
+        return detail
+
+    def ensure_running(self) -> None:
+        """After the faults: the primary up, and a standby streaming from it."""
+        if not self.primary.running:
+            self.primary.start()
+        if self.want_standby and (self.standby is None or not self.standby.running):
+            if self.standby is not None:
+                self.standby.kill()
+                self.standby._cleanup()  # noqa: SLF001
+            self._rebuild("pg1" if self.primary.host == "pg0" else "pg0")
+
+    def stop(self) -> None:
+        for server in (self.standby, self.primary):
+            if server is not None:
+                try:
+                    server.stop()
+                except Exception:  # noqa: BLE001 - stop the other one anyway
+                    pass
 
 
 class FleetRedis(InHost, RedisServer):
@@ -209,20 +343,22 @@ def make_broker(kind: str, fleet: Fleet, host: str) -> Any:
     return FleetRabbit()
 
 
-def standby_unavailable() -> str | None:
-    """Why the fleet has no streaming standby (so no ``failover`` fault) in this tree."""
-    if not any(hasattr(obj, "promote") for obj in vars(servers).values() if isinstance(obj, type)):
+def standby_unavailable(pooler: str = "none") -> str | None:
+    """Why the fleet has no streaming standby (so no ``failover`` fault): None when it has."""
+    if pooler != "none":
         return (
-            "no streaming standby: tests/servers.py has no primary/standby pair with promote() "
-            "in this tree"
+            "PgBouncer is configured with one PostgreSQL host (pg0); a pooler that follows the "
+            "primary is not built yet, so --pooler runs without a standby"
         )
-    return "tests/servers.py has a standby, but the fleet does not start one yet"
+    return None
 
 
 __all__ = [
+    "DbPair",
     "FleetPgBouncer",
     "FleetPostgres",
     "FleetRedis",
+    "FleetStandby",
     "InHost",
     "Unavailable",
     "broker_unavailable",

@@ -194,7 +194,9 @@ def _shape(rng: random.Random, kind: str, step_timeout: float) -> tuple[float, i
     if kind == "flap":
         return rng.uniform(3.0, 8.0), rng.randint(200, 800)  # period in milliseconds
     if kind == "failover":
-        return rng.uniform(0.5, 3.0), rng.randint(0, 1)  # down time; 1: synchronous standby
+        # Down time; the param (drawn so that every seed keeps its schedule) is not used: the
+        # fleet's --replication chooses synchronous or asynchronous.
+        return rng.uniform(0.5, 3.0), rng.randint(0, 1)
     return 0.0, 0
 
 

@@ -145,6 +145,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     fleet.add_argument("--broker", choices=["redis", "rabbitmq"], default="redis")
     fleet.add_argument("--pooler", choices=["none", "pgbouncer"], default="none")
+    fleet.add_argument(
+        "--replication",
+        choices=["sync", "async"],
+        default="sync",
+        help="how the standby on pg1 streams from the primary (the failover fault swaps them)",
+    )
+    fleet.add_argument(
+        "--failover-lag",
+        type=float,
+        default=0.0,
+        help="async only: stop streaming this many seconds before half the failovers' kill, "
+        "so that acknowledged commits are lost (default 0; see docs/fleet.md)",
+    )
     return p.parse_args(argv)
 
 
