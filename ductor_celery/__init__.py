@@ -23,7 +23,7 @@ from .errors import (
     WorkflowNotFound,
     WrongDatabase,
 )
-from .runtime.steps import Step, StepContext
+from .runtime.step_context import Step, StepContext
 from .views import AuditEntry, AuditPage, NodeView, RunHandle, RunPage, RunView, ScheduleView
 
 __all__ = [

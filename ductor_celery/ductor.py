@@ -17,7 +17,7 @@ from .definition.spec import WorkflowSpec
 from .engine.kinds import ControlKind
 from .errors import DefinitionError
 from .runtime.runtime import Runtime
-from .runtime.steps import Step
+from .runtime.step_context import Step
 from .schedules import DEFAULT_CATCHUP_WINDOW_S, Schedules
 from .settings import Settings
 from .store import migrate

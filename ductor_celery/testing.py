@@ -50,7 +50,8 @@ from .limits import EARLIEST_NOW, LATEST_NOW, time_problem
 from .runtime.coordinator import run_tick
 from .runtime.dispatch import FIRST_TICK_TASK_NAME
 from .runtime.outbox_janitor import close_janitor, sent_outbox
-from .runtime.steps import Step, StepContext, execute_attempt, first_tick, worker_identity
+from .runtime.step_context import Step, StepContext
+from .runtime.steps import execute_attempt, first_tick, worker_identity
 from .store import attempts, clock, migrate, schedules, sweep
 from .store.db import forget_engine, get_engine
 from .store.outbox import OutboxRow

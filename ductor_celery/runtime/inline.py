@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from ..coordinator.port import LoadedRun
     from ..engine import NewAttempt, TickPayload
     from .runtime import Runtime
-    from .steps import Step
+    from .step_context import Step
 
 log = logging.getLogger("ductor_celery.step")
 

@@ -19,7 +19,8 @@ from .dispatch import FIRST_TICK_TASK_NAME, TICK_TASK_NAME, Dispatcher
 from .failpoints import failpoint
 from .metrics import MetricsBootstep
 from .poison import PoisonGuard
-from .steps import Step, execute_attempt, first_tick
+from .step_context import Step
+from .steps import execute_attempt, first_tick
 from .sweeper import SweeperBootstep
 
 log = logging.getLogger("ductor_celery.runtime")

@@ -1,33 +1,31 @@
-"""What runs inside a step worker: the Step object, StepContext, and one attempt's execution."""
+"""What runs inside a step worker: one attempt's execution, from its claim to its outcome and
+the tick after it (the Step object and StepContext: step_context.py)."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import socket
 import time
-import traceback
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import tracing
-from ..definition.retry import ConcurrencyLimit, RetryPolicy
 from ..definition.spec import BATCH_ARG
-from ..engine.payloads import json_problem, storable_text
-from ..errors import InvalidSecretName, NonRetryableError, SecretNotFound, StepCancelled
+from ..engine.payloads import storable_text
+from ..errors import InvalidSecretName, SecretNotFound, StepCancelled
 from ..store import attempts, wakes
 from ..store.db import ValuesRefused, outages, with_retry
 from ..store.outbox import OutboxRow
 from ..store.schema import dumps_json
-from ..values import ValueNotDecodable, decode, decode_lenient
 from . import batch, metrics
 from .arguments import ArgumentRefused, prepare
 from .coordinator import Keeper, PreludeRefused, run_tick
 from .failpoints import failpoint
+from .heartbeats import HeartbeatPause, heartbeat, should_stop
 from .inline import InlineChain, TaskEvents, as_current_task, flush_events
 from .lost_outcomes import lost_outcomes
 from .outbox_janitor import sent_outbox
@@ -35,10 +33,10 @@ from .secrets import (
     AttemptSecrets,
     SecretUnavailable,
     Slots,
-    check_name,
-    redact_known,
     slots_for,
 )
+from .step_context import Step, StepContext
+from .step_errors import describe, error_of, is_non_retryable, payload_of
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -47,164 +45,6 @@ log = logging.getLogger("ductor_celery.step")
 
 #: How long a worker keeps trying to write a finished attempt's outcome to the database.
 FINISH_DEADLINE_S = 600.0
-#: ``ctx.cancelled`` reads its attempt row at most this often (a step may poll it in a loop).
-CANCEL_LOOK_INTERVAL_S = 1.0
-#: After a heartbeat that failed to reach the database, the next is not tried before this.
-HEARTBEAT_PAUSE_S = 1.0
-
-#: The longest exception message and traceback tail kept in an attempt's error, and the
-#: longest database or exception cause quoted in a message.
-_MESSAGE_CHARS = 4000
-_TRACEBACK_CHARS = 8000
-_CAUSE_CHARS = 500
-
-
-@dataclass
-class Step:
-    """A ``@ductor.step`` function: a real Celery task named ``name`` on the steps queue.
-
-    Calling the object calls the function directly (handy in unit tests).
-    """
-
-    name: str
-    fn: Callable[..., Any]
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    timeout: float | None = None
-    heartbeat_timeout: float | None = None
-    queue: str | None = None
-    concurrency: ConcurrencyLimit | None = None
-    task: Any = None  # the Celery task, set when registered
-    #: Not claimed within this many seconds of its dispatch: the attempt times out.
-    schedule_to_start_timeout: float | None = None  # the Celery task, set when registered
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"<ductor step {self.name}>"
-
-
-class StepContext:
-    """What a step function gets first: who it is, and a way to heartbeat and patch context."""
-
-    def __init__(
-        self,
-        *,
-        run_id: str,
-        workflow_id: str,
-        node: str,
-        branch: int | None,
-        attempt: int,
-        input: Any = None,
-        context: Mapping[str, Any],
-        heartbeat_fn: Callable[[Any], bool | None] | None = None,
-        input_fn: Callable[[], Any] | None = None,
-        secret_fn: Callable[[str], str] | None = None,
-        cancelled_fn: Callable[[], bool] | None = None,
-        cancelled: bool = False,
-    ) -> None:
-        self.run_id = run_id
-        self.workflow_id = workflow_id
-        self.node = node
-        self.branch = branch
-        self.attempt = attempt
-        self._input = input
-        self._input_fn = input_fn
-        # Typed values rebuilt (a class this process cannot import stays as its JSON).
-        self.context: Mapping[str, Any] = _ReadOnly(decode_lenient(context))
-        self._patch: dict[str, Any] = {}
-        self._heartbeat_fn = heartbeat_fn
-        self._secret_fn = secret_fn
-        self._cancelled_fn = cancelled_fn
-        self._stop = cancelled
-        self._looked = -math.inf
-
-    @property
-    def input(self) -> Any:
-        """The run's input, read from the database on first use (it can be a large list
-        that a scatter hands out item by item; most steps never need it whole)."""
-        if self._input_fn is not None:
-            try:
-                self._input, self._input_fn = decode(self._input_fn()), None
-            except ValueNotDecodable as exc:
-                # The same input fails the same way on every attempt: no retry.
-                raise NonRetryableError(f"the run's input cannot be decoded: {exc}") from None
-        return self._input
-
-    def secret(self, name: str) -> str:
-        """The secret ``name`` from ``ductor_secret_provider``, read in this worker; its value
-        is redacted (``***``) from everything this attempt writes and from log lines.
-        Raises ``SecretNotFound`` (the attempt fails without retry) if there is none, and
-        ``InvalidSecretName`` (a ``ValueError``; no retry either) unless ``name`` is ASCII
-        letters, digits and ``_``, not starting with a digit, at most 100 characters."""
-        check_name(name)
-        if self._secret_fn is None:
-            raise SecretNotFound(f"secret {name!r} is not available outside a step worker")
-        return self._secret_fn(name)
-
-    @property
-    def idempotency_key(self) -> str:
-        """Stable across retries of the same node and branch of the same run."""
-        branch = "" if self.branch is None else f":{self.branch}"
-        return f"{self.run_id}:{self.node}{branch}"
-
-    def heartbeat(self, details: Any = None) -> None:
-        """Record that the attempt is alive (``details``: how far it got). Raises
-        ``StepCancelled`` once the run's cancel is requested (learned in the same round trip
-        as the heartbeat's write) or the attempt was closed: let it propagate."""
-        if self._heartbeat_fn is not None and self._heartbeat_fn(details):
-            self._stop = True
-        if self._stop:
-            raise StepCancelled(f"run {self.run_id} was cancelled: attempt {self.attempt} stops")
-
-    @property
-    def cancelled(self) -> bool:
-        """True once the run's cancel is requested (or the attempt was closed): the step
-        should stop soon. Read from the database at most once a second; a heartbeat refreshes
-        it too."""
-        if not self._stop and self._cancelled_fn is not None:
-            now = time.monotonic()
-            if now - self._looked >= CANCEL_LOOK_INTERVAL_S:
-                self._looked = now
-                self._stop = self._cancelled_fn()
-        return self._stop
-
-    def patch(self, mapping: Mapping[str, Any]) -> None:
-        """Merge ``mapping`` into the run context when this attempt succeeds."""
-        if not isinstance(mapping, Mapping):
-            raise TypeError(f"ctx.patch takes a mapping, got {type(mapping).__name__}")
-        self._patch.update(mapping)
-
-    @property
-    def patch_value(self) -> dict[str, Any] | None:
-        return dict(self._patch) if self._patch else None
-
-
-class _ReadOnly(Mapping[str, Any]):
-    def __init__(self, data: Mapping[str, Any]) -> None:
-        self._data = dict(data)
-
-    def __getitem__(self, key: str) -> Any:
-        return self._data[key]
-
-    def __iter__(self) -> Any:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __repr__(self) -> str:
-        return repr(self._data)
-
-
-def _is_non_retryable(exc: BaseException, non_retryable: frozenset[str]) -> bool:
-    """``NonRetryableError``, or an exception whose class or one of its bases is listed (by
-    qualified name, as the definition stores them) in the node's retry policy."""
-    if isinstance(exc, NonRetryableError):
-        return True
-    return bool(non_retryable) and any(
-        f"{cls.__module__}.{cls.__qualname__}" in non_retryable for cls in type(exc).__mro__
-    )
 
 
 def _non_retryable_of(rt: Runtime, step: Step, claimed: attempts.ClaimedAttempt) -> frozenset[str]:
@@ -226,131 +66,6 @@ def _non_retryable_of(rt: Runtime, step: Step, claimed: attempts.ClaimedAttempt)
 def worker_identity(hostname: str | None) -> str:
     """Who claims: host and pid for people, plus a nonce that makes each claim unique."""
     return f"{(hostname or socket.gethostname())[:150]}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
-
-
-# -- making anything a step does into text and JSON the database accepts ----------------------
-
-
-def _guarded(make: Callable[[], str], fallback: str) -> str:
-    """``make()``, or ``fallback`` if it raises anything at all.
-
-    Formatting a step's exception runs the user's code (``__str__``) while that exception is
-    being handled; whatever it raises, even ``SystemExit``, is a broken ``__str__``, and must
-    not stop the attempt's outcome from being written.
-    """
-    try:
-        return make()
-    except BaseException:  # noqa: BLE001
-        return fallback
-
-
-def _error_of(exc: BaseException, redact: Callable[[str], str]) -> dict[str, str]:
-    """The stored error of a raised exception; building it cannot fail. ``redact``: the
-    attempt's secrets out of the message and traceback, before they are cut to size (a secret
-    the cut went through would leave a fragment no redaction finds)."""
-    name = _guarded(lambda: storable_text(str(type(exc).__qualname__))[:200], "BaseException")
-    message = _guarded(
-        lambda: storable_text(redact(str(exc))[:_MESSAGE_CHARS]), f"<unprintable {name}>"
-    )
-    trace = _guarded(
-        lambda: storable_text(
-            redact("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))[
-                -_TRACEBACK_CHARS:
-            ]
-        ),
-        f"<unprintable traceback of {name}>",
-    )
-    return {"type": name, "message": message, "traceback": trace}
-
-
-def _payload(value: Any, what: str, limit: int) -> tuple[Any, str | None]:
-    """``json_problem``, made total here as well: whatever the check raises (a RecursionError
-    on a value nested thousands deep, a user's container misbehaving) is the problem."""
-    try:
-        return json_problem(value, what, limit)
-    except Exception as exc:  # noqa: BLE001
-        return None, f"{what} is not JSON-serializable: {_describe(exc)}"
-
-
-def _describe(exc: BaseException) -> str:
-    """``Type: message`` on one line, short and storable, even when ``__str__`` raises."""
-    name = _guarded(lambda: type(exc).__name__, "BaseException")
-    # Redacted before its whitespace is folded and it is cut: the log filter would miss a
-    # secret changed by either.
-    text = _guarded(lambda: " ".join(redact_known(str(exc)).split()), "<unprintable>")
-    return storable_text(f"{name}: {text}" if text else name)[:_CAUSE_CHARS]
-
-
-# -- heartbeats ---------------------------------------------------------------------------------
-
-
-class _HeartbeatPause:
-    """After a heartbeat that did not reach the database, the step's next heartbeats within
-    ``HEARTBEAT_PAUSE_S`` are skipped: a step that heartbeats in a loop must not turn into a
-    loop of connection attempts and warnings while the database is away (a failover, a
-    restart). Short: once the database is back, a heartbeat must get through well within the
-    step's ``heartbeat_timeout``."""
-
-    def __init__(self) -> None:
-        self._until = 0.0
-
-    def skip(self) -> bool:
-        return time.monotonic() < self._until
-
-    def failed(self) -> None:
-        self._until = time.monotonic() + HEARTBEAT_PAUSE_S
-
-
-def _heartbeat(
-    engine: Any,
-    token: str,
-    details: Any,
-    limit: int,
-    redact: Callable[[Any], Any] = lambda value: value,
-    pause: _HeartbeatPause | None = None,
-) -> bool:
-    """A heartbeat is a hint: a database blip or odd details must not fail the user's step,
-    and details the database refuses must not cost the heartbeat itself. ``redact``: the
-    attempt's secrets out of the (encoded) details. ``pause``: the attempt's, to skip
-    heartbeats for a while after one that failed. Returns whether the attempt should stop
-    (its run's cancel requested, or the attempt closed)."""
-    if pause is not None and pause.skip():
-        return False  # unknown: a heartbeat after the pause asks again
-    value, problem = _payload(details, "heartbeat details", min(limit, 65536))
-    value = redact(value)
-    if problem is not None:
-        log.warning("attempt %s: %s; recording the heartbeat without them", token, problem)
-    try:
-        stop = _record_heartbeat(engine, token, value)
-    except Exception as exc:  # noqa: BLE001
-        log.warning("heartbeat for %s not recorded: %s", token, _describe(exc))
-        if pause is not None:
-            pause.failed()
-        return False  # unknown: the next heartbeat asks again
-    return stop
-
-
-def _record_heartbeat(engine: Any, token: str, details: Any) -> bool:
-    try:
-        return attempts.heartbeat(engine, token, details)
-    except ValuesRefused as refused:
-        if details is None:
-            raise
-        log.warning(
-            "attempt %s: heartbeat details refused by the database (%s); recorded without them",
-            token,
-            refused.cause,
-        )
-        return attempts.heartbeat(engine, token, None)
-
-
-def _should_stop(engine: Any, token: str) -> bool:
-    """``ctx.cancelled``'s look at the attempt row; a database blip reads as "go on"."""
-    try:
-        return attempts.should_stop(engine, token)
-    except Exception as exc:  # noqa: BLE001
-        log.warning("attempt %s: cancel flag not read: %s", token, _describe(exc))
-        return False
 
 
 def _wake_needed(engine: Any, run_id: str) -> bool:
@@ -667,7 +382,7 @@ def _context(
     limit: int,
     secrets: AttemptSecrets,
 ) -> StepContext:
-    pause = _HeartbeatPause()
+    pause = HeartbeatPause()
     return StepContext(
         run_id=claimed.run_id,
         workflow_id=claimed.workflow_id,
@@ -676,11 +391,11 @@ def _context(
         attempt=claimed.attempt,
         input_fn=read_input,
         context=claimed.context,
-        heartbeat_fn=lambda details: _heartbeat(
+        heartbeat_fn=lambda details: heartbeat(
             engine, claimed.token, details, limit, secrets.redact, pause
         ),
         secret_fn=secrets.get,
-        cancelled_fn=lambda: _should_stop(engine, claimed.token),
+        cancelled_fn=lambda: should_stop(engine, claimed.token),
         cancelled=claimed.cancel_requested,
     )
 
@@ -723,14 +438,14 @@ def _run_batch(
         try:
             attempts.batch_checkpoint(engine, token, me, progress)
         except Exception as exc:  # noqa: BLE001 - a checkpoint only saves a retry some work
-            log.warning("attempt %s: batch checkpoint not recorded: %s", token, _describe(exc))
+            log.warning("attempt %s: batch checkpoint not recorded: %s", token, describe(exc))
 
     done, interrupt = batch.run_batch(spec, earlier, call, checkpoint)
     what = f"step {step.name!r} batch of {len(spec['items'])} items"
-    output, problem = _payload(done.output, f"{what} result", limit)
+    output, problem = payload_of(done.output, f"{what} result", limit)
     patch = None
     if problem is None:
-        patch, problem = _payload(done.patch, f"{what} context patch", limit)
+        patch, problem = payload_of(done.patch, f"{what} context patch", limit)
     if problem is not None:
         log.error("attempt %s: %s", token, problem)
         return _invalid(f"{problem} (a smaller batch_size keeps it under the limit)"), interrupt
@@ -859,24 +574,24 @@ def _call(
         value = step.fn(ctx, **kwargs)
     except StepCancelled as exc:
         # Stopped on a cancel: recorded as cancelled, never a failure to retry.
-        error = _error_of(exc, call.secrets.redact_text)
+        error = error_of(exc, call.secrets.redact_text)
         return _Outcome("cancelled", error=error, retryable=False), None
     except BaseException as exc:  # noqa: BLE001 - a step's failure is data, not a crash
         failed = _Outcome(
             "failed",
-            error=_error_of(exc, call.secrets.redact_text),
-            retryable=not _is_non_retryable(exc, call.non_retryable()),
+            error=error_of(exc, call.secrets.redact_text),
+            retryable=not is_non_retryable(exc, call.non_retryable()),
         )
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             return failed, exc
         if not isinstance(exc, Exception):
             # Celery's tracer treats these as failures too; the worker carries on.
-            log.warning("attempt %s: step %r raised %s", token, step.name, _describe(exc))
+            log.warning("attempt %s: step %r raised %s", token, step.name, describe(exc))
         return failed, None
-    output, problem = _payload(value, f"step {step.name!r} result", limit)
+    output, problem = payload_of(value, f"step {step.name!r} result", limit)
     patch = None
     if problem is None:
-        patch, problem = _payload(ctx.patch_value, f"step {step.name!r} context patch", limit)
+        patch, problem = payload_of(ctx.patch_value, f"step {step.name!r} context patch", limit)
     if problem is not None:
         log.error("attempt %s: %s", token, problem)
         return _invalid(problem), None

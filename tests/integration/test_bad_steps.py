@@ -21,8 +21,9 @@ from support import CONFIG, commit_tick, load_tick
 from ductor_celery import Ductor, RetryPolicy, StepContext
 from ductor_celery.definition import Workflow
 from ductor_celery.engine import compute_tick
-from ductor_celery.runtime import steps as steps_module
-from ductor_celery.runtime.steps import Step, execute_attempt
+from ductor_celery.runtime import step_errors as step_errors_module
+from ductor_celery.runtime.step_context import Step
+from ductor_celery.runtime.steps import execute_attempt
 from ductor_celery.store import runs
 from ductor_celery.store.db import get_engine
 from ductor_celery.store.schema import step_attempt
@@ -174,7 +175,7 @@ def test_a_result_check_that_raises_still_fails_the_attempt(
     def raising(value: Any, what: str, limit: int) -> Any:
         raise RecursionError("maximum recursion depth exceeded")
 
-    monkeypatch.setattr(steps_module, "json_problem", raising)
+    monkeypatch.setattr(step_errors_module, "json_problem", raising)
     outcome, row = _run(ductor, _step(ductor, "bad.check", lambda ctx: 1))
     assert (outcome, row.retryable) == ("failed", False)
     assert row.error["type"] == "InvalidResult"
@@ -201,7 +202,7 @@ def test_a_result_or_patch_postgres_refuses_fails_the_attempt_without_retry(
     # "lenient": the payload check lets the value through, so the database refuses it and
     # the last line of defence must still close the attempt.
     if check == "lenient":
-        monkeypatch.setattr(steps_module, "json_problem", _accept_everything)
+        monkeypatch.setattr(step_errors_module, "json_problem", _accept_everything)
 
     def bad(ctx: StepContext) -> Any:
         if where == "result":
@@ -222,7 +223,7 @@ def test_a_refused_outcome_of_a_leased_step_still_releases_its_lease(
 ) -> None:
     from ductor_celery import ConcurrencyLimit
 
-    monkeypatch.setattr(steps_module, "json_problem", _accept_everything)
+    monkeypatch.setattr(step_errors_module, "json_problem", _accept_everything)
     step = _step(
         ductor,
         "bad.leased",
@@ -243,7 +244,7 @@ def _raise_recursion(value: Any, what: str, limit: int) -> Any:
 
 
 CHECKS: dict[str, Any] = {
-    "real": steps_module.json_problem,
+    "real": step_errors_module.json_problem,
     "lenient": _accept_everything,
     "raising": _raise_recursion,
 }
@@ -253,14 +254,14 @@ CHECKS: dict[str, Any] = {
 def test_heartbeat_details_the_database_refuses_never_break_the_step(
     ductor: Ductor, monkeypatch: pytest.MonkeyPatch, check: str
 ) -> None:
-    real = steps_module.json_problem
+    real = step_errors_module.json_problem
 
     def beat(ctx: StepContext) -> str:
         # Only the heartbeats see the patched check; the result is checked for real.
-        monkeypatch.setattr(steps_module, "json_problem", CHECKS[check])
+        monkeypatch.setattr(step_errors_module, "json_problem", CHECKS[check])
         for details in (float("nan"), "\x00", "\ud800", _nested(3000)):
             ctx.heartbeat(details)
-        monkeypatch.setattr(steps_module, "json_problem", real)
+        monkeypatch.setattr(step_errors_module, "json_problem", real)
         return "done"
 
     outcome, row = _run(ductor, _step(ductor, "bad.beat", beat))

@@ -72,7 +72,7 @@ from ductor_celery import ConcurrencyLimit, RetryPolicy
 from ductor_celery.definition import Workflow
 from ductor_celery.engine import compute_tick
 from ductor_celery.engine.status import RunStatus
-from ductor_celery.runtime.steps import Step
+from ductor_celery.runtime.step_context import Step
 from ductor_celery.store import attempts, external, runs, sweep
 from ductor_celery.store.db import get_engine
 from ductor_celery.store.load import _checks

@@ -57,7 +57,7 @@ def test_heartbeats_pause_after_one_fails_to_reach_the_database(
 ) -> None:
     """A step heartbeating in a loop while the database is away tries it about once a
     second, not at every call."""
-    from ductor_celery.runtime import steps
+    from ductor_celery.runtime import heartbeats
 
     tries: list[float] = []
     down = [True]
@@ -68,16 +68,16 @@ def test_heartbeats_pause_after_one_fails_to_reach_the_database(
             raise OperationalError("UPDATE", {}, Exception("connection refused"))
         return False
 
-    monkeypatch.setattr(steps.attempts, "heartbeat", heartbeat)
-    monkeypatch.setattr(steps, "HEARTBEAT_PAUSE_S", 0.2)
-    pause = steps._HeartbeatPause()
+    monkeypatch.setattr(heartbeats.attempts, "heartbeat", heartbeat)
+    monkeypatch.setattr(heartbeats, "HEARTBEAT_PAUSE_S", 0.2)
+    pause = heartbeats.HeartbeatPause()
     began = time.monotonic()
     while time.monotonic() - began < 0.5:
-        assert steps._heartbeat(None, "t", {"n": 1}, 1000, pause=pause) is False
+        assert heartbeats.heartbeat(None, "t", {"n": 1}, 1000, pause=pause) is False
         time.sleep(0.005)
     assert 2 <= len(tries) <= 4, len(tries)  # about every 0.2 s, not ~100 times
     down[0] = False
     time.sleep(0.25)
-    steps._heartbeat(None, "t", None, 1000, pause=pause)
-    steps._heartbeat(None, "t", None, 1000, pause=pause)
+    heartbeats.heartbeat(None, "t", None, 1000, pause=pause)
+    heartbeats.heartbeat(None, "t", None, 1000, pause=pause)
     assert time.monotonic() - tries[-2] < 0.1  # back: every heartbeat is written again

@@ -90,7 +90,8 @@ def test_overlapping_forms_leave_no_fragment() -> None:
 
 
 def test_a_cut_does_not_leave_a_fragment_of_a_long_error_message() -> None:
-    from ductor_celery.runtime.steps import _MESSAGE_CHARS, _error_of
+    from ductor_celery.runtime.step_errors import MESSAGE_CHARS as _MESSAGE_CHARS
+    from ductor_celery.runtime.step_errors import error_of as _error_of
 
     s = AttemptSecrets(lambda name: SECRET)
     s.get("weird")
