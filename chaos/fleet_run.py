@@ -8,7 +8,7 @@ host       what runs there (the production commands, from chaos/)
 =========  ================================================================================
 pg0, pg1   PostgreSQL: a primary and a streaming standby (``--replication sync|async``);
            a failover swaps them (no standby with ``--pooler pgbouncer``)
-broker     Redis (or RabbitMQ with ``--broker rabbitmq``, once tests/servers.py has it)
+broker     Redis, or RabbitMQ with ``--broker rabbitmq`` (quorum queues, confirms)
 pooler     PgBouncer in transaction pooling mode (``--pooler pgbouncer``)
 steps<N>   ``celery -A app worker -Q ductor-steps -c 2``
 coord<N>   ``celery -A app worker -Q ductor-coord -c 1``
@@ -23,8 +23,9 @@ host cut from the database still records what its steps did, and the driver load
 
 The nemesis gets the fleet's faults (``nemesis.FLEET_KINDS``): ``partition_db``,
 ``partition_broker``, ``partition_all`` (shorter and longer than the step timeout, both ways
-or one way), ``flap``, and ``failover`` when the topology has a standby. A kind the topology
-cannot inject is not scheduled, and the report's ``faults_not_scheduled`` says why.
+or one way), ``flap``, and ``failover`` when the topology has a standby; with RabbitMQ its
+own broker faults (``nemesis.RABBITMQ_KINDS``) replace the ``redis_*`` ones. A kind the
+topology cannot inject is not scheduled, and the report's ``faults_not_scheduled`` says why.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from nemesis import (
     KINDS,
     PARTITION_LONG,
     PARTITION_ONE_WAY,
+    RABBITMQ_KINDS,
     Fault,
     Nemesis,
     make_schedule,
@@ -114,11 +116,15 @@ class Topology:
         if self.broker != "redis":
             for kind in REDIS_KINDS:
                 out[kind] = f"the broker is {self.broker}, not Redis"
+        if self.broker != "rabbitmq":
+            for kind in RABBITMQ_KINDS:
+                out[kind] = f"the broker is {self.broker}, not RabbitMQ"
         return out
 
     def kinds(self) -> dict[str, tuple[float, str]]:
         skip = self.not_scheduled()
-        return {k: v for k, v in {**KINDS, **FLEET_KINDS}.items() if k not in skip}
+        every = {**KINDS, **FLEET_KINDS, **RABBITMQ_KINDS}
+        return {k: v for k, v in every.items() if k not in skip}
 
 
 def fleet_schedule(args: argparse.Namespace) -> list[Fault]:
@@ -204,9 +210,38 @@ class FleetNemesis(Nemesis):
             # --failover-lag (asynchronous pair, faults whose param is 0): the standby lags
             # that far behind when the primary dies, so that acknowledged commits are lost.
             lag = self.topology.failover_lag if fault.param == 0 else 0.0
-            fault.detail.update(self.db.failover(fault.duration, self._sleep, lag_s=lag))
+            fault.detail.update(
+                self.db.failover(fault.duration, self._sleep, lag_s=lag, clock=self.now)
+            )
         finally:
             self.pg_down = False
+
+    def _do_rabbitmq_restart(self, fault: Fault) -> None:
+        # Scheduled only when the broker is RabbitMQ (Topology.not_scheduled).
+        if self.redis_down:
+            fault.result = "skipped: broker down"
+            return
+        self.redis_down = True
+        try:
+            t = time.monotonic()
+            self.redis.restart()
+            fault.detail["back_after_s"] = round(time.monotonic() - t, 2)
+        finally:
+            self.redis_down = False
+
+    def _do_rabbitmq_kill(self, fault: Fault) -> None:
+        if self.redis_down:
+            fault.result = "skipped: broker down"
+            return
+        self.redis_down = True
+        try:
+            self.redis.kill()
+            self._sleep(fault.duration)
+            t = time.monotonic()
+            self.redis.start()
+            fault.detail["start_s"] = round(time.monotonic() - t, 2)
+        finally:
+            self.redis_down = False
 
     def heal(self, timeout: float = 120.0) -> float:
         last = super().heal(timeout)
@@ -223,7 +258,7 @@ class FleetHarness(Harness):
         if args.step_workers < 2:
             raise SystemExit("--fleet needs at least 2 step-worker hosts")
         self.topology = Topology.from_args(args)
-        self.kinds = {**KINDS, **FLEET_KINDS}
+        self.kinds = self.topology.kinds()
         if reason := unavailable_reason():
             raise SystemExit(f"--fleet: {reason}")
         if reason := broker_unavailable(args.broker):
@@ -320,8 +355,11 @@ class FleetHarness(Harness):
         return fleet_schedule(self.args)
 
     def make_nemesis(self, schedule: list[Any]) -> Nemesis:
+        from checker import async_loss_windows
         from run import COORD_QUEUE, STEPS_QUEUE
 
+        # The workload stops waiting for a run whose start an asynchronous failover lost.
+        self.workload.loss_windows = lambda: async_loss_windows([f.to_json() for f in schedule])
         return FleetNemesis(
             schedule,
             self.workers,

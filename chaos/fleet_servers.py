@@ -14,14 +14,14 @@ them on a fleet host instead, without changing that file:
 * ``url``/``conninfo``/``client`` and the readiness probe use the host's address; they must be
   called from a thread inside the fleet (the harness's driver has entered its host).
 
-A new server kind (RabbitMQ, a PostgreSQL standby) plugs in the same way: a subclass that
-mixes ``InHost`` in, and a probe on the host's address. ``make_broker`` is where the broker
-kind is chosen; a kind whose server class is not in ``tests/servers.py`` yet raises
-``Unavailable`` with the reason, which the harness reports.
+A new server kind plugs in the same way: a subclass that mixes ``InHost`` in, and a probe on
+the host's address (``FleetRabbitMQ``, ``FleetStandby``). ``make_broker`` is where the broker
+kind is chosen; an unknown kind raises ``Unavailable`` with the reason.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -31,8 +31,17 @@ from typing import Any
 import psycopg
 import redis
 import servers
+from amqp import Connection as _AmqpConnection
 from fleet import Fleet
-from servers import LOOPBACK, PgBouncer, PostgresServer, RedisServer, ServerError, StandbyServer
+from servers import (
+    LOOPBACK,
+    PgBouncer,
+    PostgresServer,
+    RabbitMQServer,
+    RedisServer,
+    ServerError,
+    StandbyServer,
+)
 
 
 class Unavailable(RuntimeError):
@@ -203,21 +212,28 @@ class DbPair:
         return f"postgresql+psycopg://postgres@{hosts}/{dbname}"
 
     def failover(
-        self, down_s: float, sleep: Callable[[float], None], lag_s: float = 0.0
+        self,
+        down_s: float,
+        sleep: Callable[[float], None],
+        lag_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> dict[str, Any]:
         """``lag_s`` > 0 (asynchronous only): the primary's WAL senders are stopped that long
         before the kill, so the commits it acknowledged in that time never reach the standby
-        and are lost (a standby behind by ``lag_s``, as under load or over a slow link)."""
+        and are lost (a standby behind by ``lag_s``, as under load or over a slow link).
+        ``detail.killed_at``: ``clock()`` right after the kill (the end of the loss window)."""
         if self.standby is None:
             raise Unavailable("no standby to promote")
         old, new = self.primary, self.standby
         detail: dict[str, Any] = {"from": old.host, "to": new.host, "sync": self.sync}
         if lag_s > 0 and not self.sync:
             detail["walsenders_stopped"] = len(new.pause_streaming())
+            detail["walsenders_stopped_at"] = round(clock(), 3)
             detail["lag_s"] = lag_s
             sleep(lag_s)
         t = time.monotonic()
         old.kill()
+        detail["killed_at"] = round(clock(), 3)
         new._paused.clear()  # noqa: SLF001 - they died with the primary
         sleep(down_s)
         new.promote()
@@ -304,13 +320,109 @@ class FleetPgBouncer(InHost, PgBouncer):
         return True
 
 
+class FleetRabbitMQ(InHost, RabbitMQServer):
+    """RabbitMQ on a fleet host: AMQP on the host's address, port 5672; everything Erlang
+    (the private ``epmd``, the distribution listener ``rabbitmqctl`` talks to) on the loopback
+    *inside the host's namespace*, so only that host reaches it and a partition of the host
+    never cuts the node from its own epmd. ``guest`` may log in from the fleet's addresses
+    (``loopback_users = none``: RabbitMQ lets ``guest`` in from 127.0.0.1 only by default).
+    Clients use the default vhost ``/``. ``restart()`` (SIGTERM, start) and ``kill()`` (SIGKILL
+    of the start script and the Erlang VM) keep mnesia: durable quorum queues survive both."""
+
+    kind = "rabbitmq"
+
+    def __init__(self, fleet: Fleet, host: str, **kwargs: Any) -> None:
+        self._in_host(fleet, host)
+        super().__init__(port=5672, **kwargs)
+
+    def url(self, *_: Any) -> str:
+        """``amqp://guest:guest@ADDR:5672//`` (the harness asks for ``url(0)``: a Redis db)."""
+        return f"amqp://guest:guest@{self.addr}:{self.port}/%2F"
+
+    def _command(self) -> list[str]:
+        cmd = super()._command()  # InHost's prefix; RabbitMQServer wrote rabbitmq.conf
+        conf = self.tmpdir / "rabbitmq.conf"
+        text = conf.read_text().replace(
+            f"listeners.tcp.1 = {LOOPBACK}:", f"listeners.tcp.1 = {self.addr}:"
+        )
+        conf.write_text(text + "loopback_users = none\n")
+        return cmd
+
+    def _start_epmd(self) -> None:
+        """The private epmd inside the host (loopback there, plus the host's address, which
+        only serves the readiness probe from the driver's host)."""
+        self._epmd_port = servers.free_port()
+        with open(self.tmpdir / "epmd.log", "ab") as log:
+            self._epmd = subprocess.Popen(
+                [
+                    *self.fleet.exec_prefix(self.host),
+                    "epmd", "-port", str(self._epmd_port), "-address", f"{LOOPBACK},{self.addr}",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self._epmd_watchdog = subprocess.Popen(
+            [
+                "sh", "-c", servers._WATCHDOG_SH, "ductor-epmd-watchdog",  # noqa: SLF001
+                str(os.getpid()), str(self._epmd.pid), "TERM", str(self.tmpdir),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if self._tcp_probe(self._epmd_port):
+                    return
+            except OSError:
+                pass
+            if self._epmd.poll() is not None or time.monotonic() > deadline:
+                raise ServerError(
+                    f"epmd on {self.host} port {self._epmd_port} did not start: "
+                    f"{(self.tmpdir / 'epmd.log').read_text(errors='replace')}"
+                )
+            time.sleep(0.02)
+
+    def ctl(self, *args: str, timeout: float = 60.0) -> str:
+        """``rabbitmqctl ARGS`` run on the broker's host (the node is on its loopback)."""
+        result = subprocess.run(
+            [*self.fleet.exec_prefix(self.host), str(self.bindir / "rabbitmqctl"), "-n",
+             self.node, *args],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=timeout,
+            env=self._env(ctl_port=servers.free_port()),
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise ServerError(
+                f"rabbitmqctl {' '.join(args)} failed with code {result.returncode}:\n"
+                f"{result.stdout}\n{result.stderr}"
+            )
+        return result.stdout
+
+    def _probe(self) -> bool:
+        conn = _AmqpConnection(
+            f"{self.addr}:{self.port}", userid="guest", password="guest", connect_timeout=1
+        )
+        try:
+            conn.connect()
+        finally:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001, S110 - a probe
+                pass
+        return True
+
+
 def broker_unavailable(kind: str) -> str | None:
     """Why the broker ``kind`` cannot run on the fleet in this tree (None: it can)."""
-    if kind == "redis":
-        return None
-    if kind == "rabbitmq":
-        if getattr(servers, "RabbitMQServer", None) is None:
-            return "tests/servers.py has no RabbitMQServer in this tree"
+    if kind in ("redis", "rabbitmq"):
         return None
     return f"unknown broker kind {kind!r}"
 
@@ -321,26 +433,7 @@ def make_broker(kind: str, fleet: Fleet, host: str) -> Any:
         raise Unavailable(reason)
     if kind == "redis":
         return FleetRedis(fleet, host)
-    rabbit_class: Any = getattr(servers, "RabbitMQServer")  # noqa: B009 - absent in this tree
-
-    class FleetRabbit(InHost, rabbit_class):  # type: ignore[misc, valid-type]
-        """RabbitMQ on a fleet host (the generic mixin: 127.0.0.1 in its command becomes the
-        host's address; the probe is a TCP connect to its port)."""
-
-        kind = "rabbitmq"
-
-        def __init__(self) -> None:
-            self._in_host(fleet, host)
-            super().__init__()
-
-        def url(self, *args: Any) -> str:
-            return str(super().url(*args)).replace(LOOPBACK, self.addr)
-
-        def _probe(self) -> bool:
-            assert self.port is not None
-            return self._tcp_probe(int(self.port))
-
-    return FleetRabbit()
+    return FleetRabbitMQ(fleet, host)
 
 
 def standby_unavailable(pooler: str = "none") -> str | None:
@@ -357,6 +450,7 @@ __all__ = [
     "DbPair",
     "FleetPgBouncer",
     "FleetPostgres",
+    "FleetRabbitMQ",
     "FleetRedis",
     "FleetStandby",
     "InHost",

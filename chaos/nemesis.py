@@ -61,6 +61,12 @@ FLEET_KINDS: dict[str, tuple[float, str]] = {
     "flap": (1.5, "host"),  # that port down and up every few hundred milliseconds
     "failover": (1.0, "failover"),  # primary killed, standby promoted, old primary rebuilt
 }
+#: The broker faults of a fleet whose broker is RabbitMQ (``--fleet --broker rabbitmq``), in
+#: place of the ``redis_*`` ones. Target: the broker server (one at a time, like Redis's).
+RABBITMQ_KINDS: dict[str, tuple[float, str]] = {
+    "rabbitmq_restart": (1.5, "broker_server"),  # clean stop (SIGTERM), then start: mnesia kept
+    "rabbitmq_kill": (1.0, "broker_server"),  # SIGKILL of the node, down a moment, then start
+}
 #: The fleet's kinds that every fleet run injects early (the first faults of its schedule).
 FLEET_FIRST = ["partition_db", "partition_broker", "failover", "partition_all", "flap"]
 #: ``Fault.param`` bits of a partition: longer than the step timeout; one-way (only the peers'
@@ -119,6 +125,7 @@ def make_schedule(
         "redis": ["redis"],
         "pg": ["pg"],
         "broker": ["broker"],
+        "broker_server": ["broker"],
         "host": sorted(workers),
         "failover": ["pg"],  # the database pair: never at once with a restart of PostgreSQL
     }
@@ -178,6 +185,8 @@ def _shape(rng: random.Random, kind: str, step_timeout: float) -> tuple[float, i
         return REDIS_OUTAGE_S, 0
     if kind == "pg_restart":
         return rng.uniform(0.3, 3.0), 0  # down time after the immediate shutdown
+    if kind == "rabbitmq_kill":
+        return rng.uniform(0.5, 3.0), 0  # down time after the SIGKILL
     if kind == "pg_terminate":
         return 0.0, rng.randint(1, 6)  # connections to terminate
     if kind in ("dup_steps", "dup_ticks"):
@@ -212,6 +221,10 @@ def _hold(kind: str, duration: float) -> float:
         return 4.0
     if kind == "pg_restart":
         return duration + 6.0
+    if kind == "rabbitmq_restart":
+        return 12.0  # a clean stop and a start take ~8 s
+    if kind == "rabbitmq_kill":
+        return duration + 8.0  # a start takes ~4.5 s
     if kind == "pg_terminate":
         return 1.0
     if kind == "failover":

@@ -39,6 +39,7 @@ from typing import Any
 
 import ledger
 import sqlalchemy as sa
+from checker import in_windows
 
 from ductor_celery import DuctorError, InvalidOperation
 
@@ -82,6 +83,8 @@ class Script:
     redrives: int = 0
     pending: int = 0
     terminal_seen: str | None = None
+    #: When ``start()`` returned (seconds after the workload's t0).
+    started_at: float | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -116,6 +119,9 @@ class Workload:
         self.finishing = False
         self.starting = True
         self.t0 = time.monotonic()
+        #: The asynchronous failovers' loss windows so far (seconds after t0; the fleet
+        #: harness sets it, checker.async_loss_windows).
+        self.loss_windows: Callable[[], list[tuple[float, float]]] = list
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -321,6 +327,7 @@ class Workload:
             self.later(script, 1.0, self._start)  # the database was down: try again
             return
         script.started = True
+        script.started_at = time.monotonic() - self.t0
         self.stats[f"started:{script.workflow}"] += 1
         rng = script.rng
         if script.workflow == "chaos_signals":
@@ -393,6 +400,13 @@ class Workload:
         """Once per second: redrive some runs that ended badly; mark the script done."""
         row = self.newest(script.workflow_id)
         if row is None:
+            if script.pending <= 1 and in_windows(script.started_at, self.loss_windows()):
+                # Its start was acknowledged inside an asynchronous failover's loss window and
+                # the promoted primary has no run: lost with the old primary, not waited for.
+                script.notes.append("start lost with the primary")
+                self.stats["starts_lost_with_primary"] += 1
+                script.done = True
+                return
             self.later(script, 1.0, self._watch)
             return
         if row.status in TERMINAL and row.status != "continued":
@@ -473,6 +487,7 @@ class Workload:
                         script.workflow_id, name, payload, idempotency_key=key
                     ),
                 )
+                record["acked"] = round(time.monotonic() - self.t0, 3)
             except Exception as exc:  # noqa: BLE001 - DuctorError, or counted by call()
                 record["error"] = type(exc).__name__
             finally:
@@ -510,6 +525,7 @@ class Workload:
         try:
             self.call("decide", lambda: verb(script.workflow_id, "ok", by=by, comment="chaos"))
             record["accepted"] = True
+            record["acked"] = round(time.monotonic() - self.t0, 3)
         except DuctorError as exc:
             record["accepted"] = False
             record["error"] = type(exc).__name__
