@@ -419,6 +419,38 @@ def find_pg_bindir() -> Path:
     )
 
 
+# --- the `postgres` OS user: PostgreSQL (and our PgBouncer) refuse to run as root -------------
+
+
+def _postgres_os_user(what: str) -> pwd.struct_passwd | None:
+    """The `postgres` OS user to run ``what`` as when we are root; ``None`` otherwise."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        return pwd.getpwnam("postgres")
+    except KeyError:
+        raise ServerError(
+            f"running as root but there is no `postgres` OS user to run {what} as"
+        ) from None
+
+
+def _owned_by(tmp: Path, user: pwd.struct_passwd | None) -> Path:
+    """mkdtemp makes it 0700 root; the postgres user needs to own it (data dir, socket)."""
+    if user is not None:
+        os.chown(tmp, user.pw_uid, user.pw_gid)
+    return tmp
+
+
+def _spawn_as(user: pwd.struct_passwd | None) -> dict[str, Any]:
+    """Popen arguments: C locale (deterministic, always available, English log messages we
+    can match), and the postgres user without root's supplementary groups when we are root."""
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C"}
+    if user is None:
+        return {"env": env}
+    env.update(HOME=user.pw_dir, USER="postgres", LOGNAME="postgres")
+    return {"env": env, "user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
+
+
 class PostgresServer(_ManagedServer):
     """A private PostgreSQL cluster on 127.0.0.1, tuned for speed, with trust auth.
 
@@ -472,14 +504,7 @@ class PostgresServer(_ManagedServer):
         self.settings = {**self.DEFAULT_SETTINGS, **(settings or {})}
         self.bindir = Path(bindir) if bindir is not None else find_pg_bindir()
         # PostgreSQL refuses to run as root; then we run it as the `postgres` OS user.
-        self._os_user: pwd.struct_passwd | None = None
-        if os.geteuid() == 0:
-            try:
-                self._os_user = pwd.getpwnam("postgres")
-            except KeyError:
-                raise ServerError(
-                    "running as root but there is no `postgres` OS user to run PostgreSQL as"
-                ) from None
+        self._os_user = _postgres_os_user("PostgreSQL")
 
     @property
     def data_dir(self) -> Path:
@@ -546,24 +571,10 @@ class PostgresServer(_ManagedServer):
         return self.port
 
     def _make_tmpdir(self) -> Path:
-        tmp = super()._make_tmpdir()
-        if self._os_user is not None:
-            # mkdtemp makes it 0700 root; the postgres user needs to own it (data dir, socket).
-            os.chown(tmp, self._os_user.pw_uid, self._os_user.pw_gid)
-        return tmp
+        return _owned_by(super()._make_tmpdir(), self._os_user)
 
     def _spawn_kwargs(self) -> dict[str, Any]:
-        # C locale: deterministic, always available, and English log messages we can match.
-        env = {**os.environ, "LC_ALL": "C", "LANG": "C"}
-        if self._os_user is None:
-            return {"env": env}
-        env.update(HOME=self._os_user.pw_dir, USER="postgres", LOGNAME="postgres")
-        return {
-            "env": env,
-            "user": self._os_user.pw_uid,
-            "group": self._os_user.pw_gid,
-            "extra_groups": [],  # drop root's supplementary groups
-        }
+        return _spawn_as(self._os_user)
 
     def _prepare(self) -> None:
         cmd = [
@@ -892,14 +903,7 @@ class PgBouncer(_ManagedServer):
         self.pool_mode = pool_mode
         self.pool_size = pool_size
         self.executable = find_pgbouncer()
-        self._os_user: pwd.struct_passwd | None = None
-        if os.geteuid() == 0:
-            try:
-                self._os_user = pwd.getpwnam("postgres")
-            except KeyError:
-                raise ServerError(
-                    "running as root but there is no `postgres` OS user to run PgBouncer as"
-                ) from None
+        self._os_user = _postgres_os_user("PgBouncer")
 
     def url(self, dbname: str = "postgres") -> str:
         """SQLAlchemy URL (psycopg 3 driver) for ``dbname`` through the pooler."""
@@ -912,22 +916,10 @@ class PgBouncer(_ManagedServer):
         return self.log_path.read_text(errors="replace")
 
     def _make_tmpdir(self) -> Path:
-        tmp = super()._make_tmpdir()
-        if self._os_user is not None:
-            os.chown(tmp, self._os_user.pw_uid, self._os_user.pw_gid)
-        return tmp
+        return _owned_by(super()._make_tmpdir(), self._os_user)
 
     def _spawn_kwargs(self) -> dict[str, Any]:
-        env = {**os.environ, "LC_ALL": "C", "LANG": "C"}
-        if self._os_user is None:
-            return {"env": env}
-        env.update(HOME=self._os_user.pw_dir, USER="postgres", LOGNAME="postgres")
-        return {
-            "env": env,
-            "user": self._os_user.pw_uid,
-            "group": self._os_user.pw_gid,
-            "extra_groups": [],
-        }
+        return _spawn_as(self._os_user)
 
     def _command(self) -> list[str]:
         # Written on every start: the port may have changed after a lost race for it.
