@@ -35,7 +35,18 @@ kill -s KILL -- "-$pg" 2>/dev/null
 class Worker:
     """One ``celery -A <app> worker ...`` process (its pool children live in its group)."""
 
-    def __init__(self, name: str, app: str, args: list[str], env: dict[str, str], logdir: Path):
+    def __init__(
+        self,
+        name: str,
+        app: str,
+        args: list[str],
+        env: dict[str, str],
+        logdir: Path,
+        prefix: list[str] | None = None,
+    ):
+        """``prefix``: a command the worker runs behind, e.g. ``ip netns exec <ns>`` to put it on
+        a host of its own (benchmarks/scaling.py); it must exec the worker, so that the pid
+        signalled is the worker's own."""
         self.name = name
         self.log_path = logdir / f"{name}.log"
         # bench_app's worker_ready handler writes this file (see BENCH_READY_DIR).
@@ -43,6 +54,7 @@ class Worker:
         self.ready_file.unlink(missing_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.cmd = [
+            *(prefix or []),
             sys.executable, "-m", "celery", "-A", app, "worker", *args, "-n", f"{name}@%h",
         ]  # fmt: skip
         self.proc = subprocess.Popen(
