@@ -72,8 +72,8 @@ def host_counts(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=host_counts, default=[1, 2, 4])
-    parser.add_argument("--runs", type=int, default=200, help="ductor runs per phase")
-    parser.add_argument("--raw-tasks", type=int, default=4000, help="raw tasks per phase")
+    parser.add_argument("--runs", type=int, default=400, help="ductor runs per phase")
+    parser.add_argument("--raw-tasks", type=int, default=6000, help="raw tasks per phase")
     parser.add_argument("--coordinators", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=2, help="-c of each step worker")
     parser.add_argument("--phase-timeout", type=float, default=300.0)
@@ -235,14 +235,17 @@ class ScalingBench:
         snap1, steal1 = cpu.snapshot(), cpu.steal_seconds()
         r1 = redis_counters(redis_client)
         redis_client.close()
+        by_label = cpu.delta(snap0, snap1, label)
         by_group: dict[str, float] = {}
-        for name, seconds in cpu.delta(snap0, snap1, label).items():
+        for name, seconds in by_label.items():
             by_group[group_of(name)] = by_group.get(group_of(name), 0.0) + seconds
         total = sum(v for k, v in by_group.items() if k != "other")
         out.update(
             wall_s=round(wall, 3),
             per_s=round(units / wall, 1),
             cpu_ms_per_unit=per_unit(by_group, units, 1000.0),
+            # Each worker's main process (the consumer) and its pool children apart.
+            cpu_ms_per_unit_by_process=per_unit(by_label, units, 1000.0),
             cpu_ms_per_unit_total=round(1000.0 * total / units, 3),
             # How busy the machine was: all its cores, every process (ours and the rest).
             machine_busy=round(sum(by_group.values()) / wall / (os.cpu_count() or 1), 2),
@@ -286,6 +289,7 @@ class ScalingBench:
         ]
         counter = redis.Redis.from_url(self.redis.url(COUNTER_DB))
         with self.workers(specs) as started:
+            self.raw_warm_up(counter, 100 * hosts, hosts)
             counter.set(self.app.COUNTER_KEY, 0)
             with self.measured(started, n, "task") as out:
                 with self.app.raw.producer_or_acquire() as producer:
@@ -301,6 +305,27 @@ class ScalingBench:
         log(f"raw, {hosts} host(s): {out['per_s']} tasks/s, {out['cpu_ms_per_unit']} ms/task")
         return out
 
+    def idle_cpu(self, workers: list[Worker], seconds: float) -> dict[str, float]:
+        """CPU milliseconds per second each process group spends with nothing to do: the
+        price of a worker host that merely waits (heartbeats, pool maintenance, polling)."""
+        roots = {w.name: w.proc.pid for w in workers}
+        label = cpu.classify_by_roots(roots)
+        snap0 = cpu.snapshot()
+        time.sleep(seconds)
+        spent = cpu.delta(snap0, cpu.snapshot(), label)
+        return {k: round(1000.0 * v / seconds, 1) for k, v in sorted(spent.items()) if k != "other"}
+
+    def raw_warm_up(self, counter: Any, n: int, hosts: int) -> None:
+        """As ductor's: every pool child runs some tasks before the measured ones."""
+        counter.set(self.app.COUNTER_KEY, 0)
+        for i in range(n):
+            self.app.raw_count.apply_async(args=[i])
+        deadline = time.monotonic() + self.args.phase_timeout
+        while int(counter.get(self.app.COUNTER_KEY) or 0) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"raw, {hosts} hosts: warm-up tasks not done in time")
+            time.sleep(0.01)
+
     def ductor_phase(self, hosts: int) -> dict[str, Any]:
         n = self.args.runs
         c = str(self.args.concurrency)
@@ -314,12 +339,16 @@ class ScalingBench:
         ]
         ductor = self.app.ductor
         with self.workers(specs) as started:
-            # One run first: every worker's first step and tick pay for imports and prepares.
-            ductor.wait(ductor.start(WORKFLOW, input={"value": 0}).run_id, timeout=60)
+            # Warm-up: a process's first steps and ticks pay for imports, connections, compiled
+            # and prepared statements; enough runs that every pool child of every host gets some.
+            warm = [ductor.start(WORKFLOW, input={"value": 0}).run_id for _ in range(20 * hosts)]
+            self.wait_all(warm, hosts)
+            idle = self.idle_cpu(started, 5.0)
             with self.measured(started, n * STEPS, "step") as out:
                 run_ids = [ductor.start(WORKFLOW, input={"value": 0}).run_id for _ in range(n)]
                 self.wait_all(run_ids, hosts)
         self.settle(out)
+        out["idle_cpu_ms_per_s"] = idle
         log(f"ductor, {hosts} host(s): {out['per_s']} steps/s, {out['cpu_ms_per_unit']} ms/step")
         return out
 
