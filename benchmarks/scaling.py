@@ -99,6 +99,19 @@ def db_counters(conn: Any) -> dict[str, int]:
     return dict(zip(keys, (int(v) for v in row), strict=True))
 
 
+def table_counters(conn: Any) -> dict[str, int]:
+    """Rows inserted, updated (HOT or not) and deleted, per ductor table (``eec_*``):
+    ``<table>.ins``, ``.upd``, ``.del``."""
+    out: dict[str, int] = {}
+    rows = conn.execute(
+        "SELECT relname, n_tup_ins, n_tup_upd, n_tup_del FROM pg_stat_user_tables "
+        "WHERE relname LIKE 'eec\\_%'"
+    ).fetchall()
+    for name, ins, upd, dele in rows:
+        out.update({f"{name}.ins": ins, f"{name}.upd": upd, f"{name}.del": dele})
+    return out
+
+
 def redis_counters(client: Any) -> dict[str, int]:
     """Redis's cumulative command counts: all commands, and the pushes (a kombu publish is one
     LPUSH onto the queue's list)."""
@@ -268,7 +281,11 @@ class ScalingBench:
         spent = delta(db1, db0)
         # Every reading and poll but this last one, whose own transaction is not in db1.
         spent["commits"] -= self.driver_queries - 1
-        out["database"] = per_unit(spent, out["units"], digits=2)
+        tables = {k: v for k, v in spent.items() if "." in k and v}
+        out["database"] = per_unit(
+            {k: v for k, v in spent.items() if "." not in k}, out["units"], digits=2
+        )
+        out["rows_by_table"] = per_unit(tables, out["units"], digits=2)
 
     def db_counters(self) -> dict[str, int]:
         import psycopg
@@ -276,7 +293,7 @@ class ScalingBench:
         with psycopg.connect(self.pg.conninfo(DBNAME), autocommit=True) as conn:
             # A backend sends its statistics at exit: this one's reading counts once.
             self.driver_queries += 1
-            return db_counters(conn)
+            return {**db_counters(conn), **table_counters(conn)}
 
     def raw_phase(self, hosts: int) -> dict[str, Any]:
         import redis
@@ -343,7 +360,10 @@ class ScalingBench:
             # and prepared statements; enough runs that every pool child of every host gets some.
             warm = [ductor.start(WORKFLOW, input={"value": 0}).run_id for _ in range(20 * hosts)]
             self.wait_all(warm, hosts)
-            idle = self.idle_cpu(started, 5.0)
+            # Quiet for 11 s: the idle cost, and time for every backend to report the warm-up's
+            # transactions and rows to pg_stat_database (an idle one does within 10 s), so
+            # that none of them lands in the measured phase's counters.
+            idle = self.idle_cpu(started, 11.0)
             with self.measured(started, n * STEPS, "step") as out:
                 run_ids = [ductor.start(WORKFLOW, input={"value": 0}).run_id for _ in range(n)]
                 self.wait_all(run_ids, hosts)
