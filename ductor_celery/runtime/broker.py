@@ -50,7 +50,7 @@ from ..settings import Settings
 
 log = logging.getLogger("ductor_celery.broker")
 
-#: ductor's priorities are 0..9, higher first (API.md); a classic queue holds that many levels.
+#: Run priorities (flow control) go 0..9, higher first; a classic queue holds that many levels.
 MAX_PRIORITY = 9
 #: Seconds a publish waits for the broker's confirm before it fails (then the outbox row stays
 #: and the sweeper sends it again): milliseconds normally; a broker that blocks publishers
