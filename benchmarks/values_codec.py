@@ -17,7 +17,7 @@ from typing import Any
 if len(sys.argv) > 1:
     sys.path.insert(0, sys.argv[1])
 
-from ductor_celery.engine.payloads import check_json  # noqa: E402
+from ductor_celery.payloads import check_json  # noqa: E402
 from ductor_celery.store.schema import dumps_json  # noqa: E402
 
 VALUE = {

@@ -10,9 +10,9 @@ from typing import Any
 
 from . import limits
 from .engine.kinds import CONTROL_ALLOWED, AuditAction, ControlKind, statuses_allowing
-from .engine.payloads import check_json
 from .engine.status import RunStatus
 from .errors import InvalidOperation, PayloadNotSerializable, PayloadTooLarge
+from .payloads import check_json
 from .store import audit, runs
 
 

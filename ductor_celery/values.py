@@ -19,7 +19,7 @@ dataclass instance              ``dataclass``    ``{"class": "module:Qual.Name",
                                                  {name: value}}`` (fields encoded in turn)
 ==============================  ===============  =============================================
 
-Encoding happens where a value enters ductor (``engine.payloads.check_json``: a run's input,
+Encoding happens where a value enters ductor (``payloads.check_json``: a run's input,
 a signal's payload, a step's result, context patch and heartbeat details, a definition's
 literals); what is stored, resolved by paths and measured against the size limit is the
 encoded JSON. Decoding happens where a value leaves for user code: a step's arguments,

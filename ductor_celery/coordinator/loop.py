@@ -103,9 +103,6 @@ class _Rejected(Exception):
 _NOTHING = TickResult("missing")
 _SETTLED = TickResult("noop")
 
-#: The failpoint between commit and dispatch, for a coordinator tick and an eager one.
-_AFTER_COMMIT = {False: "after_commit_before_dispatch", True: "eager_after_commit_before_dispatch"}
-
 
 class Coordinator(Generic[TxT]):
     """Ticks runs of one store, sending what each commit wrote through one dispatcher."""

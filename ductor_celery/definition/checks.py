@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import DefinitionError
 from ..limits import MAX_BATCH_SIZE, duration_problem, id_problem, int_problem, is_number
+from ..payloads import check_json
 from .retry import ConcurrencyLimit, RetryPolicy
 from .spec import BATCH_ARG, RESERVED_SIGNAL_PREFIX, ConcurrencySpec
 from .validate import short
@@ -39,8 +40,6 @@ def check_literals(template: Any, where: str, field: str) -> Any:
     store them as ``null``), NUL, a lone surrogate, an int too long to print, a non-JSON type,
     or nesting deeper than MAX_JSON_DEPTH. The definition is stored as JSON, and what the
     template resolves to is a payload (an argument set counts as one level)."""
-    from ..engine.payloads import check_json  # here: engine/ imports definition/
-
     checked = check_json(template, f"{where}: {field}", _NO_SIZE_LIMIT)
     if checked.problem is not None:
         raise DefinitionError(checked.problem)

@@ -14,12 +14,12 @@ from typing import Any
 
 from ..definition.retry import backoff_delay
 from ..limits import later
+from ..payloads import json_problem
 from . import scatter
 from .context import TickContext
 from .exhausted import pause_on_exhausted
 from .inputs import AttemptResult, ClosedAttempt, Dispatch
 from .kinds import DispatchKind
-from .payloads import json_problem
 from .slots import Slot, first_limit, slots, start_attempt
 from .state import AttemptOutput, BranchState, NodeState, StepWork
 from .status import NodeStatus

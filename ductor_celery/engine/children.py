@@ -16,10 +16,10 @@ from typing import Any
 from ..definition.paths import Scope, resolve
 from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec, WorkflowSpec
 from ..limits import MAX_ID_LENGTH, later
+from ..payloads import refusal
 from .context import TickContext
 from .inputs import ChildControl, ChildSnapshot, ChildStart, ControlIn
 from .kinds import ControlKind
-from .payloads import refusal
 from .state import ChildWork, RunState, ScatterState
 from .status import OPEN_RUN_STATUSES, NodeStatus
 

@@ -18,11 +18,11 @@ from typing import Any
 
 from ..definition.paths import Scope, resolve
 from ..definition.spec import BATCH_ARG, ChildScatterNodeSpec, ScatterNodeSpec
+from ..payloads import refusal
 from . import children
 from .context import TickContext
 from .inputs import ClosedAttempt, Dispatch
 from .kinds import DispatchKind
-from .payloads import refusal
 from .slots import Slot, lease_key_for, start_attempt
 from .state import BranchState, ScatterState
 from .status import OPEN_RUN_STATUSES, NodeStatus

@@ -13,12 +13,12 @@ from ..definition.spec import (
     StepNodeSpec,
     SubworkflowNodeSpec,
 )
+from ..payloads import refusal
 from ..values import truthy
 from .children import close_checkpointed_children, close_child, start_subworkflow
 from .context import TickContext
 from .delay import waiting_to_start
 from .external import park_node
-from .payloads import refusal
 from .scatter import close_branches, close_slot, start_scatter
 from .slots import lease_key_for, slots, start_attempt
 from .state import ChildWork, LiteralOutput, StepWork

@@ -306,9 +306,6 @@ class ParkedWork:
         return ParkedWork(self.deadline)
 
 
-#: A scatter node's part (node kinds ``scatter``, ``child_scatter``): ``ScatterState``.
-ScatterWork = ScatterState
-
 #: The kind-specific part of a node's state (``NodeState.work``). A checkpoint has none, and
 #: nor has a node not started yet (or put back to pending): ``None``.
 NodeWork = StepWork | ScatterState | ChildWork | ParkedWork

@@ -38,9 +38,6 @@ _FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 _STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 _RUN_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 21600.0, 86400.0)
 
-#: Outcomes of attempts the coordinator closes itself (``ClosedAttempt.outcome``), as labels.
-CLOSED_OUTCOMES = ("timed_out", "lost", "cancelled")
-
 
 class _Metrics:
     """The metric objects; created once per process, after the multiprocess mode is set."""

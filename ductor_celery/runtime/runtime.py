@@ -43,8 +43,9 @@ class Runtime:
         self._schema_ready = False
         self.failpoint = failpoint
         app._ductor_runtime = self
-        self.tick_task = self._register_tick_task()
-        self.first_tick_task = self._register_first_tick_task()
+        # Registered on the app by name (Celery finds them there); nothing keeps a reference.
+        self._register_tick_task()
+        self._register_first_tick_task()
         if SweeperBootstep not in app.steps["worker"]:
             app.steps["worker"].add(SweeperBootstep)
         if MetricsBootstep not in app.steps["worker"]:

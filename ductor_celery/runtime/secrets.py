@@ -39,8 +39,8 @@ from urllib.parse import quote, quote_plus
 
 from ..definition.paths import secret_name_problem, secret_slots
 from ..definition.spec import ScatterNodeSpec, WorkflowSpec
-from ..engine.payloads import storable_text
 from ..errors import InvalidSecretName, SecretNotFound
+from ..payloads import storable_text
 
 REDACTED = "***"
 

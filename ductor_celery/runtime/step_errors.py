@@ -9,8 +9,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ..engine.payloads import json_problem, storable_text
 from ..errors import NonRetryableError
+from ..payloads import json_problem, storable_text
 from .secrets import redact_known
 
 #: The longest exception message and traceback tail kept in an attempt's error, and the

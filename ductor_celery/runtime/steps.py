@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import tracing
 from ..definition.spec import BATCH_ARG
-from ..engine.payloads import storable_text
 from ..errors import InvalidSecretName, SecretNotFound, StepCancelled
+from ..payloads import storable_text
 from ..store import attempts, wakes
 from ..store.db import ValuesRefused, outages, with_retry
 from ..store.outbox import OutboxRow

@@ -29,8 +29,8 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError, StatementError
 
-from ..engine.payloads import storable_text
 from ..errors import StoreUnavailable
+from ..payloads import storable_text
 from .schema import dumps_json
 
 log = logging.getLogger("ductor_celery.store")

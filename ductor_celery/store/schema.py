@@ -42,7 +42,7 @@ def dumps_json(value: Any) -> str:
     A float with a positive exponent is written out in full with a trailing ``.0``
     (``1e+16`` -> ``10000000000000000.0``): PostgreSQL's jsonb prints ``1e+16`` back as
     ``10000000000000000``, which would read back as an int. Everything else is ``json.dumps``.
-    Values reach it checked (``engine.payloads``), so already in the tagged encoding of
+    Values reach it checked (``payloads``), so already in the tagged encoding of
     ``ductor_celery.values``; a typed value that did not is encoded the same way here.
     """
     text = _STORE_ENCODER.encode(value)

@@ -51,7 +51,6 @@ from ductor_celery import (
 from ductor_celery.call_checks import check_timeout
 from ductor_celery.cli import ductor as ductor_cli
 from ductor_celery.definition import WorkflowSpec
-from ductor_celery.engine.payloads import check_json
 from ductor_celery.errors import DefinitionError
 from ductor_celery.limits import (
     MAX_ATTEMPTS,
@@ -65,6 +64,7 @@ from ductor_celery.limits import (
     MAX_LIST_LIMIT,
     show,
 )
+from ductor_celery.payloads import check_json
 from ductor_celery.runtime.coordinator import run_tick
 from ductor_celery.store import external
 from ductor_celery.store.migrate import upgrade

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from ductor_celery.engine.children import child_workflow_id
-from ductor_celery.engine.payloads import check_json, json_problem
 from ductor_celery.limits import MAX_ID_LENGTH, MAX_JSON_DEPTH
+from ductor_celery.payloads import check_json, json_problem
 
 LIMIT = 1 << 20
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel, model_validator
 
 from ductor_celery import Ductor, StepContext
 from ductor_celery.declared import declared, register_type
-from ductor_celery.engine.payloads import check_json
+from ductor_celery.payloads import check_json
 from ductor_celery.runtime.arguments import ArgumentRefused, prepare
 from ductor_celery.runtime.step_context import StepContext as Ctx
 from ductor_celery.values import (

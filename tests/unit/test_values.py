@@ -14,7 +14,7 @@ import pytest
 from pydantic import BaseModel
 
 from ductor_celery.definition.paths import Scope, resolve
-from ductor_celery.engine.payloads import check_json, json_problem
+from ductor_celery.payloads import check_json, json_problem
 from ductor_celery.runtime.arguments import ArgumentRefused, converters_for, prepare
 from ductor_celery.store.schema import dumps_json
 from ductor_celery.values import (

@@ -20,8 +20,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from ..limits import MAX_JSON_DEPTH
-from ..values import (
+from .limits import MAX_JSON_DEPTH
+from .values import (
     VALUE_KEY,
     decimal_text_problem,
     encode_default,
