@@ -124,6 +124,38 @@ def _unbounded_decimal(value: Any) -> str | None:
     return None
 
 
+class JsonTextError(ValueError):
+    """A text a person typed or sent that is no strict JSON; the message names the field."""
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+
+
+def _json_int(digits: str) -> int:
+    limit = sys.get_int_max_str_digits()
+    if limit and len(digits.lstrip("-")) > limit:
+        raise ValueError(f"an integer of {len(digits.lstrip('-'))} digits (at most {limit})")
+    return int(digits)
+
+
+def loads_strict(text: str, what: str) -> Any:
+    """JSON text from a person (the CLI's ``--input`` and ``--payload``, the console's fields
+    and bodies), read strictly: no NaN or Infinity, no integer too long to read, at most
+    MAX_JSON_DEPTH levels. ``JsonTextError`` naming ``what`` otherwise, on one line."""
+    too_deep = f"{what} is nested too deeply (at most {MAX_JSON_DEPTH} levels)"
+    try:
+        value = json.loads(text, parse_constant=_no_constant, parse_int=_json_int)
+    except RecursionError:
+        raise JsonTextError(too_deep) from None
+    except ValueError as exc:  # JSONDecodeError too
+        first = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise JsonTextError(f"{what} is not valid JSON: {first or type(exc).__name__}") from None
+    if _deeper_than(value, MAX_JSON_DEPTH):
+        raise JsonTextError(too_deep)
+    return value
+
+
 def _deeper_than(value: Any, limit: int) -> bool:
     """Whether decoded JSON nests lists and dicts more than ``limit`` levels (iteratively)."""
     level = [value] if type(value) is dict or type(value) is list else []

@@ -18,7 +18,8 @@ import click
 
 from ..engine.kinds import AuditSource
 from ..errors import DuctorError
-from ..limits import MAX_DURATION_S, MAX_JSON_DEPTH
+from ..limits import MAX_DURATION_S
+from ..payloads import JsonTextError, loads_strict
 from ..store.audit import acting_as
 
 if TYPE_CHECKING:
@@ -96,27 +97,14 @@ def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
 # -- reading the command line ------------------------------------------------------------------
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
-
-
-def _json_int(digits: str) -> int:
-    limit = sys.get_int_max_str_digits()
-    if limit and len(digits.lstrip("-")) > limit:
-        raise ValueError(f"an integer of {len(digits.lstrip('-'))} digits (at most {limit})")
-    return int(digits)
-
-
 def parse_json(text: str | None, option: str) -> Any:
     """Strict JSON: NaN, Infinity, huge integers and deep nesting are one clear line."""
     if text is None:
         return None
     try:
-        return json.loads(text, parse_constant=_no_constant, parse_int=_json_int)
-    except RecursionError:
-        fail(f"{option} is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
-    except ValueError as exc:  # JSONDecodeError too
-        fail(f"{option} is not valid JSON: {_one_line(exc)}")
+        return loads_strict(text, option)
+    except JsonTextError as exc:
+        fail(str(exc))
 
 
 def parse_version(text: str | None, *, latest: bool = False) -> int | str | None:

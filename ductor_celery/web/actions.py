@@ -10,13 +10,11 @@ run's state, is the client's own, so an action the run does not allow raises the
 from __future__ import annotations
 
 import inspect
-import json
-import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..engine.kinds import AuditSource
-from ..limits import MAX_JSON_DEPTH
+from ..payloads import JsonTextError, loads_strict
 from ..store.audit import acting_as
 from .params import BadRequest
 from .tokens import Role
@@ -42,41 +40,12 @@ ACTIONS = tuple(ACTION_KEYS)
 ACTION_ROLES: dict[str, Role] = dict.fromkeys(ACTIONS, Role.OPERATOR)
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
-
-
-def _json_int(digits: str) -> int:
-    limit = sys.get_int_max_str_digits()
-    if limit and len(digits.lstrip("-")) > limit:
-        raise ValueError(f"an integer of {len(digits.lstrip('-'))} digits (at most {limit})")
-    return int(digits)
-
-
-def _depth(value: Any) -> int:
-    """How deeply lists and dicts nest in ``value`` (iteratively: no recursion limit)."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        item, level = todo.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, level)
-            todo.extend((v, level + 1) for v in (item.values() if isinstance(item, dict) else item))
-    return deepest
-
-
 def parse_json(text: str, what: str) -> Any:
-    """Strict JSON (no NaN or Infinity, no integer too long to read, at most MAX_JSON_DEPTH
-    levels); BadRequest naming ``what`` otherwise."""
+    """Strict JSON (payloads.loads_strict); BadRequest naming ``what`` otherwise."""
     try:
-        value = json.loads(text, parse_constant=_no_constant, parse_int=_json_int)
-    except RecursionError:
-        raise BadRequest(f"{what} is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
-    except ValueError as exc:
-        first = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
-        raise BadRequest(f"{what} is not valid JSON: {first}") from None
-    if _depth(value) > MAX_JSON_DEPTH:
-        raise BadRequest(f"{what} is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
-    return value
+        return loads_strict(text, what)
+    except JsonTextError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def check_body(action: str, body: Any) -> dict[str, Any]:

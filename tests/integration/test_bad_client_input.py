@@ -315,7 +315,7 @@ def _cli(door: Door, *args: str) -> Any:
         ("start", "1" * 5000, "--input is not valid JSON: an integer of 5000 digits"),
         ("start", '{"a": NaN}', "--input is not valid JSON: NaN"),
         ("start", "[-Infinity]", "-Infinity"),
-        ("start", json.dumps(nested(101)), "nested deeper than 100"),
+        ("start", json.dumps(nested(101)), "--input is nested too deeply (at most 100 levels)"),
         ("signal", "[" * 5000 + "]" * 5000, "--payload is nested too deeply"),
         ("signal", "9" * 4301, "--payload is not valid JSON: an integer of 4301 digits"),
         ("signal", "NaN", "--payload is not valid JSON: NaN"),
