@@ -9,6 +9,7 @@ from typing import Any, overload
 
 from . import retention
 from .client import Client
+from .declared import declare_annotations, register_type
 from .definition.builder import Workflow
 from .definition.checks import check_step_options, not_a_function
 from .definition.checks import step_name as checked_step_name
@@ -21,7 +22,6 @@ from .runtime.step_context import Step
 from .schedules import DEFAULT_CATCHUP_WINDOW_S, Schedules
 from .settings import Settings
 from .store import migrate
-from .values import declare_annotations, register_type
 from .views import AuditPage, RunHandle, RunPage, RunView, ScheduleView
 
 log = logging.getLogger("ductor_celery")

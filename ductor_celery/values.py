@@ -56,11 +56,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-# The declared classes are kept in ``declared.py``; their names are re-exported here, where
-# the facade and older callers import them.
-from .declared import declare_annotations as declare_annotations
-from .declared import declared as declared
-from .declared import register_type as register_type
+# The classes a value may be rebuilt into are kept in ``declared.py``.
+from .declared import declared
 
 TYPE_KEY = "__type__"
 VALUE_KEY = "__value__"

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from ductor_celery.declared import register_type
 from ductor_celery.definition.paths import Scope, resolve
 from ductor_celery.payloads import check_json, json_problem
 from ductor_celery.runtime.arguments import ArgumentRefused, converters_for, prepare
@@ -22,7 +23,6 @@ from ductor_celery.values import (
     decode,
     decode_lenient,
     encode,
-    register_type,
     truthy,
 )
 
