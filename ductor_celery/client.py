@@ -32,6 +32,7 @@ from .call_checks import (
     check_timeout,
     check_version,
 )
+from .coordinator import TickOutcome
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
 from .engine.deadline import deadline_after
 from .engine.kinds import (
@@ -491,7 +492,7 @@ class Client:
         if self._tick_here is not None:
             try:
                 for _ in range(MAX_CONTROL_TICKS):
-                    if self._tick_here(run_id) == "busy":
+                    if self._tick_here(run_id) == TickOutcome.BUSY:
                         break  # another tick held the run for seconds: stalled (store/load.py)
                     handled, result = self._read(external.control_outcome, self.engine, control_id)
                     if handled:

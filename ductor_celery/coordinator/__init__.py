@@ -4,7 +4,14 @@ Knows no database and no broker: ``store.tick_store.SqlTickStore`` and the runti
 dispatcher plug it into PostgreSQL/SQLite and Celery, ``fakes`` into dicts and a list.
 """
 
-from .loop import MAX_CONFLICT_RETRIES, Coordinator, TickResult, TickStats
+from .loop import (
+    MAX_CONFLICT_RETRIES,
+    SETTLED_TICKS,
+    Coordinator,
+    TickOutcome,
+    TickResult,
+    TickStats,
+)
 from .port import (
     Dispatcher,
     Keeper,
@@ -22,6 +29,7 @@ from .port import (
 
 __all__ = [
     "MAX_CONFLICT_RETRIES",
+    "SETTLED_TICKS",
     "Coordinator",
     "Dispatcher",
     "Keeper",
@@ -31,6 +39,7 @@ __all__ = [
     "PreludeRefused",
     "RunBusy",
     "TickClaim",
+    "TickOutcome",
     "TickResult",
     "TickStats",
     "TickStore",

@@ -13,6 +13,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
 from ..engine import TickPayload, compute_tick
@@ -38,6 +39,26 @@ MAX_CONFLICT_RETRIES = 50
 TxT = TypeVar("TxT", bound=TickTransaction)
 
 
+class TickOutcome(StrEnum):
+    """What one tick did: ``TickResult.outcome``, ``run_tick``'s answer, a ticks metric label.
+    A ``str``, so it compares, logs and serializes as its value."""
+
+    #: It computed a change, committed it, and handed the commit's messages to the dispatcher.
+    COMMITTED = "committed"
+    #: Nothing to change: a duplicate or early wake-up, or a settled run.
+    NOOP = "noop"
+    #: No such run (never started, or pruned).
+    MISSING = "missing"
+    #: It gave up after ``MAX_CONFLICT_RETRIES`` recomputes; nothing was written.
+    CONFLICT = "conflict"
+    #: Another tick held the run's lock (an eager tick at once; others after the lock timeout).
+    BUSY = "busy"
+
+
+#: Outcomes after which the caller owes the run nothing: whatever woke it has been seen.
+SETTLED_TICKS = frozenset({TickOutcome.COMMITTED, TickOutcome.NOOP, TickOutcome.MISSING})
+
+
 @dataclass
 class TickStats:
     """What ticks did, for benchmarks and metrics: outcomes and recomputes."""
@@ -52,15 +73,14 @@ class TickStats:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class TickResult:
-    """What one tick did. ``outcome``: "missing", "noop", "committed", "conflict" (gave up
-    after ``MAX_CONFLICT_RETRIES`` recomputes) or "busy" (an eager tick found the run locked).
+    """What one tick did. ``outcome``: a ``TickOutcome``.
     ``payload``: what the last computation decided (None when nothing was computed);
     ``outbox``: the rows the commit wrote and the dispatcher was handed.
 
     Compares equal to its outcome's string, as ``run_tick``'s answer does:
     ``coordinator.tick(run_id) == "committed"``."""
 
-    outcome: str
+    outcome: TickOutcome
     payload: TickPayload | None = None
     outbox: list[OutboxRow] = field(default_factory=list)
 
@@ -100,8 +120,8 @@ class _Rejected(Exception):
     """A control was rejected by a store rule; the tick is computed again."""
 
 
-_NOTHING = TickResult("missing")
-_SETTLED = TickResult("noop")
+_NOTHING = TickResult(TickOutcome.MISSING)
+_SETTLED = TickResult(TickOutcome.NOOP)
 
 
 class Coordinator(Generic[TxT]):
@@ -153,9 +173,9 @@ class Coordinator(Generic[TxT]):
         # Before the load: a result committed after this point wakes the run again.
         if not eager and store.clear_wake(run_id):
             # Settled (finished, nothing to fold): a duplicate wake-up ends here, unlocked.
-            stats.count("noop")
+            stats.count(TickOutcome.NOOP)
             if observer is not None:
-                observer.ended("noop")
+                observer.ended(TickOutcome.NOOP)
             return _SETTLED
         for _ in range(MAX_CONFLICT_RETRIES):
             try:
@@ -170,12 +190,12 @@ class Coordinator(Generic[TxT]):
                 log.debug("run %s: %s; recomputing", run_id, conflict)
                 continue
             except RunBusy:
-                stats.count("busy")
-                return TickResult("busy")
+                stats.count(TickOutcome.BUSY)
+                return TickResult(TickOutcome.BUSY)
             except _Rejected:
                 continue
             stats.count(result.outcome)
-            if result.outcome != "committed":  # "busy" too, when a prelude's write was alone
+            if result.outcome != TickOutcome.COMMITTED:  # BUSY too: a prelude's write alone
                 if observer is not None:
                     observer.ended(result.outcome)
                 return result
@@ -190,10 +210,10 @@ class Coordinator(Generic[TxT]):
             if result.outbox:
                 self.dispatcher.send(result.outbox)
             if observer is not None:
-                observer.ended("committed")
+                observer.ended(TickOutcome.COMMITTED)
             return result
         log.error("run %s: gave up after %d conflicting ticks", run_id, MAX_CONFLICT_RETRIES)
-        return TickResult("conflict")
+        return TickResult(TickOutcome.CONFLICT)
 
     def _load_compute_commit(
         self,
@@ -212,7 +232,8 @@ class Coordinator(Generic[TxT]):
                 except RunBusy:
                     if prelude is None:
                         raise
-                    return TickResult("busy")  # leaving the block commits the prelude's write
+                    # Leaving the block commits the prelude's write.
+                    return TickResult(TickOutcome.BUSY)
                 if found is None:
                     log.warning("tick for unknown run %s ignored", run_id)
                     return _NOTHING
@@ -221,13 +242,14 @@ class Coordinator(Generic[TxT]):
                 if not payload.changed:
                     # Nothing to commit; only a timer row that came due early is moved.
                     tx.refresh_stale_timer(loaded, payload.next_wake_at)
-                    return TickResult("noop", payload)
+                    return TickResult(TickOutcome.NOOP, payload)
                 if self.failpoint is not None:
                     self.failpoint("before_commit")
                 claim = None if keep is None else keep.choose(loaded, payload)
                 if self.observer is not None:
                     self.observer.computed(loaded, payload)
-                return TickResult("committed", payload, tx.commit(loaded, payload, claim))
+                outbox = tx.commit(loaded, payload, claim)
+                return TickResult(TickOutcome.COMMITTED, payload, outbox)
         except WorkflowIdTaken:
             # A redrive reopening the run while another run of its workflow id is open (the
             # client checked, but a start raced it): refuse the redrive, keep the run as it is.

@@ -23,6 +23,7 @@ from ..coordinator import (
     Keeper,
     OutboxRow,
     PreludeRefused,
+    TickOutcome,
     TickStats,
     VersionConflict,
 )
@@ -81,9 +82,9 @@ def run_tick(
     eager: bool = False,
     prelude: Prelude | None = None,
     keep: Keeper | None = None,
-) -> str:
-    """One tick of one run. Returns "missing", "noop", "committed" or "conflict"; "busy"
-    when another tick holds the run's lock: with ``eager`` at once (the caller then wakes the
+) -> TickOutcome:
+    """One tick of one run: what it did (``TickOutcome``); ``BUSY`` when another tick holds
+    the run's lock: with ``eager`` at once (the caller then wakes the
     coordinator, which waits for it), otherwise after waiting ``TICK_LOCK_TIMEOUT`` for a tick
     that stalled (the sweeper's lost-wake-up scan comes back to the run: store/tick_store.py).
 

@@ -123,7 +123,8 @@ class Runtime:
             if problem is not None:
                 log.warning("tick message with a run id that %s dropped: %.200r", problem, run_id)
                 return "malformed"
-            return run_tick(rt, run_id)
+            # The plain value: Celery's task-succeeded event (Flower) shows its repr.
+            return str(run_tick(rt, run_id))
 
         return tick
 
@@ -146,8 +147,10 @@ class Runtime:
                 log.warning("start message with a run id that %s dropped: %.200r", problem, run_id)
                 return "malformed"
             request = task.request
-            return first_tick(
-                rt, run_id, request.hostname, _delivered_from(request), _task_id(request)
+            return str(
+                first_tick(
+                    rt, run_id, request.hostname, _delivered_from(request), _task_id(request)
+                )
             )
 
         return first

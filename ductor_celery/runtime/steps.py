@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import tracing
+from ..coordinator import SETTLED_TICKS, TickOutcome
 from ..definition.spec import BATCH_ARG
 from ..errors import InvalidSecretName, SecretNotFound, StepCancelled
 from ..payloads import storable_text
@@ -175,12 +176,14 @@ def first_tick(
         return "forwarded"
     engine = rt.engine()
     chain = InlineChain.start(rt, queue, lambda: worker_identity(hostname), carrier, run_id)
+    # The task's result (Flower shows it): the tick's outcome, or "failed".
+    tick: str
     try:
         tick = run_tick(rt, run_id, eager=True, keep=chain)
     except Exception as exc:  # noqa: BLE001 - the coordinator can always do it instead
         log.warning("first tick of run %s failed (%s); waking the coordinator", run_id, exc)
         tick = "failed"
-    if tick not in ("committed", "noop", "missing"):
+    if tick not in SETTLED_TICKS:
         rt.wake(run_id)
         return tick
     _run_inline(rt, engine, chain, hostname)
@@ -484,9 +487,9 @@ def _record_and_advance(
         except Exception as exc:  # noqa: BLE001 - the ordinary path below still writes it
             log.warning("eager tick of run %s failed (%s); recording on its own", run_id, exc)
             tick = None
-        if tick in ("committed", "noop", "missing"):
+        if tick in SETTLED_TICKS:
             return result.outcome
-        if tick == "busy":  # the outcome is committed; the coordinator folds it
+        if tick == TickOutcome.BUSY:  # the outcome is committed; the coordinator folds it
             _wake_coordinator(rt, engine, run_id)
             return result.outcome
     outcome = _record(rt, engine, step, token, result)
@@ -516,7 +519,7 @@ def _advance_run(rt: Runtime, engine: Any, run_id: str, keep: Keeper | None = No
     """
     if rt.settings.eager_ticks:
         try:
-            if run_tick(rt, run_id, eager=True, keep=keep) in ("committed", "noop", "missing"):
+            if run_tick(rt, run_id, eager=True, keep=keep) in SETTLED_TICKS:
                 return
         except Exception as exc:  # noqa: BLE001 - the coordinator can always do it instead
             log.warning("eager tick of run %s failed (%s); waking the coordinator", run_id, exc)
