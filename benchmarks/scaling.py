@@ -2,7 +2,7 @@
 
 Usage (root, from the repo root; needs ``ip netns``, like ``scripts/chaos --fleet``)::
 
-    .venv/bin/python benchmarks/scaling.py                  # hosts 1,2,4; about 6 minutes
+    .venv/bin/python benchmarks/scaling.py                  # hosts 1,2,4; about 4 minutes
     .venv/bin/python benchmarks/scaling.py --hosts 1,2 --runs 100 --raw-tasks 2000
 
 Every server and worker runs on a host of its own (a network namespace on a private bridge,
@@ -158,7 +158,7 @@ class ScalingBench:
             raise SystemExit(f"benchmarks/scaling.py needs network namespaces: {reason}")
         self.workdir = Path(tempfile.mkdtemp(prefix="ductor-scaling-", dir="/dev/shm"))
         if not self.args.keep:
-            self.stack.callback(shutil.rmtree, self.workdir, ignore_errors=True)
+            self.stack.push(self._remove_workdir)
         (self.workdir / "ready").mkdir()
         self.fleet = Fleet()
         self.fleet.install_signal_handlers()
@@ -194,7 +194,14 @@ class ScalingBench:
                 [str(BENCH_DIR), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
             ),
         }
-        for key in ("BENCH_TIMERS_DIR", "BENCH_PROFILE_DIR", "BENCH_EXPERIMENTS", "BENCH_EAGER"):
+        # The package's defaults (eager ticks, inline steps), never the caller's shell.
+        for key in (
+            "BENCH_TIMERS_DIR",
+            "BENCH_PROFILE_DIR",
+            "BENCH_EXPERIMENTS",
+            "BENCH_EAGER",
+            "BENCH_INLINE",
+        ):
             self.env.pop(key, None)
             os.environ.pop(key, None)
         os.environ.update(
@@ -204,6 +211,13 @@ class ScalingBench:
         import bench_app  # configured from the environment just set
 
         self.app = bench_app
+
+    def _remove_workdir(self, exc_type: Any, *_: Any) -> None:
+        """On success only: after a failure the workers' logs stay for reading."""
+        if exc_type is None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        else:
+            log(f"kept the work dir (the workers' logs): {self.workdir}")
 
     # -- workers ----------------------------------------------------------------------------
 
@@ -239,15 +253,17 @@ class ScalingBench:
         label = cpu.classify_by_roots(roots)
         redis_client = self.redis.client()
         out: dict[str, Any] = {"units": units, "unit": unit}
-        self.driver_queries = 0
-        db0, r0 = self.db_counters(), redis_counters(redis_client)
-        snap0, steal0 = cpu.snapshot(), cpu.steal_seconds()
-        t0 = time.perf_counter()
-        yield out
-        wall = time.perf_counter() - t0
-        snap1, steal1 = cpu.snapshot(), cpu.steal_seconds()
-        r1 = redis_counters(redis_client)
-        redis_client.close()
+        try:
+            self.driver_queries = 0
+            db0, r0 = self.db_counters(), redis_counters(redis_client)
+            snap0, steal0 = cpu.snapshot(), cpu.steal_seconds()
+            t0 = time.perf_counter()
+            yield out
+            wall = time.perf_counter() - t0
+            snap1, steal1 = cpu.snapshot(), cpu.steal_seconds()
+            r1 = redis_counters(redis_client)
+        finally:
+            redis_client.close()
         by_label = cpu.delta(snap0, snap1, label)
         by_group: dict[str, float] = {}
         for name, seconds in by_label.items():
@@ -279,8 +295,8 @@ class ScalingBench:
         db0 = out.pop("_db0")
         db1 = self.db_counters()
         spent = delta(db1, db0)
-        # Every reading and poll but this last one, whose own transaction is not in db1.
-        spent["commits"] -= self.driver_queries - 1
+        # Every reading and poll but this last reading, whose own queries are not in db1.
+        spent["commits"] -= self.driver_queries - 2
         tables = {k: v for k, v in spent.items() if "." in k and v}
         out["database"] = per_unit(
             {k: v for k, v in spent.items() if "." not in k}, out["units"], digits=2
@@ -291,8 +307,8 @@ class ScalingBench:
         import psycopg
 
         with psycopg.connect(self.pg.conninfo(DBNAME), autocommit=True) as conn:
-            # A backend sends its statistics at exit: this one's reading counts once.
-            self.driver_queries += 1
+            # A backend sends its statistics at exit: this reading's two queries count then.
+            self.driver_queries += 2
             return {**db_counters(conn), **table_counters(conn)}
 
     def raw_phase(self, hosts: int) -> dict[str, Any]:
