@@ -9,8 +9,6 @@ at the end reproduce, deterministically, bugs the harness found.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CHAOS = ROOT / "chaos"
 sys.path += [str(CHAOS), str(CHAOS / "repro")]
 
+from chaos_support import chaos_report as run_chaos  # noqa: E402
+from chaos_support import violation_details  # noqa: E402
 from checker import INVARIANTS  # noqa: E402
 
 SEED = 7
@@ -32,44 +32,11 @@ MINUTES = 1.0
 @pytest.fixture(scope="module")
 def chaos_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("chaos")
-    report = out / "report.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(CHAOS / "run.py"),
-            "--minutes",
-            str(MINUTES),
-            "--seed",
-            str(SEED),
-            "--report",
-            str(report),
-            "--workdir",
-            str(out / "work"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=230,
-        check=False,
-    )
-    if not report.exists():
-        pytest.fail(
-            f"scripts/chaos wrote no report (exit {proc.returncode}):\n"
-            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-        )
-    data: dict[str, Any] = json.loads(report.read_text())
-    data["_exit"] = proc.returncode
-    data["_stdout"] = proc.stdout
-    return data
+    return run_chaos(out, "--minutes", str(MINUTES), "--seed", str(SEED), timeout=230)
 
 
 def _details(report: dict[str, Any], invariant: str) -> str:
-    found = [v for v in report["violation_details"] if v["invariant"] == invariant]
-    return "\n".join(
-        f"run {v['run_id']}: {v['message']}\n    "
-        + "\n    ".join(json.dumps(r, default=str)[:300] for r in v["rows"][:3])
-        for v in found[:10]
-    )
+    return violation_details(report, invariant)
 
 
 @pytest.mark.timeout(240)

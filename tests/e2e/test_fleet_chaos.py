@@ -8,8 +8,6 @@ faults. About 2.5 minutes (2 of faults). Skipped where namespaces cannot be made
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ CHAOS = ROOT / "chaos"
 sys.path.insert(0, str(CHAOS))
 
 import fleet  # noqa: E402
+from chaos_support import chaos_report, violation_details  # noqa: E402
 from checker import INVARIANTS  # noqa: E402
 
 pytestmark = [
@@ -39,41 +38,12 @@ NETWORK_KINDS = ("partition_db", "partition_broker", "failover")
 @pytest.fixture(scope="module")
 def fleet_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("fleet")
-    report = out / "report.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(CHAOS / "run.py"),
-            "--fleet",
-            "--minutes",
-            str(MINUTES),
-            "--seed",
-            str(SEED),
-            "--report",
-            str(report),
-            "--workdir",
-            str(out / "work"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-    )
-    if not report.exists():
-        pytest.fail(
-            f"scripts/chaos --fleet wrote no report (exit {proc.returncode}):\n"
-            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-        )
-    data: dict[str, Any] = json.loads(report.read_text())
-    data["_exit"] = proc.returncode
-    data["_stdout"] = proc.stdout
-    return data
+    args = ("--fleet", "--minutes", str(MINUTES), "--seed", str(SEED))
+    return chaos_report(out, *args, timeout=400)
 
 
 def _details(report: dict[str, Any], invariant: str) -> str:
-    found = [v for v in report["violation_details"] if v["invariant"] == invariant]
-    return "\n".join(f"run {v['run_id']}: {v['message']}" for v in found[:10])
+    return violation_details(report, invariant, rows=0)
 
 
 @pytest.mark.timeout(420)
