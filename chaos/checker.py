@@ -229,6 +229,7 @@ class Checker:
         self.t0_wall = t0_wall
         self.violations: list[Violation] = []
         self.figures: dict[str, Any] = {}
+        self._run_rank: dict[str, int] | None = None
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -238,6 +239,7 @@ class Checker:
 
     def load(self) -> None:
         self.runs = {r["run_id"]: r for r in self._all("SELECT * FROM eec_workflow_run")}
+        self._run_rank = None
         self.specs = {
             r["spec_hash"]: r["spec"]
             for r in self._all("SELECT spec_hash, spec FROM eec_workflow_definition")
@@ -996,6 +998,21 @@ class Checker:
 
     # -- signals ------------------------------------------------------------------------------
 
+    def consumed_at(self, signal: dict[str, Any]) -> tuple[Any, int]:
+        """Where an applied signal's consumption falls in its workflow id's history: the
+        consuming run's start (one workflow id has one open run at a time, and a successor is
+        created by its predecessor's last commit), then the version the consuming tick wrote."""
+        if self._run_rank is None:
+            by_workflow: dict[str, list[Any]] = defaultdict(list)
+            for run in self.runs.values():
+                by_workflow[run["workflow_id"]].append(run)
+            self._run_rank = {
+                run["run_id"]: rank
+                for runs in by_workflow.values()
+                for rank, run in enumerate(sorted(runs, key=lambda r: r["created_at"]))
+            }
+        return (self._run_rank.get(signal["run_id"], -1), signal["applied_version"] or 0)
+
     def check_signals(self) -> None:
         by_id = {s["id"]: s for s in self.signals}
         # (1) every reference from a node is a signal applied to that node of that run's chain.
@@ -1073,7 +1090,11 @@ class Checker:
                     f"signal {s['id']} was applied to {node} but {node} does not hold it",
                     [s, ns],
                 )
-        # (3) one name, one workflow id: consumed in the order accepted.
+        # (3) one name, one workflow id: consumed in the order accepted. The order of
+        # consumption is the order of the commits that consumed them: the consuming run's place
+        # in its workflow id's sequence of runs, then the run version its tick wrote. Not
+        # applied_at: that is the tick's time, taken when its transaction began, and a tick that
+        # waited for the run's lock behind an earlier one carries the earlier time.
         groups: dict[tuple[str, str], list[Any]] = defaultdict(list)
         for s in self.signals:
             if not s["name"].startswith(APPROVAL_PREFIX):
@@ -1084,7 +1105,9 @@ class Checker:
                 if later["applied_at"] is None:
                     continue
                 for earlier in rows[:i]:
-                    if earlier["applied_at"] is None or earlier["applied_at"] > later["applied_at"]:
+                    if earlier["applied_at"] is None or self.consumed_at(
+                        earlier
+                    ) > self.consumed_at(later):
                         self.fail(
                             later["run_id"],
                             "signals",
