@@ -30,6 +30,8 @@ from .schema import (
     workflow_timer,
     workflow_transition,
 )
+from .start_requests import RequestKey, request_insert
+from .start_requests import find_on as find_request
 
 RUN_COLUMNS = (
     workflow_run.c.run_id,
@@ -255,12 +257,17 @@ def insert_run(
     start_at: datetime | None = None,
     deadline_at: datetime | None = None,
     who: audit.Who | None = None,
+    request: RequestKey | None = None,
 ) -> tuple[str, bool]:
     """Insert a pending run. Returns (run_id, created); an open run of the same workflow id wins.
     ``who``: the start's audit entry, in the same transaction.
 
     A delayed run (``start_at``) gets its timer row in the same transaction: the sweeper wakes
     it when it is due, so no wake-up need be sent now.
+
+    ``request``: the run is that request's (store/start_requests.py), its row inserted in the
+    same transaction; when the request was made before (a concurrent repeat committed first),
+    nothing is inserted and the run it started is returned, not created.
     """
     statement = run_insert(
         run_id=run_id,
@@ -278,29 +285,43 @@ def insert_run(
             if start_at is not None:
                 conn.execute(timer_insert(run_id, start_at))
             conn.execute(statement)
+            if request is not None:
+                conn.execute(request_insert(request, run_id=run_id, workflow_id=workflow_id))
             if who is not None:
-                conn.execute(start_entry(who, run_id, workflow_id, spec))
+                conn.execute(start_entry(who, run_id, workflow_id, spec, request))
         return run_id, True
     except IntegrityError:
         with engine.connect() as conn:
             ours = run_exists(conn, run_id)
+            earlier = find_request(conn, request) if request is not None else None
         if ours:
             return run_id, True  # our own insert: it committed, but its answer was lost
+        if earlier is not None:
+            return earlier.run_id, False
         existing = open_run_id(engine, workflow_id)
         if existing is None:
             raise
         return existing, False
 
 
-def start_entry(who: audit.Who, run_id: str, workflow_id: str, spec: WorkflowSpec) -> Any:
-    """The audit entry of a run's start."""
+def start_entry(
+    who: audit.Who,
+    run_id: str,
+    workflow_id: str,
+    spec: WorkflowSpec,
+    request: RequestKey | None = None,
+) -> Any:
+    """The audit entry of a run's start (``request``: the request that started it)."""
+    detail: dict[str, Any] = {"workflow": spec.name, "version": spec.version}
+    if request is not None:
+        detail["request"] = request.detail()
     return audit.entry_insert(
         AuditAction.START,
         actor=who.actor,
         source=who.source,
         run_id=run_id,
         workflow_id=workflow_id,
-        detail={"workflow": spec.name, "version": spec.version},
+        detail=detail,
     )
 
 

@@ -421,3 +421,24 @@ audit = sa.Table(
     # Newest first over everything, and retention's delete by age.
     sa.Index("eec_audit_at", "at"),
 )
+
+start_request = sa.Table(
+    "eec_start_request",
+    metadata,
+    # One request from outside that must take effect once however often it is sent
+    # (store/start_requests.py): an HTTP start with an ``Idempotency-Key`` (scope
+    # ``api:<workflow>``) or a webhook's delivery (scope ``hook:<name>``; the key is the value
+    # at the hook's workflow id path, or the SHA-256 of the body). Inserted in the transaction
+    # that inserts the run (or the signal) it started, never updated; pruned with that run.
+    # The scope holds "hook:" and a name of up to 200 characters.
+    sa.Column("scope", sa.String(210), primary_key=True),
+    sa.Column("key", sa.String(200), primary_key=True),
+    # The run it started, or (a signal hook) the run its signal went to.
+    sa.Column("run_id", sa.String(64), nullable=False),
+    sa.Column("workflow_id", sa.String(200), nullable=False),
+    # A signal hook's delivery: the signal row it inserted. NULL for a start.
+    sa.Column("signal_id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), nullable=True),
+    sa.Column("created_at", Ts, nullable=False, server_default=sa.func.now()),
+    # Prune deletes a run's requests by run id.
+    sa.Index("eec_start_request_run", "run_id"),
+)
