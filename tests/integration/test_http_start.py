@@ -1,0 +1,242 @@
+"""Starting runs over HTTP: ``POST /api/workflows/{name}/runs`` on the console, through
+Starlette's TestClient, on SQLite and on PostgreSQL. An operator's token starts (201); an
+``Idempotency-Key`` repeated returns the run it started (200), finished or not, and a
+concurrent repeat too (PostgreSQL, threads); no token, a viewer's, a read-only console: 403;
+an unknown workflow: 404; a bad body or key: 400 and nothing written; the audit entry names
+the token (source ``web``)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+from starlette.testclient import TestClient
+
+from ductor_celery import Ductor, RunStatus, StepContext, Workflow
+from ductor_celery.web import create_app
+
+TESTSERVER = "testserver"
+TOKENS = {
+    "vera": {"secret": "viewer-secret-7f3a", "role": "viewer"},
+    "otto": {"secret": "operator-secret-91bc", "role": "operator"},
+}
+#: The tables a start writes to.
+WRITTEN = ("eec_workflow_run", "eec_start_request", "eec_audit", "eec_workflow_timer")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def d(request: pytest.FixtureRequest, tmp_path: Path) -> Ductor:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/starts.sqlite3"
+    else:
+        url = request.getfixturevalue("database_url")
+    app = Celery(f"starts{uuid.uuid4().hex[:6]}", broker="memory://", set_as_current=False)
+    app.conf.ductor_max_payload_bytes = 5000
+    found = Ductor(app, database_url=url)
+    if request.param == "sqlite":
+        found.migrate()
+
+    @found.step(name="starts.echo")
+    def echo(ctx: StepContext, value: Any = None) -> Any:
+        return value
+
+    flow = Workflow("order")
+    flow.step("a", echo, args={"value": "$.input"})
+    flow.wait_signal("paid", signal="paid", after=["a"])
+    found.register(flow)
+    return found
+
+
+@pytest.fixture
+def api(d: Ductor) -> Iterator[TestClient]:
+    with TestClient(create_app(d, tokens=TOKENS, allowed_hosts=[TESTSERVER])) as client:
+        yield client
+
+
+def _as(name: str | None, key: str | None = None) -> dict[str, str]:
+    headers = {}
+    if name is not None:
+        headers["Authorization"] = f"Bearer {TOKENS[name]['secret']}"
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    return headers
+
+
+def _counts(d: Ductor) -> dict[str, int]:
+    with d.client.engine.connect() as conn:
+        return {t: conn.execute(sa.text(f"SELECT count(*) FROM {t}")).scalar_one() for t in WRITTEN}
+
+
+def test_an_operator_starts_a_run_and_the_audit_names_the_token(d: Ductor, api: TestClient) -> None:
+    answer = api.post(
+        "/api/workflows/order/runs",
+        json={"input": {"sku": "x-1"}, "workflow_id": "order-7"},
+        headers=_as("otto"),
+    )
+    assert answer.status_code == 201, answer.text
+    body = answer.json()
+    assert body["workflow_id"] == "order-7" and set(body) == {"run_id", "workflow_id"}
+    view = d.get(body["run_id"])
+    assert view.workflow == "order" and view.input == {"sku": "x-1"}
+    assert view.status == RunStatus.PENDING
+    (entry,) = d.audit(body["run_id"]).entries
+    assert (entry.actor, entry.action, entry.source) == ("otto", "start", "web")
+    # Without a key: a plain start (no request row); the open run of the workflow id wins, 200.
+    again = api.post(
+        "/api/workflows/order/runs", json={"workflow_id": "order-7"}, headers=_as("otto")
+    )
+    assert again.status_code == 200 and again.json() == body
+    assert _counts(d)["eec_start_request"] == 0
+
+
+def test_an_empty_body_starts_with_no_input_and_a_delay_keeps_it_pending(
+    d: Ductor, api: TestClient
+) -> None:
+    bare = api.post("/api/workflows/order/runs", headers=_as("otto"))
+    assert bare.status_code == 201
+    assert d.get(bare.json()["run_id"]).input is None
+    later = api.post("/api/workflows/order/runs", json={"delay": 3600}, headers=_as("otto"))
+    assert later.status_code == 201
+    view = d.get(later.json()["run_id"])
+    assert view.status == RunStatus.PENDING and view.start_at is not None
+
+
+def test_a_repeated_idempotency_key_returns_the_run_it_started_even_finished(
+    d: Ductor, api: TestClient
+) -> None:
+    first = api.post("/api/workflows/order/runs", json={"input": 1}, headers=_as("otto", key="k-1"))
+    assert first.status_code == 201
+    run_id = first.json()["run_id"]
+    again = api.post("/api/workflows/order/runs", json={"input": 2}, headers=_as("otto", key="k-1"))
+    assert again.status_code == 200 and again.json() == first.json()
+    d.terminate(run_id)
+    assert d.get(run_id).status == RunStatus.TERMINATED
+    after = api.post("/api/workflows/order/runs", json={"input": 3}, headers=_as("otto", key="k-1"))
+    assert after.status_code == 200 and after.json() == first.json()
+    assert len(d.list_runs(workflow="order")) == 1
+    # Another key starts another run; the same key for another workflow is another request.
+    other = api.post("/api/workflows/order/runs", headers=_as("otto", key="k-2"))
+    assert other.status_code == 201 and other.json()["run_id"] != run_id
+    counts = _counts(d)
+    assert counts["eec_workflow_run"] == 2 and counts["eec_start_request"] == 2
+    entries = [e for e in d.audit(limit=100).entries if e.action == "start"]
+    assert len(entries) == 2
+    assert {e.detail["request"]["key"] for e in entries} == {"k-1", "k-2"}
+
+
+def test_a_key_that_met_an_open_run_is_that_runs_from_then_on(d: Ductor, api: TestClient) -> None:
+    run_id = d.start("order", workflow_id="order-9").run_id
+    met = api.post(
+        "/api/workflows/order/runs", json={"workflow_id": "order-9"}, headers=_as("otto", "k")
+    )
+    assert met.status_code == 200 and met.json() == {"run_id": run_id, "workflow_id": "order-9"}
+    d.terminate(run_id)
+    again = api.post(
+        "/api/workflows/order/runs", json={"workflow_id": "order-9"}, headers=_as("otto", "k")
+    )
+    assert again.status_code == 200 and again.json()["run_id"] == run_id
+
+
+def test_prune_deletes_a_keys_row_with_its_run(d: Ductor, api: TestClient) -> None:
+    run_id = api.post("/api/workflows/order/runs", headers=_as("otto", "old")).json()["run_id"]
+    d.terminate(run_id)
+    assert d.prune(older_than=0) == 1
+    assert _counts(d)["eec_start_request"] == 0
+    fresh = api.post("/api/workflows/order/runs", headers=_as("otto", "old"))
+    assert fresh.status_code == 201 and fresh.json()["run_id"] != run_id
+
+
+@pytest.mark.parametrize(
+    ("who", "needle"),
+    [(None, "Authorization: Bearer"), ("vera", "needs the role operator")],
+)
+def test_no_token_or_a_viewers_is_403_and_starts_nothing(
+    d: Ductor, api: TestClient, who: str | None, needle: str
+) -> None:
+    before = _counts(d)
+    answer = api.post("/api/workflows/order/runs", json={"input": 1}, headers=_as(who, "k"))
+    assert answer.status_code == 403 and needle in answer.json()["error"]
+    assert _counts(d) == before
+
+
+def test_a_read_only_console_refuses_every_start(d: Ductor) -> None:
+    with TestClient(create_app(d, allowed_hosts=[TESTSERVER])) as read_only:
+        answer = read_only.post("/api/workflows/order/runs", headers=_as("otto"))
+    assert answer.status_code == 403 and "read-only" in answer.json()["error"]
+    assert _counts(d)["eec_workflow_run"] == 0
+
+
+def test_an_unknown_workflow_is_404(d: Ductor, api: TestClient) -> None:
+    answer = api.post("/api/workflows/nope/runs", json={}, headers=_as("otto", "k"))
+    assert answer.status_code == 404 and "nope" in answer.json()["error"]
+    assert all(n == 0 for n in _counts(d).values())
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "code", "needle"),
+    [
+        ("[1, 2]", {}, 400, "must be a JSON object, got list"),
+        ('"input"', {}, 400, "must be a JSON object, got str"),
+        ("{not json", {}, 400, "the body is not valid JSON"),
+        ('{"input": NaN}', {}, 400, "NaN"),
+        ("[" * 150 + "]" * 150, {}, 400, "nested too deeply"),
+        ('{"input": ' + "[" * 101 + "]" * 101 + "}", {}, 400, "nested too deeply"),
+        ('{"inputs": 1}', {}, 400, "a start takes no key 'inputs'"),
+        ('{"workflow_id": 7}', {}, 400, "workflow_id must be a string"),
+        ('{"workflow_id": ""}', {}, 400, "workflow_id must not be empty"),
+        ('{"workflow_id": "' + "w" * 201 + '"}', {}, 400, "at most 200 characters"),
+        ('{"delay": "60"}', {}, 400, "delay must be a number of seconds"),
+        ('{"delay": -5}', {}, 400, "delay must be >= 0"),
+        ('{"delay": true}', {}, 400, "delay must be a number of seconds"),
+        ('{"delay": 1e12}', {}, 400, "delay"),
+        ('{"priority": 5}', {}, 400, "'priority' is not supported yet"),
+        ("{}", {"Idempotency-Key": "k" * 201}, 400, "Idempotency-Key must be at most 200"),
+        ('{"input": "' + "x" * 6000 + '"}', {}, 413, "over ductor_max_payload_bytes"),
+    ],
+)
+def test_a_bad_body_is_refused_naming_the_problem_and_writes_nothing(
+    d: Ductor, api: TestClient, body: str, headers: dict[str, str], code: int, needle: str
+) -> None:
+    answer = api.post(
+        "/api/workflows/order/runs",
+        content=body.encode(),
+        headers={**_as("otto"), "content-type": "application/json", **headers},
+    )
+    assert answer.status_code == code, answer.text
+    assert needle in answer.json()["error"]
+    assert all(n == 0 for n in _counts(d).values())
+
+
+def test_concurrent_repeats_of_a_key_start_one_run(
+    d: Ductor, api: TestClient, request: pytest.FixtureRequest
+) -> None:
+    if d.client.engine.dialect.name != "postgresql":
+        pytest.skip("threads racing on one key: PostgreSQL (SQLite serializes every write)")
+    app = api.app
+    threads, barrier = 8, threading.Barrier(8)
+    answers: list[tuple[int, str]] = []
+
+    def post() -> None:
+        with TestClient(app) as mine:
+            barrier.wait()
+            got = mine.post(
+                "/api/workflows/order/runs", json={"input": 1}, headers=_as("otto", "race")
+            )
+            answers.append((got.status_code, got.json()["run_id"]))
+
+    workers = [threading.Thread(target=post) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(60)
+    assert len(answers) == threads
+    assert sorted(code for code, _ in answers) == [200] * (threads - 1) + [201]
+    assert len({run_id for _, run_id in answers}) == 1
+    counts = _counts(d)
+    assert counts["eec_workflow_run"] == 1 and counts["eec_start_request"] == 1
