@@ -15,6 +15,8 @@ from .definition.checks import check_step_options, not_a_function
 from .definition.checks import step_name as checked_step_name
 from .definition.retry import ConcurrencyLimit, RetryPolicy
 from .definition.spec import WorkflowSpec
+from .definition.webhooks import Webhook, Webhooks
+from .definition.webhooks import webhook as check_webhook
 from .engine.kinds import ControlKind
 from .errors import DefinitionError
 from .runtime.runtime import Runtime
@@ -52,6 +54,8 @@ class Ductor:
             tick_here=self._runtime.tick_here,
         )
         self.schedules = Schedules(self.client)
+        #: The hooks ``webhook()`` registered: the console serves each at ``/hooks/<name>``.
+        self.webhooks = Webhooks()
         app._ductor = self
         self._configure_app()
 
@@ -185,6 +189,38 @@ class Ductor:
             self._workflows[spec.name] = spec
         self._runtime.remember_spec(spec)
         return spec
+
+    def webhook(
+        self,
+        name: str,
+        workflow: str | None = None,
+        *,
+        secret: str,
+        workflow_id: str | None = None,
+        signal: str | None = None,
+        target: str | None = None,
+        scheme: str = "ductor",
+    ) -> Webhook:
+        """Register a signed webhook, served by the console at ``POST /hooks/<name>``
+        (docs/webhooks.md). ``workflow=``: each delivery starts a run with the JSON body as
+        its input, its workflow id the value at the ``workflow_id`` path (``"$.body.id"``);
+        or ``signal=``: each delivery signals the run whose run id or workflow id is at the
+        ``target`` path, the body as the payload. Once per delivery: a repeat does nothing.
+        ``secret``: ``"$.secret.<name>"``, read from ``ductor_secret_provider`` when a
+        delivery arrives. ``scheme``: ``"ductor"`` (``X-Ductor-Signature``), ``"stripe"``
+        (``Stripe-Signature``) or ``"github"`` (``X-Hub-Signature-256``). Raises
+        DefinitionError naming the problem; the same hook registered again is a no-op."""
+        return self.webhooks.add(
+            check_webhook(
+                name,
+                workflow,
+                secret=secret,
+                workflow_id=workflow_id,
+                signal=signal,
+                target=target,
+                scheme=scheme,
+            )
+        )
 
     # -- client -----------------------------------------------------------------------------
 

@@ -162,6 +162,41 @@ def _dig(value: Any, keys: tuple[str | int, ...]) -> Any:
     return value
 
 
+#: A webhook's paths read the request's JSON body: ``$.body.id``, ``$.body.data.object[0].id``.
+BODY_PREFIX = "$.body"
+
+
+def parse_body_path(text: object, what: str) -> tuple[str | int, ...]:
+    """The keys of a webhook's path into the request body (``$.body`` and at least one key
+    below it); DefinitionError naming ``what`` and the path otherwise."""
+    example = f"'{BODY_PREFIX}.id'"
+    if not isinstance(text, str) or not text.startswith(BODY_PREFIX):
+        raise DefinitionError(
+            f"{what} must be a path into the request body such as {example}, got {show(text)}"
+        )
+    rest, pos = text[len(BODY_PREFIX) :], 0
+    keys: list[str | int] = []
+    while pos < len(rest):
+        m = _SEGMENT.match(rest, pos)
+        if m is None:
+            raise DefinitionError(
+                f"malformed path {text!r} ({what}): cannot read {rest[pos:]!r} "
+                "(expected '.name' or '[index]')"
+            )
+        keys.append(m.group(1) if m.group(1) is not None else int(m.group(2)))
+        pos = m.end()
+    if not keys:
+        raise DefinitionError(
+            f"{what} {text!r} names the whole body: give a key below it, such as {example}"
+        )
+    return tuple(keys)
+
+
+def read_body(body: Any, keys: tuple[str | int, ...]) -> Any:
+    """The value at a body path's keys (``None`` where there is none)."""
+    return _dig(body, keys)
+
+
 def resolve_path(path: Path, scope: Scope) -> Any:
     if path.root == "input":
         value = _dig(scope.input, path.keys)
