@@ -65,26 +65,33 @@ def is_path(value: object) -> bool:
     return isinstance(value, str) and (value.startswith("$.") or value.startswith("!$."))
 
 
-def parse_path(text: str) -> Path:
-    """Parse ``text`` or raise DefinitionError naming it."""
-    body = text[1:] if text.startswith("!") else text
-    if not body.startswith("$"):
-        raise DefinitionError(f"malformed path {text!r}: a path starts with '$.'")
-    rest = body[1:]
+def _keys(rest: str) -> tuple[list[str | int], str | None]:
+    """The ``.name`` and ``[index]`` keys ``rest`` is made of, and the part from the first one
+    that is neither (``None`` when all of it reads)."""
     keys: list[str | int] = []
     pos = 0
     while pos < len(rest):
         m = _SEGMENT.match(rest, pos)
         if m is None:
-            problem = _secret_problem(body)
-            if problem is not None:
-                raise DefinitionError(f"malformed path {text!r}: {problem}")
-            raise DefinitionError(
-                f"malformed path {text!r}: cannot read {rest[pos:]!r} "
-                "(expected '.name' or '[index]')"
-            )
+            return keys, rest[pos:]
         keys.append(m.group(1) if m.group(1) is not None else int(m.group(2)))
         pos = m.end()
+    return keys, None
+
+
+def parse_path(text: str) -> Path:
+    """Parse ``text`` or raise DefinitionError naming it."""
+    body = text[1:] if text.startswith("!") else text
+    if not body.startswith("$"):
+        raise DefinitionError(f"malformed path {text!r}: a path starts with '$.'")
+    keys, unread = _keys(body[1:])
+    if unread is not None:
+        problem = _secret_problem(body)
+        if problem is not None:
+            raise DefinitionError(f"malformed path {text!r}: {problem}")
+        raise DefinitionError(
+            f"malformed path {text!r}: cannot read {unread!r} (expected '.name' or '[index]')"
+        )
     if not keys or keys[0] not in ROOTS:
         raise DefinitionError(
             f"malformed path {text!r}: it must start with one of "
@@ -174,17 +181,12 @@ def parse_body_path(text: object, what: str) -> tuple[str | int, ...]:
         raise DefinitionError(
             f"{what} must be a path into the request body such as {example}, got {show(text)}"
         )
-    rest, pos = text[len(BODY_PREFIX) :], 0
-    keys: list[str | int] = []
-    while pos < len(rest):
-        m = _SEGMENT.match(rest, pos)
-        if m is None:
-            raise DefinitionError(
-                f"malformed path {text!r} ({what}): cannot read {rest[pos:]!r} "
-                "(expected '.name' or '[index]')"
-            )
-        keys.append(m.group(1) if m.group(1) is not None else int(m.group(2)))
-        pos = m.end()
+    keys, unread = _keys(text[len(BODY_PREFIX) :])
+    if unread is not None:
+        raise DefinitionError(
+            f"malformed path {text!r} ({what}): cannot read {unread!r} "
+            "(expected '.name' or '[index]')"
+        )
     if not keys:
         raise DefinitionError(
             f"{what} {text!r} names the whole body: give a key below it, such as {example}"

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -13,7 +12,7 @@ from starlette.routing import Route
 
 from ..call_checks import check_target
 from ..store import runs
-from .actions import ACTION_ROLES, ACTIONS, parse_json, run_action
+from .actions import ACTION_ROLES, ACTIONS, json_body, run_action
 from .auth import CHALLENGE, actor, check_bearer
 from .console import Console, message_of, status_of
 from .live import run_live
@@ -27,17 +26,6 @@ def error(exc: BaseException) -> JSONResponse:
     code = status_of(exc)
     headers = CHALLENGE if code == 401 else None
     return JSONResponse({"error": message_of(exc)}, status_code=code, headers=headers)
-
-
-def json_body(raw: bytes) -> Any:
-    """A request's JSON body (``None`` when empty), read strictly; BadRequest otherwise."""
-    if not raw.strip():
-        return None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BadRequest("the body is not UTF-8 text") from None
-    return parse_json(text, "the body")
 
 
 def query_params(request: Request) -> dict[str, list[str]]:
@@ -95,7 +83,7 @@ def routes(console: Console) -> list[Route]:
         return JSONResponse(view.model_dump(mode="json"))
 
     async def start(request: Request) -> Response:
-        """Start a run of the workflow (docs/console.md, "Starting runs")."""
+        """Start a run of the workflow (docs/console.md, "Starting runs over HTTP")."""
         try:
             check_bearer(request, console, Role.OPERATOR, "start")
             key = idempotency_key(request.headers.get(IDEMPOTENCY_HEADER))

@@ -40,10 +40,10 @@ from ..definition.paths import parse_body_path, read_body
 from ..definition.webhooks import BadSignature, Webhook, verify
 from ..engine.kinds import AuditSource
 from ..errors import SecretNotFound
-from ..payloads import JsonTextError, loads_strict
 from ..runtime.secrets import AttemptSecrets, SecretUnavailable
 from ..store.audit import acting_as
 from ..store.start_requests import RequestKey
+from .actions import json_body
 from .console import Console, message_of, status_of
 
 log = logging.getLogger("ductor_celery.web")
@@ -84,15 +84,9 @@ def _json_type(value: object) -> str:
 
 
 def json_object(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object; BadDelivery naming the problem otherwise."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BadDelivery("the body is not UTF-8 text") from None
-    try:
-        value = loads_strict(text, "the body")
-    except JsonTextError as exc:
-        raise BadDelivery(str(exc)) from None
+    """The body as a JSON object (read as every console body is); a ValueError naming the
+    problem otherwise."""
+    value = json_body(body)
     if not isinstance(value, dict):
         raise BadDelivery(f"the body must be a JSON object, got {_json_type(value)}")
     return value
