@@ -13,7 +13,7 @@ from .declared import declare_annotations, register_type
 from .definition.builder import Workflow
 from .definition.checks import check_step_options, not_a_function
 from .definition.checks import step_name as checked_step_name
-from .definition.retry import ConcurrencyLimit, RetryPolicy
+from .definition.retry import ConcurrencyLimit, RateLimit, RetryPolicy
 from .definition.spec import WorkflowSpec
 from .engine.kinds import ControlKind
 from .errors import DefinitionError
@@ -106,6 +106,7 @@ class Ductor:
         schedule_to_start_timeout: float | None = None,
         queue: str | None = None,
         concurrency: ConcurrencyLimit | None = None,
+        rate_limit: RateLimit | None = None,
     ) -> Callable[[Callable[..., Any]], Step]: ...
 
     def step(
@@ -120,6 +121,7 @@ class Ductor:
         schedule_to_start_timeout: float | None = None,
         queue: str | None = None,
         concurrency: ConcurrencyLimit | None = None,
+        rate_limit: RateLimit | None = None,
     ) -> Any:
         """Turn a function ``fn(ctx, **args)`` into a durable step (a Celery task).
 
@@ -139,6 +141,7 @@ class Ductor:
                 schedule_to_start_timeout=schedule_to_start_timeout,
                 queue=queue,
                 concurrency=concurrency,
+                rate_limit=rate_limit,
             )
             if step_name in self._steps and self._steps[step_name].fn is not func:
                 raise DefinitionError(
@@ -153,6 +156,7 @@ class Ductor:
                 schedule_to_start_timeout=schedule_to_start_timeout,
                 queue=queue,
                 concurrency=concurrency,
+                rate_limit=rate_limit,
             )
             self._runtime.register_step(step)
             self._steps[step_name] = step

@@ -16,6 +16,7 @@ from ..limits import duration_problem, id_problem, int_problem
 from .checks import (
     after_ids,
     check_batch_lease,
+    check_batch_rate,
     check_events,
     check_literals,
     check_over,
@@ -26,7 +27,7 @@ from .checks import (
     refuse,
     signal_problem,
 )
-from .retry import RetryPolicy
+from .retry import RateLimit, RetryPolicy
 from .spec import (
     BATCH_ARG,
     CHILD_KINDS,
@@ -99,8 +100,11 @@ class Workflow:
         continue_on_failure: bool = False,
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
+        rate_limit: RateLimit | None = None,
     ) -> Workflow:
-        """Add a node that runs ``step`` with ``args`` once every node in ``after`` finished."""
+        """Add a node that runs ``step`` with ``args`` once every node in ``after`` finished.
+
+        ``retry``, ``timeout`` and ``rate_limit`` given here replace the step's own."""
         return self._add(
             "step",
             id,
@@ -111,6 +115,7 @@ class Workflow:
             continue_on_failure=continue_on_failure,
             retry=retry,
             timeout=timeout,
+            rate_limit=rate_limit,
         )
 
     def scatter(
@@ -134,6 +139,7 @@ class Workflow:
         continue_on_failure: bool = False,
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
+        rate_limit: RateLimit | None = None,
     ) -> Workflow:
         """Run ``step`` once per item of the list at ``over`` (at most ``max_parallel`` at
         once); the output is the list of branch outputs, in item order.
@@ -149,6 +155,11 @@ class Workflow:
         retry of a batch runs only its items without a recorded output. Tolerances count items.
         """
         if as_child_runs or workflow is not None:
+            if rate_limit is not None:
+                raise DefinitionError(
+                    f"workflow {self.name!r}, node {short(id)}: rate_limit= limits step "
+                    "attempts; a scatter over child runs starts runs (limit the child's steps)"
+                )
             if batch_size != 1:
                 raise DefinitionError(
                     f"workflow {self.name!r}, node {short(id)}: "
@@ -182,6 +193,7 @@ class Workflow:
             continue_on_failure=continue_on_failure,
             retry=retry,
             timeout=timeout,
+            rate_limit=rate_limit,
             over=over,
             item_arg=item_arg,
             max_parallel=max_parallel,
@@ -384,6 +396,7 @@ class Workflow:
         settings = _attempt_settings(raw, step, where)
         if raw["kind"] == "scatter":
             check_batch_lease(raw["batch_size"], settings["concurrency"], where)
+            check_batch_rate(raw["batch_size"], settings["rate_limit"], where)
         common: dict[str, Any] = {
             "id": node_id,
             "step": step_name,
@@ -466,6 +479,13 @@ def _attempt_settings(raw: dict[str, Any], step: StepLike | str, where: str) -> 
     queue = getattr(known, "queue", None)
     if queue is not None:
         refuse(where, "queue", id_problem(queue))
+    rate = raw.get("rate_limit")
+    if rate is None:
+        rate = getattr(known, "rate_limit", None)
+    if rate is not None and not isinstance(rate, RateLimit):
+        raise DefinitionError(
+            f"{where}: rate_limit= takes a RateLimit('N/s', key=...), got {short(rate)}"
+        )
     return {
         "retry": policy.to_spec() if policy is not None else RetrySpec(),
         "timeout": timeout,
@@ -473,6 +493,7 @@ def _attempt_settings(raw: dict[str, Any], step: StepLike | str, where: str) -> 
         "schedule_to_start_timeout": schedule_to_start,
         "queue": queue,
         "concurrency": _concurrency_of(known),
+        "rate_limit": rate.to_spec() if rate is not None else None,
     }
 
 

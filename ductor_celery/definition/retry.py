@@ -1,7 +1,9 @@
-"""RetryPolicy, the user-facing retry settings of a step, and the backoff math."""
+"""RetryPolicy, the user-facing retry settings of a step, and the backoff math; the step's
+other limits (ConcurrencyLimit, RateLimit)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,7 +18,8 @@ from ..limits import (
     is_number,
     show,
 )
-from .spec import ConcurrencySpec, RetrySpec
+from .paths import parse_path
+from .spec import ConcurrencySpec, RateLimitSpec, RetrySpec
 
 #: The values of ``RetryPolicy.on_exhausted``.
 ON_EXHAUSTED = ("fail", "pause")
@@ -148,3 +151,66 @@ class ConcurrencyLimit:
 
     def to_spec(self) -> ConcurrencySpec:
         return ConcurrencySpec(key=self.key, limit=self.limit)
+
+
+#: The periods a rate may be given in: ``"N/s"``, ``"N/m"``, ``"N/h"``.
+RATE_PERIODS = {"s": 1, "m": 60, "h": 3600}
+_RATE = re.compile(r"(\d+)/([smh])")
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """At most N attempts of a step per second, minute or hour per resolved ``key``, across
+    every worker: ``RateLimit("10/s", key="$.input.customer")``.
+
+    A bucket of N tokens per key value that refills over the period; each attempt takes one
+    when a worker claims it. Without ``key``, one bucket for the step. See
+    docs/flow-control.md.
+    """
+
+    rate: str
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        match = _RATE.fullmatch(self.rate) if isinstance(self.rate, str) else None
+        if match is None:
+            raise DefinitionError(
+                f"RateLimit rate must be 'N/s', 'N/m' or 'N/h' (N a whole number), "
+                f"got {show(self.rate)}"
+            )
+        if int(match.group(1)) < 1 or int(match.group(1)) > MAX_INT:
+            raise DefinitionError(
+                f"RateLimit rate {self.rate!r}: N must be at least 1 and at most {MAX_INT}"
+            )
+        key = self.key
+        if key is None:
+            return
+        if not isinstance(key, str) or not key.startswith("$."):
+            raise DefinitionError(
+                f"RateLimit key must be a path such as '$.input.customer' (or None for one "
+                f"bucket per step), got {show(key)}"
+            )
+        if len(key) > MAX_LEASE_KEY_LENGTH:
+            raise DefinitionError(
+                f"RateLimit key must be at most {MAX_LEASE_KEY_LENGTH} characters, got {len(key)}"
+            )
+        try:
+            path = parse_path(key)
+        except DefinitionError as exc:
+            raise DefinitionError(f"RateLimit key: {exc}") from None
+        if path.root == "secret":
+            raise DefinitionError(
+                f"RateLimit key {key!r}: a secret cannot key a bucket (keys are stored)"
+            )
+
+    @property
+    def limit(self) -> int:
+        return int(self.rate.split("/")[0])
+
+    @property
+    def period(self) -> int:
+        """The period in seconds."""
+        return RATE_PERIODS[self.rate.split("/")[1]]
+
+    def to_spec(self) -> RateLimitSpec:
+        return RateLimitSpec(limit=self.limit, period=self.period, key=self.key)  # type: ignore[arg-type]

@@ -132,6 +132,11 @@ class NewAttempt:
     lease_limit: int | None = None
     #: The scatter branch this attempt runs (None for a plain step node).
     branch: int | None = None
+    #: The rate-limit bucket the attempt takes a token from when claimed (step name
+    #: included), N and the period in seconds. A retry keeps its first attempt's key.
+    rate_key: str | None = None
+    rate_limit: int | None = None
+    rate_period: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

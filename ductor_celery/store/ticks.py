@@ -498,14 +498,17 @@ def _lease_keys_of(conn: Connection, tokens: list[str]) -> list[str]:
 
 
 def _prior_attempts(conn: Connection, payload: TickPayload) -> dict[str, Any]:
-    """The earlier attempts that retries copy their arguments and lease key from."""
+    """The earlier attempts that retries copy their arguments, lease key and rate key from."""
     copied = [a.args_from for a in payload.new_attempts if a.args_from]
     if not copied:
         return {}
     rows = conn.execute(
-        sa.select(step_attempt.c.token, step_attempt.c.args, step_attempt.c.lease_key).where(
-            step_attempt.c.token.in_(copied)
-        )
+        sa.select(
+            step_attempt.c.token,
+            step_attempt.c.args,
+            step_attempt.c.lease_key,
+            step_attempt.c.rate_key,
+        ).where(step_attempt.c.token.in_(copied))
     )
     return {r.token: r for r in rows}
 
@@ -528,7 +531,7 @@ def _insert_attempts(
 ) -> set[str]:
     """Insert the tick's new attempts and ask for their leases (the caller holds the keys'
     locks). Returns the tokens that wait for a lease. A retry copies its first attempt's
-    arguments and lease key."""
+    arguments, lease key and rate key."""
     rows: list[dict[str, Any]] = []
     requests: list[leases.LeaseRequest] = []
     for a, lease_key in _lease_keys(payload, prior):
@@ -552,6 +555,10 @@ def _insert_attempts(
                 "folded": False,
                 "lease_key": lease_key,
                 "lease_limit": limit,
+                # A retry takes its tokens from its first attempt's bucket.
+                "rate_key": source.rate_key if source is not None else a.rate_key,
+                "rate_limit": a.rate_limit,
+                "rate_period": a.rate_period,
                 "claimed_at": None if claimed_by is None else now,
                 "claimed_by": claimed_by,
                 "carrier": None if claimed_by is None or claim is None else claim.carrier,
