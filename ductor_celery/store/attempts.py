@@ -43,6 +43,9 @@ class ClaimedAttempt:
     #: Its run's cancel was requested before the claim: the worker writes it as cancelled
     #: without running the step (docs/operations.md, "Cancel and terminate").
     cancel_requested: bool = False
+    #: Its rate-limit bucket, for an attempt an inline chain claimed in its tick's commit:
+    #: the chain takes the token (``take_rate_token``) before it runs the step.
+    rate_key: str | None = None
 
 
 def _now(engine: Engine) -> Any:
@@ -171,6 +174,50 @@ def _claim_rate_limited(
             return None  # closed meanwhile: nothing taken (the transaction ends unchanged)
         rates.take(conn, bucket)
         return _claimed_attempt(token, got, _run_of(conn, got.run_id))
+
+
+def take_rate_token(engine: Engine, token: str, worker: str) -> bool | rates.RateHeld:
+    """For a rate-limited attempt that a tick's commit claimed for this worker (an inline
+    chain's next step): take its token before the step runs, or give the claim back.
+
+    True: the token is taken, run the step. ``RateHeld``: the bucket is empty (or an older
+    attempt of the key waits), so the claim is undone and the attempt waits like any other,
+    for the sweeper to send its message. False: the attempt is no longer this worker's
+    (closed meanwhile): run nothing. A worker that dies before this leaves a claimed attempt
+    whose step never ran: its timeout retries it, as after a claim from a message."""
+    with engine.begin() as conn:
+        row = conn.execute(
+            sa.select(
+                step_attempt.c.rate_key,
+                step_attempt.c.rate_limit,
+                step_attempt.c.rate_period,
+                step_attempt.c.created_at,
+            ).where(
+                step_attempt.c.token == token,
+                step_attempt.c.claimed_by == worker,
+                step_attempt.c.finished_at.is_(None),
+            )
+        ).one_or_none()
+        if row is None:
+            return False
+        if row.rate_key is None:
+            return True
+        bucket = rates.lock_bucket(conn, row.rate_key, row.rate_limit or 1, row.rate_period or 1)
+        if bucket.tokens() > 0 and not rates.older_waiter(
+            conn, row.rate_key, row.created_at, token
+        ):
+            rates.take(conn, bucket)
+            return True
+        undone = conn.execute(
+            sa.update(step_attempt)
+            .where(
+                step_attempt.c.token == token,
+                step_attempt.c.claimed_by == worker,
+                step_attempt.c.finished_at.is_(None),
+            )
+            .values(claimed_at=None, claimed_by=None, carrier=None, rate_wait_since=bucket.now)
+        ).rowcount
+        return rates.RateHeld(token, row.rate_key, bucket.ready_at) if undone else False
 
 
 def _claimable(token: Any, worker: Any) -> tuple[Any, ...]:

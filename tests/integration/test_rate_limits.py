@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from support import CONFIG, commit_tick, load_tick
 
 from ductor_celery import RateLimit, RetryPolicy
+from ductor_celery.coordinator import TickClaim
 from ductor_celery.definition import Workflow
 from ductor_celery.engine import compute_tick
 from ductor_celery.runtime.step_context import Step
@@ -26,7 +27,7 @@ from ductor_celery.store.db import get_engine
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.outbox import OutboxRow
 from ductor_celery.store.rates import RateHeld
-from ductor_celery.store.ticks import VersionConflict
+from ductor_celery.store.ticks import VersionConflict, commit_on
 
 LIMIT = 3
 PERIOD = 3600.0
@@ -238,3 +239,44 @@ def test_a_step_without_a_rate_limit_never_touches_a_bucket(engine: Any) -> None
     assert isinstance(claimed, attempts.ClaimedAttempt)
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM eec_rate_bucket")).scalar_one() == 0
+
+
+def _tick_claiming(engine: Any, spec: Any, run_id: str, worker: str) -> list[OutboxRow]:
+    """A tick run by a step worker that claims the new attempt in its commit (an inline
+    chain's next step, runtime/inline.py)."""
+    loaded, spec2, inputs = load_tick(engine, run_id, lambda _h: spec, CONFIG)  # type: ignore[misc]
+    payload = compute_tick(spec2, loaded.state, inputs, loaded.now)
+    claim = TickClaim(payload.new_attempts[0].token, worker)
+    with engine.begin() as conn:
+        return commit_on(conn, loaded, payload, claim)
+
+
+def test_an_inline_claim_takes_its_token_before_the_step_or_gives_the_claim_back(
+    engine: Any,
+) -> None:
+    spec = _spec()
+    runs.save_definition(engine, spec)
+    for i in range(1, 5):
+        runs.insert_run(
+            engine, run_id=f"r{i}", workflow_id=f"r{i}", spec=spec, input={"customer": "acme"}
+        )
+        # Claimed in the commit: no message goes out for it.
+        assert _steps(_tick_claiming(engine, spec, f"r{i}", f"w{i}")) == []
+    taken = [attempts.take_rate_token(engine, _token(f"r{i}"), f"w{i}") for i in range(1, 5)]
+    assert taken[:3] == [True, True, True]
+    held = taken[3]
+    assert isinstance(held, RateHeld)  # the bucket of 3 is empty: r4's claim is given back
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.text(
+                "SELECT claimed_at, claimed_by, rate_wait_since FROM eec_workflow_step_attempt "
+                "WHERE token = :t"
+            ),
+            {"t": _token("r4")},
+        ).one()
+    assert row.claimed_at is None and row.claimed_by is None and row.rate_wait_since is not None
+    # Not this worker's any more: a second try runs nothing.
+    assert attempts.take_rate_token(engine, _token("r4"), "w4") is False
+    _refill(engine, 1)
+    assert _released(engine) == ["r4"]  # now it is served like any waiter, by a message
+    assert isinstance(_claim(engine, "r4"), attempts.ClaimedAttempt)
