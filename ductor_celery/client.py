@@ -33,6 +33,7 @@ from .call_checks import (
     check_version,
 )
 from .coordinator import TickOutcome
+from .definition.retry import priority_problem
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
 from .engine.deadline import deadline_after
 from .engine.kinds import (
@@ -132,6 +133,7 @@ class Client:
         using: str | None = None,
         version: int | None = None,
         by: str | None = None,
+        priority: int | None = None,
     ) -> RunHandle:
         """Insert a pending run and wake it. ``version``: that registered version of the
         workflow (default: the newest). ``delay``/``start_at``: it stays pending until
@@ -148,6 +150,10 @@ class Client:
         if version is not None:
             check_version(version)
         check_deadline(deadline)
+        if priority is not None:
+            problem = priority_problem(priority)
+            if problem is not None:
+                raise ValueError(problem)
         who = _who(by)
         value = check_payload(
             input, f"input of workflow {workflow!r}", self.settings.max_payload_bytes
@@ -179,6 +185,7 @@ class Client:
                 due_now,
                 self._deadline_at(spec, deadline, fire_at),
                 who,
+                priority,
             )
         engine = self.engine
         # The times first: a start_at too far ahead is refused before anything is written.
@@ -200,6 +207,7 @@ class Client:
                 start_at=start_at,
                 deadline_at=deadline_at,
                 who=who,
+                priority=priority,
             ),
             what="insert run",
         )
@@ -218,6 +226,7 @@ class Client:
         due_now: bool,
         deadline_at: datetime | None = None,
         who: audit.Who | None = None,
+        priority: int | None = None,
     ) -> RunHandle:
         """The run's rows in the caller's transaction (not retried here: a transaction is the
         caller's to retry); the wake-up once it commits (a delayed run: its timer's)."""
@@ -232,6 +241,7 @@ class Client:
             start_at=start_at,
             deadline_at=deadline_at,
             who=who,
+            priority=priority,
         )
         if created and due_now:
             caller.on_commit(

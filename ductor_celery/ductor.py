@@ -205,13 +205,16 @@ class Ductor:
         using: str | None = None,
         version: int | None = None,
         by: str | None = None,
+        priority: int | None = None,
     ) -> RunHandle:
         """Start a run; with ``delay`` (seconds) or ``start_at`` (an aware datetime) it stays
         ``pending`` until then (a timer row, cancellable like any open run). ``deadline``:
         seconds from its start after which it ends ``timed_out`` (default: the workflow's).
         ``connection=`` (SQLAlchemy) or ``using=`` (a Django alias): inside the caller's
         transaction on ductor's database, woken once it commits. ``version``: that registered
-        version of the workflow (default: the newest); the run keeps it to the end."""
+        version of the workflow (default: the newest); the run keeps it to the end.
+        ``priority``: 0..9, higher first wherever work waits (default: the workflow's
+        ``priority``, 0 unless set); its child runs inherit it (docs/flow-control.md)."""
         return self.client.start(
             workflow,
             input=input,
@@ -223,6 +226,7 @@ class Ductor:
             using=using,
             version=version,
             by=by,
+            priority=priority,
         )
 
     def get(self, target: str) -> RunView:

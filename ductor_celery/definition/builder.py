@@ -27,7 +27,7 @@ from .checks import (
     refuse,
     signal_problem,
 )
-from .retry import RateLimit, RetryPolicy
+from .retry import RateLimit, RetryPolicy, RunConcurrency, priority_problem
 from .spec import (
     BATCH_ARG,
     CHILD_KINDS,
@@ -67,7 +67,15 @@ WorkflowResolver = Callable[[str], WorkflowSpec | None]
 class Workflow:
     """A DAG of nodes: ``Workflow("order", version=1)``, then ``wf.step(...)`` and friends."""
 
-    def __init__(self, name: str, version: int = 1, *, deadline: float | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        version: int = 1,
+        *,
+        deadline: float | None = None,
+        concurrency: RunConcurrency | None = None,
+        priority: int = 0,
+    ) -> None:
         problem = id_problem(name)
         if problem is not None:
             raise DefinitionError(f"workflow name {short(name)}: the name {problem}")
@@ -76,9 +84,19 @@ class Workflow:
             raise DefinitionError(f"workflow {name!r}: version {problem}")
         # Seconds from a run's start; each run may set its own with start(deadline=...).
         check_timeout(f"workflow {name!r}", "deadline", deadline)
+        if concurrency is not None and not isinstance(concurrency, RunConcurrency):
+            raise DefinitionError(
+                f"workflow {name!r}: concurrency= takes a RunConcurrency(key, limit, strategy), "
+                f"got {short(concurrency)}"
+            )
+        problem = priority_problem(priority)
+        if problem is not None:
+            raise DefinitionError(f"workflow {name!r}: {problem}")
         self.name = name
         self.version = version
         self.deadline = deadline
+        self.concurrency = concurrency
+        self.priority = priority
         self._nodes: list[dict[str, Any]] = []
         self._output: Any = None
 
@@ -357,6 +375,8 @@ class Workflow:
                 nodes=tuple(nodes),
                 output=output,
                 deadline=self.deadline,
+                concurrency=self.concurrency.to_spec() if self.concurrency else None,
+                priority=self.priority,
             )
         except ValueError as exc:  # pydantic: the output is not JSON-like
             raise DefinitionError(f"workflow {self.name!r}: invalid output: {exc}") from None

@@ -92,6 +92,18 @@ class RateLimitSpec(BaseModel):
     key: str | None = Field(default=None, min_length=1, max_length=MAX_LEASE_KEY_LENGTH)
 
 
+class RunConcurrencySpec(BaseModel):
+    """Run concurrency as stored: at most ``limit`` open runs per value of ``key`` (a
+    ``$.input`` path, or a literal shared by every run); ``strategy`` says what a run beyond
+    the limit does. See docs/flow-control.md."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key: str = Field(min_length=1, max_length=MAX_LEASE_KEY_LENGTH)
+    limit: PositiveCount
+    strategy: Literal["queue", "cancel_in_progress", "cancel_newest"] = "queue"
+
+
 def allowed_failures(count: int | None, ratio: float | None, total: int) -> int:
     """How many of ``total`` branches may fail with the gather still succeeding (0: fail fast)."""
     if count is not None:
@@ -372,12 +384,18 @@ class WorkflowSpec(BaseModel):
     #: overrides it). Left out of the stored form when unset, so a workflow without one keeps
     #: the hash it had before deadlines existed.
     deadline: Timeout | None = None
+    #: At most ``limit`` open runs per key (docs/flow-control.md). Left out when unset.
+    concurrency: RunConcurrencySpec | None = None
+    #: The default priority of its runs, 0..9 (``start(priority=...)`` overrides it). Left out
+    #: at 0.
+    priority: Annotated[int, Field(ge=0, le=9)] = 0
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
-        if data.get("deadline") is None:
-            data.pop("deadline", None)
+        for name, default in (("deadline", None), ("concurrency", None), ("priority", 0)):
+            if data.get(name, default) == default:
+                data.pop(name, None)
         return data
 
     def canonical_json(self) -> str:

@@ -147,6 +147,7 @@ def _claim_rate_limited(
                 step_attempt.c.rate_wait_since,
                 step_attempt.c.created_at,
                 step_attempt.c.claimed_by,
+                step_attempt.c.priority,
             ).where(*_claimable(token, worker))
         ).one_or_none()
         if row is None or row.rate_key is None:
@@ -165,7 +166,7 @@ def _claim_rate_limited(
         if (
             row.rate_wait_since is not None
             or bucket.tokens() == 0
-            or rates.older_waiter(conn, row.rate_key, row.created_at, token)
+            or rates.older_waiter(conn, row.rate_key, row.created_at, token, row.priority)
         ):
             rates.hold(conn, token, bucket.now)
             return rates.RateHeld(token, row.rate_key, bucket.ready_at)
@@ -192,6 +193,7 @@ def take_rate_token(engine: Engine, token: str, worker: str) -> bool | rates.Rat
                 step_attempt.c.rate_limit,
                 step_attempt.c.rate_period,
                 step_attempt.c.created_at,
+                step_attempt.c.priority,
             ).where(
                 step_attempt.c.token == token,
                 step_attempt.c.claimed_by == worker,
@@ -204,7 +206,7 @@ def take_rate_token(engine: Engine, token: str, worker: str) -> bool | rates.Rat
             return True
         bucket = rates.lock_bucket(conn, row.rate_key, row.rate_limit or 1, row.rate_period or 1)
         if bucket.tokens() > 0 and not rates.older_waiter(
-            conn, row.rate_key, row.created_at, token
+            conn, row.rate_key, row.created_at, token, row.priority
         ):
             rates.take(conn, bucket)
             return True

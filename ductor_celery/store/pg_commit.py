@@ -62,11 +62,11 @@ WITH run_update AS (
     INSERT INTO eec_workflow_step_attempt
         (token, run_id, node, branch, generation, attempt, step, queue, args, timeout,
          created_at, folded, claimed_at, claimed_by, carrier, rate_key, rate_limit,
-         rate_period)
+         rate_period, priority)
     SELECT a.token, %(run_id)s, a.node, a.branch, a.generation, a.attempt, a.step, a.queue,
            a.args::jsonb, a.timeout, %(now)s, false,
            CASE WHEN a.claimed_by IS NULL THEN NULL ELSE %(now)s END, a.claimed_by, a.carrier,
-           a.rate_key, a.rate_limit, a.rate_period
+           a.rate_key, a.rate_limit, a.rate_period, %(priority)s
     FROM unnest(%(a_token)s::varchar[], %(a_node)s::varchar[], %(a_branch)s::int[],
                 %(a_generation)s::int[], %(a_attempt)s::int[], %(a_step)s::varchar[],
                 %(a_queue)s::varchar[], %(a_args)s::text[], %(a_timeout)s::float8[],
@@ -108,6 +108,7 @@ def commit(
     outbox: list[dict[str, Any]],
     now: datetime,
     claim: TickClaim | None = None,
+    priority: int = 0,
 ) -> tuple[bool, list[int]]:
     """Run the five writes; (whether the run update matched, the outbox ids in row order).
     ``claim``: that new attempt is inserted claimed by its worker (runtime/inline.py)."""
@@ -117,6 +118,7 @@ def commit(
         "version": version,
         "now": now,
         "folded": list(payload.folded),
+        "priority": priority,
     }
     for column in columns:
         value = run_values[column]

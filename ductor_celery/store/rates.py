@@ -129,8 +129,12 @@ def take(conn: Connection, bucket: Bucket) -> None:
     )
 
 
-def older_waiter(conn: Connection, key: str, created_at: Any, token: str) -> bool:
-    """Whether an attempt of ``key`` created before this one waits for a token."""
+def older_waiter(
+    conn: Connection, key: str, created_at: Any, token: str, priority: int = 0
+) -> bool:
+    """Whether an attempt of ``key`` ahead of this one waits for a token: of a higher
+    priority, or of the same priority and created before it."""
+    mine = sa.literal(created_at, step_attempt.c.created_at.type)
     return (
         conn.execute(
             sa.select(sa.literal(1))
@@ -138,8 +142,14 @@ def older_waiter(conn: Connection, key: str, created_at: Any, token: str) -> boo
                 step_attempt.c.rate_key == key,
                 step_attempt.c.rate_wait_since.is_not(None),
                 step_attempt.c.finished_at.is_(None),
-                sa.tuple_(step_attempt.c.created_at, step_attempt.c.token)
-                < sa.tuple_(sa.literal(created_at, step_attempt.c.created_at.type), token),
+                sa.or_(
+                    step_attempt.c.priority > priority,
+                    sa.and_(
+                        step_attempt.c.priority == priority,
+                        sa.tuple_(step_attempt.c.created_at, step_attempt.c.token)
+                        < sa.tuple_(mine, token),
+                    ),
+                ),
             )
             .limit(1)
         ).first()
@@ -199,7 +209,7 @@ def release_key(conn: Connection, key: str) -> list[OutboxRow]:
             step_attempt.c.rate_wait_since.is_not(None),
             step_attempt.c.finished_at.is_(None),
         )
-        .order_by(step_attempt.c.created_at, step_attempt.c.token)
+        .order_by(step_attempt.c.priority.desc(), step_attempt.c.created_at, step_attempt.c.token)
         .limit(1)
     ).first()
     if oldest is None:
@@ -216,13 +226,14 @@ def release_key(conn: Connection, key: str) -> list[OutboxRow]:
             step_attempt.c.node,
             step_attempt.c.step,
             step_attempt.c.queue,
+            step_attempt.c.priority,
         )
         .where(
             step_attempt.c.rate_key == key,
             step_attempt.c.rate_wait_since.is_not(None),
             step_attempt.c.finished_at.is_(None),
         )
-        .order_by(step_attempt.c.created_at, step_attempt.c.token)
+        .order_by(step_attempt.c.priority.desc(), step_attempt.c.created_at, step_attempt.c.token)
         .limit(count)
     ).all()
     conn.execute(
@@ -232,7 +243,7 @@ def release_key(conn: Connection, key: str) -> list[OutboxRow]:
     )
     return insert_outbox(
         conn,
-        [step_intent(r.run_id, r.token, r.node, r.step, r.queue) for r in released],
+        [step_intent(r.run_id, r.token, r.node, r.step, r.queue, r.priority) for r in released],
         bucket.now,
     )
 

@@ -1,9 +1,12 @@
-"""Rate limits: a token bucket per key (eec_rate_bucket), and each attempt's bucket
+"""Flow control: rate limits (eec_rate_bucket, each attempt's bucket), run concurrency
+(eec_run_slot) and priorities (``priority`` on runs and attempts)
 
 ``RateLimit("N/s", key=...)`` on a step: an attempt row carries the bucket it takes a token
 from when a worker claims it (``rate_key``, ``rate_limit``, ``rate_period``), and
 ``rate_wait_since`` while it waits for one with no message out; the partial index lists each
-key's waiters. ``eec_rate_bucket`` holds each key's GCRA state (docs/flow-control.md).
+key's waiters. ``eec_rate_bucket`` holds each key's GCRA state. ``eec_run_slot`` has a row per
+run of a workflow with ``RunConcurrency`` from its first tick to its end: holding a slot of its
+key, or waiting for one. ``priority`` (0..9) orders waiters, higher first (docs/flow-control.md).
 
 Revision ID: 0013
 Revises: 0012
@@ -29,6 +32,13 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("rate_limit", sa.Integer, nullable=True))
         batch_op.add_column(sa.Column("rate_period", sa.Float, nullable=True))
         batch_op.add_column(sa.Column("rate_wait_since", sa.DateTime(timezone=True), nullable=True))
+        batch_op.add_column(
+            sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0")
+        )
+    with op.batch_alter_table("eec_workflow_run", schema=None) as batch_op:
+        batch_op.add_column(
+            sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0")
+        )
     op.create_index(
         "eec_workflow_step_attempt_rate_wait",
         "eec_workflow_step_attempt",
@@ -43,11 +53,26 @@ def upgrade() -> None:
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
     )
 
+    op.create_table(
+        "eec_run_slot",
+        sa.Column("run_id", sa.String(64), primary_key=True),
+        sa.Column("key", sa.String(500), nullable=False),
+        sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0"),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("granted_at", sa.DateTime(timezone=True), nullable=True),
+    )
+    op.create_index("eec_run_slot_key", "eec_run_slot", ["key", "granted_at"])
+
 
 def downgrade() -> None:
+    op.drop_index("eec_run_slot_key", table_name="eec_run_slot")
+    op.drop_table("eec_run_slot")
+    with op.batch_alter_table("eec_workflow_run", schema=None) as batch_op:
+        batch_op.drop_column("priority")
     op.drop_table("eec_rate_bucket")
     op.drop_index("eec_workflow_step_attempt_rate_wait", table_name="eec_workflow_step_attempt")
     with op.batch_alter_table("eec_workflow_step_attempt", schema=None) as batch_op:
+        batch_op.drop_column("priority")
         batch_op.drop_column("rate_wait_since")
         batch_op.drop_column("rate_period")
         batch_op.drop_column("rate_limit")
