@@ -8,11 +8,12 @@ with the database clock, so a test can count executions per key from what the st
 from __future__ import annotations
 
 import os
+import time
 
 import sqlalchemy as sa
 from celery import Celery
 
-from ductor_celery import Ductor, RateLimit, StepContext, Workflow
+from ductor_celery import Ductor, RateLimit, RunConcurrency, StepContext, Workflow
 
 app = Celery("rate_e2e")
 app.conf.update(
@@ -33,7 +34,8 @@ CREATE TABLE IF NOT EXISTS rate_log (
     run_id text NOT NULL,
     customer text NOT NULL,
     attempt int NOT NULL,
-    entered_at timestamptz NOT NULL DEFAULT clock_timestamp()
+    entered_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    exited_at timestamptz
 )
 """
 
@@ -59,3 +61,32 @@ rated.step("call", limited, args={"customer": "$.input.customer"})
 rated.step("after", free, after=["call"], args={"customer": "$.input.customer"})
 rated.output("$.nodes.call.output")
 ductor.register(rated)
+
+
+@ductor.step(name="rate.serial")
+def serial(ctx: StepContext, customer: str, seconds: float) -> int:
+    """Logs its execution (enter and exit, database clock) for the run-concurrency test."""
+    with ductor.runtime.engine().begin() as conn:
+        row = conn.execute(
+            sa.text(
+                "INSERT INTO rate_log (run_id, customer, attempt) VALUES (:r, :c, :a) RETURNING id"
+            ),
+            {"r": ctx.run_id, "c": customer, "a": ctx.attempt},
+        ).scalar_one()
+    time.sleep(seconds)
+    with ductor.runtime.engine().begin() as conn:
+        conn.execute(
+            sa.text("UPDATE rate_log SET exited_at = clock_timestamp() WHERE id = :i"), {"i": row}
+        )
+    return int(row)
+
+
+#: One open run per customer at a time; the rest wait, higher priority first.
+one_at_a_time = Workflow(
+    "one_at_a_time", concurrency=RunConcurrency(key="$.input.customer", limit=1)
+)
+one_at_a_time.step(
+    "work", serial, args={"customer": "$.input.customer", "seconds": "$.input.seconds"}
+)
+one_at_a_time.output("$.nodes.work.output")
+ductor.register(one_at_a_time)

@@ -1,5 +1,5 @@
-"""Rate limits end to end: real ``celery worker`` processes on two "hosts" (two workers),
-many runs of one key at once (docs/flow-control.md).
+"""Rate limits and run concurrency end to end: real ``celery worker`` processes on two "hosts"
+(two workers), many runs of one key at once (docs/flow-control.md).
 
 What is checked is the database's own record of every claim (``claimed_at`` of the attempts,
 the bucket's clock) against the promise: over any window of length ``w``, one key starts at
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -103,3 +104,55 @@ def test_two_workers_never_start_one_key_faster_than_its_bucket(
         f"\nacme: 20 claims over {acme_claims[-1] - acme_claims[0]:.2f}s "
         f"(bucket minimum {(20 - N) * INTERVAL:.2f}s), largest gap {max(gaps) * 1000:.0f} ms"
     )
+
+
+def _wait_inside(cluster: Any, run_id: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with cluster.engine.connect() as conn:
+            if conn.execute(
+                sa.text("SELECT 1 FROM rate_log WHERE run_id = :r"), {"r": run_id}
+            ).first():
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"run {run_id} never entered its step:\n{cluster.logs()}")
+
+
+def test_one_run_per_key_at_a_time_and_waiters_by_priority(
+    cluster_factory: Any, rate_client: Any
+) -> None:
+    cluster = cluster_factory(app="rate_app")
+    ductor = rate_client(cluster)
+    cluster.start_coordinator()
+    cluster.start_steps(concurrency=2, name="steps-a")
+    cluster.start_steps(concurrency=2, name="steps-b")
+    holder = ductor.start("one_at_a_time", input={"customer": "acme", "seconds": 1.0})
+    _wait_inside(cluster, holder.run_id)
+    # Four more while the holder runs: they wait, and go by priority, then start order.
+    waiting = {
+        name: ductor.start(
+            "one_at_a_time", input={"customer": "acme", "seconds": 0.2}, priority=priority
+        )
+        for name, priority in (("low", 1), ("default", 0), ("urgent", 9), ("mid", 5))
+    }
+    other = ductor.start("one_at_a_time", input={"customer": "globex", "seconds": 0.2})
+    for handle in [holder, other, *waiting.values()]:
+        view = ductor.wait(handle.run_id, timeout=60)
+        assert view.status == RunStatus.SUCCEEDED, cluster.logs()
+    with cluster.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT run_id, entered_at, exited_at FROM rate_log WHERE customer = 'acme' "
+                "ORDER BY entered_at"
+            )
+        ).all()
+        globex = conn.execute(
+            sa.text("SELECT entered_at FROM rate_log WHERE customer = 'globex'")
+        ).scalar_one()
+        slots = conn.execute(sa.text("SELECT count(*) FROM eec_run_slot")).scalar_one()
+    by_run = {h.run_id: name for name, h in waiting.items()} | {holder.run_id: "holder"}
+    assert [by_run[r.run_id] for r in rows] == ["holder", "urgent", "mid", "low", "default"]
+    for before, after in zip(rows, rows[1:], strict=False):
+        assert before.exited_at <= after.entered_at  # never two of acme's runs at once
+    assert globex < rows[0].exited_at  # another key did not wait for acme's line
+    assert slots == 0  # every run's slot released with its end

@@ -280,3 +280,24 @@ def test_an_inline_claim_takes_its_token_before_the_step_or_gives_the_claim_back
     _refill(engine, 1)
     assert _released(engine) == ["r4"]  # now it is served like any waiter, by a message
     assert isinstance(_claim(engine, "r4"), attempts.ClaimedAttempt)
+
+
+def test_waiters_of_a_higher_priority_run_are_released_first(engine: Any) -> None:
+    spec = _spec()
+    runs.save_definition(engine, spec)
+    for i, priority in ((1, 0), (2, 0), (3, 0), (4, 0), (5, 9), (6, 4)):
+        runs.insert_run(
+            engine,
+            run_id=f"r{i}",
+            workflow_id=f"r{i}",
+            spec=spec,
+            input={"customer": "acme"},
+            priority=priority,
+        )
+        sent = _tick(engine, spec, f"r{i}")
+        # The step message carries the run's priority to the broker (docs/flow-control.md).
+        assert [r.payload.get("priority", 0) for r in sent] == [priority]
+        _claim(engine, f"r{i}")
+    assert _waiting(engine) == ["r4", "r5", "r6"]  # arrival order in the table
+    _refill(engine, 2)
+    assert _released(engine) == ["r5", "r6"]  # priority 9, then 4, before r4's 0
