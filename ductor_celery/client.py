@@ -33,6 +33,7 @@ from .call_checks import (
     check_version,
 )
 from .coordinator import TickOutcome
+from .definition.retry import priority_problem
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
 from .engine.deadline import deadline_after
 from .engine.kinds import (
@@ -133,6 +134,7 @@ class Client:
         using: str | None = None,
         version: int | None = None,
         by: str | None = None,
+        priority: int | None = None,
     ) -> RunHandle:
         """Insert a pending run and wake it. ``version``: that registered version of the
         workflow (default: the newest). ``delay``/``start_at``: it stays pending until
@@ -151,6 +153,7 @@ class Client:
             using=using,
             version=version,
             by=by,
+            priority=priority,
         )
         return handle
 
@@ -188,6 +191,7 @@ class Client:
         version: int | None = None,
         by: str | None = None,
         request: RequestKey | None = None,
+        priority: int | None = None,
     ) -> tuple[RunHandle, bool]:
         # Every argument is checked before the first query: a bad id must not reach a
         # VARCHAR(200) column (PostgreSQL raises a DataError; SQLite would store it).
@@ -198,6 +202,10 @@ class Client:
         if version is not None:
             check_version(version)
         check_deadline(deadline)
+        if priority is not None:
+            problem = priority_problem(priority)
+            if problem is not None:
+                raise ValueError(problem)
         who = _who(by)
         value = check_payload(
             input, f"input of workflow {workflow!r}", self.settings.max_payload_bytes
@@ -234,6 +242,7 @@ class Client:
                 due_now,
                 self._deadline_at(spec, deadline, fire_at),
                 who,
+                priority,
             )
         engine = self.engine
         # The times first: a start_at too far ahead is refused before anything is written.
@@ -256,6 +265,7 @@ class Client:
                 deadline_at=deadline_at,
                 who=who,
                 request=request,
+                priority=priority,
             ),
             what="insert run",
         )
@@ -282,6 +292,7 @@ class Client:
         due_now: bool,
         deadline_at: datetime | None = None,
         who: audit.Who | None = None,
+        priority: int | None = None,
     ) -> tuple[RunHandle, bool]:
         """The run's rows in the caller's transaction (not retried here: a transaction is the
         caller's to retry); the wake-up once it commits (a delayed run: its timer's)."""
@@ -296,6 +307,7 @@ class Client:
             start_at=start_at,
             deadline_at=deadline_at,
             who=who,
+            priority=priority,
         )
         if created and due_now:
             caller.on_commit(

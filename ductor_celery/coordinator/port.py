@@ -43,6 +43,12 @@ class LoadedRun:
     created_at: datetime | None = None
     #: The run's W3C traceparent (ductor_celery/tracing.py); None: not traced.
     trace_context: str | None = None
+    #: Run concurrency: the run's key and its workflow's limit, when it has one; the commit
+    #: that ends the run releases its slot (store/run_slots.py).
+    concurrency_key: str | None = None
+    concurrency_limit: int = 0
+    #: The run's priority (0..9, higher first).
+    priority: int = 0
 
 
 #: What a load returns: the run, its pinned definition, and the tick's inputs.

@@ -18,7 +18,10 @@ its message had just arrived and been claimed (``ductor_inline_steps``; docs/arc
   the broker, so the messages waiting for this process are not held back for long.
 - Only a step this process has registered, routed to the queue the message came from, with
   no concurrency limit (a lease is handed on through the broker path) and not a retry (whose
-  arguments the store copies from the earlier attempt).
+  arguments the store copies from the earlier attempt). A rate-limited attempt is claimed in
+  the commit like any other, and the chain takes its token just before running it
+  (``attempts.take_rate_token``); with none to take, the claim is given back and the
+  attempt waits for one as if its message had found the bucket empty (docs/flow-control.md).
 - With task events on, each inline attempt sends ``task-started`` (with its name and
   arguments) and ``task-succeeded`` under its own token, so Flower lists it as a task
   (``TaskEvents``). After a slow step the next one's events go out at once; a chain of quick
@@ -184,6 +187,7 @@ class InlineChain:
                 queued_s=0.0,  # claimed in the commit that creates it
                 workflow=loaded.workflow,
                 trace_context=loaded.trace_context,
+                rate_key=attempt.rate_key,
             )
             self._chosen = (claimed, step, worker)
             first = TickClaim(attempt.token, worker, carrier=self.carrier)
@@ -227,7 +231,8 @@ class InlineChain:
     def _runnable(self, attempt: NewAttempt) -> Step | None:
         """The step of a new attempt this worker may run itself: registered here, routed to
         this queue, with no concurrency limit (a lease is handed on through the broker path),
-        not a retry (the store copies a retry's arguments from the earlier attempt row)."""
+        not a retry (the store copies a retry's arguments from the earlier attempt row). A
+        rate-limited one is chosen too: the chain takes its token before running it."""
         if attempt.args_from is not None or attempt.lease_key is not None:
             return None
         if (attempt.queue or self.rt.settings.steps_queue) != self.queue:

@@ -21,7 +21,7 @@ from celery import bootsteps
 
 from ..engine.kinds import AuditSource
 from ..engine.status import TERMINAL_RUN_STATUSES
-from ..store import audit, retention, schedules, sweep
+from ..store import audit, rates, retention, schedules, sweep
 from ..store.audit import Who
 from ..store.db import brief, db_now, is_transient
 from . import metrics
@@ -90,6 +90,7 @@ class Sweeper:
         fired = self._fire_schedules(engine)
         relayed = sweep.relay_stale_outbox(engine, self.rt.dispatcher.send, older_than=grace)
         leased = sweep.reclaim_leases(engine, self.rt.dispatcher.send)
+        rated = rates.release_waiters(engine, self.rt.dispatcher.send)
         # A wake-up counts as lost only well past the grace: under load the coordinator's queue
         # is simply long, and re-waking every run with a result still queued would flood it.
         lost_after = max(LOST_WAKEUP_AFTER_S, grace)
@@ -134,6 +135,8 @@ class Sweeper:
                 leased.granted,
                 leased.extended,
             )
+        if rated.released:
+            log.info("sweep: rate limits: %d waiting attempts released", rated.released)
         try:
             pruned = self._prune(engine)
         except Exception:  # noqa: BLE001 - retention must never stop the sweep's other work
@@ -148,6 +151,7 @@ class Sweeper:
             "leases_released": leased.released,
             "leases_granted": leased.granted,
             "leases_extended": leased.extended,
+            "rate_waiters_released": rated.released,
         }
         metrics.record_sweep(actions)
         return actions
@@ -172,6 +176,7 @@ class Sweeper:
             return 0
         self._pruned_at = now
         self._prune_audit(engine)
+        rates.prune_full_buckets(engine)
         if days is None:
             return 0
         cutoff = db_now(engine) - timedelta(days=days)

@@ -211,6 +211,7 @@ def run_insert(
     trace_context: str | None = None,
     start_at: datetime | None = None,
     deadline_at: datetime | None = None,
+    priority: int | None = None,
 ) -> sa.Insert:
     """The row of a run a client starts (``insert_run``, or ``store/joined.py`` in the
     caller's own transaction). ``created_at``: the store's clock when one is injected
@@ -227,6 +228,8 @@ def run_insert(
             input=input,
             parent_run_id=parent_run_id,
             trace_context=trace_context,
+            # the workflow's default unless the start says otherwise
+            priority=spec.priority if priority is None else priority,
             **times,
         )
     )
@@ -258,6 +261,7 @@ def insert_run(
     deadline_at: datetime | None = None,
     who: audit.Who | None = None,
     request: RequestKey | None = None,
+    priority: int | None = None,
 ) -> tuple[str, bool]:
     """Insert a pending run. Returns (run_id, created); an open run of the same workflow id wins.
     ``who``: the start's audit entry, in the same transaction.
@@ -279,6 +283,7 @@ def insert_run(
         trace_context=trace_context,
         start_at=start_at,
         deadline_at=deadline_at,
+        priority=priority,
     )
     try:
         with engine.begin() as conn:

@@ -131,6 +131,8 @@ workflow_run = sa.Table(
     # W3C traceparent of the span that started the run (ductor_celery/tracing.py): its ticks
     # and attempts join that trace. NULL when tracing was off at start.
     sa.Column("trace_context", sa.String(200), nullable=True),
+    # 0..9, higher first where work waits (docs/flow-control.md); children inherit it.
+    sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0"),
     # One open run per workflow id: starting twice returns the open run.
     sa.Index(
         "eec_workflow_run_open_workflow_id",
@@ -201,7 +203,24 @@ step_attempt = sa.Table(
     # key's limit as the definition declared it when the attempt was created.
     sa.Column("lease_key", sa.String(500), nullable=True),
     sa.Column("lease_limit", sa.Integer, nullable=True),
+    # The rate-limit bucket the attempt takes a token from when claimed (step name + resolved
+    # key), N and the period in seconds as declared; rate_wait_since is set while it waits
+    # for a token with no message out (docs/flow-control.md).
+    sa.Column("rate_key", sa.String(500), nullable=True),
+    sa.Column("rate_limit", sa.Integer, nullable=True),
+    sa.Column("rate_period", sa.Float, nullable=True),
+    sa.Column("rate_wait_since", Ts, nullable=True),
+    # Its run's priority, for the order in which waiting attempts (leases, rate limits) go.
+    sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0"),
     sa.Index("eec_workflow_step_attempt_run_node", "run_id", "node"),
+    # Attempts waiting for a rate-limit token, oldest first per key.
+    sa.Index(
+        "eec_workflow_step_attempt_rate_wait",
+        "rate_key",
+        "created_at",
+        postgresql_where=sa.text("rate_wait_since IS NOT NULL AND finished_at IS NULL"),
+        sqlite_where=sa.text("rate_wait_since IS NOT NULL AND finished_at IS NULL"),
+    ),
     # Attempts waiting for a lease of their key, oldest first.
     sa.Index(
         "eec_workflow_step_attempt_lease_wait",
@@ -217,6 +236,31 @@ step_attempt = sa.Table(
         postgresql_where=sa.text("finished_at IS NOT NULL AND NOT folded"),
         sqlite_where=sa.text("finished_at IS NOT NULL AND NOT folded"),
     ),
+)
+
+#: One token bucket per rate-limit key (GCRA): full when ``tat`` is in the past; a claim at
+#: ``now`` may take a token when ``tat - (period - period/N) <= now``, and sets
+#: ``tat = max(tat, now) + period/N``. No row is the same as a full bucket.
+rate_bucket = sa.Table(
+    "eec_rate_bucket",
+    metadata,
+    sa.Column("key", sa.String(500), primary_key=True),
+    sa.Column("tat", Ts, nullable=False),
+    sa.Column("updated_at", Ts, nullable=False),
+)
+
+#: Run concurrency (``RunConcurrency``): one row per run of a limited workflow from its first
+#: tick to its end; ``granted_at`` set while it holds one of its key's slots, NULL while it
+#: waits ``pending`` (store/run_slots.py).
+run_slot = sa.Table(
+    "eec_run_slot",
+    metadata,
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("key", sa.String(500), nullable=False),
+    sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0"),
+    sa.Column("created_at", Ts, nullable=False),
+    sa.Column("granted_at", Ts, nullable=True),
+    sa.Index("eec_run_slot_key", "key", "granted_at"),
 )
 
 workflow_transition = sa.Table(

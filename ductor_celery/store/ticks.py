@@ -29,7 +29,7 @@ from ..engine import RunState, TickPayload
 from ..engine.children import child_workflow_id
 from ..engine.deadline import deadline_after
 from ..engine.kinds import CONTROL_APPLIED, AuditAction, AuditSource
-from . import audit, leases, pg_commit
+from . import audit, leases, pg_commit, run_slots
 from .db import is_postgres
 from .external import lock_workflow_signals
 from .finishes import RUN_FINISHED_CHANNEL
@@ -108,6 +108,8 @@ def _commit_on(
             outbox.extend(insert_outbox(conn, [wakeup_intent(loaded.run_id)], now))
     if payload.successor is not None:
         outbox.extend(_insert_successor(conn, loaded, payload, now))
+    if loaded.concurrency_key is not None:
+        outbox.extend(_run_slot_changes(conn, loaded, payload, now))
     if payload.child_starts or payload.child_controls:
         outbox.extend(_children(conn, loaded, payload, now))
     wakes_parent = payload.checkpoint_reached or payload.finished
@@ -130,6 +132,23 @@ def _commit_on(
     if payload.finished and is_postgres(conn.engine):
         conn.execute(sa.select(sa.func.pg_notify(RUN_FINISHED_CHANNEL, loaded.run_id)))
     return outbox
+
+
+def _run_slot_changes(
+    conn: Connection, loaded: LoadedRun, payload: TickPayload, now: datetime
+) -> list[OutboxRow]:
+    """Run concurrency (store/run_slots.py): a run that ends frees its slot for the key's
+    next waiter (woken); a successor keeps its predecessor's slot; a redriven run holds one."""
+    key = loaded.concurrency_key
+    assert key is not None
+    if payload.successor is not None:
+        run_slots.hand_over(conn, loaded.run_id, payload.successor.run_id)
+        return []
+    if payload.finished:
+        return run_slots.release(conn, loaded.run_id, key, loaded.concurrency_limit, now)
+    if payload.reopened:
+        run_slots.readmit(conn, loaded.run_id, key, loaded.priority, now)
+    return []
 
 
 # Statements of every tick, built once per process (building one costs more than sending it;
@@ -165,7 +184,7 @@ def _commit_in_one_statement(
     claim: TickClaim | None,
 ) -> list[OutboxRow]:
     """The common tick's writes in one round trip (store/pg_commit.py)."""
-    intents = outbox_intents(payload, unsent(claim))
+    intents = outbox_intents(payload, unsent(claim), loaded.priority)
     matched, ids = pg_commit.commit(
         conn,
         run_id=loaded.run_id,
@@ -176,6 +195,7 @@ def _commit_in_one_statement(
         outbox=intents,
         now=now,
         claim=claim,
+        priority=loaded.priority,
     )
     if not matched:
         raise VersionConflict(loaded.run_id)
@@ -251,7 +271,7 @@ def _commit_core(
         conn.execute(
             sa.insert(workflow_transition), transition_rows(loaded.run_id, loaded.now, payload)
         )
-    intents = outbox_intents(payload, waiting | unsent(claim))
+    intents = outbox_intents(payload, waiting | unsent(claim), loaded.priority)
     outbox = insert_outbox(conn, intents + carrier_revokes(payload, carriers), now)
     if released_keys:
         outbox.extend(leases.release(conn, closed_tokens, now))
@@ -323,6 +343,7 @@ def _insert_successor(
                 parent_run_id=run.parent_run_id,
                 continued_from=loaded.run_id,
                 trace_context=loaded.trace_context,  # the same trace, docs/tracing.md
+                priority=loaded.priority,
                 created_at=now,
                 updated_at=now,
             )
@@ -412,6 +433,7 @@ def _children(
                     parent_run_id=loaded.run_id,
                     parent_node=child.node,
                     trace_context=loaded.trace_context,
+                    priority=loaded.priority,  # children inherit their parent's priority
                     created_at=now,
                     updated_at=now,
                 )
@@ -498,14 +520,17 @@ def _lease_keys_of(conn: Connection, tokens: list[str]) -> list[str]:
 
 
 def _prior_attempts(conn: Connection, payload: TickPayload) -> dict[str, Any]:
-    """The earlier attempts that retries copy their arguments and lease key from."""
+    """The earlier attempts that retries copy their arguments, lease key and rate key from."""
     copied = [a.args_from for a in payload.new_attempts if a.args_from]
     if not copied:
         return {}
     rows = conn.execute(
-        sa.select(step_attempt.c.token, step_attempt.c.args, step_attempt.c.lease_key).where(
-            step_attempt.c.token.in_(copied)
-        )
+        sa.select(
+            step_attempt.c.token,
+            step_attempt.c.args,
+            step_attempt.c.lease_key,
+            step_attempt.c.rate_key,
+        ).where(step_attempt.c.token.in_(copied))
     )
     return {r.token: r for r in rows}
 
@@ -528,7 +553,7 @@ def _insert_attempts(
 ) -> set[str]:
     """Insert the tick's new attempts and ask for their leases (the caller holds the keys'
     locks). Returns the tokens that wait for a lease. A retry copies its first attempt's
-    arguments and lease key."""
+    arguments, lease key and rate key."""
     rows: list[dict[str, Any]] = []
     requests: list[leases.LeaseRequest] = []
     for a, lease_key in _lease_keys(payload, prior):
@@ -550,8 +575,13 @@ def _insert_attempts(
                 "timeout": a.timeout,
                 "created_at": now,
                 "folded": False,
+                "priority": loaded.priority,
                 "lease_key": lease_key,
                 "lease_limit": limit,
+                # A retry takes its tokens from its first attempt's bucket.
+                "rate_key": source.rate_key if source is not None else a.rate_key,
+                "rate_limit": a.rate_limit,
+                "rate_period": a.rate_period,
                 "claimed_at": None if claimed_by is None else now,
                 "claimed_by": claimed_by,
                 "carrier": None if claimed_by is None or claim is None else claim.carrier,

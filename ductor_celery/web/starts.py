@@ -8,7 +8,6 @@ the key started. Every check of the values is the client's own, as ``ductor star
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING, Any
 
 from ..call_checks import check_id
@@ -50,16 +49,9 @@ def start_run(
 ) -> tuple[RunHandle, bool]:
     """Start ``workflow`` as the body says, as ``actor`` (the token's name; audit source
     ``web``). Returns (handle, created): not created when the key started a run before, or an
-    open run of the workflow id was there (the start returned it, as ``start()`` does).
-
-    ``priority`` is passed on only once ``Ductor.start`` takes it; until then it is a
-    BadRequest naming it (a priority silently dropped would be a promise broken)."""
+    open run of the workflow id was there (the start returned it, as ``start()`` does). A bad
+    ``priority`` (not an integer 0..9) is the client's ValueError, a 400."""
     values = check_start_body(body)
-    options: dict[str, Any] = {}
-    if "priority" in values:
-        if "priority" not in inspect.signature(d.start).parameters:
-            raise BadRequest("'priority' is not supported yet: this ductor starts runs without it")
-        options["priority"] = values["priority"]
     request = RequestKey.api(workflow, key) if key is not None else None
     with acting_as(AuditSource.WEB):
         return d.client.start_request(
@@ -69,5 +61,5 @@ def start_run(
             values.get("workflow_id"),
             delay=values.get("delay"),
             by=actor,
-            **options,
+            priority=values.get("priority"),
         )

@@ -107,6 +107,17 @@ def test_an_empty_body_starts_with_no_input_and_a_delay_keeps_it_pending(
     assert view.status == RunStatus.PENDING and view.start_at is not None
 
 
+def test_a_start_over_http_takes_a_priority(d: Ductor, api: TestClient) -> None:
+    answer = api.post("/api/workflows/order/runs", json={"priority": 8}, headers=_as("otto"))
+    assert answer.status_code == 201
+    with d.runtime.engine().connect() as conn:
+        priority = conn.execute(
+            sa.text("SELECT priority FROM eec_workflow_run WHERE run_id = :r"),
+            {"r": answer.json()["run_id"]},
+        ).scalar_one()
+    assert priority == 8
+
+
 def test_a_repeated_idempotency_key_returns_the_run_it_started_even_finished(
     d: Ductor, api: TestClient
 ) -> None:
@@ -195,7 +206,10 @@ def test_an_unknown_workflow_is_404(d: Ductor, api: TestClient) -> None:
         ('{"delay": -5}', {}, 400, "delay must be >= 0"),
         ('{"delay": true}', {}, 400, "delay must be a number of seconds"),
         ('{"delay": 1e12}', {}, 400, "delay"),
-        ('{"priority": 5}', {}, 400, "'priority' is not supported yet"),
+        ('{"priority": 10}', {}, 400, "priority must be an integer from 0 to 9"),
+        ('{"priority": -1}', {}, 400, "priority must be an integer from 0 to 9"),
+        ('{"priority": "5"}', {}, 400, "priority must be an integer from 0 to 9"),
+        ('{"priority": true}', {}, 400, "priority must be an integer from 0 to 9"),
         ("{}", {"Idempotency-Key": "k" * 201}, 400, "Idempotency-Key must be at most 200"),
         ('{"input": "' + "x" * 6000 + '"}', {}, 413, "over ductor_max_payload_bytes"),
     ],
