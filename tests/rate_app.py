@@ -90,3 +90,15 @@ one_at_a_time.step(
 )
 one_at_a_time.output("$.nodes.work.output")
 ductor.register(one_at_a_time)
+
+
+#: The two cancel strategies, one open run per customer.
+for _strategy in ("cancel_in_progress", "cancel_newest"):
+    _wf = Workflow(
+        f"one_{_strategy}",
+        concurrency=RunConcurrency(key="$.input.customer", limit=1, strategy=_strategy),
+    )
+    _wf.step("work", serial, args={"customer": "$.input.customer", "seconds": "$.input.seconds"})
+    _wf.wait_signal("go", signal="go", after=["work"])
+    _wf.output("$.nodes.work.output")
+    ductor.register(_wf)

@@ -55,8 +55,15 @@ def upgrade() -> None:
 
     op.create_table(
         "eec_run_slot",
-        sa.Column("run_id", sa.String(64), primary_key=True),
+        sa.Column(
+            "id",
+            sa.BigInteger().with_variant(sa.Integer, "sqlite"),
+            primary_key=True,
+            autoincrement=True,
+        ),
+        sa.Column("run_id", sa.String(64), nullable=False, unique=True),
         sa.Column("key", sa.String(500), nullable=False),
+        sa.Column("slot_limit", sa.Integer, nullable=False),
         sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0"),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("granted_at", sa.DateTime(timezone=True), nullable=True),

@@ -73,38 +73,46 @@ def admit(
     priority: int,
     now: datetime,
 ) -> Admission:
-    """Whether a pending run may start: it holds a slot, or takes a free one now. Otherwise
-    it waits (its row says so), and by ``strategy``: ``cancel_newest`` refuses it,
+    """Whether a pending run may start: it holds a slot, or its place in line comes up now.
+    Otherwise it waits (its row says so), and by ``strategy``: ``cancel_newest`` refuses it,
     ``cancel_in_progress`` asks the key's oldest holder to cancel to make room."""
+    # The key's lock first: a release (the end of a holder) may grant this run's row at any
+    # moment before it, and what follows must see the row as it stands.
+    lock_key(conn, key)
     mine = conn.execute(
         sa.select(run_slot.c.granted_at).where(run_slot.c.run_id == run_id)
     ).one_or_none()
     if mine is not None and mine.granted_at is not None:
         return Admission(True)
-    lock_key(conn, key)
     if mine is None:
         conn.execute(
             sa.insert(run_slot).values(
-                run_id=run_id, key=key, priority=priority, created_at=now, granted_at=None
+                run_id=run_id,
+                key=key,
+                slot_limit=spec.limit,
+                priority=priority,
+                created_at=now,
+                granted_at=None,
             )
         )
-    held = _held(conn, key)
-    first = _waiters(conn, key, 1)
-    if held < spec.limit and first == [run_id]:
-        _grant(conn, [run_id], now)
-        return Admission(True)
+    # Free slots go to the line in its order, this run or not: a run ahead of it (of a higher
+    # priority, or left waiting by a limit raised in a newer version) is granted and woken
+    # here rather than left for a release.
+    granted = _grant_in_order(conn, key, now)
+    wake = tuple(r for r in granted if r != run_id)
+    if run_id in granted:
+        return Admission(True, wake=wake)
     if spec.strategy == "cancel_newest":
-        return Admission(
-            False,
-            refused=(
-                f"run concurrency: {held} of {spec.limit} runs of key {key!r} already open "
-                "(strategy cancel_newest)"
-            ),
+        refused = (
+            f"run concurrency: {_held(conn, key)} of {spec.limit} runs of key {key!r} already "
+            "open (strategy cancel_newest)"
         )
+        return Admission(False, refused=refused, wake=wake)
     if spec.strategy == "cancel_in_progress" and mine is None:
         victim = _cancel_oldest(conn, key, now, run_id)
-        return Admission(False, wake=(victim,) if victim is not None else ())
-    return Admission(False)
+        if victim is not None:
+            wake += (victim,)
+    return Admission(False, wake=wake)
 
 
 def is_granted(conn: Connection, run_id: str) -> bool:
@@ -116,18 +124,12 @@ def is_granted(conn: Connection, run_id: str) -> bool:
     )
 
 
-def release(conn: Connection, run_id: str, key: str, limit: int, now: datetime) -> list[OutboxRow]:
-    """The run ended: its row goes, and free slots go to the key's next waiters (woken)."""
+def release(conn: Connection, run_id: str, key: str, now: datetime) -> list[OutboxRow]:
+    """The run ended: its row goes, and free slots go to the key's line (woken)."""
     lock_key(conn, key)
     conn.execute(sa.delete(run_slot).where(run_slot.c.run_id == run_id))
-    free = limit - _held(conn, key)
-    if free <= 0:
-        return []
-    chosen = _waiters(conn, key, free)
-    if not chosen:
-        return []
-    _grant(conn, chosen, now)
-    return insert_outbox(conn, [wakeup_intent(r) for r in chosen], now)
+    granted = _grant_in_order(conn, key, now)
+    return insert_outbox(conn, [wakeup_intent(r) for r in granted], now)
 
 
 def hand_over(conn: Connection, run_id: str, successor: str) -> None:
@@ -135,13 +137,20 @@ def hand_over(conn: Connection, run_id: str, successor: str) -> None:
     conn.execute(sa.update(run_slot).where(run_slot.c.run_id == run_id).values(run_id=successor))
 
 
-def readmit(conn: Connection, run_id: str, key: str, priority: int, now: datetime) -> None:
+def readmit(
+    conn: Connection, run_id: str, key: str, limit: int, priority: int, now: datetime
+) -> None:
     """A redriven run runs again at once: it holds a slot (an operator's decision)."""
     lock_key(conn, key)
     conn.execute(sa.delete(run_slot).where(run_slot.c.run_id == run_id))
     conn.execute(
         sa.insert(run_slot).values(
-            run_id=run_id, key=key, priority=priority, created_at=now, granted_at=now
+            run_id=run_id,
+            key=key,
+            slot_limit=limit,
+            priority=priority,
+            created_at=now,
+            granted_at=now,
         )
     )
 
@@ -156,20 +165,32 @@ def _held(conn: Connection, key: str) -> int:
     )
 
 
-def _waiters(conn: Connection, key: str, limit: int) -> list[str]:
-    """The key's next waiters: higher priority first, then in the order they arrived."""
-    return list(
+#: How many waiters one grant looks at: more than any sane limit frees at once.
+_WAITERS_PER_GRANT = 256
+
+
+def _grant_in_order(conn: Connection, key: str, now: datetime) -> list[str]:
+    """Grant the key's free slots to its line in order (higher priority first, then arrival),
+    each while fewer runs hold a slot than the limit its own definition declared; the first
+    that cannot have one stops the line (nobody overtakes it). Returns the runs granted."""
+    held = _held(conn, key)
+    waiters = conn.execute(
+        sa.select(run_slot.c.run_id, run_slot.c.slot_limit)
+        .where(run_slot.c.key == key, run_slot.c.granted_at.is_(None))
+        .order_by(run_slot.c.priority.desc(), run_slot.c.id)
+        .limit(_WAITERS_PER_GRANT)
+    ).all()
+    granted: list[str] = []
+    for w in waiters:
+        if held >= (w.slot_limit or 1):
+            break
+        granted.append(w.run_id)
+        held += 1
+    if granted:
         conn.execute(
-            sa.select(run_slot.c.run_id)
-            .where(run_slot.c.key == key, run_slot.c.granted_at.is_(None))
-            .order_by(run_slot.c.priority.desc(), run_slot.c.created_at, run_slot.c.run_id)
-            .limit(limit)
-        ).scalars()
-    )
-
-
-def _grant(conn: Connection, run_ids: list[str], now: datetime) -> None:
-    conn.execute(sa.update(run_slot).where(run_slot.c.run_id.in_(run_ids)).values(granted_at=now))
+            sa.update(run_slot).where(run_slot.c.run_id.in_(granted)).values(granted_at=now)
+        )
+    return granted
 
 
 def _cancel_oldest(conn: Connection, key: str, now: datetime, newcomer: str) -> str | None:
@@ -189,7 +210,7 @@ def _cancel_oldest(conn: Connection, key: str, now: datetime, newcomer: str) -> 
             workflow_run.c.status.in_([s.value for s in OPEN_RUN_STATUSES]),
             ~stopping,
         )
-        .order_by(run_slot.c.granted_at, run_slot.c.run_id)
+        .order_by(run_slot.c.granted_at, run_slot.c.id)
         .limit(1)
     ).scalar_one_or_none()
     if oldest is None:

@@ -255,8 +255,17 @@ rate_bucket = sa.Table(
 run_slot = sa.Table(
     "eec_run_slot",
     metadata,
-    sa.Column("run_id", sa.String(64), primary_key=True),
+    # The order of arrival in line (a clock can give two runs one time).
+    sa.Column(
+        "id",
+        sa.BigInteger().with_variant(sa.Integer, "sqlite"),
+        primary_key=True,
+        autoincrement=True,
+    ),
+    sa.Column("run_id", sa.String(64), nullable=False, unique=True),
     sa.Column("key", sa.String(500), nullable=False),
+    # The limit its definition declared: the line moves while fewer runs hold a slot.
+    sa.Column("slot_limit", sa.Integer, nullable=False),
     sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0"),
     sa.Column("created_at", Ts, nullable=False),
     sa.Column("granted_at", Ts, nullable=True),

@@ -145,9 +145,9 @@ def _run_slot_changes(
         run_slots.hand_over(conn, loaded.run_id, payload.successor.run_id)
         return []
     if payload.finished:
-        return run_slots.release(conn, loaded.run_id, key, loaded.concurrency_limit, now)
+        return run_slots.release(conn, loaded.run_id, key, now)
     if payload.reopened:
-        run_slots.readmit(conn, loaded.run_id, key, loaded.priority, now)
+        run_slots.readmit(conn, loaded.run_id, key, loaded.concurrency_limit, loaded.priority, now)
     return []
 
 

@@ -156,3 +156,32 @@ def test_one_run_per_key_at_a_time_and_waiters_by_priority(
         assert before.exited_at <= after.entered_at  # never two of acme's runs at once
     assert globex < rows[0].exited_at  # another key did not wait for acme's line
     assert slots == 0  # every run's slot released with its end
+
+
+def test_cancel_in_progress_and_cancel_newest_on_real_workers(
+    cluster_factory: Any, rate_client: Any
+) -> None:
+    cluster = cluster_factory(app="rate_app")
+    ductor = rate_client(cluster)
+    cluster.start_coordinator()
+    cluster.start_steps(concurrency=2)
+    acme = {"customer": "acme", "seconds": 0.1}
+    # cancel_in_progress: the newer run makes the older one cancel, then starts.
+    older = ductor.start("one_cancel_in_progress", input=acme)
+    _wait_inside(cluster, older.run_id)
+    newer = ductor.start("one_cancel_in_progress", input=acme)
+    assert ductor.wait(older.run_id, timeout=30).status == RunStatus.CANCELLED
+    _wait_inside(cluster, newer.run_id)  # it ran its step once the older one had ended
+    ductor.signal(newer.run_id, "go")
+    assert ductor.wait(newer.run_id, timeout=30).status == RunStatus.SUCCEEDED
+    # cancel_newest: the run beyond the limit is cancelled at once, naming the limit.
+    first = ductor.start("one_cancel_newest", input=acme)
+    _wait_inside(cluster, first.run_id)
+    refused = ductor.wait(ductor.start("one_cancel_newest", input=acme).run_id, timeout=30)
+    assert refused.status == RunStatus.CANCELLED
+    assert refused.error["type"] == "RunConcurrencyLimit", refused.error
+    assert refused.nodes["work"].status.value == "pending"  # it never ran a step
+    ductor.signal(first.run_id, "go")
+    assert ductor.wait(first.run_id, timeout=30).status == RunStatus.SUCCEEDED
+    with cluster.engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM eec_run_slot")).scalar_one() == 0

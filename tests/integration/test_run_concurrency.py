@@ -186,3 +186,27 @@ def test_children_inherit_their_parents_priority_and_the_workflow_default_applie
         assert rows[default.workflow_id] == 3 and rows[f"{default.workflow_id}/sub"] == 3
         assert rows[urgent.workflow_id] == 9 and rows[f"{urgent.workflow_id}/sub"] == 9
         assert attempts == {3, 9}  # each attempt carries its run's priority
+
+
+def test_a_limit_raised_in_a_new_version_applies_as_the_line_reaches_its_runs() -> None:
+    ductor = _ductor("queue", limit=1)
+
+    @ductor.step(name="rc.work2")
+    def work(ctx: StepContext, customer: str) -> str:
+        return customer
+
+    wider = Workflow("sync", version=2, concurrency=RunConcurrency("$.input.customer", limit=2))
+    wider.step("hold", work, args={"customer": "$.input.customer"})
+    wider.wait_signal("go", signal="go", after=["hold"])
+    ductor.register(wider)
+    with testing.harness(ductor) as h:
+        holder = h.start("sync", input={"customer": "acme"}, version=1)
+        waiter = h.start("sync", input={"customer": "acme"}, version=1)
+        # A version-2 run may run beside one other, but a version-1 run is ahead of it in
+        # line, and that one may not: nobody overtakes it (as with concurrency leases).
+        newcomer = h.start("sync", input={"customer": "acme"}, version=2)
+        assert _statuses(h, [holder, waiter, newcomer]) == ["running", "pending", "pending"]
+        h.signal(holder.workflow_id, "go")
+        # The holder's end moves the line: the version-1 waiter (1 allowed, none held), then
+        # the newcomer (2 allowed, 1 held), in the same commit.
+        assert _statuses(h, [holder, waiter, newcomer]) == ["succeeded", "running", "running"]
