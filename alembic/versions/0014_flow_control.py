@@ -33,6 +33,9 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("rate_period", sa.Float, nullable=True))
         batch_op.add_column(sa.Column("rate_wait_since", sa.DateTime(timezone=True), nullable=True))
         batch_op.add_column(
+            sa.Column("rate_released_at", sa.DateTime(timezone=True), nullable=True)
+        )
+        batch_op.add_column(
             sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0")
         )
     with op.batch_alter_table("eec_workflow_run", schema=None) as batch_op:
@@ -80,6 +83,7 @@ def downgrade() -> None:
     op.drop_index("eec_workflow_step_attempt_rate_wait", table_name="eec_workflow_step_attempt")
     with op.batch_alter_table("eec_workflow_step_attempt", schema=None) as batch_op:
         batch_op.drop_column("priority")
+        batch_op.drop_column("rate_released_at")
         batch_op.drop_column("rate_wait_since")
         batch_op.drop_column("rate_period")
         batch_op.drop_column("rate_limit")

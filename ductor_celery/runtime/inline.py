@@ -90,6 +90,8 @@ class _Held:
     queue: str
     #: Dispatched by an earlier tick, with a message of its own.
     adopted: bool = False
+    #: Its run's priority, for the message it gets if handed back (``release``).
+    priority: int = 0
 
 
 @dataclass
@@ -166,7 +168,14 @@ class InlineChain:
             if first is not None:
                 if attempt.node == first_node and len(self._chosen_held) < self._holdable():
                     self._chosen_held.append(
-                        _Held(attempt.token, step, loaded.run_id, attempt.node, self.queue)
+                        _Held(
+                            attempt.token,
+                            step,
+                            loaded.run_id,
+                            attempt.node,
+                            self.queue,
+                            priority=loaded.priority,
+                        )
                     )
                 continue
             worker = self.identity()
@@ -308,7 +317,7 @@ class InlineChain:
         rows = [
             OutboxRow(0, h.run_id, DispatchKind.STEP, h.step.name, h.queue, intent["payload"])
             for h in held
-            for intent in [step_intent(h.run_id, h.token, h.node, h.step.name, h.queue)]
+            for intent in [step_intent(h.run_id, h.token, h.node, h.step.name, h.queue, h.priority)]
         ]
         try:
             self.rt.dispatcher.send(rows)

@@ -145,6 +145,7 @@ def _claim_rate_limited(
                 step_attempt.c.rate_limit,
                 step_attempt.c.rate_period,
                 step_attempt.c.rate_wait_since,
+                step_attempt.c.rate_released_at,
                 step_attempt.c.created_at,
                 step_attempt.c.claimed_by,
                 step_attempt.c.priority,
@@ -155,7 +156,7 @@ def _claim_rate_limited(
         claim_stmt = (
             sa.update(step_attempt)
             .where(*_claimable(token, worker))
-            .values(claimed_by=worker, carrier=carrier, rate_wait_since=None)
+            .values(claimed_by=worker, carrier=carrier, rate_wait_since=None, rate_released_at=None)
             .returning(*_CLAIM_COLUMNS)
         )
         if row.claimed_by == worker:
@@ -163,10 +164,14 @@ def _claim_rate_limited(
             again = conn.execute(claim_stmt).one()
             return _claimed_attempt(token, again, _run_of(conn, again.run_id))
         bucket = rates.lock_bucket(conn, row.rate_key, row.rate_limit or 1, row.rate_period or 1)
+        released = row.rate_released_at is not None  # the sweeper sent it: its turn has come
         if (
-            row.rate_wait_since is not None
+            (row.rate_wait_since is not None and not released)  # in line: a duplicate message
             or bucket.tokens() == 0
-            or rates.older_waiter(conn, row.rate_key, row.created_at, token, row.priority)
+            or (
+                not released
+                and rates.older_waiter(conn, row.rate_key, row.created_at, token, row.priority)
+            )
         ):
             rates.hold(conn, token, bucket.now)
             return rates.RateHeld(token, row.rate_key, bucket.ready_at)

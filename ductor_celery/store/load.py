@@ -126,7 +126,11 @@ def load_on(
         run_input = _remember(input_cache, run_id, row.input)
     admission = run_slots.Admission(True)
     if spec.concurrency is not None:
-        key = run_slots.key_for(spec.name, spec.concurrency, run_input)
+        # A redrive with a new input is admitted under the key that input gives.
+        key_input = run_input
+        if control is not None and control.kind == ControlKind.REDRIVE and control.has_input:
+            key_input = control.input
+        key = run_slots.key_for(spec.name, spec.concurrency, key_input)
         loaded = dataclasses.replace(
             loaded, concurrency_key=key, concurrency_limit=spec.concurrency.limit
         )

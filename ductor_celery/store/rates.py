@@ -9,10 +9,12 @@ arrival time. With ``T = period / N`` (one token's worth of time) and ``tau = pe
 
 The token is taken by the claim itself (``claim_limited``), in the transaction that sets the
 attempt's ``claimed_at`` and under the bucket row's lock, so every step function that runs took
-one token at the moment it was allowed to start. A claim that finds no token, or an older
-attempt of the key waiting, claims nothing: it marks its attempt waiting
+one token at the moment it was allowed to start. A claim that finds no token, or an attempt
+of the key ahead of it in line, claims nothing: it marks its attempt waiting
 (``rate_wait_since``) and its message is dropped. The sweeper (``release_waiters``) hands the
-tokens a key has to its oldest waiters by clearing their mark and sending their messages.
+tokens a key has to the first waiters in line by marking them released
+(``rate_released_at``) and sending their messages; they keep their place until their claims
+take the tokens.
 
 Locks are taken bucket row first, then attempt rows, by both writers here; ticks and outcome
 writes never touch a bucket row, so no two transactions wait on each other in a cycle.
@@ -20,7 +22,7 @@ writes never touch a bucket row, so no two transactions wait on each other in a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -158,68 +160,99 @@ def older_waiter(
 
 
 def hold(conn: Connection, token: str, now: datetime) -> None:
-    """Mark the attempt waiting for a token (kept from its first refusal: its place)."""
+    """Mark the attempt waiting for a token: in line from its first refusal (its place is
+    kept), and no longer released if it was."""
     conn.execute(
         sa.update(step_attempt)
         .where(
             step_attempt.c.token == token,
-            step_attempt.c.rate_wait_since.is_(None),
             step_attempt.c.finished_at.is_(None),
             step_attempt.c.claimed_at.is_(None),
         )
-        .values(rate_wait_since=now)
+        .values(
+            rate_wait_since=sa.func.coalesce(step_attempt.c.rate_wait_since, now),
+            rate_released_at=None,
+        )
     )
 
 
 # -- the sweeper's release ----------------------------------------------------------------
+
+#: A released waiter whose claim has not come this long after its release is released again
+#: (its message was lost): until then its token is counted as spoken for.
+RELEASE_GRACE = timedelta(seconds=30)
 
 
 @dataclass(slots=True)
 class RateSweep:
     keys: int = 0
     released: int = 0
-    pruned: int = 0
-    outbox: list[OutboxRow] = field(default_factory=list)
+    #: The last key this pass looked at: the next pass starts after it (every key has its
+    #: turn, however many have waiters).
+    last_key: str | None = None
 
 
-def keys_with_waiters(engine: Engine, limit: int = KEYS_PER_SWEEP) -> list[str]:
-    """Keys that have waiting attempts: a scan of an index that is empty when none wait."""
-    with engine.connect() as conn:
-        return list(
-            conn.execute(
-                sa.select(step_attempt.c.rate_key)
-                .where(
-                    step_attempt.c.rate_wait_since.is_not(None),
-                    step_attempt.c.finished_at.is_(None),
-                )
-                .distinct()
-                .limit(limit)
-            ).scalars()
+def keys_with_waiters(
+    engine: Engine, after: str | None = None, limit: int | None = None
+) -> list[str]:
+    """Up to ``limit`` keys that have waiting attempts, in key order from after ``after``,
+    wrapping around: a scan of an index that is empty when none wait."""
+
+    def keys(conn: Connection, start: str | None, n: int) -> list[str]:
+        query = sa.select(step_attempt.c.rate_key).where(
+            step_attempt.c.rate_wait_since.is_not(None), step_attempt.c.finished_at.is_(None)
         )
+        if start is not None:
+            query = query.where(step_attempt.c.rate_key > start)
+        return list(
+            conn.execute(query.distinct().order_by(step_attempt.c.rate_key).limit(n)).scalars()
+        )
+
+    limit = KEYS_PER_SWEEP if limit is None else limit
+    with engine.connect() as conn:
+        found = keys(conn, after, limit)
+        if after is not None and len(found) < limit:
+            found += [k for k in keys(conn, None, limit - len(found)) if k not in found]
+        return found
+
+
+def _in_line(key: str) -> tuple[Any, ...]:
+    return (
+        step_attempt.c.rate_key == key,
+        step_attempt.c.rate_wait_since.is_not(None),
+        step_attempt.c.finished_at.is_(None),
+    )
+
+
+_LINE_ORDER = (step_attempt.c.priority.desc(), step_attempt.c.created_at, step_attempt.c.token)
 
 
 def release_key(conn: Connection, key: str) -> list[OutboxRow]:
-    """Hand the tokens ``key`` has now to its oldest waiters: clear their mark and write their
-    step messages to the outbox (the caller sends them after the commit). Their claims take
-    the tokens; this only lets that many claims try."""
+    """Hand the tokens ``key`` has now to the first waiters in line (higher priority first,
+    then oldest): mark them released and write their step messages to the outbox (the caller
+    sends them after the commit). They keep their place: a newer attempt's claim still sees
+    them ahead of it, and their own claims take the tokens. A token already spoken for by a
+    released waiter whose claim has not come yet is not handed out twice."""
     oldest = conn.execute(
         sa.select(step_attempt.c.rate_limit, step_attempt.c.rate_period)
-        .where(
-            step_attempt.c.rate_key == key,
-            step_attempt.c.rate_wait_since.is_not(None),
-            step_attempt.c.finished_at.is_(None),
-        )
-        .order_by(step_attempt.c.priority.desc(), step_attempt.c.created_at, step_attempt.c.token)
+        .where(*_in_line(key))
+        .order_by(*_LINE_ORDER)
         .limit(1)
     ).first()
     if oldest is None:
         return []
-    # The oldest waiter's declaration sizes the bucket, as its claim will.
+    # The first waiter's declaration sizes the bucket, as its claim will.
     bucket = lock_bucket(conn, key, oldest.rate_limit or 1, oldest.rate_period or 1.0)
-    count = min(bucket.tokens(), MAX_RELEASE)
-    if count == 0:
+    recent = bucket.now - RELEASE_GRACE
+    spoken_for = conn.execute(
+        sa.select(sa.func.count())
+        .select_from(step_attempt)
+        .where(*_in_line(key), step_attempt.c.rate_released_at >= recent)
+    ).scalar_one()
+    count = min(bucket.tokens() - int(spoken_for), MAX_RELEASE)
+    if count <= 0:
         return []
-    released = conn.execute(
+    query = (
         sa.select(
             step_attempt.c.token,
             step_attempt.c.run_id,
@@ -229,17 +262,25 @@ def release_key(conn: Connection, key: str) -> list[OutboxRow]:
             step_attempt.c.priority,
         )
         .where(
-            step_attempt.c.rate_key == key,
-            step_attempt.c.rate_wait_since.is_not(None),
-            step_attempt.c.finished_at.is_(None),
+            *_in_line(key),
+            sa.or_(
+                step_attempt.c.rate_released_at.is_(None),
+                step_attempt.c.rate_released_at < recent,
+            ),
         )
-        .order_by(step_attempt.c.priority.desc(), step_attempt.c.created_at, step_attempt.c.token)
+        .order_by(*_LINE_ORDER)
         .limit(count)
-    ).all()
+    )
+    if conn.dialect.name == "postgresql":
+        # A tick closing one of them meanwhile is left alone (it is next sweep's business).
+        query = query.with_for_update(skip_locked=True)
+    released = conn.execute(query).all()
+    if not released:
+        return []
     conn.execute(
         sa.update(step_attempt)
         .where(step_attempt.c.token.in_([r.token for r in released]))
-        .values(rate_wait_since=None)
+        .values(rate_released_at=bucket.now)
     )
     return insert_outbox(
         conn,
@@ -248,15 +289,17 @@ def release_key(conn: Connection, key: str) -> list[OutboxRow]:
     )
 
 
-def release_waiters(engine: Engine, send: Any) -> RateSweep:
-    """The sweeper's pass: for every key with waiters, one short transaction that releases as
-    many as the bucket has tokens; their messages are sent after each commit and their outbox
-    rows deleted (a failed send leaves them to the outbox relay)."""
-    result = RateSweep()
-    for key in keys_with_waiters(engine):
+def release_waiters(engine: Engine, send: Any, after: str | None = None) -> RateSweep:
+    """The sweeper's pass: for each key with waiters (from after ``after``, wrapping), one
+    short transaction that releases as many as the bucket has tokens for; their messages are
+    sent after each commit and their outbox rows deleted (a failed send leaves them to the
+    outbox relay)."""
+    result = RateSweep(last_key=after)
+    for key in keys_with_waiters(engine, after):
         with engine.begin() as conn:
             rows = release_key(conn, key)
         result.keys += 1
+        result.last_key = key
         if rows:
             send(rows)
             delete_outbox(engine, [r.id for r in rows])

@@ -30,6 +30,7 @@ from .audit import Who
 from .db import is_postgres
 from .schema import (
     concurrency_lease,
+    run_slot,
     start_request,
     step_attempt,
     workflow_control,
@@ -55,6 +56,7 @@ _RUN_TABLES = (
     workflow_wake,
     concurrency_lease,
     start_request,
+    run_slot,
 )
 
 

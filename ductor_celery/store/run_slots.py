@@ -11,10 +11,13 @@ Each run of the key has one ``eec_run_slot`` row from its first tick to its end:
 
 Everything happens inside tick transactions, after the run's row lock, under the key's
 advisory lock (PostgreSQL; SQLite serializes writers): ``admit`` in the load of a pending run,
-``release`` in the commit that ends a run (the row deleted, slots granted), ``hand_over`` in
-the commit that continues a run as new (the successor keeps the slot). A key never has more
-than ``limit`` granted rows, except after a redrive, which an operator asks for: the
-redriven run is admitted at once and counts against the limit.
+``release`` in the commit that ends a run or continues it as new (the row deleted under the
+key it was stored with, slots granted; a successor is admitted by its own first tick, under
+its own key), ``readmit`` in the commit of a redrive. A key never has more than ``limit``
+granted rows, except after a redrive, which an operator asks for: the redriven run is
+admitted at once and counts against the limit. The sweeper releases rows whose run ended or
+is gone (``reap``), a backstop. Commits take these locks before lease locks, as the
+admission in a load does (``lock_for_commit``).
 """
 
 from __future__ import annotations
@@ -124,25 +127,33 @@ def is_granted(conn: Connection, run_id: str) -> bool:
     )
 
 
-def release(conn: Connection, run_id: str, key: str, now: datetime) -> list[OutboxRow]:
-    """The run ended: its row goes, and free slots go to the key's line (woken)."""
+def stored_key(conn: Connection, run_id: str) -> str | None:
+    """The key the run's row is in line or holds a slot under (None: it has no row)."""
+    return conn.execute(
+        sa.select(run_slot.c.key).where(run_slot.c.run_id == run_id)
+    ).scalar_one_or_none()
+
+
+def release(conn: Connection, run_id: str, now: datetime) -> list[OutboxRow]:
+    """The run ended (or continued as new): its row goes, under the key it was stored with,
+    and free slots go to that key's line (woken). A successor is admitted by its own first
+    tick, under the key its own input and definition give."""
+    key = stored_key(conn, run_id)
+    if key is None:
+        return []
     lock_key(conn, key)
     conn.execute(sa.delete(run_slot).where(run_slot.c.run_id == run_id))
     granted = _grant_in_order(conn, key, now)
     return insert_outbox(conn, [wakeup_intent(r) for r in granted], now)
 
 
-def hand_over(conn: Connection, run_id: str, successor: str) -> None:
-    """Continue-as-new: the successor is the same logical run, and keeps its slot."""
-    conn.execute(sa.update(run_slot).where(run_slot.c.run_id == run_id).values(run_id=successor))
-
-
 def readmit(
     conn: Connection, run_id: str, key: str, limit: int, priority: int, now: datetime
-) -> None:
-    """A redriven run runs again at once: it holds a slot (an operator's decision)."""
+) -> list[OutboxRow]:
+    """A redriven run runs again at once: it holds a slot of the key its (new) input gives
+    (an operator's decision); a row it still had elsewhere is released."""
+    outbox = release(conn, run_id, now)
     lock_key(conn, key)
-    conn.execute(sa.delete(run_slot).where(run_slot.c.run_id == run_id))
     conn.execute(
         sa.insert(run_slot).values(
             run_id=run_id,
@@ -153,6 +164,36 @@ def readmit(
             granted_at=now,
         )
     )
+    return outbox
+
+
+def lock_for_commit(conn: Connection, run_id: str, key: str | None) -> None:
+    """Take the run-slot locks a commit will need before any other lock of the commit (lease
+    keys): the admission in a load takes this lock first too, so the order is the same in
+    every writer."""
+    for k in sorted({k for k in (stored_key(conn, run_id), key) if k is not None}):
+        lock_key(conn, k)
+
+
+def reap(conn: Connection, now: datetime, limit: int = 100) -> list[OutboxRow]:
+    """The sweeper's backstop: rows of runs that have ended or are gone (a run ended by a
+    version of ductor without this table's rules, a row changed by hand) are released, and
+    their keys' lines move."""
+    ended = conn.execute(
+        sa.select(run_slot.c.run_id)
+        .outerjoin(workflow_run, workflow_run.c.run_id == run_slot.c.run_id)
+        .where(
+            sa.or_(
+                workflow_run.c.run_id.is_(None),
+                workflow_run.c.status.not_in([s.value for s in OPEN_RUN_STATUSES]),
+            )
+        )
+        .limit(limit)
+    ).scalars()
+    outbox: list[OutboxRow] = []
+    for run_id in list(ended):
+        outbox += release(conn, run_id, now)
+    return outbox
 
 
 def _held(conn: Connection, key: str) -> int:
@@ -197,9 +238,12 @@ def _cancel_oldest(conn: Connection, key: str, now: datetime, newcomer: str) -> 
     """Ask the key's oldest holder that is not already being stopped to cancel (a control, as
     an operator's cancel would be), so the newcomer gets its slot when it has ended. Returns
     the run to wake (its tick applies the cancel)."""
+    # On its way out: a cancel or terminate asked since it got its slot (one from before a
+    # redrive does not count).
     stopping = sa.exists().where(
         workflow_control.c.run_id == run_slot.c.run_id,
         workflow_control.c.kind.in_([ControlKind.CANCEL.value, ControlKind.TERMINATE.value]),
+        workflow_control.c.created_at >= run_slot.c.granted_at,
     )
     oldest = conn.execute(
         sa.select(run_slot.c.run_id)

@@ -210,6 +210,9 @@ step_attempt = sa.Table(
     sa.Column("rate_limit", sa.Integer, nullable=True),
     sa.Column("rate_period", sa.Float, nullable=True),
     sa.Column("rate_wait_since", Ts, nullable=True),
+    # Set when the sweeper hands it a token's turn (its message sent): it keeps its place in
+    # line until its claim takes the token.
+    sa.Column("rate_released_at", Ts, nullable=True),
     # Its run's priority, for the order in which waiting attempts (leases, rate limits) go.
     sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0"),
     sa.Index("eec_workflow_step_attempt_run_node", "run_id", "node"),

@@ -77,6 +77,9 @@ def _commit_on(
         values.update(output=None, error=None, finished_at=None)
     if payload.successor is not None:
         values["continued_to"] = payload.successor.run_id
+    slots = _changes_run_slots(loaded, payload)
+    if slots:  # before lease locks, as in every writer of run slots
+        run_slots.lock_for_commit(conn, loaded.run_id, loaded.concurrency_key)
     if is_postgres(conn.engine) and pg_commit.eligible(payload):
         outbox = _commit_in_one_statement(conn, loaded, payload, values, now, claim)
     else:
@@ -108,7 +111,7 @@ def _commit_on(
             outbox.extend(insert_outbox(conn, [wakeup_intent(loaded.run_id)], now))
     if payload.successor is not None:
         outbox.extend(_insert_successor(conn, loaded, payload, now))
-    if loaded.concurrency_key is not None:
+    if slots:
         outbox.extend(_run_slot_changes(conn, loaded, payload, now))
     if payload.child_starts or payload.child_controls:
         outbox.extend(_children(conn, loaded, payload, now))
@@ -137,18 +140,26 @@ def _commit_on(
 def _run_slot_changes(
     conn: Connection, loaded: LoadedRun, payload: TickPayload, now: datetime
 ) -> list[OutboxRow]:
-    """Run concurrency (store/run_slots.py): a run that ends frees its slot for the key's
-    next waiter (woken); a successor keeps its predecessor's slot; a redriven run holds one."""
-    key = loaded.concurrency_key
-    assert key is not None
-    if payload.successor is not None:
-        run_slots.hand_over(conn, loaded.run_id, payload.successor.run_id)
-        return []
-    if payload.finished:
-        return run_slots.release(conn, loaded.run_id, key, now)
-    if payload.reopened:
-        run_slots.readmit(conn, loaded.run_id, key, loaded.concurrency_limit, loaded.priority, now)
+    """Run concurrency (store/run_slots.py): a run that ends or continues as new frees its
+    slot for its key's line (woken); a redriven run holds one."""
+    if payload.finished or payload.successor is not None:
+        return run_slots.release(conn, loaded.run_id, now)
+    if payload.reopened and loaded.concurrency_key is not None:
+        return run_slots.readmit(
+            conn,
+            loaded.run_id,
+            loaded.concurrency_key,
+            loaded.concurrency_limit,
+            loaded.priority,
+            now,
+        )
     return []
+
+
+def _changes_run_slots(loaded: LoadedRun, payload: TickPayload) -> bool:
+    return loaded.concurrency_key is not None and (
+        payload.finished or payload.successor is not None or payload.reopened
+    )
 
 
 # Statements of every tick, built once per process (building one costs more than sending it;

@@ -97,12 +97,14 @@ def _claim(engine: Any, run_id: str, worker: str | None = None) -> Any:
 
 
 def _waiting(engine: Any) -> list[str]:
+    """Runs whose attempt waits in line and has not been released (sent) yet."""
     with engine.connect() as conn:
         return list(
             conn.execute(
                 sa.text(
                     "SELECT run_id FROM eec_workflow_step_attempt WHERE rate_wait_since IS NOT "
-                    "NULL AND finished_at IS NULL ORDER BY created_at, token"
+                    "NULL AND rate_released_at IS NULL AND finished_at IS NULL "
+                    "ORDER BY created_at, token"
                 )
             ).scalars()
         )
@@ -301,3 +303,41 @@ def test_waiters_of_a_higher_priority_run_are_released_first(engine: Any) -> Non
     assert _waiting(engine) == ["r4", "r5", "r6"]  # arrival order in the table
     _refill(engine, 2)
     assert _released(engine) == ["r5", "r6"]  # priority 9, then 4, before r4's 0
+
+
+def test_a_released_waiter_keeps_its_turn_and_its_token_is_not_handed_out_twice(
+    engine: Any,
+) -> None:
+    spec = _spec()
+    for i in range(1, 5):
+        _start(engine, spec, f"r{i}")
+        _claim(engine, f"r{i}")
+    _refill(engine, 1)
+    assert _released(engine) == ["r4"]
+    assert _released(engine) == []  # r4's claim has not come yet: its token is spoken for
+    # A newer attempt's claim comes first, with a token in the bucket: r4 is still ahead.
+    _start(engine, spec, "r5")
+    assert isinstance(_claim(engine, "r5"), RateHeld)
+    assert isinstance(_claim(engine, "r4"), attempts.ClaimedAttempt)
+    assert _waiting(engine) == ["r5"]
+
+
+def test_every_key_with_waiters_gets_its_turn_however_many_there_are(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rates, "KEYS_PER_SWEEP", 2)
+    spec = _spec("1/h")
+    customers = ["a", "b", "c", "d", "e"]
+    for c in customers:  # each key: one holder (its only token) and one waiter
+        for n in (1, 2):
+            _start(engine, spec, f"{c}{n}", customer=c)
+            _claim(engine, f"{c}{n}")
+    for c in customers:
+        _refill(engine, LIMIT, key=f"rate.work|{c}")  # one hour: one token of 1/h
+    cursor, served = None, []
+    for _ in range(3):  # two keys a pass: three passes reach all five
+        sent: list[OutboxRow] = []
+        result = rates.release_waiters(engine, sent.extend, cursor)
+        cursor = result.last_key
+        served += [r.run_id for r in sent]
+    assert sorted(served) == [f"{c}2" for c in customers]

@@ -210,3 +210,49 @@ def test_a_limit_raised_in_a_new_version_applies_as_the_line_reaches_its_runs() 
         # The holder's end moves the line: the version-1 waiter (1 allowed, none held), then
         # the newcomer (2 allowed, 1 held), in the same commit.
         assert _statuses(h, [holder, waiter, newcomer]) == ["succeeded", "running", "running"]
+
+
+def test_continue_as_new_frees_the_slot_and_the_successor_lines_up_under_its_own_key() -> None:
+    ductor = _ductor("queue", limit=1)
+    with testing.harness(ductor) as h:
+        acme = h.start("sync", input={"customer": "acme"})
+        acme_next = h.start("sync", input={"customer": "acme"})
+        globex = h.start("sync", input={"customer": "globex"})
+        assert _statuses(h, [acme, acme_next, globex]) == ["running", "pending", "running"]
+        ductor.continue_as_new(acme.run_id, input={"customer": "globex"})
+        first = h.run(acme.run_id)
+        assert first.status == RunStatus.CONTINUED
+        # acme's slot went to acme's line; the successor is a globex run now, and waits
+        # behind the globex run already open (limit 1).
+        assert h.run(acme_next).status == RunStatus.RUNNING
+        successor = h.run(first.continued_to)
+        assert successor.status == RunStatus.PENDING
+        h.signal(globex.workflow_id, "go")
+        assert h.run(first.continued_to).status == RunStatus.RUNNING
+
+
+def test_the_sweeper_releases_a_slot_its_ended_run_left_behind() -> None:
+    ductor = _ductor("queue", limit=1)
+    with testing.harness(ductor) as h:
+        holder = h.start("sync", input={"customer": "acme"})
+        waiter = h.start("sync", input={"customer": "acme"})
+        engine = ductor.runtime.engine()
+        with engine.begin() as conn:  # as if the run had ended without releasing its slot
+            conn.execute(
+                sa.text(
+                    "UPDATE eec_workflow_run SET status = 'terminated', "
+                    "finished_at = updated_at WHERE run_id = :r"
+                ),
+                {"r": holder.run_id},
+            )
+        from ductor_celery.store import run_slots
+        from ductor_celery.store.db import db_now
+
+        with engine.begin() as conn:
+            woken = run_slots.reap(conn, db_now(engine))
+        assert [r.run_id for r in woken] == [waiter.run_id]
+        ductor.runtime.dispatcher.send(woken)  # what the sweeper does with them
+        assert h.run(waiter).status == RunStatus.RUNNING
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT run_id FROM eec_run_slot")).scalars().all()
+        assert rows == [waiter.run_id]
