@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -25,6 +26,7 @@ from starlette.testclient import TestClient
 
 from ductor_celery import Ductor, RunStatus, StepContext, Workflow
 from ductor_celery.web import create_app
+from ductor_celery.web.console import REQUEST_RETRY_S, STORE_UNAVAILABLE
 
 TESTSERVER = "testserver"
 TOKENS = {
@@ -292,6 +294,30 @@ def test_prune_deletes_a_keys_row_with_its_run(d: Ductor, api: TestClient) -> No
     assert _counts(d)["eec_start_request"] == 0
     fresh = api.post("/api/workflows/order/runs", headers=_as("otto", "old"))
     assert fresh.status_code == 201 and fresh.json()["run_id"] != run_id
+
+
+def test_a_database_outage_is_503_soon_without_the_drivers_text(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every connect refused (nothing listens on port 1): the start rides it out for
+    REQUEST_RETRY_S, then answers 503 with a text of ours (the driver's goes to the log)."""
+    app = Celery(f"starts{uuid.uuid4().hex[:6]}", broker="memory://", set_as_current=False)
+    down = Ductor(app, database_url="postgresql+psycopg://ductor@127.0.0.1:1/gone")
+
+    @down.step(name="starts.noop")
+    def noop(ctx: StepContext) -> None:
+        return None
+
+    flow = Workflow("order")
+    flow.step("a", noop)
+    down.register(flow)
+    began = time.monotonic()
+    with TestClient(create_app(down, tokens=TOKENS, allowed_hosts=[TESTSERVER])) as client:
+        answer = client.post("/api/workflows/order/runs", headers=_as("otto", "k-down"))
+    assert answer.status_code == 503, answer.text
+    assert answer.json() == {"error": STORE_UNAVAILABLE}
+    assert time.monotonic() - began < REQUEST_RETRY_S + 20
+    assert "127.0.0.1" in caplog.text
 
 
 @pytest.mark.parametrize(
