@@ -253,8 +253,8 @@ class Client:
                 functools.partial(runs.save_definition, engine, needed), what="save definition"
             )
         traceparent = tracing.start_run(run_id, spec.name)
-        actual, created = with_retry(
-            lambda: runs.insert_run(
+        found, created = with_retry(
+            lambda: runs.insert_run_requested(
                 engine,
                 run_id=run_id,
                 workflow_id=workflow_id or run_id,
@@ -270,16 +270,10 @@ class Client:
             what="insert run",
         )
         if created and due_now:  # a delayed run is woken by its timer row when it is due
-            self._safe_wake(actual, started=True)
-        if request is not None and not created:
-            # The request's row names the run: a concurrent repeat's, or the open run of the
-            # workflow id, recorded now as this request's.
-            found = with_retry(
-                lambda: start_requests.settle(engine, request, actual, workflow_id or actual),
-                what="record start request",
-            )
-            return RunHandle(run_id=found.run_id, workflow_id=found.workflow_id), False
-        return RunHandle(run_id=actual, workflow_id=workflow_id or run_id), created
+            self._safe_wake(found.run_id, started=True)
+        # Not created: the run a concurrent repeat of the request started, or the open run of
+        # the workflow id (recorded as the request's in the transaction that found it).
+        return RunHandle(run_id=found.run_id, workflow_id=found.workflow_id), created
 
     def _start_joined(
         self,

@@ -6,8 +6,11 @@ key): ``api:<workflow>`` and the header's value, ``hook:<name>`` and the deliver
 is inserted in the transaction that inserts the run it starts (``runs.insert_run``) or the
 signal it sends (``external.insert_signal``), so a crash never leaves one without the other;
 the primary key makes a concurrent repeat fail its insert, roll back whatever else it wrote,
-and find the first request's row instead. A repeat finds the row whether or not its run has
-finished, until the run is pruned (retention.py deletes the rows with their run).
+and find the first request's row instead. A start that meets an open run of its workflow id
+(and so starts nothing) records that run as the request's in the transaction that reads it
+(``record_on``, from ``runs.insert_run_requested``), the run row locked against a prune until
+it commits. A repeat finds the row whether or not its run has finished, until the run is
+pruned (retention.py deletes the rows with their run).
 """
 
 from __future__ import annotations
@@ -87,18 +90,18 @@ def find(engine: Engine, request: RequestKey) -> Requested | None:
         return find_on(conn, request)
 
 
-def settle(engine: Engine, request: RequestKey, run_id: str, workflow_id: str) -> Requested:
-    """A start that inserted no run (an open run of its workflow id was there, so the start
-    returned that one): the request's row if a concurrent repeat wrote it, else a row that
-    records the open run as the request's, so a repeat after that run finished still returns
-    it and starts nothing. The first row written wins."""
-    insert: Any = pg_insert if engine.dialect.name == "postgresql" else sqlite_insert
-    with engine.begin() as conn:
-        conn.execute(
-            insert(start_request)
-            .values(scope=request.scope, key=request.key, run_id=run_id, workflow_id=workflow_id)
-            .on_conflict_do_nothing()
-        )
-        found = find_on(conn, request)
+def record_on(conn: Connection, request: RequestKey, run_id: str, workflow_id: str) -> Requested:
+    """In the caller's transaction, which read ``run_id`` open (a start that inserted no run:
+    the open run of its workflow id was there, so the start returns that one): the request's
+    row if a concurrent repeat wrote it, else a row that records that run as the request's, so
+    a repeat after the run finished still returns it and starts nothing. The first row written
+    wins (a concurrent repeat's insert waits for this transaction, then finds the row)."""
+    insert: Any = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    conn.execute(
+        insert(start_request)
+        .values(scope=request.scope, key=request.key, run_id=run_id, workflow_id=workflow_id)
+        .on_conflict_do_nothing()
+    )
+    found = find_on(conn, request)
     assert found is not None
     return found

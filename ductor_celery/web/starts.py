@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 from ..call_checks import check_id
 from ..engine.kinds import AuditSource
 from ..store.audit import acting_as
+from ..store.db import retry_deadline
 from ..store.start_requests import RequestKey
 from ..views import RunHandle
+from .console import REQUEST_RETRY_S
 from .params import BadRequest
 
 if TYPE_CHECKING:
@@ -50,10 +52,11 @@ def start_run(
     """Start ``workflow`` as the body says, as ``actor`` (the token's name; audit source
     ``web``). Returns (handle, created): not created when the key started a run before, or an
     open run of the workflow id was there (the start returned it, as ``start()`` does). A bad
-    ``priority`` (not an integer 0..9) is the client's ValueError, a 400."""
+    ``priority`` (not an integer 0..9) is the client's ValueError, a 400. A database that
+    cannot be reached within ``REQUEST_RETRY_S`` is ``StoreUnavailable``, a 503."""
     values = check_start_body(body)
     request = RequestKey.api(workflow, key) if key is not None else None
-    with acting_as(AuditSource.WEB):
+    with acting_as(AuditSource.WEB), retry_deadline(REQUEST_RETRY_S):
         return d.client.start_request(
             request,
             workflow,

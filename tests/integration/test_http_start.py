@@ -1,25 +1,32 @@
 """Starting runs over HTTP: ``POST /api/workflows/{name}/runs`` on the console, through
 Starlette's TestClient, on SQLite and on PostgreSQL. An operator's token starts (201); an
 ``Idempotency-Key`` repeated returns the run it started (200), finished or not, and a
-concurrent repeat too (PostgreSQL, threads); no token, a viewer's, a read-only console: 403;
+concurrent repeat too (PostgreSQL, threads); a key that meets an open run is recorded in the
+transaction that reads it (a prune racing it leaves no row naming a deleted run); no token, a
+viewer's, a read-only console: 403;
 an unknown workflow: 404; a bad body or key: 400 and nothing written; the audit entry names
 the token (source ``web``)."""
 
 from __future__ import annotations
 
+import functools
 import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from celery import Celery
+from sqlalchemy import event
 from starlette.testclient import TestClient
 
 from ductor_celery import Ductor, RunStatus, StepContext, Workflow
 from ductor_celery.web import create_app
+from ductor_celery.web.console import REQUEST_RETRY_S, STORE_UNAVAILABLE
 
 TESTSERVER = "testserver"
 TOKENS = {
@@ -154,6 +161,132 @@ def test_a_key_that_met_an_open_run_is_that_runs_from_then_on(d: Ductor, api: Te
     assert again.status_code == 200 and again.json()["run_id"] == run_id
 
 
+def _watch_open_run_reads(
+    d: Ductor,
+    request: pytest.FixtureRequest,
+    workflow_id: str,
+    on_read: Callable[[], None] | None = None,
+) -> list[str]:
+    """What the engine does from now on, in order: ``begin``/``commit``/``rollback``, the
+    reads of the open run of ``workflow_id`` (``read``, calling ``on_read`` after the first)
+    and the inserts into eec_start_request (``record``)."""
+    seen: list[str] = []
+
+    def statement(conn: Any, cursor: Any, sql: str, params: Any, context: Any, many: bool) -> None:
+        values = params.values() if isinstance(params, dict) else params or ()
+        if "FROM eec_workflow_run" in sql and "status IN" in sql and workflow_id in values:
+            seen.append("read")
+            if on_read is not None and seen.count("read") == 1:
+                on_read()
+        elif sql.lstrip().upper().startswith("INSERT INTO EEC_START_REQUEST"):
+            seen.append("record")
+
+    engine = d.client.engine
+    listeners: list[tuple[str, Callable[..., None]]] = [
+        ("after_cursor_execute", statement),
+        ("begin", lambda conn: seen.append("begin")),
+        ("commit", lambda conn: seen.append("commit")),
+        ("rollback", lambda conn: seen.append("rollback")),
+    ]
+    for name, fn in listeners:
+        event.listen(engine, name, fn)
+        request.addfinalizer(functools.partial(event.remove, engine, name, fn))
+    return seen
+
+
+def test_a_key_that_met_an_open_run_is_recorded_in_the_transaction_that_read_it(
+    d: Ductor, api: TestClient, request: pytest.FixtureRequest
+) -> None:
+    """No commit between the read of the open run and the request's row: a crash or a prune
+    between the two cannot leave the key unrecorded after its answer, or naming a run gone."""
+    run_id = d.start("order", workflow_id="order-5").run_id
+    seen = _watch_open_run_reads(d, request, "order-5")
+    met = api.post(
+        "/api/workflows/order/runs", json={"workflow_id": "order-5"}, headers=_as("otto", "k5")
+    )
+    assert met.status_code == 200 and met.json()["run_id"] == run_id
+    read = seen.index("read")
+    assert "record" in seen[read:], seen
+    between = seen[read : seen.index("record", read)]
+    assert not {"begin", "commit", "rollback"} & set(between), seen
+    assert seen[seen.index("record", read) + 1 :][:1] == ["commit"], seen
+
+
+def test_a_prune_racing_a_key_that_met_an_open_run_never_leaves_its_row_dangling(
+    d: Ductor, api: TestClient, request: pytest.FixtureRequest
+) -> None:
+    """PostgreSQL: the open run ends and a prune runs between the start's read of it and the
+    request's row; the row must never name a deleted run (the read locks it until it commits;
+    SQLite's BEGIN IMMEDIATE keeps every other writer out, so no prune can come between)."""
+    if d.client.engine.dialect.name != "postgresql":
+        pytest.skip("a prune on another connection mid-transaction: PostgreSQL")
+    run_id = d.start("order", workflow_id="order-6").run_id
+    engine = d.client.engine
+    pruned: list[int] = []
+
+    def end_and_prune() -> None:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "UPDATE eec_workflow_run SET status = 'terminated', "
+                    "finished_at = now() - interval '1 hour' WHERE run_id = :r"
+                ),
+                {"r": run_id},
+            )
+        pruned.append(d.prune(older_than=timedelta(0)))
+
+    _watch_open_run_reads(d, request, "order-6", end_and_prune)
+    met = api.post(
+        "/api/workflows/order/runs", json={"workflow_id": "order-6"}, headers=_as("otto", "k6")
+    )
+    assert met.status_code == 200 and met.json()["run_id"] == run_id
+    assert pruned == [0]  # the run was locked: the prune passed it by
+    with engine.connect() as conn:
+        dangling = conn.execute(
+            sa.text(
+                "SELECT count(*) FROM eec_start_request r WHERE NOT EXISTS "
+                "(SELECT 1 FROM eec_workflow_run w WHERE w.run_id = r.run_id)"
+            )
+        ).scalar_one()
+    assert dangling == 0 and _counts(d)["eec_start_request"] == 1
+    # Once the start committed, the next prune takes the run and its key together.
+    assert d.prune(older_than=timedelta(0)) == 1
+    assert _counts(d)["eec_start_request"] == 0
+
+
+def test_an_open_run_that_ends_before_it_is_looked_for_lets_the_start_insert_again(
+    d: Ductor, api: TestClient
+) -> None:
+    """PostgreSQL: the insert meets the open run of the workflow id, which ends before the
+    start looks for it: the start inserts again (201), never an error."""
+    if d.client.engine.dialect.name != "postgresql":
+        pytest.skip("a write on another connection mid-transaction: PostgreSQL")
+    run_id = d.start("order", workflow_id="order-8").run_id
+    engine = d.client.engine
+    ended: list[str] = []
+
+    def on_error(context: Any) -> None:
+        if ended or "INSERT INTO eec_workflow_run" not in (context.statement or ""):
+            return
+        ended.append(run_id)
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text("UPDATE eec_workflow_run SET status = 'terminated' WHERE run_id = :r"),
+                {"r": run_id},
+            )
+
+    event.listen(engine, "handle_error", on_error)
+    try:
+        answer = api.post(
+            "/api/workflows/order/runs", json={"workflow_id": "order-8"}, headers=_as("otto", "k8")
+        )
+    finally:
+        event.remove(engine, "handle_error", on_error)
+    assert ended == [run_id]
+    assert answer.status_code == 201, answer.text
+    assert answer.json()["run_id"] != run_id and answer.json()["workflow_id"] == "order-8"
+
+
 def test_prune_deletes_a_keys_row_with_its_run(d: Ductor, api: TestClient) -> None:
     run_id = api.post("/api/workflows/order/runs", headers=_as("otto", "old")).json()["run_id"]
     d.terminate(run_id)
@@ -161,6 +294,30 @@ def test_prune_deletes_a_keys_row_with_its_run(d: Ductor, api: TestClient) -> No
     assert _counts(d)["eec_start_request"] == 0
     fresh = api.post("/api/workflows/order/runs", headers=_as("otto", "old"))
     assert fresh.status_code == 201 and fresh.json()["run_id"] != run_id
+
+
+def test_a_database_outage_is_503_soon_without_the_drivers_text(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every connect refused (nothing listens on port 1): the start rides it out for
+    REQUEST_RETRY_S, then answers 503 with a text of ours (the driver's goes to the log)."""
+    app = Celery(f"starts{uuid.uuid4().hex[:6]}", broker="memory://", set_as_current=False)
+    down = Ductor(app, database_url="postgresql+psycopg://ductor@127.0.0.1:1/gone")
+
+    @down.step(name="starts.noop")
+    def noop(ctx: StepContext) -> None:
+        return None
+
+    flow = Workflow("order")
+    flow.step("a", noop)
+    down.register(flow)
+    began = time.monotonic()
+    with TestClient(create_app(down, tokens=TOKENS, allowed_hosts=[TESTSERVER])) as client:
+        answer = client.post("/api/workflows/order/runs", headers=_as("otto", "k-down"))
+    assert answer.status_code == 503, answer.text
+    assert answer.json() == {"error": STORE_UNAVAILABLE}
+    assert time.monotonic() - began < REQUEST_RETRY_S + 20
+    assert "127.0.0.1" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,8 @@ from support import tick_once
 
 from ductor_celery import Ductor, RunStatus, StepContext, Workflow
 from ductor_celery.definition.webhooks import sign
-from ductor_celery.web import create_app
+from ductor_celery.web import create_app, hooks
+from ductor_celery.web.console import REQUEST_RETRY_S, STORE_UNAVAILABLE
 
 TESTSERVER = "testserver"
 SECRET = "whsec_k8N2-\u00e9\u00df"  # non-ASCII: the key is the secret's UTF-8 bytes
@@ -42,7 +43,14 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 class Secrets(dict[str, str]):
-    """The secret provider: a dict whose entries a test may change between deliveries."""
+    """The secret provider: a dict whose entries a test may change between deliveries, and
+    which counts how often it was asked."""
+
+    reads = 0
+
+    def __getitem__(self, name: str) -> str:
+        self.reads += 1
+        return super().__getitem__(name)
 
 
 @pytest.fixture
@@ -191,17 +199,105 @@ def test_a_missing_signature_or_a_body_changed_after_signing_is_401(
     assert _counts(d)["eec_workflow_run"] == 1
 
 
-def test_the_secret_is_read_when_a_delivery_arrives(
-    d: Ductor, client: TestClient, secrets: Secrets
+class Clock:
+    """``monotonic()`` as the hooks' secret cache reads it, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    found = Clock()
+    monkeypatch.setattr(hooks, "monotonic", found)
+    return found
+
+
+def test_the_secret_is_read_when_a_delivery_arrives_and_kept_for_seconds(
+    d: Ductor, client: TestClient, secrets: Secrets, clock: Clock
 ) -> None:
     secrets["shop_hook"] = "rotated-secret"
     assert _deliver(client, "stripe", EVENT).status_code == 401
+    assert secrets.reads == 1  # read when the first delivery arrived, not before
     assert _deliver(client, "stripe", EVENT, secret="rotated-secret").status_code == 201
+    assert secrets.reads == 1  # kept for SECRET_TTL_S
     del secrets["shop_hook"]
+    clock.now += hooks.SECRET_TTL_S
     missing = _deliver(client, "stripe", {**EVENT, "id": "evt_3"}, secret="rotated-secret")
-    assert missing.status_code == 503
+    assert missing.status_code == 503 and secrets.reads == 2
     assert "rotated-secret" not in missing.text
     assert _counts(d)["eec_workflow_run"] == 1
+    secrets["shop_hook"] = SECRET
+    clock.now += hooks.SECRET_TTL_S
+    assert _deliver(client, "stripe", {**EVENT, "id": "evt_4"}).status_code == 201
+    assert secrets.reads == 3
+
+
+def test_a_flood_of_forged_deliveries_asks_the_provider_once_per_window(
+    d: Ductor, client: TestClient, secrets: Secrets, clock: Clock
+) -> None:
+    for i in range(20):
+        forged = _deliver(client, "stripe", {**EVENT, "id": f"evt_{i}"}, secret="guess")
+        assert forged.status_code == 401
+    assert secrets.reads == 1
+    del secrets["shop_hook"]  # a failure is kept as long: the provider is not hammered either
+    clock.now += hooks.SECRET_TTL_S
+    for _ in range(5):
+        assert _deliver(client, "stripe", EVENT).status_code == 503
+    assert secrets.reads == 2 and all(n == 0 for n in _counts(d).values())
+
+
+def test_a_secret_that_is_not_utf8_text_is_503_without_showing_it(
+    d: Ductor, client: TestClient, secrets: Secrets, caplog: pytest.LogCaptureFixture
+) -> None:
+    # What os.environ holds for a variable set from bytes that are not UTF-8.
+    secrets["shop_hook"] = "abc\udcffdef"
+    answer = _deliver(client, "stripe", EVENT)
+    assert answer.status_code == 503, answer.text
+    assert answer.json() == {
+        "error": "the webhook's secret is not available (see the console's log)"
+    }
+    assert "shop_hook" in caplog.text and "not UTF-8 text" in caplog.text
+    assert "position" not in caplog.text and "udcff" not in caplog.text
+    assert all(n == 0 for n in _counts(d).values())
+
+
+def test_an_unexpected_error_before_authentication_is_500_without_its_text(
+    d: Ductor, client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any) -> None:
+        raise UnicodeEncodeError("utf-8", "s3cr\udcff", 4, 5, "surrogates not allowed")
+
+    monkeypatch.setattr(hooks, "verify", broken)
+    answer = _deliver(client, "stripe", EVENT)
+    assert answer.status_code == 500
+    assert answer.json() == {
+        "error": "the delivery's signature could not be checked (see the console's log)"
+    }
+    assert all(n == 0 for n in _counts(d).values())
+
+
+def test_a_database_outage_is_503_soon_without_the_drivers_text(
+    secrets: Secrets, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing listens on port 1: every connect is refused, a transient error that the
+    delivery rides out for REQUEST_RETRY_S (not the 60..120 s of a worker's retries), then
+    answers 503 with a text of ours; the driver's (host, port) goes to the log only."""
+    app = Celery(f"hooks{uuid.uuid4().hex[:6]}", set_as_current=False)
+    app.conf.ductor_secret_provider = secrets.__getitem__
+    down = Ductor(app, database_url="postgresql+psycopg://ductor@127.0.0.1:1/gone")
+    down.webhook("pay", workflow="payment", secret="$.secret.shop_hook", workflow_id="$.body.id")
+    began = time.monotonic()
+    with TestClient(create_app(down, allowed_hosts=[TESTSERVER])) as client:
+        answer = _deliver(client, "pay", EVENT)
+    took = time.monotonic() - began
+    assert answer.status_code == 503, answer.text
+    assert answer.json() == {"error": STORE_UNAVAILABLE}
+    assert took < REQUEST_RETRY_S + 20
+    assert "127.0.0.1" in caplog.text and STORE_UNAVAILABLE in caplog.text
 
 
 @pytest.mark.parametrize(
