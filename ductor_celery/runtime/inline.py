@@ -197,6 +197,8 @@ class InlineChain:
                 workflow=loaded.workflow,
                 trace_context=loaded.trace_context,
                 rate_key=attempt.rate_key,
+                rate_limit=attempt.rate_limit,
+                rate_period=attempt.rate_period,
             )
             self._chosen = (claimed, step, worker)
             first = TickClaim(attempt.token, worker, carrier=self.carrier)

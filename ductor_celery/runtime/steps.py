@@ -261,6 +261,11 @@ def _next_inline(
 def _rate_token(engine: Any, claimed: attempts.ClaimedAttempt, me: str) -> bool:
     """Take the token of a rate-limited attempt this chain's tick claimed; False (run
     nothing) if the bucket had none and the claim was given back, or it was closed."""
+    if with_retry(
+        functools.partial(attempts.take_rate_token_fast, engine, claimed),
+        what="take rate-limit token",
+    ):
+        return True
     taken = with_retry(
         functools.partial(attempts.take_rate_token, engine, claimed.token, me),
         what="take rate-limit token",

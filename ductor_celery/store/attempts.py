@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -43,9 +44,11 @@ class ClaimedAttempt:
     #: Its run's cancel was requested before the claim: the worker writes it as cancelled
     #: without running the step (docs/operations.md, "Cancel and terminate").
     cancel_requested: bool = False
-    #: Its rate-limit bucket, for an attempt an inline chain claimed in its tick's commit:
-    #: the chain takes the token (``take_rate_token``) before it runs the step.
+    #: Its rate-limit bucket, N and period, for an attempt an inline chain claimed in its
+    #: tick's commit: the chain takes the token (``take_rate_token``) before it runs the step.
     rate_key: str | None = None
+    rate_limit: int | None = None
+    rate_period: float | None = None
 
 
 def _now(engine: Engine) -> Any:
@@ -180,6 +183,36 @@ def _claim_rate_limited(
             return None  # closed meanwhile: nothing taken (the transaction ends unchanged)
         rates.take(conn, bucket)
         return _claimed_attempt(token, got, _run_of(conn, got.run_id))
+
+
+def take_rate_token_fast(engine: Engine, claimed: ClaimedAttempt) -> bool:
+    """The common case of ``take_rate_token`` on PostgreSQL in one autocommit statement: the
+    bucket has a token and nobody of the key is ahead in line. False means "not that easy"
+    (no token, someone ahead, a race): the caller then runs ``take_rate_token``, which decides
+    under the bucket's lock and gives the claim back if it must."""
+    if not is_postgres(engine) or claimed.rate_key is None:
+        return False
+    bucket = rates.Bucket(
+        claimed.rate_key,
+        tat=_EPOCH,
+        now=_EPOCH,
+        limit=claimed.rate_limit or 1,
+        period=claimed.rate_period or 1.0,
+    )
+    with autocommit(engine) as conn:
+        took = conn.execute(
+            rates.fast_take_statement(),
+            {
+                "b_key": claimed.rate_key,
+                "b_interval": bucket.interval,
+                "b_burst": bucket.burst,
+                "b_token": claimed.token,
+            },
+        ).scalar_one()
+    return bool(took)
+
+
+_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 
 
 def take_rate_token(engine: Engine, token: str, worker: str) -> bool | rates.RateHeld:

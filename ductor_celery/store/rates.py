@@ -22,6 +22,7 @@ writes never touch a bucket row, so no two transactions wait on each other in a 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -156,6 +157,43 @@ def older_waiter(
             .limit(1)
         ).first()
         is not None
+    )
+
+
+@functools.cache
+def fast_take_statement() -> Any:
+    """One statement (bind parameters ``b_key``, ``b_interval``, ``b_burst``, ``b_token``)
+    that takes a token of ``b_key`` for the attempt ``b_token`` if the bucket has one and no
+    attempt of the key is ahead of it in line; returns 1 if it took one, else 0. The
+    ``INSERT ... ON CONFLICT DO UPDATE`` creates the bucket full or locks it, and its
+    ``WHERE`` is evaluated on the locked row: the same rule as ``Bucket.tokens``, with
+    ``statement_timestamp()`` as now (one clock for the whole statement)."""
+    return sa.text(
+        """
+WITH me AS (
+    SELECT created_at, token, priority FROM eec_workflow_step_attempt WHERE token = :b_token
+), taken AS (
+    INSERT INTO eec_rate_bucket AS b (key, tat, updated_at)
+    VALUES (:b_key, statement_timestamp() + :b_interval, statement_timestamp())
+    ON CONFLICT (key) DO UPDATE
+        SET tat = greatest(b.tat, statement_timestamp()) + :b_interval,
+            updated_at = statement_timestamp()
+        WHERE b.tat - :b_burst <= statement_timestamp()
+          AND NOT EXISTS (
+              SELECT 1 FROM eec_workflow_step_attempt w, me
+              WHERE w.rate_key = :b_key
+                AND w.rate_wait_since IS NOT NULL
+                AND w.finished_at IS NULL
+                AND (w.priority > me.priority
+                     OR (w.priority = me.priority
+                         AND (w.created_at, w.token) < (me.created_at, me.token))))
+    RETURNING 1
+)
+SELECT count(*) FROM taken
+"""
+    ).bindparams(
+        sa.bindparam("b_interval", type_=sa.Interval()),
+        sa.bindparam("b_burst", type_=sa.Interval()),
     )
 
 

@@ -341,3 +341,30 @@ def test_every_key_with_waiters_gets_its_turn_however_many_there_are(
         cursor = result.last_key
         served += [r.run_id for r in sent]
     assert sorted(served) == [f"{c}2" for c in customers]
+
+
+def test_the_one_statement_take_of_an_inline_claim_follows_the_same_rules(engine: Any) -> None:
+    if engine.dialect.name != "postgresql":
+        pytest.skip("one statement on PostgreSQL; SQLite takes the transaction's way")
+    spec = _spec()
+    runs.save_definition(engine, spec)
+    for i in range(1, 6):
+        runs.insert_run(
+            engine, run_id=f"r{i}", workflow_id=f"r{i}", spec=spec, input={"customer": "acme"}
+        )
+        _tick_claiming(engine, spec, f"r{i}", f"w{i}")
+
+    def fast(run_id: str) -> bool:
+        claimed = attempts.ClaimedAttempt(
+            token=_token(run_id), run_id=run_id, workflow_id=run_id, node="w0", branch=None,
+            generation=1, attempt=1, step="rate.work", args={}, context={},
+            rate_key="rate.work|acme", rate_limit=LIMIT, rate_period=PERIOD,
+        )  # fmt: skip
+        return attempts.take_rate_token_fast(engine, claimed)
+
+    assert [fast(f"r{i}") for i in range(1, 5)] == [True, True, True, False]  # a bucket of 3
+    # The slow path then gives r4's claim back: it waits in line.
+    assert isinstance(attempts.take_rate_token(engine, _token("r4"), "w4"), RateHeld)
+    _refill(engine, 1)
+    assert fast("r5") is False  # a token is back, but r4 is ahead of r5 in line
+    assert _released(engine) == ["r4"]
