@@ -55,6 +55,20 @@ class LoadedRun:
 Loaded = tuple[LoadedRun, WorkflowSpec, TickInputs]
 
 
+@dataclass(slots=True)
+class RateTake:
+    """The rate-limit token of a claimed attempt, taken by the tick's commit itself
+    (store/ticks.py): its bucket, N and the period in seconds. ``taken`` is the commit's
+    answer: False means the bucket had no token (or another attempt of the key was ahead in
+    line), and the attempt was inserted waiting in line, not claimed: the worker must not run
+    it (docs/flow-control.md)."""
+
+    key: str
+    limit: int
+    period: float
+    taken: bool | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class TickClaim:
     """One of the tick's new attempts, claimed in the tick's own commit by the step worker
@@ -71,6 +85,8 @@ class TickClaim:
     #: message that began its inline chain), written with the claim: a terminate revokes it
     #: with ``terminate=True``, which kills the step although it has no message of its own.
     carrier: str | None = None
+    #: The claimed attempt is rate-limited: its token is taken in the same commit.
+    rate: RateTake | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -239,9 +239,7 @@ def _next_inline(
     while True:
         kept = chain.pop()
         if kept is not None:
-            if kept[0].rate_key is None or _rate_token(engine, kept[0], kept[2]):
-                return (*kept, False)
-            continue
+            return (*kept, False)
         held = chain.pop_held()
         if held is not None:
             token, step = held
@@ -256,28 +254,6 @@ def _next_inline(
             return None
         run_id, chain.unticked = chain.unticked, None
         _advance_run(rt, engine, run_id, chain)
-
-
-def _rate_token(engine: Any, claimed: attempts.ClaimedAttempt, me: str) -> bool:
-    """Take the token of a rate-limited attempt this chain's tick claimed; False (run
-    nothing) if the bucket had none and the claim was given back, or it was closed."""
-    if with_retry(
-        functools.partial(attempts.take_rate_token_fast, engine, claimed),
-        what="take rate-limit token",
-    ):
-        return True
-    taken = with_retry(
-        functools.partial(attempts.take_rate_token, engine, claimed.token, me),
-        what="take rate-limit token",
-    )
-    if isinstance(taken, RateHeld):
-        log.debug(
-            "inline attempt %s waits for rate-limit key %r (a token at %s)",
-            claimed.token,
-            taken.key,
-            taken.ready_at.isoformat(),
-        )
-    return taken is True
 
 
 def _run_claimed(

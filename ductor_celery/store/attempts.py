@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -44,11 +43,6 @@ class ClaimedAttempt:
     #: Its run's cancel was requested before the claim: the worker writes it as cancelled
     #: without running the step (docs/operations.md, "Cancel and terminate").
     cancel_requested: bool = False
-    #: Its rate-limit bucket, N and period, for an attempt an inline chain claimed in its
-    #: tick's commit: the chain takes the token (``take_rate_token``) before it runs the step.
-    rate_key: str | None = None
-    rate_limit: int | None = None
-    rate_period: float | None = None
 
 
 def _now(engine: Engine) -> Any:
@@ -183,81 +177,6 @@ def _claim_rate_limited(
             return None  # closed meanwhile: nothing taken (the transaction ends unchanged)
         rates.take(conn, bucket)
         return _claimed_attempt(token, got, _run_of(conn, got.run_id))
-
-
-def take_rate_token_fast(engine: Engine, claimed: ClaimedAttempt) -> bool:
-    """The common case of ``take_rate_token`` on PostgreSQL in one autocommit statement: the
-    bucket has a token and nobody of the key is ahead in line. False means "not that easy"
-    (no token, someone ahead, a race): the caller then runs ``take_rate_token``, which decides
-    under the bucket's lock and gives the claim back if it must."""
-    if not is_postgres(engine) or claimed.rate_key is None:
-        return False
-    bucket = rates.Bucket(
-        claimed.rate_key,
-        tat=_EPOCH,
-        now=_EPOCH,
-        limit=claimed.rate_limit or 1,
-        period=claimed.rate_period or 1.0,
-    )
-    with autocommit(engine) as conn:
-        took = conn.execute(
-            rates.fast_take_statement(),
-            {
-                "b_key": claimed.rate_key,
-                "b_interval": bucket.interval,
-                "b_burst": bucket.burst,
-                "b_token": claimed.token,
-            },
-        ).scalar_one()
-    return bool(took)
-
-
-_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
-
-
-def take_rate_token(engine: Engine, token: str, worker: str) -> bool | rates.RateHeld:
-    """For a rate-limited attempt that a tick's commit claimed for this worker (an inline
-    chain's next step): take its token before the step runs, or give the claim back.
-
-    True: the token is taken, run the step. ``RateHeld``: the bucket is empty (or an older
-    attempt of the key waits), so the claim is undone and the attempt waits like any other,
-    for the sweeper to send its message. False: the attempt is no longer this worker's
-    (closed meanwhile): run nothing. A worker that dies before this leaves a claimed attempt
-    whose step never ran: its timeout retries it, as after a claim from a message."""
-    with engine.begin() as conn:
-        row = conn.execute(
-            sa.select(
-                step_attempt.c.rate_key,
-                step_attempt.c.rate_limit,
-                step_attempt.c.rate_period,
-                step_attempt.c.created_at,
-                step_attempt.c.priority,
-            ).where(
-                step_attempt.c.token == token,
-                step_attempt.c.claimed_by == worker,
-                step_attempt.c.finished_at.is_(None),
-            )
-        ).one_or_none()
-        if row is None:
-            return False
-        if row.rate_key is None:
-            return True
-        bucket = rates.lock_bucket(conn, row.rate_key, row.rate_limit or 1, row.rate_period or 1)
-        if bucket.tokens() > 0 and not rates.older_waiter(
-            conn, row.rate_key, row.created_at, token, row.priority
-        ):
-            rates.take(conn, bucket)
-            return True
-        undone = conn.execute(
-            sa.update(step_attempt)
-            .where(
-                step_attempt.c.token == token,
-                step_attempt.c.claimed_by == worker,
-                step_attempt.c.finished_at.is_(None),
-            )
-            .values(claimed_at=None, claimed_by=None, carrier=None, rate_wait_since=bucket.now)
-        ).rowcount
-        return rates.RateHeld(token, row.rate_key, bucket.ready_at) if undone else False
 
 
 def _claimable(token: Any, worker: Any) -> tuple[Any, ...]:

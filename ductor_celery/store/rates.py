@@ -160,19 +160,44 @@ def older_waiter(
     )
 
 
+def take_for_claim(
+    conn: Connection, key: str, limit: int, period: float, token: str, created_at: datetime,
+    priority: int,
+) -> bool:  # fmt: skip
+    """In a tick's commit: take a token of ``key`` for the attempt ``token`` the commit
+    creates claimed (an inline chain's next step), if the bucket has one and no attempt of the
+    key is ahead of it in line. One statement on PostgreSQL, in the tick's transaction (no
+    commit of its own); the bucket's lock is held until the tick commits."""
+    bucket = Bucket(key, created_at, created_at, limit, period)
+    if conn.dialect.name == "postgresql":
+        return bool(
+            conn.execute(
+                _take_statement(),
+                {
+                    "b_key": key,
+                    "b_interval": bucket.interval,
+                    "b_burst": bucket.burst,
+                    "b_token": token,
+                    "b_created": created_at,
+                    "b_priority": priority,
+                },
+            ).scalar_one()
+        )
+    bucket = lock_bucket(conn, key, limit, period)
+    if bucket.tokens() == 0 or older_waiter(conn, key, created_at, token, priority):
+        return False
+    take(conn, bucket)
+    return True
+
+
 @functools.cache
-def fast_take_statement() -> Any:
-    """One statement (bind parameters ``b_key``, ``b_interval``, ``b_burst``, ``b_token``)
-    that takes a token of ``b_key`` for the attempt ``b_token`` if the bucket has one and no
-    attempt of the key is ahead of it in line; returns 1 if it took one, else 0. The
-    ``INSERT ... ON CONFLICT DO UPDATE`` creates the bucket full or locks it, and its
-    ``WHERE`` is evaluated on the locked row: the same rule as ``Bucket.tokens``, with
-    ``statement_timestamp()`` as now (one clock for the whole statement)."""
+def _take_statement() -> Any:
+    """``take_for_claim`` on PostgreSQL. The ``INSERT ... ON CONFLICT DO UPDATE`` creates the
+    bucket full or locks it, and its ``WHERE`` is evaluated on the locked row: the rule of
+    ``Bucket.tokens`` and ``older_waiter``, with ``statement_timestamp()`` as now."""
     return sa.text(
         """
-WITH me AS (
-    SELECT created_at, token, priority FROM eec_workflow_step_attempt WHERE token = :b_token
-), taken AS (
+WITH taken AS (
     INSERT INTO eec_rate_bucket AS b (key, tat, updated_at)
     VALUES (:b_key, statement_timestamp() + :b_interval, statement_timestamp())
     ON CONFLICT (key) DO UPDATE
@@ -180,13 +205,13 @@ WITH me AS (
             updated_at = statement_timestamp()
         WHERE b.tat - :b_burst <= statement_timestamp()
           AND NOT EXISTS (
-              SELECT 1 FROM eec_workflow_step_attempt w, me
+              SELECT 1 FROM eec_workflow_step_attempt w
               WHERE w.rate_key = :b_key
                 AND w.rate_wait_since IS NOT NULL
                 AND w.finished_at IS NULL
-                AND (w.priority > me.priority
-                     OR (w.priority = me.priority
-                         AND (w.created_at, w.token) < (me.created_at, me.token))))
+                AND (w.priority > :b_priority
+                     OR (w.priority = :b_priority
+                         AND (w.created_at, w.token) < (:b_created, :b_token))))
     RETURNING 1
 )
 SELECT count(*) FROM taken
@@ -194,6 +219,17 @@ SELECT count(*) FROM taken
     ).bindparams(
         sa.bindparam("b_interval", type_=sa.Interval()),
         sa.bindparam("b_burst", type_=sa.Interval()),
+        sa.bindparam("b_created", type_=sa.DateTime(timezone=True)),
+    )
+
+
+def give_back(conn: Connection, token: str, now: datetime) -> None:
+    """The commit that created ``token`` claimed found no token for it: it is not claimed
+    after all, and waits in line (no message: the sweeper sends one when its turn comes)."""
+    conn.execute(
+        sa.update(step_attempt)
+        .where(step_attempt.c.token == token)
+        .values(claimed_at=None, claimed_by=None, carrier=None, rate_wait_since=now)
     )
 
 

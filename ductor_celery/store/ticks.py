@@ -29,7 +29,7 @@ from ..engine import RunState, TickPayload
 from ..engine.children import child_workflow_id
 from ..engine.deadline import deadline_after
 from ..engine.kinds import CONTROL_APPLIED, AuditAction, AuditSource
-from . import audit, leases, pg_commit, run_slots
+from . import audit, leases, pg_commit, rates, run_slots
 from .db import is_postgres
 from .external import lock_workflow_signals
 from .finishes import RUN_FINISHED_CHANNEL
@@ -80,6 +80,13 @@ def _commit_on(
     slots = _changes_run_slots(loaded, payload)
     if slots:  # before lease locks, as in every writer of run slots
         run_slots.lock_for_commit(conn, loaded.run_id, loaded.concurrency_key)
+    rate = claim.rate if claim is not None else None
+    if claim is not None and rate is not None:
+        # The claimed attempt's token, before any attempt row is touched (a claim and the
+        # sweeper lock a bucket before attempt rows too). It is taken or not in this commit.
+        rate.taken = rates.take_for_claim(
+            conn, rate.key, rate.limit, rate.period, claim.token, now, loaded.priority
+        )
     if is_postgres(conn.engine) and pg_commit.eligible(payload):
         outbox = _commit_in_one_statement(conn, loaded, payload, values, now, claim)
     else:
@@ -113,6 +120,8 @@ def _commit_on(
         outbox.extend(_insert_successor(conn, loaded, payload, now))
     if slots:
         outbox.extend(_run_slot_changes(conn, loaded, payload, now))
+    if claim is not None and rate is not None and not rate.taken:
+        rates.give_back(conn, claim.token, now)
     if payload.child_starts or payload.child_controls:
         outbox.extend(_children(conn, loaded, payload, now))
     wakes_parent = payload.checkpoint_reached or payload.finished

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from support import CONFIG, commit_tick, load_tick
 
 from ductor_celery import RateLimit, RetryPolicy
-from ductor_celery.coordinator import TickClaim
+from ductor_celery.coordinator.port import RateTake, TickClaim
 from ductor_celery.definition import Workflow
 from ductor_celery.engine import compute_tick
 from ductor_celery.runtime.step_context import Step
@@ -243,44 +243,51 @@ def test_a_step_without_a_rate_limit_never_touches_a_bucket(engine: Any) -> None
         assert conn.execute(sa.text("SELECT count(*) FROM eec_rate_bucket")).scalar_one() == 0
 
 
-def _tick_claiming(engine: Any, spec: Any, run_id: str, worker: str) -> list[OutboxRow]:
+def _tick_claiming(engine: Any, spec: Any, run_id: str, worker: str) -> bool | None:
     """A tick run by a step worker that claims the new attempt in its commit (an inline
-    chain's next step, runtime/inline.py)."""
+    chain's next step, runtime/inline.py), the commit taking its token; whether it did."""
     loaded, spec2, inputs = load_tick(engine, run_id, lambda _h: spec, CONFIG)  # type: ignore[misc]
     payload = compute_tick(spec2, loaded.state, inputs, loaded.now)
-    claim = TickClaim(payload.new_attempts[0].token, worker)
+    rate = RateTake("rate.work|acme", LIMIT, PERIOD)
+    claim = TickClaim(payload.new_attempts[0].token, worker, rate=rate)
     with engine.begin() as conn:
-        return commit_on(conn, loaded, payload, claim)
+        assert _steps(commit_on(conn, loaded, payload, claim)) == []  # no message either way
+    return rate.taken
 
 
-def test_an_inline_claim_takes_its_token_before_the_step_or_gives_the_claim_back(
-    engine: Any,
-) -> None:
-    spec = _spec()
-    runs.save_definition(engine, spec)
-    for i in range(1, 5):
-        runs.insert_run(
-            engine, run_id=f"r{i}", workflow_id=f"r{i}", spec=spec, input={"customer": "acme"}
-        )
-        # Claimed in the commit: no message goes out for it.
-        assert _steps(_tick_claiming(engine, spec, f"r{i}", f"w{i}")) == []
-    taken = [attempts.take_rate_token(engine, _token(f"r{i}"), f"w{i}") for i in range(1, 5)]
-    assert taken[:3] == [True, True, True]
-    held = taken[3]
-    assert isinstance(held, RateHeld)  # the bucket of 3 is empty: r4's claim is given back
+def _claim_row(engine: Any, run_id: str) -> Any:
     with engine.connect() as conn:
-        row = conn.execute(
+        return conn.execute(
             sa.text(
                 "SELECT claimed_at, claimed_by, rate_wait_since FROM eec_workflow_step_attempt "
                 "WHERE token = :t"
             ),
-            {"t": _token("r4")},
+            {"t": _token(run_id)},
         ).one()
-    assert row.claimed_at is None and row.claimed_by is None and row.rate_wait_since is not None
-    # Not this worker's any more: a second try runs nothing.
-    assert attempts.take_rate_token(engine, _token("r4"), "w4") is False
+
+
+def test_an_inline_claim_takes_its_token_in_the_commit_or_waits_in_line_unclaimed(
+    engine: Any,
+) -> None:
+    spec = _spec()
+    runs.save_definition(engine, spec)
+    taken = []
+    for i in range(1, 6):
+        runs.insert_run(
+            engine, run_id=f"r{i}", workflow_id=f"r{i}", spec=spec, input={"customer": "acme"}
+        )
+        taken.append(_tick_claiming(engine, spec, f"r{i}", f"w{i}"))
+    assert taken == [True, True, True, False, False]  # a bucket of 3
+    held = _claim_row(engine, "r4")
+    assert held.claimed_at is None and held.claimed_by is None
+    assert held.rate_wait_since is not None
+    assert _claim_row(engine, "r3").claimed_by == "w3"
+    assert _waiting(engine) == ["r4", "r5"]
     _refill(engine, 1)
-    assert _released(engine) == ["r4"]  # now it is served like any waiter, by a message
+    # A token is back, but r4 is ahead of a newcomer's inline claim: the newcomer waits too.
+    runs.insert_run(engine, run_id="r6", workflow_id="r6", spec=spec, input={"customer": "acme"})
+    assert _tick_claiming(engine, spec, "r6", "w6") is False
+    assert _released(engine) == ["r4"]  # served in line, by a message
     assert isinstance(_claim(engine, "r4"), attempts.ClaimedAttempt)
 
 
@@ -341,30 +348,3 @@ def test_every_key_with_waiters_gets_its_turn_however_many_there_are(
         cursor = result.last_key
         served += [r.run_id for r in sent]
     assert sorted(served) == [f"{c}2" for c in customers]
-
-
-def test_the_one_statement_take_of_an_inline_claim_follows_the_same_rules(engine: Any) -> None:
-    if engine.dialect.name != "postgresql":
-        pytest.skip("one statement on PostgreSQL; SQLite takes the transaction's way")
-    spec = _spec()
-    runs.save_definition(engine, spec)
-    for i in range(1, 6):
-        runs.insert_run(
-            engine, run_id=f"r{i}", workflow_id=f"r{i}", spec=spec, input={"customer": "acme"}
-        )
-        _tick_claiming(engine, spec, f"r{i}", f"w{i}")
-
-    def fast(run_id: str) -> bool:
-        claimed = attempts.ClaimedAttempt(
-            token=_token(run_id), run_id=run_id, workflow_id=run_id, node="w0", branch=None,
-            generation=1, attempt=1, step="rate.work", args={}, context={},
-            rate_key="rate.work|acme", rate_limit=LIMIT, rate_period=PERIOD,
-        )  # fmt: skip
-        return attempts.take_rate_token_fast(engine, claimed)
-
-    assert [fast(f"r{i}") for i in range(1, 5)] == [True, True, True, False]  # a bucket of 3
-    # The slow path then gives r4's claim back: it waits in line.
-    assert isinstance(attempts.take_rate_token(engine, _token("r4"), "w4"), RateHeld)
-    _refill(engine, 1)
-    assert fast("r5") is False  # a token is back, but r4 is ahead of r5 in line
-    assert _released(engine) == ["r4"]
