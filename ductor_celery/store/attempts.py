@@ -146,7 +146,11 @@ def _claim_rate_limited(
                 step_attempt.c.created_at,
                 step_attempt.c.claimed_by,
                 step_attempt.c.priority,
-            ).where(*_claimable(token, worker))
+            )
+            .where(*_claimable(token, worker))
+            # The attempt's row before the bucket's, the order of a tick's commit (which closes
+            # attempts, then takes an inline step's token): the two never wait in a cycle.
+            .with_for_update(of=step_attempt)
         ).one_or_none()
         if row is None or row.rate_key is None:
             return None

@@ -16,8 +16,11 @@ tokens a key has to the first waiters in line by marking them released
 (``rate_released_at``) and sending their messages; they keep their place until their claims
 take the tokens.
 
-Locks are taken bucket row first, then attempt rows, by both writers here; ticks and outcome
-writes never touch a bucket row, so no two transactions wait on each other in a cycle.
+Lock order: attempt rows, then the bucket row. A worker's claim locks its attempt row
+(``FOR UPDATE``) before the bucket; a tick's commit closes or inserts attempt rows before it
+takes an inline step's token. The sweeper's release locks a bucket and then only the attempt
+rows nobody holds (``SKIP LOCKED``), so it never waits on a row. Outcome writes never touch a
+bucket. No two of them wait on each other in a cycle.
 """
 
 from __future__ import annotations
@@ -167,7 +170,8 @@ def take_for_claim(
     """In a tick's commit: take a token of ``key`` for the attempt ``token`` the commit
     creates claimed (an inline chain's next step), if the bucket has one and no attempt of the
     key is ahead of it in line. One statement on PostgreSQL, in the tick's transaction (no
-    commit of its own); the bucket's lock is held until the tick commits."""
+    commit of its own), the commit's last: the bucket's lock is held until the tick commits,
+    a round trip later."""
     bucket = Bucket(key, created_at, created_at, limit, period)
     if conn.dialect.name == "postgresql":
         return bool(

@@ -81,12 +81,6 @@ def _commit_on(
     if slots:  # before lease locks, as in every writer of run slots
         run_slots.lock_for_commit(conn, loaded.run_id, loaded.concurrency_key)
     rate = claim.rate if claim is not None else None
-    if claim is not None and rate is not None:
-        # The claimed attempt's token, before any attempt row is touched (a claim and the
-        # sweeper lock a bucket before attempt rows too). It is taken or not in this commit.
-        rate.taken = rates.take_for_claim(
-            conn, rate.key, rate.limit, rate.period, claim.token, now, loaded.priority
-        )
     if is_postgres(conn.engine) and pg_commit.eligible(payload):
         outbox = _commit_in_one_statement(conn, loaded, payload, values, now, claim)
     else:
@@ -120,8 +114,14 @@ def _commit_on(
         outbox.extend(_insert_successor(conn, loaded, payload, now))
     if slots:
         outbox.extend(_run_slot_changes(conn, loaded, payload, now))
-    if claim is not None and rate is not None and not rate.taken:
-        rates.give_back(conn, claim.token, now)
+    if claim is not None and rate is not None:
+        # The claimed attempt's token, last: its bucket's lock is held for the least time
+        # (the commit follows), and after the attempt rows, as a worker's claim takes them.
+        rate.taken = rates.take_for_claim(
+            conn, rate.key, rate.limit, rate.period, claim.token, now, loaded.priority
+        )
+        if not rate.taken:
+            rates.give_back(conn, claim.token, now)
     if payload.child_starts or payload.child_controls:
         outbox.extend(_children(conn, loaded, payload, now))
     wakes_parent = payload.checkpoint_reached or payload.finished
