@@ -54,7 +54,7 @@ import redis
 from celery import Celery
 from celery.signals import worker_process_shutdown, worker_ready
 
-from ductor_celery import Ductor, StepContext, Workflow
+from ductor_celery import Ductor, RateLimit, StepContext, Workflow
 
 STEPS_QUEUE = "ductor-steps"
 COORD_QUEUE = "ductor-coord"
@@ -130,6 +130,25 @@ for _i in range(1, 10):
     chain10.step(f"s{_i}", echo, after=[f"s{_i - 1}"], args={"value": f"$.nodes.s{_i - 1}.output"})
 chain10.output("$.nodes.s9.output")
 ductor.register(chain10)
+
+#: The same chain under a rate limit that is never reached (benchmarks/rate_limit_cost.py):
+#: what the bucket costs a step. One key for every run, the worst case for the bucket's lock.
+RATED_WORKFLOW = "bench_chain10_rated"
+
+
+@ductor.step(name="bench.echo_rated", rate_limit=RateLimit("1000000/s"))
+def echo_rated(ctx: StepContext, value: int = 0) -> int:
+    return value + 1
+
+
+rated10 = Workflow(RATED_WORKFLOW, version=1)
+rated10.step("s0", echo_rated, args={"value": "$.input.value"})
+for _i in range(1, 10):
+    rated10.step(
+        f"s{_i}", echo_rated, after=[f"s{_i - 1}"], args={"value": f"$.nodes.s{_i - 1}.output"}
+    )
+rated10.output("$.nodes.s9.output")
+ductor.register(rated10)
 
 #: One no-op step per item: the scatter benchmark (benchmarks/scatter.py).
 scatter_wf = Workflow("bench_scatter", version=1)

@@ -4,7 +4,7 @@ The public surface (see the README and docs/): everything a user imports lives h
 """
 
 from .definition.builder import Workflow
-from .definition.retry import ConcurrencyLimit, RetryPolicy
+from .definition.retry import ConcurrencyLimit, RateLimit, RetryPolicy, RunConcurrency
 from .ductor import Ductor
 from .engine.status import NodeStatus, RunStatus
 from .errors import (
@@ -41,9 +41,11 @@ __all__ = [
     "StepCancelled",
     "PayloadNotSerializable",
     "PayloadTooLarge",
+    "RateLimit",
     "RetryPolicy",
     "RunHandle",
     "RunNotFound",
+    "RunConcurrency",
     "RunPage",
     "RunStatus",
     "RunView",

@@ -33,6 +33,7 @@ from .call_checks import (
     check_version,
 )
 from .coordinator import TickOutcome
+from .definition.retry import priority_problem
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
 from .engine.deadline import deadline_after
 from .engine.kinds import (
@@ -51,10 +52,11 @@ from .errors import (
     WorkflowNotFound,
 )
 from .settings import Settings
-from .store import audit, clock, external, finishes, inputs, joined, runs
+from .store import audit, clock, external, finishes, inputs, joined, runs, start_requests
 from .store.db import db_now, get_engine, with_retry
 from .store.outputs import EngineOutputs
 from .store.runs import RunRow
+from .store.start_requests import Requested, RequestKey
 from .views import AuditEntry, AuditPage, NodeView, RunHandle, RunPage, RunView
 
 log = logging.getLogger("ductor_celery.client")
@@ -132,6 +134,7 @@ class Client:
         using: str | None = None,
         version: int | None = None,
         by: str | None = None,
+        priority: int | None = None,
     ) -> RunHandle:
         """Insert a pending run and wake it. ``version``: that registered version of the
         workflow (default: the newest). ``delay``/``start_at``: it stays pending until
@@ -139,6 +142,57 @@ class Client:
         workflow's ``deadline`` when not given) after which it ends ``timed_out``.
         ``connection=`` (a SQLAlchemy Connection or Session) or ``using=`` (a Django database
         alias): inserted in that transaction, woken once it commits (store/joined.py)."""
+        handle, _ = self._start(
+            workflow,
+            input,
+            workflow_id,
+            delay=delay,
+            start_at=start_at,
+            deadline=deadline,
+            connection=connection,
+            using=using,
+            version=version,
+            by=by,
+            priority=priority,
+        )
+        return handle
+
+    def start_request(
+        self,
+        request: RequestKey | None,
+        workflow: str,
+        input: Any = None,
+        workflow_id: str | None = None,
+        **options: Any,
+    ) -> tuple[RunHandle, bool]:
+        """``start`` (``options``: its keyword arguments but ``connection`` and ``using``),
+        at most once per ``request`` (an HTTP start's idempotency key, a webhook's delivery:
+        store/start_requests.py): the run and the request's row commit together. Returns
+        (handle, created): a request made before returns the run it started, finished or
+        not, and starts nothing; so does an open run of the workflow id (the request then
+        counts as that run's). ``request=None``: a plain start that says whether it
+        created the run."""
+        for joined_only in ("connection", "using"):
+            if options.get(joined_only) is not None:
+                raise ValueError(f"start_request() takes no {joined_only}=")
+        return self._start(workflow, input, workflow_id, request=request, **options)
+
+    def _start(
+        self,
+        workflow: str,
+        input: Any,
+        workflow_id: str | None,
+        *,
+        delay: float | None = None,
+        start_at: datetime | None = None,
+        deadline: float | None = None,
+        connection: Any = None,
+        using: str | None = None,
+        version: int | None = None,
+        by: str | None = None,
+        request: RequestKey | None = None,
+        priority: int | None = None,
+    ) -> tuple[RunHandle, bool]:
         # Every argument is checked before the first query: a bad id must not reach a
         # VARCHAR(200) column (PostgreSQL raises a DataError; SQLite would store it).
         check_id(workflow, "workflow")
@@ -148,10 +202,19 @@ class Client:
         if version is not None:
             check_version(version)
         check_deadline(deadline)
+        if priority is not None:
+            problem = priority_problem(priority)
+            if problem is not None:
+                raise ValueError(problem)
         who = _who(by)
         value = check_payload(
             input, f"input of workflow {workflow!r}", self.settings.max_payload_bytes
         )
+        if request is not None:
+            # A repeat: one read, nothing else (its run may have finished long ago).
+            earlier = self._read(start_requests.find, self.engine, request)
+            if earlier is not None:
+                return RunHandle(run_id=earlier.run_id, workflow_id=earlier.workflow_id), False
         spec = self.find_definition(workflow, version)
         if self._remember_spec is not None:
             self._remember_spec(spec)
@@ -179,6 +242,7 @@ class Client:
                 due_now,
                 self._deadline_at(spec, deadline, fire_at),
                 who,
+                priority,
             )
         engine = self.engine
         # The times first: a start_at too far ahead is refused before anything is written.
@@ -189,8 +253,8 @@ class Client:
                 functools.partial(runs.save_definition, engine, needed), what="save definition"
             )
         traceparent = tracing.start_run(run_id, spec.name)
-        actual, created = with_retry(
-            lambda: runs.insert_run(
+        found, created = with_retry(
+            lambda: runs.insert_run_requested(
                 engine,
                 run_id=run_id,
                 workflow_id=workflow_id or run_id,
@@ -200,12 +264,16 @@ class Client:
                 start_at=start_at,
                 deadline_at=deadline_at,
                 who=who,
+                request=request,
+                priority=priority,
             ),
             what="insert run",
         )
         if created and due_now:  # a delayed run is woken by its timer row when it is due
-            self._safe_wake(actual, started=True)
-        return RunHandle(run_id=actual, workflow_id=workflow_id or run_id)
+            self._safe_wake(found.run_id, started=True)
+        # Not created: the run a concurrent repeat of the request started, or the open run of
+        # the workflow id (recorded as the request's in the transaction that found it).
+        return RunHandle(run_id=found.run_id, workflow_id=found.workflow_id), created
 
     def _start_joined(
         self,
@@ -218,7 +286,8 @@ class Client:
         due_now: bool,
         deadline_at: datetime | None = None,
         who: audit.Who | None = None,
-    ) -> RunHandle:
+        priority: int | None = None,
+    ) -> tuple[RunHandle, bool]:
         """The run's rows in the caller's transaction (not retried here: a transaction is the
         caller's to retry); the wake-up once it commits (a delayed run: its timer's)."""
         actual, created = joined.insert_run_on(
@@ -232,13 +301,14 @@ class Client:
             start_at=start_at,
             deadline_at=deadline_at,
             who=who,
+            priority=priority,
         )
         if created and due_now:
             caller.on_commit(
                 lambda: self._safe_wake(actual, started=True),
                 visible=lambda: self._read(runs.find_run, self.engine, actual) is not None,
             )
-        return RunHandle(run_id=actual, workflow_id=workflow_id)
+        return RunHandle(run_id=actual, workflow_id=workflow_id), created
 
     def _start_time(
         self, engine: Engine, delay: float | None, start_at: datetime | None
@@ -331,6 +401,33 @@ class Client:
         by: str | None = None,
     ) -> int:
         """Accept a signal for the run (kept until a node consumes it). Returns its id."""
+        found, _ = self._signal(target, name, payload, idempotency_key, by)
+        assert found.signal_id is not None  # a signal without a request always has its row
+        return found.signal_id
+
+    def signal_request(
+        self,
+        request: RequestKey,
+        target: str,
+        name: str,
+        payload: Any = None,
+        by: str | None = None,
+    ) -> tuple[Requested, bool]:
+        """``signal``, at most once per ``request`` (a signal webhook's delivery,
+        store/start_requests.py): the signal and the request's row commit together. Returns
+        (what the request did, created): a request made before returns its signal and run,
+        whether or not that run has finished since, and sends nothing."""
+        return self._signal(target, name, payload, None, by, request)
+
+    def _signal(
+        self,
+        target: str,
+        name: str,
+        payload: Any,
+        idempotency_key: str | None,
+        by: str | None,
+        request: RequestKey | None = None,
+    ) -> tuple[Requested, bool]:
         check_target(target)
         who = _who(by)
         check_id(name, "signal name")
@@ -344,6 +441,10 @@ class Client:
         value = check_payload(
             payload, f"payload of signal {name!r}", self.settings.max_payload_bytes
         )
+        if request is not None:
+            earlier = self._read(start_requests.find, self.engine, request)
+            if earlier is not None:  # a repeat: its run may have finished, or been pruned
+                return earlier, False
         row = self._row(target)
         # insert_signal decides under the workflow's lock: a repeated key is accepted and
         # ignored (even once the run has finished), a continued run hands the signal to its
@@ -360,12 +461,16 @@ class Client:
                 payload=value,
                 idempotency_key=key,
                 who=who,
+                request=request,
             ),
             what="insert signal",
         )
+        # Without a key of the caller's, a repeat found here is our own retried insert (or a
+        # concurrent delivery): a wake-up more is a no-op tick, one less could leave it unseen.
         if created or idempotency_key is None:
             self._safe_wake(target_run)
-        return signal_id
+        done = Requested(run_id=target_run, workflow_id=row.workflow_id, signal_id=signal_id)
+        return done, created
 
     def decide(
         self, target: str, node: str, *, approved: bool, by: str | None, comment: str | None

@@ -13,8 +13,10 @@ from .declared import declare_annotations, register_type
 from .definition.builder import Workflow
 from .definition.checks import check_step_options, not_a_function
 from .definition.checks import step_name as checked_step_name
-from .definition.retry import ConcurrencyLimit, RetryPolicy
+from .definition.retry import ConcurrencyLimit, RateLimit, RetryPolicy
 from .definition.spec import WorkflowSpec
+from .definition.webhooks import Webhook, Webhooks
+from .definition.webhooks import webhook as check_webhook
 from .engine.kinds import ControlKind
 from .errors import DefinitionError
 from .runtime.runtime import Runtime
@@ -52,6 +54,8 @@ class Ductor:
             tick_here=self._runtime.tick_here,
         )
         self.schedules = Schedules(self.client)
+        #: The hooks ``webhook()`` registered: the console serves each at ``/hooks/<name>``.
+        self.webhooks = Webhooks()
         app._ductor = self
         self._configure_app()
 
@@ -106,6 +110,7 @@ class Ductor:
         schedule_to_start_timeout: float | None = None,
         queue: str | None = None,
         concurrency: ConcurrencyLimit | None = None,
+        rate_limit: RateLimit | None = None,
     ) -> Callable[[Callable[..., Any]], Step]: ...
 
     def step(
@@ -120,6 +125,7 @@ class Ductor:
         schedule_to_start_timeout: float | None = None,
         queue: str | None = None,
         concurrency: ConcurrencyLimit | None = None,
+        rate_limit: RateLimit | None = None,
     ) -> Any:
         """Turn a function ``fn(ctx, **args)`` into a durable step (a Celery task).
 
@@ -139,6 +145,7 @@ class Ductor:
                 schedule_to_start_timeout=schedule_to_start_timeout,
                 queue=queue,
                 concurrency=concurrency,
+                rate_limit=rate_limit,
             )
             if step_name in self._steps and self._steps[step_name].fn is not func:
                 raise DefinitionError(
@@ -153,6 +160,7 @@ class Ductor:
                 schedule_to_start_timeout=schedule_to_start_timeout,
                 queue=queue,
                 concurrency=concurrency,
+                rate_limit=rate_limit,
             )
             self._runtime.register_step(step)
             self._steps[step_name] = step
@@ -186,6 +194,38 @@ class Ductor:
         self._runtime.remember_spec(spec)
         return spec
 
+    def webhook(
+        self,
+        name: str,
+        workflow: str | None = None,
+        *,
+        secret: str,
+        workflow_id: str | None = None,
+        signal: str | None = None,
+        target: str | None = None,
+        scheme: str = "ductor",
+    ) -> Webhook:
+        """Register a signed webhook, served by the console at ``POST /hooks/<name>``
+        (docs/webhooks.md). ``workflow=``: each delivery starts a run with the JSON body as
+        its input, its workflow id the value at the ``workflow_id`` path (``"$.body.id"``);
+        or ``signal=``: each delivery signals the run whose run id or workflow id is at the
+        ``target`` path, the body as the payload. Once per delivery: a repeat does nothing.
+        ``secret``: ``"$.secret.<name>"``, read from ``ductor_secret_provider`` when a
+        delivery arrives. ``scheme``: ``"ductor"`` (``X-Ductor-Signature``), ``"stripe"``
+        (``Stripe-Signature``) or ``"github"`` (``X-Hub-Signature-256``). Raises
+        DefinitionError naming the problem; the same hook registered again is a no-op."""
+        return self.webhooks.add(
+            check_webhook(
+                name,
+                workflow,
+                secret=secret,
+                workflow_id=workflow_id,
+                signal=signal,
+                target=target,
+                scheme=scheme,
+            )
+        )
+
     # -- client -----------------------------------------------------------------------------
 
     def start(
@@ -201,13 +241,16 @@ class Ductor:
         using: str | None = None,
         version: int | None = None,
         by: str | None = None,
+        priority: int | None = None,
     ) -> RunHandle:
         """Start a run; with ``delay`` (seconds) or ``start_at`` (an aware datetime) it stays
         ``pending`` until then (a timer row, cancellable like any open run). ``deadline``:
         seconds from its start after which it ends ``timed_out`` (default: the workflow's).
         ``connection=`` (SQLAlchemy) or ``using=`` (a Django alias): inside the caller's
         transaction on ductor's database, woken once it commits. ``version``: that registered
-        version of the workflow (default: the newest); the run keeps it to the end."""
+        version of the workflow (default: the newest); the run keeps it to the end.
+        ``priority``: 0..9, higher first wherever work waits (default: the workflow's
+        ``priority``, 0 unless set); its child runs inherit it (docs/flow-control.md)."""
         return self.client.start(
             workflow,
             input=input,
@@ -219,6 +262,7 @@ class Ductor:
             using=using,
             version=version,
             by=by,
+            priority=priority,
         )
 
     def get(self, target: str) -> RunView:

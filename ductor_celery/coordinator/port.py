@@ -43,10 +43,30 @@ class LoadedRun:
     created_at: datetime | None = None
     #: The run's W3C traceparent (ductor_celery/tracing.py); None: not traced.
     trace_context: str | None = None
+    #: Run concurrency: the run's key and its workflow's limit, when it has one; the commit
+    #: that ends the run releases its slot (store/run_slots.py).
+    concurrency_key: str | None = None
+    concurrency_limit: int = 0
+    #: The run's priority (0..9, higher first).
+    priority: int = 0
 
 
 #: What a load returns: the run, its pinned definition, and the tick's inputs.
 Loaded = tuple[LoadedRun, WorkflowSpec, TickInputs]
+
+
+@dataclass(slots=True)
+class RateTake:
+    """The rate-limit token of a claimed attempt, taken by the tick's commit itself
+    (store/ticks.py): its bucket, N and the period in seconds. ``taken`` is the commit's
+    answer: False means the bucket had no token (or another attempt of the key was ahead in
+    line), and the attempt was inserted waiting in line, not claimed: the worker must not run
+    it (docs/flow-control.md)."""
+
+    key: str
+    limit: int
+    period: float
+    taken: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +85,8 @@ class TickClaim:
     #: message that began its inline chain), written with the claim: a terminate revokes it
     #: with ``terminate=True``, which kills the step although it has no message of its own.
     carrier: str | None = None
+    #: The claimed attempt is rate-limited: its token is taken in the same commit.
+    rate: RateTake | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,13 +15,19 @@ from ..engine.kinds import DispatchKind
 from .port import TickClaim
 
 
-def step_intent(run_id: str, token: str, node: str, step: str, queue: str | None) -> dict[str, Any]:
+def step_intent(
+    run_id: str, token: str, node: str, step: str, queue: str | None, priority: int = 0
+) -> dict[str, Any]:
+    """A step message's row; ``priority`` (its run's, 0..9) travels to the broker when set."""
+    payload: dict[str, Any] = {"token": token, "run_id": run_id, "node": node}
+    if priority:
+        payload["priority"] = priority
     return {
         "run_id": run_id,
         "kind": DispatchKind.STEP,
         "task": step,
         "queue": queue,
-        "payload": {"token": token, "run_id": run_id, "node": node},
+        "payload": payload,
     }
 
 
@@ -40,21 +46,23 @@ def unsent(claim: TickClaim | None) -> set[str]:
     return set() if claim is None else {claim.token, *claim.held}
 
 
-def outbox_intents(payload: TickPayload, waiting: set[str]) -> list[dict[str, Any]]:
+def outbox_intents(
+    payload: TickPayload, waiting: set[str], priority: int = 0
+) -> list[dict[str, Any]]:
     """The payload's dispatches as outbox rows. A step message for an attempt in ``waiting``
     (for its lease, or claimed by the tick's worker) is not written: the release that hands it
-    a slot sends it, or the worker runs it."""
+    a slot sends it, or the worker runs it. Step messages carry the run's ``priority``."""
     return [
-        wakeup_intent(d.run_id) if d.kind == DispatchKind.WAKEUP else _attempt_intent(d)
+        wakeup_intent(d.run_id) if d.kind == DispatchKind.WAKEUP else _attempt_intent(d, priority)
         for d in payload.dispatches
         if not (d.kind == DispatchKind.STEP and d.token in waiting)
     ]
 
 
-def _attempt_intent(d: Dispatch) -> dict[str, Any]:
+def _attempt_intent(d: Dispatch, priority: int = 0) -> dict[str, Any]:
     """A step or revoke row; a revoke that kills a running step says so in its payload (a
     version that does not know the key revokes without terminating, as it always did)."""
-    row = step_intent(d.run_id, d.token, d.node, d.step, d.queue) | {"kind": d.kind}
+    row = step_intent(d.run_id, d.token, d.node, d.step, d.queue, priority) | {"kind": d.kind}
     if d.terminate:
         row["payload"] = row["payload"] | {"terminate": True}
     return row

@@ -16,6 +16,7 @@ from ..limits import duration_problem, id_problem, int_problem
 from .checks import (
     after_ids,
     check_batch_lease,
+    check_batch_rate,
     check_events,
     check_literals,
     check_over,
@@ -26,7 +27,7 @@ from .checks import (
     refuse,
     signal_problem,
 )
-from .retry import RetryPolicy
+from .retry import RateLimit, RetryPolicy, RunConcurrency, priority_problem
 from .spec import (
     BATCH_ARG,
     CHILD_KINDS,
@@ -66,7 +67,15 @@ WorkflowResolver = Callable[[str], WorkflowSpec | None]
 class Workflow:
     """A DAG of nodes: ``Workflow("order", version=1)``, then ``wf.step(...)`` and friends."""
 
-    def __init__(self, name: str, version: int = 1, *, deadline: float | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        version: int = 1,
+        *,
+        deadline: float | None = None,
+        concurrency: RunConcurrency | None = None,
+        priority: int = 0,
+    ) -> None:
         problem = id_problem(name)
         if problem is not None:
             raise DefinitionError(f"workflow name {short(name)}: the name {problem}")
@@ -75,9 +84,19 @@ class Workflow:
             raise DefinitionError(f"workflow {name!r}: version {problem}")
         # Seconds from a run's start; each run may set its own with start(deadline=...).
         check_timeout(f"workflow {name!r}", "deadline", deadline)
+        if concurrency is not None and not isinstance(concurrency, RunConcurrency):
+            raise DefinitionError(
+                f"workflow {name!r}: concurrency= takes a RunConcurrency(key, limit, strategy), "
+                f"got {short(concurrency)}"
+            )
+        problem = priority_problem(priority)
+        if problem is not None:
+            raise DefinitionError(f"workflow {name!r}: {problem}")
         self.name = name
         self.version = version
         self.deadline = deadline
+        self.concurrency = concurrency
+        self.priority = priority
         self._nodes: list[dict[str, Any]] = []
         self._output: Any = None
 
@@ -99,8 +118,11 @@ class Workflow:
         continue_on_failure: bool = False,
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
+        rate_limit: RateLimit | None = None,
     ) -> Workflow:
-        """Add a node that runs ``step`` with ``args`` once every node in ``after`` finished."""
+        """Add a node that runs ``step`` with ``args`` once every node in ``after`` finished.
+
+        ``retry``, ``timeout`` and ``rate_limit`` given here replace the step's own."""
         return self._add(
             "step",
             id,
@@ -111,6 +133,7 @@ class Workflow:
             continue_on_failure=continue_on_failure,
             retry=retry,
             timeout=timeout,
+            rate_limit=rate_limit,
         )
 
     def scatter(
@@ -134,6 +157,7 @@ class Workflow:
         continue_on_failure: bool = False,
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
+        rate_limit: RateLimit | None = None,
     ) -> Workflow:
         """Run ``step`` once per item of the list at ``over`` (at most ``max_parallel`` at
         once); the output is the list of branch outputs, in item order.
@@ -149,6 +173,11 @@ class Workflow:
         retry of a batch runs only its items without a recorded output. Tolerances count items.
         """
         if as_child_runs or workflow is not None:
+            if rate_limit is not None:
+                raise DefinitionError(
+                    f"workflow {self.name!r}, node {short(id)}: rate_limit= limits step "
+                    "attempts; a scatter over child runs starts runs (limit the child's steps)"
+                )
             if batch_size != 1:
                 raise DefinitionError(
                     f"workflow {self.name!r}, node {short(id)}: "
@@ -182,6 +211,7 @@ class Workflow:
             continue_on_failure=continue_on_failure,
             retry=retry,
             timeout=timeout,
+            rate_limit=rate_limit,
             over=over,
             item_arg=item_arg,
             max_parallel=max_parallel,
@@ -345,6 +375,8 @@ class Workflow:
                 nodes=tuple(nodes),
                 output=output,
                 deadline=self.deadline,
+                concurrency=self.concurrency.to_spec() if self.concurrency else None,
+                priority=self.priority,
             )
         except ValueError as exc:  # pydantic: the output is not JSON-like
             raise DefinitionError(f"workflow {self.name!r}: invalid output: {exc}") from None
@@ -384,6 +416,7 @@ class Workflow:
         settings = _attempt_settings(raw, step, where)
         if raw["kind"] == "scatter":
             check_batch_lease(raw["batch_size"], settings["concurrency"], where)
+            check_batch_rate(raw["batch_size"], settings["rate_limit"], where)
         common: dict[str, Any] = {
             "id": node_id,
             "step": step_name,
@@ -466,6 +499,13 @@ def _attempt_settings(raw: dict[str, Any], step: StepLike | str, where: str) -> 
     queue = getattr(known, "queue", None)
     if queue is not None:
         refuse(where, "queue", id_problem(queue))
+    rate = raw.get("rate_limit")
+    if rate is None:
+        rate = getattr(known, "rate_limit", None)
+    if rate is not None and not isinstance(rate, RateLimit):
+        raise DefinitionError(
+            f"{where}: rate_limit= takes a RateLimit('N/s', key=...), got {short(rate)}"
+        )
     return {
         "retry": policy.to_spec() if policy is not None else RetrySpec(),
         "timeout": timeout,
@@ -473,6 +513,7 @@ def _attempt_settings(raw: dict[str, Any], step: StepLike | str, where: str) -> 
         "schedule_to_start_timeout": schedule_to_start,
         "queue": queue,
         "concurrency": _concurrency_of(known),
+        "rate_limit": rate.to_spec() if rate is not None else None,
     }
 
 

@@ -12,8 +12,8 @@ from typing import Any
 from ..errors import DefinitionError
 from ..limits import MAX_BATCH_SIZE, duration_problem, id_problem, int_problem, is_number
 from ..payloads import check_json
-from .retry import ConcurrencyLimit, RetryPolicy
-from .spec import BATCH_ARG, RESERVED_SIGNAL_PREFIX, ConcurrencySpec
+from .retry import ConcurrencyLimit, RateLimit, RetryPolicy
+from .spec import BATCH_ARG, RESERVED_SIGNAL_PREFIX, ConcurrencySpec, RateLimitSpec
 from .validate import short
 
 
@@ -159,6 +159,16 @@ def check_batch_lease(batch_size: int, concurrency: ConcurrencySpec | None, wher
         )
 
 
+def check_batch_rate(batch_size: int, rate: RateLimitSpec | None, where: str) -> None:
+    """A batch is one attempt taking one token, so its rate key cannot differ per item."""
+    if batch_size > 1 and rate is not None and (rate.key or "").startswith("$.item"):
+        raise DefinitionError(
+            f"{where}: batch_size={batch_size} runs a batch of items as one attempt taking one "
+            f"rate-limit token, so the rate key {rate.key!r} cannot read $.item (use "
+            "batch_size=1, or a key that is the same for every item)"
+        )
+
+
 def step_name(fn: Callable[..., Any], name: object) -> str:
     """The name ``@ductor.step`` registers ``fn`` under: ``name`` if given, else the function's
     module and qualified name, which every worker importing the module derives alike."""
@@ -202,6 +212,7 @@ def check_step_options(
     queue: object,
     concurrency: object,
     schedule_to_start_timeout: object = None,
+    rate_limit: object = None,
 ) -> None:
     """The options of ``@ductor.step``, checked when the function is decorated."""
     where = f"step {step!r}"
@@ -215,4 +226,8 @@ def check_step_options(
     if concurrency is not None and not isinstance(concurrency, ConcurrencyLimit):
         raise DefinitionError(
             f"{where}: concurrency= takes a ConcurrencyLimit(key, limit), got {short(concurrency)}"
+        )
+    if rate_limit is not None and not isinstance(rate_limit, RateLimit):
+        raise DefinitionError(
+            f"{where}: rate_limit= takes a RateLimit('N/s', key=...), got {short(rate_limit)}"
         )

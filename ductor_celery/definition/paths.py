@@ -65,26 +65,33 @@ def is_path(value: object) -> bool:
     return isinstance(value, str) and (value.startswith("$.") or value.startswith("!$."))
 
 
-def parse_path(text: str) -> Path:
-    """Parse ``text`` or raise DefinitionError naming it."""
-    body = text[1:] if text.startswith("!") else text
-    if not body.startswith("$"):
-        raise DefinitionError(f"malformed path {text!r}: a path starts with '$.'")
-    rest = body[1:]
+def _keys(rest: str) -> tuple[list[str | int], str | None]:
+    """The ``.name`` and ``[index]`` keys ``rest`` is made of, and the part from the first one
+    that is neither (``None`` when all of it reads)."""
     keys: list[str | int] = []
     pos = 0
     while pos < len(rest):
         m = _SEGMENT.match(rest, pos)
         if m is None:
-            problem = _secret_problem(body)
-            if problem is not None:
-                raise DefinitionError(f"malformed path {text!r}: {problem}")
-            raise DefinitionError(
-                f"malformed path {text!r}: cannot read {rest[pos:]!r} "
-                "(expected '.name' or '[index]')"
-            )
+            return keys, rest[pos:]
         keys.append(m.group(1) if m.group(1) is not None else int(m.group(2)))
         pos = m.end()
+    return keys, None
+
+
+def parse_path(text: str) -> Path:
+    """Parse ``text`` or raise DefinitionError naming it."""
+    body = text[1:] if text.startswith("!") else text
+    if not body.startswith("$"):
+        raise DefinitionError(f"malformed path {text!r}: a path starts with '$.'")
+    keys, unread = _keys(body[1:])
+    if unread is not None:
+        problem = _secret_problem(body)
+        if problem is not None:
+            raise DefinitionError(f"malformed path {text!r}: {problem}")
+        raise DefinitionError(
+            f"malformed path {text!r}: cannot read {unread!r} (expected '.name' or '[index]')"
+        )
     if not keys or keys[0] not in ROOTS:
         raise DefinitionError(
             f"malformed path {text!r}: it must start with one of "
@@ -160,6 +167,36 @@ def _dig(value: Any, keys: tuple[str | int, ...]) -> Any:
         else:
             return None
     return value
+
+
+#: A webhook's paths read the request's JSON body: ``$.body.id``, ``$.body.data.object[0].id``.
+BODY_PREFIX = "$.body"
+
+
+def parse_body_path(text: object, what: str) -> tuple[str | int, ...]:
+    """The keys of a webhook's path into the request body (``$.body`` and at least one key
+    below it); DefinitionError naming ``what`` and the path otherwise."""
+    example = f"'{BODY_PREFIX}.id'"
+    if not isinstance(text, str) or not text.startswith(BODY_PREFIX):
+        raise DefinitionError(
+            f"{what} must be a path into the request body such as {example}, got {show(text)}"
+        )
+    keys, unread = _keys(text[len(BODY_PREFIX) :])
+    if unread is not None:
+        raise DefinitionError(
+            f"malformed path {text!r} ({what}): cannot read {unread!r} "
+            "(expected '.name' or '[index]')"
+        )
+    if not keys:
+        raise DefinitionError(
+            f"{what} {text!r} names the whole body: give a key below it, such as {example}"
+        )
+    return tuple(keys)
+
+
+def read_body(body: Any, keys: tuple[str | int, ...]) -> Any:
+    """The value at a body path's keys (``None`` where there is none)."""
+    return _dig(body, keys)
 
 
 def resolve_path(path: Path, scope: Scope) -> Any:

@@ -1,7 +1,9 @@
-"""RetryPolicy, the user-facing retry settings of a step, and the backoff math."""
+"""RetryPolicy, the user-facing retry settings of a step, and the backoff math; the step's
+other limits (ConcurrencyLimit, RateLimit)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,7 +18,8 @@ from ..limits import (
     is_number,
     show,
 )
-from .spec import ConcurrencySpec, RetrySpec
+from .paths import parse_path
+from .spec import ConcurrencySpec, RateLimitSpec, RetrySpec, RunConcurrencySpec
 
 #: The values of ``RetryPolicy.on_exhausted``.
 ON_EXHAUSTED = ("fail", "pause")
@@ -148,3 +151,129 @@ class ConcurrencyLimit:
 
     def to_spec(self) -> ConcurrencySpec:
         return ConcurrencySpec(key=self.key, limit=self.limit)
+
+
+#: The periods a rate may be given in: ``"N/s"``, ``"N/m"``, ``"N/h"``.
+RATE_PERIODS = {"s": 1, "m": 60, "h": 3600}
+_RATE = re.compile(r"(\d+)/([smh])")
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """At most N attempts of a step per second, minute or hour per resolved ``key``, across
+    every worker: ``RateLimit("10/s", key="$.input.customer")``.
+
+    A bucket of N tokens per key value that refills over the period; each attempt takes one
+    when a worker claims it. Without ``key``, one bucket for the step. See
+    docs/flow-control.md.
+    """
+
+    rate: str
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        match = _RATE.fullmatch(self.rate) if isinstance(self.rate, str) else None
+        if match is None:
+            raise DefinitionError(
+                f"RateLimit rate must be 'N/s', 'N/m' or 'N/h' (N a whole number), "
+                f"got {show(self.rate)}"
+            )
+        if int(match.group(1)) < 1 or int(match.group(1)) > MAX_INT:
+            raise DefinitionError(
+                f"RateLimit rate {self.rate!r}: N must be at least 1 and at most {MAX_INT}"
+            )
+        key = self.key
+        if key is None:
+            return
+        if not isinstance(key, str) or not key.startswith("$."):
+            raise DefinitionError(
+                f"RateLimit key must be a path such as '$.input.customer' (or None for one "
+                f"bucket per step), got {show(key)}"
+            )
+        if len(key) > MAX_LEASE_KEY_LENGTH:
+            raise DefinitionError(
+                f"RateLimit key must be at most {MAX_LEASE_KEY_LENGTH} characters, got {len(key)}"
+            )
+        try:
+            path = parse_path(key)
+        except DefinitionError as exc:
+            raise DefinitionError(f"RateLimit key: {exc}") from None
+        if path.root == "secret":
+            raise DefinitionError(
+                f"RateLimit key {key!r}: a secret cannot key a bucket (keys are stored)"
+            )
+
+    @property
+    def limit(self) -> int:
+        return int(self.rate.split("/")[0])
+
+    @property
+    def period(self) -> int:
+        """The period in seconds."""
+        return RATE_PERIODS[self.rate.split("/")[1]]
+
+    def to_spec(self) -> RateLimitSpec:
+        return RateLimitSpec(limit=self.limit, period=self.period, key=self.key)  # type: ignore[arg-type]
+
+
+#: What a run beyond ``RunConcurrency.limit`` does.
+RUN_CONCURRENCY_STRATEGIES = ("queue", "cancel_in_progress", "cancel_newest")
+
+
+@dataclass(frozen=True)
+class RunConcurrency:
+    """At most ``limit`` open runs of a workflow per value of ``key``:
+    ``Workflow("sync", concurrency=RunConcurrency(key="$.input.customer", limit=1))``.
+
+    ``key`` is a ``$.input`` path (resolved against each run's input) or a literal string (one
+    group for every run). ``strategy``: ``"queue"`` (a run beyond the limit waits ``pending``
+    for one to end), ``"cancel_in_progress"`` (the oldest open run of the key is cancelled to
+    make room, and the new one starts once it has ended) or ``"cancel_newest"`` (the new run is
+    cancelled at once, its error saying why). See docs/flow-control.md.
+    """
+
+    key: str
+    limit: int = 1
+    strategy: str = "queue"
+
+    def __post_init__(self) -> None:
+        key = self.key
+        if not isinstance(key, str) or not key or "\x00" in key:
+            raise DefinitionError(
+                f"RunConcurrency.key must be a $.input path or a non-empty string, got {show(key)}"
+            )
+        if len(key) > MAX_LEASE_KEY_LENGTH:
+            raise DefinitionError(
+                f"RunConcurrency.key must be at most {MAX_LEASE_KEY_LENGTH} characters, "
+                f"got {len(key)}"
+            )
+        if key.startswith("$"):
+            try:
+                path = parse_path(key)
+            except DefinitionError as exc:
+                raise DefinitionError(f"RunConcurrency.key: {exc}") from None
+            if path.root != "input" or key.startswith("!"):
+                raise DefinitionError(
+                    f"RunConcurrency.key {key!r}: a run's key is read from its input when it "
+                    "starts, so it must be a $.input path (or a literal string)"
+                )
+        if int_problem(self.limit, minimum=1) is not None:
+            raise DefinitionError(
+                f"RunConcurrency.limit must be >= 1 and an integer of at most {MAX_INT}, "
+                f"got {show(self.limit)}"
+            )
+        if self.strategy not in RUN_CONCURRENCY_STRATEGIES:
+            raise DefinitionError(
+                "RunConcurrency.strategy must be 'queue', 'cancel_in_progress' or "
+                f"'cancel_newest', got {show(self.strategy)}"
+            )
+
+    def to_spec(self) -> RunConcurrencySpec:
+        return RunConcurrencySpec(key=self.key, limit=self.limit, strategy=self.strategy)  # type: ignore[arg-type]
+
+
+def priority_problem(value: object) -> str | None:
+    """Why ``value`` is not a priority (an integer 0..9, higher first), or None."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 9:
+        return f"priority must be an integer from 0 to 9 (higher first), got {show(value)}"
+    return None

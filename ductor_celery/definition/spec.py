@@ -81,6 +81,29 @@ class ConcurrencySpec(BaseModel):
     limit: PositiveCount
 
 
+class RateLimitSpec(BaseModel):
+    """A rate limit as stored: ``limit`` attempts per ``period`` seconds per resolved ``key``
+    (a path, or None for one bucket per step). See docs/flow-control.md."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    limit: PositiveCount
+    period: Literal[1, 60, 3600]
+    key: str | None = Field(default=None, min_length=1, max_length=MAX_LEASE_KEY_LENGTH)
+
+
+class RunConcurrencySpec(BaseModel):
+    """Run concurrency as stored: at most ``limit`` open runs per value of ``key`` (a
+    ``$.input`` path, or a literal shared by every run); ``strategy`` says what a run beyond
+    the limit does. See docs/flow-control.md."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key: str = Field(min_length=1, max_length=MAX_LEASE_KEY_LENGTH)
+    limit: PositiveCount
+    strategy: Literal["queue", "cancel_in_progress", "cancel_newest"] = "queue"
+
+
 def allowed_failures(count: int | None, ratio: float | None, total: int) -> int:
     """How many of ``total`` branches may fail with the gather still succeeding (0: fail fast)."""
     if count is not None:
@@ -121,10 +144,16 @@ class AttemptNodeSpec(_NodeBase):
     #: or it waited for a concurrency lease) times out and retries. Left out of the stored
     #: form when unset, so specs (and hashes) without it are what they were.
     schedule_to_start_timeout: Timeout | None = None
+    #: At most ``limit`` attempts of this step per period per resolved key, counted at claim.
+    #: Left out of the stored form when unset, like ``schedule_to_start_timeout``.
+    rate_limit: RateLimitSpec | None = None
 
     @model_serializer(mode="wrap")
     def _dump_attempt(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_unset_schedule_to_start(handler(self))
+        data = _without_unset_schedule_to_start(handler(self))
+        if data.get("rate_limit", 0) is None:
+            del data["rate_limit"]
+        return data
 
 
 class StepNodeSpec(AttemptNodeSpec):
@@ -278,13 +307,15 @@ def approval_signal(node: str) -> str:
 
 
 def node_templates(node: BaseModel) -> list[Any]:
-    """Everything in a node that may hold paths: arguments, condition, lease key, scatter list,
-    child input."""
+    """Everything in a node that may hold paths: arguments, condition, lease key, rate key,
+    scatter list, child input."""
     concurrency = getattr(node, "concurrency", None)
+    rate_limit = getattr(node, "rate_limit", None)
     return [
         getattr(node, "args", None),
         getattr(node, "when", None),
         concurrency.key if concurrency is not None else None,
+        rate_limit.key if rate_limit is not None else None,
         getattr(node, "over", None),
         getattr(node, "input", None),
     ]
@@ -353,12 +384,18 @@ class WorkflowSpec(BaseModel):
     #: overrides it). Left out of the stored form when unset, so a workflow without one keeps
     #: the hash it had before deadlines existed.
     deadline: Timeout | None = None
+    #: At most ``limit`` open runs per key (docs/flow-control.md). Left out when unset.
+    concurrency: RunConcurrencySpec | None = None
+    #: The default priority of its runs, 0..9 (``start(priority=...)`` overrides it). Left out
+    #: at 0.
+    priority: Annotated[int, Field(ge=0, le=9)] = 0
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
-        if data.get("deadline") is None:
-            data.pop("deadline", None)
+        for name, default in (("deadline", None), ("concurrency", None), ("priority", 0)):
+            if data.get(name, default) == default:
+                data.pop(name, None)
         return data
 
     def canonical_json(self) -> str:

@@ -63,7 +63,7 @@ def apply_control(t: TickContext) -> None:
         t.move_run(RunStatus.PAUSED, reason)
     elif kind == ControlKind.RESUME:
         rerun_exhausted(t, reason)
-        t.move_run(resumed_status(state, t.now), reason)
+        t.move_run(resumed_status(state, t.now, t.inputs.admitted), reason)
     elif kind == ControlKind.CANCEL and request_cancel(t, reason):
         pass  # cooperative: the run closes once its attempts stop (engine/cancel.py)
     elif kind in (ControlKind.CANCEL, ControlKind.TERMINATE):

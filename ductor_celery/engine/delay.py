@@ -19,9 +19,12 @@ def waiting_to_start(state: RunState, now: datetime) -> bool:
     return state.status == RunStatus.PENDING and state.start_at is not None and now < state.start_at
 
 
-def resumed_status(state: RunState, now: datetime) -> RunStatus:
+def resumed_status(state: RunState, now: datetime, admitted: bool = True) -> RunStatus:
     """Where a resume takes a paused run: back to pending if it was paused before its delayed
-    start and that start is still ahead (a run never starts before it), else running."""
+    start and that start is still ahead (a run never starts before it), or before its run
+    concurrency slot was granted (it waits for one again), else running."""
     if state.start_at is not None and now < state.start_at:
+        return RunStatus.PENDING
+    if not admitted:
         return RunStatus.PENDING
     return RunStatus.RUNNING

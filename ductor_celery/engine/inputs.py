@@ -112,6 +112,13 @@ class TickInputs:
     #: A continue-as-new to another definition (``version=``) being applied or drained: that
     #: definition (``successor_spec_hash`` names the one the loader should read).
     successor_spec: WorkflowSpec | None = None
+    #: Run concurrency (docs/flow-control.md): whether the run holds one of its key's slots
+    #: (always True for a workflow without a limit); ``refused``: why the run is cancelled
+    #: instead of waiting (``cancel_newest``); ``wake``: runs asked to cancel to make room
+    #: (``cancel_in_progress``), which this tick wakes.
+    admitted: bool = True
+    refused: str | None = None
+    wake: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +139,11 @@ class NewAttempt:
     lease_limit: int | None = None
     #: The scatter branch this attempt runs (None for a plain step node).
     branch: int | None = None
+    #: The rate-limit bucket the attempt takes a token from when claimed (step name
+    #: included), N and the period in seconds. A retry keeps its first attempt's key.
+    rate_key: str | None = None
+    rate_limit: int | None = None
+    rate_period: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -132,6 +132,9 @@ class AuditSource(enum.StrEnum):
     SCHEDULE = "schedule"
     #: A parent run's tick: a child it started, its parent_close control on a child.
     PARENT = "parent"
+    #: Run concurrency's ``cancel_in_progress``: the cancel of the oldest open run of a key,
+    #: asked by a newer run's first tick (docs/flow-control.md; the actor is "ductor").
+    CONCURRENCY = "concurrency"
 
 
 #: Entries of these sources outlive the runs they name until ``ductor_audit_retention_days``.

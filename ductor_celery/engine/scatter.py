@@ -23,7 +23,7 @@ from . import children
 from .context import TickContext
 from .inputs import ClosedAttempt, Dispatch
 from .kinds import DispatchKind
-from .slots import Slot, lease_key_for, start_attempt
+from .slots import Slot, lease_key_for, rate_key_for, start_attempt
 from .state import BranchState, ScatterState
 from .status import OPEN_RUN_STATUSES, NodeStatus
 
@@ -179,6 +179,7 @@ def _fill(t: TickContext, node_id: str, spec: AnyScatter, items: list[Any], scop
             lease_key=lease_key_for(spec, item_scope),
             branch=index,
             slot=branch,
+            rate_key=rate_key_for(spec, item_scope),
         )
     t.payload.changed = True
 
@@ -226,6 +227,8 @@ def _start_batch(
         lease_key=lease_key_for(spec, _item_scope(scope, items[first])),
         branch=branch,
         slot=slot,
+        # One token for the batch: likewise, a rate key reading $.item is refused.
+        rate_key=rate_key_for(spec, _item_scope(scope, items[first])),
     )
 
 

@@ -20,7 +20,7 @@ from .context import TickContext
 from .delay import waiting_to_start
 from .external import park_node
 from .scatter import close_branches, close_slot, start_scatter
-from .slots import lease_key_for, slots, start_attempt
+from .slots import lease_key_for, rate_key_for, slots, start_attempt
 from .state import ChildWork, LiteralOutput, StepWork
 from .status import FINISHED_NODE_STATUSES, NodeStatus, RunStatus
 
@@ -129,7 +129,13 @@ def start_ready_nodes(t: TickContext) -> bool:
             ns.finished_at = t.now
             t.move_node(node_id, NodeStatus.FAILED, error["message"])
             continue
-        start_attempt(t, node_id, args, lease_key=lease_key_for(spec, scope))
+        start_attempt(
+            t,
+            node_id,
+            args,
+            lease_key=lease_key_for(spec, scope),
+            rate_key=rate_key_for(spec, scope),
+        )
         t.move_node(node_id, NodeStatus.RUNNING, f"attempt {ns.step.attempt} dispatched")
     return moved
 

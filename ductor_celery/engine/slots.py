@@ -49,11 +49,26 @@ def lease_key_for(spec: AttemptNodeSpec, scope: Scope) -> str | None:
     """
     if spec.concurrency is None:
         return None
-    value = resolve(spec.concurrency.key, scope)
+    return _step_key(spec.step, resolve(spec.concurrency.key, scope))
+
+
+def rate_key_for(spec: AttemptNodeSpec, scope: Scope) -> str | None:
+    """The rate-limit bucket of an attempt: the step's name and its resolved rate key (the
+    step's name alone when the limit has no key). See docs/flow-control.md."""
+    if spec.rate_limit is None:
+        return None
+    if spec.rate_limit.key is None:
+        return spec.step
+    return _step_key(spec.step, resolve(spec.rate_limit.key, scope))
+
+
+def _step_key(step: str, value: object) -> str:
+    """``"<step>|<value>"``: a value that is not a string by its canonical JSON, a key too
+    long for its column (500 characters) by its hash."""
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
-    key = f"{spec.step}|{text}"
+    key = f"{step}|{text}"
     if len(key) > 500:
-        key = f"{spec.step[:300]}|sha256:{hashlib.sha256(text.encode()).hexdigest()}"
+        key = f"{step[:300]}|sha256:{hashlib.sha256(text.encode()).hexdigest()}"
     return key
 
 
@@ -65,12 +80,13 @@ def start_attempt(
     lease_key: str | None = None,
     branch: int | None = None,
     slot: Slot | None = None,
+    rate_key: str | None = None,
 ) -> None:
     """Insert a new attempt under a new generation and queue its message.
 
     Generations count per node across all its branches, so every token is unique. A retry
-    (``args_from``) keeps its first attempt's arguments and lease key: the store copies both
-    from that attempt's row.
+    (``args_from``) keeps its first attempt's arguments, lease key and rate key: the store
+    copies them from that attempt's row.
     """
     ns = t.nodes[node]
     slot = ns.step if slot is None else slot
@@ -107,6 +123,9 @@ def start_attempt(
             lease_key=lease_key,
             lease_limit=spec.concurrency.limit if spec.concurrency is not None else None,
             branch=branch,
+            rate_key=rate_key,
+            rate_limit=spec.rate_limit.limit if spec.rate_limit is not None else None,
+            rate_period=float(spec.rate_limit.period) if spec.rate_limit is not None else None,
         )
     )
     t.payload.dispatches.append(

@@ -19,7 +19,8 @@ from .controls import apply_control, maybe_continue_as_new, request_auto_continu
 from .deadline import time_out_if_due
 from .delay import waiting_to_start
 from .external import absorb_external
-from .inputs import TickInputs, TickPayload
+from .inputs import Dispatch, TickInputs, TickPayload
+from .kinds import DispatchKind
 from .scatter import drive_scatters
 from .schedule import fail_run_on_fatal_node, finish_if_done, next_wake_at, start_ready_nodes
 from .state import AttemptOutput, NodeState, RunState
@@ -44,6 +45,9 @@ def compute_tick(
         return _finish(t)
     if waiting_to_start(payload.state, now):
         return _finish(t)  # a delayed start: its timer row wakes it at start_at
+    if payload.state.status == RunStatus.PENDING and not inputs.admitted:
+        _wait_for_a_slot(t)
+        return _finish(t)
     if payload.state.status == RunStatus.PENDING:
         t.move_run(RunStatus.RUNNING, "started")
     fold_results(t)
@@ -78,6 +82,19 @@ def _ensure_nodes(t: TickContext) -> None:
     for node_id in t.spec.graph.order:
         if node_id not in t.nodes:
             t.nodes[node_id] = NodeState()
+
+
+def _wait_for_a_slot(t: TickContext) -> None:
+    """Run concurrency: the run has no slot of its key. ``cancel_newest`` ends it at once;
+    otherwise it stays pending (the commit that ends a holder grants it one and wakes it), and
+    the holders asked to cancel for it (``cancel_in_progress``) are woken."""
+    for run_id in t.inputs.wake:
+        t.payload.dispatches.append(Dispatch(DispatchKind.WAKEUP, run_id, "", "", "", None))
+        t.payload.changed = True
+    refused = t.inputs.refused
+    if refused is not None:
+        t.payload.error = {"type": "RunConcurrencyLimit", "message": refused}
+        t.move_run(RunStatus.CANCELLED, refused)
 
 
 def _finish(t: TickContext) -> TickPayload:

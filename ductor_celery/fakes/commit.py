@@ -38,7 +38,8 @@ _OPEN = frozenset(s.value for s in OPEN_RUN_STATUSES)
 
 
 class NotModelled(Exception):
-    """The tick needs something the in-memory store does not model (concurrency leases):
+    """The tick needs something the in-memory store does not model (concurrency leases, rate
+    limits):
     test that against the SQL store (``store.tick_store.SqlTickStore``)."""
 
 
@@ -59,6 +60,9 @@ def commit(
     leased = next((a for a in payload.new_attempts if a.lease_key), None)
     if leased is not None:
         raise NotModelled(f"concurrency leases ({leased.step!r} has a ConcurrencyLimit)")
+    limited = next((a for a in payload.new_attempts if a.rate_key), None)
+    if limited is not None:
+        raise NotModelled(f"rate limits ({limited.step!r} has a RateLimit)")
 
     run.status = state.status.value
     run.state = json_copy(state.to_json())

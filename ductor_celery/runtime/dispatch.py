@@ -7,7 +7,7 @@ from typing import Any
 
 from ..engine.kinds import DispatchKind
 from ..store.outbox import OutboxRow
-from .broker import BrokerQueues
+from .broker import MAX_PRIORITY, BrokerQueues
 from .failpoints import failpoint
 
 log = logging.getLogger("ductor_celery.dispatch")
@@ -44,6 +44,13 @@ class Dispatcher:
     def _options(self) -> dict[str, Any]:
         return {} if self.queues is None else self.queues.publish_options()
 
+    def broker_priority(self, priority: int) -> int:
+        """A run's priority (0..9, higher first) as the broker reads a message's: the same on
+        RabbitMQ; reversed on Redis, whose kombu transport serves priority 0 first (its
+        ``priority_steps``, by default [0, 3, 6, 9], bucket them)."""
+        amqp = self.queues is not None and self.queues.amqp
+        return priority if amqp else MAX_PRIORITY - priority
+
     def send(self, rows: list[OutboxRow]) -> None:
         if not rows:
             return
@@ -71,6 +78,7 @@ class Dispatcher:
                         producer=producer,
                         argsrepr=repr([token]),
                         kwargsrepr=repr({"run_id": row.run_id, "node": row.payload.get("node")}),
+                        priority=self.broker_priority(int(row.payload.get("priority") or 0)),
                         **options,
                     )
                 elif row.kind == DispatchKind.REVOKE:
@@ -102,7 +110,7 @@ class Dispatcher:
         with self._producer() as producer:
             self._wake(run_id, producer, self._options())
 
-    def first_tick(self, run_id: str) -> None:
+    def first_tick(self, run_id: str, priority: int = 0) -> None:
         """Send a run just started to the step workers, whose first tick runs its first step
         in the same process (``steps.first_tick``). Its task id names the run, so that a
         terminate can kill it while it runs that run's attempts (``send``)."""
@@ -114,6 +122,7 @@ class Dispatcher:
                 queue=self.steps_queue,
                 serializer="json",
                 producer=producer,
+                priority=self.broker_priority(priority),
                 **self._options(),
             )
 

@@ -18,7 +18,10 @@ its message had just arrived and been claimed (``ductor_inline_steps``; docs/arc
   the broker, so the messages waiting for this process are not held back for long.
 - Only a step this process has registered, routed to the queue the message came from, with
   no concurrency limit (a lease is handed on through the broker path) and not a retry (whose
-  arguments the store copies from the earlier attempt).
+  arguments the store copies from the earlier attempt). A rate-limited attempt is claimed in
+  the commit like any other, and the commit takes its token (``TickClaim.rate``); with none
+  to take, the commit inserts it waiting in line instead, unclaimed, and the chain does not
+  run it (docs/flow-control.md).
 - With task events on, each inline attempt sends ``task-started`` (with its name and
   arguments) and ``task-succeeded`` under its own token, so Flower lists it as a task
   (``TaskEvents``). After a slow step the next one's events go out at once; a chain of quick
@@ -50,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery._state import pop_current_task, push_current_task
 
-from ..coordinator.port import OutboxRow, TickClaim
+from ..coordinator.port import OutboxRow, RateTake, TickClaim
 from ..coordinator.rows import step_intent
 from ..engine.kinds import DispatchKind
 from ..store.attempts import ClaimedAttempt
@@ -87,6 +90,8 @@ class _Held:
     queue: str
     #: Dispatched by an earlier tick, with a message of its own.
     adopted: bool = False
+    #: Its run's priority, for the message it gets if handed back (``release``).
+    priority: int = 0
 
 
 @dataclass
@@ -111,6 +116,8 @@ class InlineChain:
     _kept: tuple[ClaimedAttempt, Step, str] | None = None
     _chosen_held: list[_Held] = field(default_factory=list)
     _held: list[_Held] = field(default_factory=list)
+    #: The chosen attempt's rate-limit token, which its tick's commit takes (or not).
+    _rate: RateTake | None = None
     #: How long the attempt this worker ran last took (``_holdable``).
     last_ran_s: float | None = None
     #: A run whose outcome this worker wrote alone, to tick after its held branches.
@@ -148,6 +155,7 @@ class InlineChain:
         run is terminated, so it must never be running another run's step then."""
         self._chosen = None
         self._chosen_held = []
+        self._rate = None
         if self._kept is not None or self.left <= 0 or time.monotonic() > self.deadline:
             return None
         if loaded.run_id != self.run_id:
@@ -163,7 +171,14 @@ class InlineChain:
             if first is not None:
                 if attempt.node == first_node and len(self._chosen_held) < self._holdable():
                     self._chosen_held.append(
-                        _Held(attempt.token, step, loaded.run_id, attempt.node, self.queue)
+                        _Held(
+                            attempt.token,
+                            step,
+                            loaded.run_id,
+                            attempt.node,
+                            self.queue,
+                            priority=loaded.priority,
+                        )
                     )
                 continue
             worker = self.identity()
@@ -186,7 +201,12 @@ class InlineChain:
                 trace_context=loaded.trace_context,
             )
             self._chosen = (claimed, step, worker)
-            first = TickClaim(attempt.token, worker, carrier=self.carrier)
+            self._rate = (
+                None
+                if attempt.rate_key is None
+                else RateTake(attempt.rate_key, attempt.rate_limit or 1, attempt.rate_period or 1)
+            )
+            first = TickClaim(attempt.token, worker, carrier=self.carrier, rate=self._rate)
             first_node = attempt.node
         if first is None:
             return None
@@ -198,6 +218,7 @@ class InlineChain:
             first.worker,
             tuple(h.token for h in self._chosen_held if not h.adopted),
             carrier=self.carrier,
+            rate=first.rate,
         )
 
     def _adopt(self, payload: TickPayload, first: str) -> None:
@@ -227,7 +248,8 @@ class InlineChain:
     def _runnable(self, attempt: NewAttempt) -> Step | None:
         """The step of a new attempt this worker may run itself: registered here, routed to
         this queue, with no concurrency limit (a lease is handed on through the broker path),
-        not a retry (the store copies a retry's arguments from the earlier attempt row)."""
+        not a retry (the store copies a retry's arguments from the earlier attempt row). A
+        rate-limited one is chosen too: the chain takes its token before running it."""
         if attempt.args_from is not None or attempt.lease_key is not None:
             return None
         if (attempt.queue or self.rt.settings.steps_queue) != self.queue:
@@ -245,7 +267,9 @@ class InlineChain:
     def committed(self) -> None:
         """``Keeper.committed``: the attempts chosen for the commit are now this worker's."""
         if self._chosen is not None:
-            self._kept, self._chosen = self._chosen, None
+            # A rate-limited attempt whose commit found no token waits in line, unclaimed.
+            refused = self._rate is not None and self._rate.taken is False
+            self._kept, self._chosen = (None if refused else self._chosen), None
             self.left -= 1 + len(self._chosen_held)
             self._held.extend(self._chosen_held)
             self._chosen_held = []
@@ -303,7 +327,7 @@ class InlineChain:
         rows = [
             OutboxRow(0, h.run_id, DispatchKind.STEP, h.step.name, h.queue, intent["payload"])
             for h in held
-            for intent in [step_intent(h.run_id, h.token, h.node, h.step.name, h.queue)]
+            for intent in [step_intent(h.run_id, h.token, h.node, h.step.name, h.queue, h.priority)]
         ]
         try:
             self.rt.dispatcher.send(rows)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..definition.retry import ConcurrencyLimit, RetryPolicy
+from ..definition.retry import ConcurrencyLimit, RateLimit, RetryPolicy
 from ..errors import NonRetryableError, SecretNotFound, StepCancelled
 from ..values import ValueNotDecodable, decode, decode_lenient
 from .secrets import check_name
@@ -34,7 +34,9 @@ class Step:
     concurrency: ConcurrencyLimit | None = None
     task: Any = None  # the Celery task, set when registered
     #: Not claimed within this many seconds of its dispatch: the attempt times out.
-    schedule_to_start_timeout: float | None = None  # the Celery task, set when registered
+    schedule_to_start_timeout: float | None = None
+    #: At most N attempts per period per key, counted at claim (docs/flow-control.md).
+    rate_limit: RateLimit | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)

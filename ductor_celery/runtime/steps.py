@@ -21,6 +21,7 @@ from ..payloads import storable_text
 from ..store import attempts, wakes
 from ..store.db import ValuesRefused, outages, with_retry
 from ..store.outbox import OutboxRow
+from ..store.rates import RateHeld
 from ..store.schema import dumps_json
 from . import batch, metrics
 from .arguments import ArgumentRefused, prepare
@@ -140,6 +141,16 @@ def execute_attempt(
             step.name,
         )
         return "wrong-step"
+    if isinstance(claimed, RateHeld):
+        # Its bucket is empty (or older attempts of its key wait): it waits, marked, and the
+        # sweeper sends its message again when a token is there (docs/flow-control.md).
+        log.debug(
+            "attempt %s waits for rate-limit key %r (a token at %s)",
+            token,
+            claimed.key,
+            claimed.ready_at.isoformat(),
+        )
+        return "rate-limited"
     if claimed is None:
         log.info("attempt %s already claimed or closed; message ignored", token)
         return "duplicate"
@@ -209,7 +220,7 @@ def _run_inline(rt: Runtime, engine: Any, chain: InlineChain | None, hostname: s
 
 def _claim(
     engine: Any, token: str, me: str, step: Step, carrier: str | None
-) -> attempts.ClaimedAttempt | attempts.WrongStep | None:
+) -> attempts.ClaimedAttempt | attempts.WrongStep | RateHeld | None:
     """The claim a message's attempt and a held branch both take (retried on a dropped
     connection: the identity is unique per claim, so a retry finds its own claim), recording
     the message it runs under (``carrier``)."""

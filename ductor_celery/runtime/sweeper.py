@@ -21,9 +21,10 @@ from celery import bootsteps
 
 from ..engine.kinds import AuditSource
 from ..engine.status import TERMINAL_RUN_STATUSES
-from ..store import audit, retention, schedules, sweep
+from ..store import audit, rates, retention, run_slots, schedules, sweep
 from ..store.audit import Who
 from ..store.db import brief, db_now, is_transient
+from ..store.outbox import delete_outbox
 from . import metrics
 
 if TYPE_CHECKING:
@@ -52,6 +53,8 @@ class Sweeper:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._recent: dict[str, tuple[float, float]] = {}
+        #: Where the last sweep stopped among rate-limit keys with waiters (store/rates.py).
+        self._rate_cursor: str | None = None
         self._pruned_at: float | None = None
 
     def start(self) -> None:
@@ -90,6 +93,8 @@ class Sweeper:
         fired = self._fire_schedules(engine)
         relayed = sweep.relay_stale_outbox(engine, self.rt.dispatcher.send, older_than=grace)
         leased = sweep.reclaim_leases(engine, self.rt.dispatcher.send)
+        rated = rates.release_waiters(engine, self.rt.dispatcher.send, self._rate_cursor)
+        self._rate_cursor = rated.last_key
         # A wake-up counts as lost only well past the grace: under load the coordinator's queue
         # is simply long, and re-waking every run with a result still queued would flood it.
         lost_after = max(LOST_WAKEUP_AFTER_S, grace)
@@ -134,6 +139,8 @@ class Sweeper:
                 leased.granted,
                 leased.extended,
             )
+        if rated.released:
+            log.info("sweep: rate limits: %d waiting attempts released", rated.released)
         try:
             pruned = self._prune(engine)
         except Exception:  # noqa: BLE001 - retention must never stop the sweep's other work
@@ -148,6 +155,7 @@ class Sweeper:
             "leases_released": leased.released,
             "leases_granted": leased.granted,
             "leases_extended": leased.extended,
+            "rate_waiters_released": rated.released,
         }
         metrics.record_sweep(actions)
         return actions
@@ -172,6 +180,8 @@ class Sweeper:
             return 0
         self._pruned_at = now
         self._prune_audit(engine)
+        rates.prune_full_buckets(engine)
+        self._reap_run_slots(engine)
         if days is None:
             return 0
         cutoff = db_now(engine) - timedelta(days=days)
@@ -185,6 +195,16 @@ class Sweeper:
         if pruned:
             log.info("sweep: pruned %d runs finished before %s", pruned, cutoff.isoformat())
         return pruned
+
+    def _reap_run_slots(self, engine: Any) -> None:
+        """Run concurrency's backstop (store/run_slots.py ``reap``): slots of runs that ended
+        without releasing them are released, and the woken waiters sent."""
+        with engine.begin() as conn:
+            outbox = run_slots.reap(conn, db_now(engine))
+        if outbox:
+            log.warning("sweep: slots of ended runs released; %d waiting run(s) woken", len(outbox))
+            self.rt.dispatcher.send(outbox)
+            delete_outbox(engine, [r.id for r in outbox])
 
     def _prune_audit(self, engine: Any) -> int:
         """``ductor_audit_retention_days``: delete audit entries older than that (with the

@@ -13,7 +13,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from . import clock, leases
+from . import clock, leases, rates
 from .db import autocommit, aware, is_postgres, refusing_values
 from .inputs import current_input
 from .leases import holds_lease
@@ -70,8 +70,9 @@ def claim(
     *,
     step: str | None = None,
     carrier: str | None = None,
-) -> ClaimedAttempt | WrongStep | None:
-    """Take the attempt for this worker. None if it was claimed or closed already.
+) -> ClaimedAttempt | WrongStep | rates.RateHeld | None:
+    """Take the attempt for this worker. None if it was claimed or closed already;
+    ``RateHeld`` if it is rate-limited and must wait for a token (docs/flow-control.md).
 
     ``worker`` must be unique per claim attempt (at most 200 characters): retrying the same
     claim after an ambiguous commit then finds its own claim instead of a stranger's.
@@ -93,35 +94,93 @@ def claim(
         return _claim_postgres(engine, token, worker, step, carrier)
     claim_stmt = (
         sa.update(step_attempt)
-        .where(*_claimable(token, worker))
+        .where(*_claimable_now(token, worker))
         .values(claimed_at=_now(engine), claimed_by=worker, carrier=carrier)
     )
     if step is not None:
         claim_stmt = claim_stmt.where(step_attempt.c.step == step)
     with engine.begin() as conn:
         row = conn.execute(claim_stmt.returning(*_CLAIM_COLUMNS)).one_or_none()
-        run = (
-            None
-            if row is None
-            else conn.execute(
-                sa.select(
-                    workflow_run.c.workflow_id,
-                    workflow_run.c.state["context"].label("context"),
-                    workflow_run.c.spec_hash,
-                    workflow_run.c.workflow,
-                    workflow_run.c.trace_context,
-                ).where(workflow_run.c.run_id == row.run_id)
-            ).one()
-        )
+        run = None if row is None else _run_of(conn, row.run_id)
         # Why nothing was claimed, read only on a miss (SQLite is in-process: no trip).
-        attempt_step = (
+        missed = (
             conn.execute(
-                sa.select(step_attempt.c.step).where(step_attempt.c.token == token)
-            ).scalar_one_or_none()
-            if row is None and step is not None
+                sa.select(step_attempt.c.step, step_attempt.c.rate_key).where(
+                    step_attempt.c.token == token
+                )
+            ).one_or_none()
+            if row is None
             else None
         )
-    return _claimed(token, step, row, run, attempt_step)
+    if missed is not None and missed.rate_key is not None and (step is None or missed.step == step):
+        return _claim_rate_limited(engine, token, worker, step, carrier)
+    return _claimed(token, step, row, run, missed.step if missed is not None else None)
+
+
+def _run_of(conn: Connection, run_id: str) -> Any:
+    return conn.execute(
+        sa.select(
+            workflow_run.c.workflow_id,
+            workflow_run.c.state["context"].label("context"),
+            workflow_run.c.spec_hash,
+            workflow_run.c.workflow,
+            workflow_run.c.trace_context,
+        ).where(workflow_run.c.run_id == run_id)
+    ).one()
+
+
+def _claim_rate_limited(
+    engine: Engine, token: str, worker: str, step: str | None, carrier: str | None
+) -> ClaimedAttempt | rates.RateHeld | None:
+    """The claim of an attempt under a rate limit (docs/flow-control.md): under its bucket's
+    lock, take a token and claim, in one transaction; or, when the bucket is empty or an older
+    attempt of the key waits, mark the attempt waiting and claim nothing (``RateHeld``)."""
+    with engine.begin() as conn:
+        row = conn.execute(
+            sa.select(
+                step_attempt.c.rate_key,
+                step_attempt.c.rate_limit,
+                step_attempt.c.rate_period,
+                step_attempt.c.rate_wait_since,
+                step_attempt.c.rate_released_at,
+                step_attempt.c.created_at,
+                step_attempt.c.claimed_by,
+                step_attempt.c.priority,
+            )
+            .where(*_claimable(token, worker))
+            # The attempt's row before the bucket's, the order of a tick's commit (which closes
+            # attempts, then takes an inline step's token): the two never wait in a cycle.
+            .with_for_update(of=step_attempt)
+        ).one_or_none()
+        if row is None or row.rate_key is None:
+            return None
+        claim_stmt = (
+            sa.update(step_attempt)
+            .where(*_claimable(token, worker))
+            .values(claimed_by=worker, carrier=carrier, rate_wait_since=None, rate_released_at=None)
+            .returning(*_CLAIM_COLUMNS)
+        )
+        if row.claimed_by == worker:
+            # Our own claim again (its commit's answer was lost): it took its token then.
+            again = conn.execute(claim_stmt).one()
+            return _claimed_attempt(token, again, _run_of(conn, again.run_id))
+        bucket = rates.lock_bucket(conn, row.rate_key, row.rate_limit or 1, row.rate_period or 1)
+        released = row.rate_released_at is not None  # the sweeper sent it: its turn has come
+        if (
+            (row.rate_wait_since is not None and not released)  # in line: a duplicate message
+            or bucket.tokens() == 0
+            or (
+                not released
+                and rates.older_waiter(conn, row.rate_key, row.created_at, token, row.priority)
+            )
+        ):
+            rates.hold(conn, token, bucket.now)
+            return rates.RateHeld(token, row.rate_key, bucket.ready_at)
+        got = conn.execute(claim_stmt.values(claimed_at=bucket.now)).one_or_none()
+        if got is None:
+            return None  # closed meanwhile: nothing taken (the transaction ends unchanged)
+        rates.take(conn, bucket)
+        return _claimed_attempt(token, got, _run_of(conn, got.run_id))
 
 
 def _claimable(token: Any, worker: Any) -> tuple[Any, ...]:
@@ -137,6 +196,12 @@ def _claimable(token: Any, worker: Any) -> tuple[Any, ...]:
     )
 
 
+def _claimable_now(token: Any, worker: Any) -> tuple[Any, ...]:
+    """The ordinary claim's conditions: a rate-limited attempt is claimed only by
+    ``_claim_rate_limited``, which takes a token from its bucket in the same transaction."""
+    return (*_claimable(token, worker), step_attempt.c.rate_key.is_(None))
+
+
 def _claimed(
     token: str, step: str | None, row: Any, run: Any, attempt_step: str | None
 ) -> ClaimedAttempt | WrongStep | None:
@@ -144,6 +209,10 @@ def _claimed(
         if step is not None and attempt_step is not None and attempt_step != step:
             return WrongStep(token=token, step=attempt_step)
         return None
+    return _claimed_attempt(token, row, run)
+
+
+def _claimed_attempt(token: str, row: Any, run: Any) -> ClaimedAttempt:
     return ClaimedAttempt(
         token=token,
         run_id=row.run_id,
@@ -187,7 +256,7 @@ def _pg_claim_statement(check_step: bool) -> Any:
     carrier = sa.bindparam("b_carrier", type_=sa.String)
     update = (
         sa.update(step_attempt)
-        .where(*_claimable(token, worker), workflow_run.c.run_id == step_attempt.c.run_id)
+        .where(*_claimable_now(token, worker), workflow_run.c.run_id == step_attempt.c.run_id)
         .values(claimed_at=sa.func.now(), claimed_by=worker, carrier=carrier)
     )
     if check_step:
@@ -201,7 +270,11 @@ def _pg_claim_statement(check_step: bool) -> Any:
         workflow_run.c.trace_context,
     ).cte("claimed")
     return (
-        sa.select(step_attempt.c.step.label("attempt_step"), *claimed.c)
+        sa.select(
+            step_attempt.c.step.label("attempt_step"),
+            step_attempt.c.rate_key.label("attempt_rate_key"),
+            *claimed.c,
+        )
         .select_from(step_attempt.outerjoin(claimed, sa.true()))
         .where(step_attempt.c.token == token)
     )
@@ -209,7 +282,7 @@ def _pg_claim_statement(check_step: bool) -> Any:
 
 def _claim_postgres(
     engine: Engine, token: str, worker: str, step: str | None, carrier: str | None
-) -> ClaimedAttempt | WrongStep | None:
+) -> ClaimedAttempt | WrongStep | rates.RateHeld | None:
     """The claim in one round trip and one statement, in autocommit (no BEGIN, no COMMIT: a
     single UPDATE is atomic by itself)."""
     params: dict[str, str | None] = {"b_token": token, "b_worker": worker, "b_carrier": carrier}
@@ -219,6 +292,9 @@ def _claim_postgres(
         found = conn.execute(_pg_claim_statement(step is not None), params).one_or_none()
     if found is None:
         return None
+    if found.run_id is None and found.attempt_rate_key is not None:
+        if step is None or found.attempt_step == step:
+            return _claim_rate_limited(engine, token, worker, step, carrier)
     row = found if found.run_id is not None else None
     return _claimed(token, step, row, row, found.attempt_step)
 

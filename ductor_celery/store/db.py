@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -292,6 +293,26 @@ def brief(exc: BaseException) -> str:
     return (lines[0] if lines else type(exc).__name__)[:500]
 
 
+#: The end (``time.monotonic()``) of every retry in this context, set by ``retry_deadline``.
+_retry_end: ContextVar[float | None] = ContextVar("ductor_retry_end", default=None)
+
+
+@contextmanager
+def retry_deadline(seconds: float) -> Iterator[None]:
+    """Within it (this thread or task), ``with_retry`` gives up with ``StoreUnavailable`` at
+    most ``seconds`` from now, whatever deadline its caller asked for: for a request someone
+    is waiting on (a webhook's delivery, an HTTP start), which is better answered 503 soon
+    than held for minutes while the database is away. One end for every call inside; a
+    nested one never extends it."""
+    end = time.monotonic() + seconds
+    outer = _retry_end.get()
+    token = _retry_end.set(end if outer is None else min(outer, end))
+    try:
+        yield
+    finally:
+        _retry_end.reset(token)
+
+
 def with_retry(
     fn: Callable[[], T],
     *,
@@ -300,13 +321,17 @@ def with_retry(
     first_delay: float = 0.1,
     max_delay: float = 2.0,
 ) -> T:
-    """Run ``fn`` (a whole transaction), retrying transient database errors until a deadline.
+    """Run ``fn`` (a whole transaction), retrying transient database errors until a deadline
+    (``deadline_s`` from now, or the end of an enclosing ``retry_deadline`` if sooner).
 
     Only for idempotent or conditional writes: a commit whose acknowledgement was lost is
     retried, so the write must be safe to apply twice (ours are guarded by tokens, versions
     and unique keys).
     """
-    start = time.monotonic()
+    end = time.monotonic() + deadline_s
+    cap = _retry_end.get()
+    if cap is not None:
+        end = min(end, cap)
     delay = first_delay
     while True:
         try:
@@ -314,8 +339,9 @@ def with_retry(
         except Exception as exc:  # noqa: BLE001 - filtered just below
             if not is_transient(exc):
                 raise
-            if time.monotonic() - start > deadline_s:
+            left = end - time.monotonic()
+            if left < 0:
                 raise StoreUnavailable(f"{what}: database unreachable: {exc}") from exc
             log.warning("%s: database error, retrying in %.1fs: %s", what, delay, brief(exc))
-            time.sleep(delay)
+            time.sleep(min(delay, left) if cap is not None else delay)
             delay = min(delay * 2, max_delay)

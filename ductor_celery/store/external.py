@@ -17,6 +17,8 @@ from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from ..errors import InvalidOperation
 from . import audit
 from .schema import workflow_control, workflow_run, workflow_signal
+from .start_requests import RequestKey, request_insert
+from .start_requests import find_on as find_request
 
 #: First key of the advisory locks that order one workflow id's signals ("ductor" in ASCII-ish).
 SIGNAL_LOCK_NAMESPACE = 0x0D0C
@@ -47,6 +49,7 @@ def insert_signal(
     who: audit.Who | None = None,
     action: AuditAction = AuditAction.SIGNAL,
     node: str | None = None,
+    request: RequestKey | None = None,
 ) -> tuple[int, bool, str]:
     """Accept a signal. Returns (id, created, run id it went to). ``who``: its audit entry
     (``action``: an approval's decision is ``approve``/``reject`` on ``node``), in the same
@@ -54,10 +57,17 @@ def insert_signal(
 
     A repeated idempotency key returns the first signal's id. A run that was continued as new
     hands the signal to its successor; a run that finished otherwise refuses it.
+
+    ``request`` (a signal webhook's delivery, store/start_requests.py): its row is inserted with
+    the signal; a request made before returns its signal, even once its run has finished.
+    Repeats of one request name one workflow id, so the lock below orders them.
     """
     insert = pg_insert if engine.dialect.name == "postgresql" else sqlite_insert
     with engine.begin() as conn:
         lock_workflow_signals(conn, workflow_id)
+        earlier = find_request(conn, request) if request is not None else None
+        if earlier is not None and earlier.signal_id is not None:
+            return earlier.signal_id, False, earlier.run_id
         if idempotency_key is not None:
             existing = conn.execute(
                 sa.select(workflow_signal.c.id, workflow_signal.c.run_id).where(
@@ -76,10 +86,18 @@ def insert_signal(
             idempotency_key=idempotency_key,
         )
         row = conn.execute(stmt.returning(workflow_signal.c.id)).one()
+        if request is not None:
+            conn.execute(
+                request_insert(
+                    request, run_id=run_id, workflow_id=workflow_id, signal_id=int(row.id)
+                )
+            )
         if who is not None:
-            detail = {"signal": name} if action == AuditAction.SIGNAL else {}
+            detail: dict[str, Any] = {"signal": name} if action == AuditAction.SIGNAL else {}
             if action == AuditAction.SIGNAL and not idempotency_key.startswith("ductor:"):
                 detail["idempotency_key"] = idempotency_key
+            if request is not None:
+                detail["request"] = request.detail()
             audit.record(
                 conn,
                 action,

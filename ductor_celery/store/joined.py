@@ -337,6 +337,7 @@ def insert_run_on(
     start_at: datetime | None = None,
     deadline_at: datetime | None = None,
     who: Who | None = None,
+    priority: int | None = None,
 ) -> tuple[str, bool]:
     """``runs.insert_run`` in the caller's transaction: the definitions the run pins, then the
     run. Returns (run_id, created); an open run of the same workflow id wins (a savepoint keeps
@@ -354,6 +355,7 @@ def insert_run_on(
         trace_context=trace_context,
         start_at=start_at,
         deadline_at=deadline_at,
+        priority=priority,
     )
     try:
         with joined.savepoint():

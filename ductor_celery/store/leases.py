@@ -182,13 +182,16 @@ def grant_waiting(conn: Connection, keys: Iterable[str], now: datetime) -> list[
                 step_attempt.c.queue,
                 step_attempt.c.lease_limit,
                 step_attempt.c.timeout,
+                step_attempt.c.priority,
             )
             .where(
                 step_attempt.c.lease_key == key,
                 step_attempt.c.finished_at.is_(None),
                 ~holds_lease(),
             )
-            .order_by(step_attempt.c.created_at, step_attempt.c.token)
+            .order_by(
+                step_attempt.c.priority.desc(), step_attempt.c.created_at, step_attempt.c.token
+            )
             .limit(_WAITERS_PER_RELEASE)
         ).all()
         for w in waiters:
@@ -198,7 +201,7 @@ def grant_waiting(conn: Connection, keys: Iterable[str], now: datetime) -> list[
             req = LeaseRequest(w.token, w.run_id, w.node, key, w.lease_limit or 1, w.timeout)
             _grant(conn, key, slot, req, now)
             held.add(slot)
-            intents.append(step_intent(w.run_id, w.token, w.node, w.step, w.queue))
+            intents.append(step_intent(w.run_id, w.token, w.node, w.step, w.queue, w.priority))
     return insert_outbox(conn, intents, now)
 
 
@@ -235,6 +238,7 @@ def reclaim_key(conn: Connection, key: str, now: datetime) -> Reclaimed:
             holder.c.node,
             holder.c.step,
             holder.c.queue,
+            holder.c.priority,
         )
         .select_from(
             concurrency_lease.outerjoin(holder, holder.c.token == concurrency_lease.c.token)
@@ -257,7 +261,7 @@ def reclaim_key(conn: Connection, key: str, now: datetime) -> Reclaimed:
             .values(expires_at=later(now, max(float(r.timeout or 0), 1.0)))
         )
         if r.claimed_at is None:
-            resend.append(step_intent(r.run_id, r.token, r.node, r.step, r.queue))
+            resend.append(step_intent(r.run_id, r.token, r.node, r.step, r.queue, r.priority or 0))
     outbox = insert_outbox(conn, resend, now)
     grants = grant_waiting(conn, [key], now)
     return Reclaimed(

@@ -6,6 +6,7 @@ anything, so a redundant wake-up costs one indexed read and no more.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.engine import Connection, Engine
 
 from ..coordinator.port import LoadedRun, RunBusy
-from ..definition.spec import WorkflowSpec
+from ..definition.spec import RunConcurrencySpec, WorkflowSpec
 from ..engine import (
     AttemptCheck,
     AttemptResult,
@@ -29,14 +30,15 @@ from ..engine import (
     TickInputs,
 )
 from ..engine.children import may_stop
+from ..engine.delay import waiting_to_start
 from ..engine.kinds import ControlKind
 from ..engine.outputs import OutputRef, output_ref, received_events, resolve_outputs
 from ..engine.redrive import reads_for
 from ..engine.slots import slots
-from ..engine.status import TERMINAL_RUN_STATUSES
+from ..engine.status import TERMINAL_RUN_STATUSES, RunStatus
 from ..engine.tick import ACTIVE, read_nodes
 from ..engine.versions import successor_spec_hash
-from . import clock
+from . import clock, run_slots
 from .composed import ImmutableCache, PerDatabase, cache_for, children_of, gather_any
 from .db import aware, is_postgres
 from .inputs import redriven_input
@@ -106,6 +108,7 @@ def load_on(
         timer_at=aware(row.timer_at),
         created_at=aware(row.created_at),
         trace_context=row.trace_context,
+        priority=row.priority or 0,
     )
     spec = spec_for(row.spec_hash, conn)
     if "results" in row._fields:
@@ -121,10 +124,24 @@ def load_on(
         run_input = cached[run_id]
     else:
         run_input = _remember(input_cache, run_id, row.input)
+    admission = run_slots.Admission(True)
+    if spec.concurrency is not None:
+        # A redrive with a new input is admitted under the key that input gives.
+        key_input = run_input
+        if control is not None and control.kind == ControlKind.REDRIVE and control.has_input:
+            key_input = control.input
+        key = run_slots.key_for(spec.name, spec.concurrency, key_input)
+        loaded = dataclasses.replace(
+            loaded, concurrency_key=key, concurrency_limit=spec.concurrency.limit
+        )
+        admission = _admission(conn, loaded, spec.concurrency, key)
     inputs = TickInputs(
         run_id=run_id,
         input=run_input,
         results=results,
+        admitted=admission.admitted,
+        refused=admission.refused,
+        wake=admission.wake,
         checks=_checks(conn, state, now),
         outputs=_outputs_for(conn, spec, state, reads_for(spec, control)),
         config=config,
@@ -140,6 +157,26 @@ def load_on(
         successor_spec=_successor_spec(conn, spec_for, successor_spec_hash(state, control)),
     )
     return loaded, spec, inputs
+
+
+def _admission(
+    conn: Connection, loaded: LoadedRun, spec: RunConcurrencySpec, key: str
+) -> run_slots.Admission:
+    """Run concurrency: a pending run due to start takes a slot of its key or waits; a paused
+    one is admitted if it holds a slot (where a resume takes it); others started already."""
+    state = loaded.state
+    if state.status == RunStatus.PENDING and not waiting_to_start(state, loaded.now):
+        return run_slots.admit(
+            conn,
+            run_id=loaded.run_id,
+            key=key,
+            spec=spec,
+            priority=loaded.priority,
+            now=loaded.now,
+        )
+    if state.status == RunStatus.PAUSED:
+        return run_slots.Admission(run_slots.is_granted(conn, loaded.run_id))
+    return run_slots.Admission(True)
 
 
 def _successor_spec(
@@ -216,6 +253,7 @@ def _run_row_statement(postgres: bool, skip_locked: bool, with_input: bool) -> A
         workflow_run.c.parent_run_id,
         workflow_run.c.created_at,
         workflow_run.c.trace_context,
+        workflow_run.c.priority,
         now_col.label("now"),
         # The version as the statement's snapshot saw it (a subquery is never re-read after
         # waiting for a lock, the locked row is): differs from record_version exactly when

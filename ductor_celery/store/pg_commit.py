@@ -61,16 +61,19 @@ WITH run_update AS (
 ), attempts AS (
     INSERT INTO eec_workflow_step_attempt
         (token, run_id, node, branch, generation, attempt, step, queue, args, timeout,
-         created_at, folded, claimed_at, claimed_by, carrier)
+         created_at, folded, claimed_at, claimed_by, carrier, rate_key, rate_limit,
+         rate_period, priority)
     SELECT a.token, %(run_id)s, a.node, a.branch, a.generation, a.attempt, a.step, a.queue,
            a.args::jsonb, a.timeout, %(now)s, false,
-           CASE WHEN a.claimed_by IS NULL THEN NULL ELSE %(now)s END, a.claimed_by, a.carrier
+           CASE WHEN a.claimed_by IS NULL THEN NULL ELSE %(now)s END, a.claimed_by, a.carrier,
+           a.rate_key, a.rate_limit, a.rate_period, %(priority)s
     FROM unnest(%(a_token)s::varchar[], %(a_node)s::varchar[], %(a_branch)s::int[],
                 %(a_generation)s::int[], %(a_attempt)s::int[], %(a_step)s::varchar[],
                 %(a_queue)s::varchar[], %(a_args)s::text[], %(a_timeout)s::float8[],
-                %(a_claimed_by)s::varchar[], %(a_carrier)s::varchar[])
+                %(a_claimed_by)s::varchar[], %(a_carrier)s::varchar[],
+                %(a_rate_key)s::varchar[], %(a_rate_limit)s::int[], %(a_rate_period)s::float8[])
          AS a(token, node, branch, generation, attempt, step, queue, args, timeout, claimed_by,
-              carrier)
+              carrier, rate_key, rate_limit, rate_period)
     WHERE EXISTS (SELECT 1 FROM run_update)
 ), transitions AS (
     INSERT INTO eec_workflow_transition (run_id, seq, node, from_status, to_status, reason, at)
@@ -105,6 +108,7 @@ def commit(
     outbox: list[dict[str, Any]],
     now: datetime,
     claim: TickClaim | None = None,
+    priority: int = 0,
 ) -> tuple[bool, list[int]]:
     """Run the five writes; (whether the run update matched, the outbox ids in row order).
     ``claim``: that new attempt is inserted claimed by its worker (runtime/inline.py)."""
@@ -114,6 +118,7 @@ def commit(
         "version": version,
         "now": now,
         "folded": list(payload.folded),
+        "priority": priority,
     }
     for column in columns:
         value = run_values[column]
@@ -135,6 +140,9 @@ def commit(
         a_carrier=[
             claim.carrier if claim is not None and a.token == claim.token else None for a in new
         ],
+        a_rate_key=[a.rate_key for a in new],
+        a_rate_limit=[a.rate_limit for a in new],
+        a_rate_period=[a.rate_period for a in new],
         t_seq=[t["seq"] for t in transitions],
         t_node=[t["node"] for t in transitions],
         t_from=[t["from_status"] for t in transitions],

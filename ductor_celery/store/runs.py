@@ -22,7 +22,7 @@ from ..engine.kinds import AuditAction
 from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from . import audit, clock
-from .db import aware
+from .db import aware, is_postgres
 from .schema import (
     step_attempt,
     workflow_definition,
@@ -30,6 +30,8 @@ from .schema import (
     workflow_timer,
     workflow_transition,
 )
+from .start_requests import Requested, RequestKey, record_on, request_insert
+from .start_requests import find_on as find_request
 
 RUN_COLUMNS = (
     workflow_run.c.run_id,
@@ -209,6 +211,7 @@ def run_insert(
     trace_context: str | None = None,
     start_at: datetime | None = None,
     deadline_at: datetime | None = None,
+    priority: int | None = None,
 ) -> sa.Insert:
     """The row of a run a client starts (``insert_run``, or ``store/joined.py`` in the
     caller's own transaction). ``created_at``: the store's clock when one is injected
@@ -225,6 +228,8 @@ def run_insert(
             input=input,
             parent_run_id=parent_run_id,
             trace_context=trace_context,
+            # the workflow's default unless the start says otherwise
+            priority=spec.priority if priority is None else priority,
             **times,
         )
     )
@@ -243,6 +248,11 @@ def open_run_of(workflow_id: str) -> sa.Select[Any]:
     )
 
 
+#: Inserts a start tries: one more each time the open run its insert met has ended by the time
+#: it is looked for (the next insert then finds no open run, or another one).
+INSERT_ROUNDS = 5
+
+
 def insert_run(
     engine: Engine,
     *,
@@ -255,12 +265,56 @@ def insert_run(
     start_at: datetime | None = None,
     deadline_at: datetime | None = None,
     who: audit.Who | None = None,
+    request: RequestKey | None = None,
+    priority: int | None = None,
 ) -> tuple[str, bool]:
     """Insert a pending run. Returns (run_id, created); an open run of the same workflow id wins.
-    ``who``: the start's audit entry, in the same transaction.
+    ``insert_run_requested`` says the rest."""
+    found, created = insert_run_requested(
+        engine,
+        run_id=run_id,
+        workflow_id=workflow_id,
+        spec=spec,
+        input=input,
+        parent_run_id=parent_run_id,
+        trace_context=trace_context,
+        start_at=start_at,
+        deadline_at=deadline_at,
+        who=who,
+        request=request,
+        priority=priority,
+    )
+    return found.run_id, created
+
+
+def insert_run_requested(
+    engine: Engine,
+    *,
+    run_id: str,
+    workflow_id: str,
+    spec: WorkflowSpec,
+    input: Any,
+    parent_run_id: str | None = None,
+    trace_context: str | None = None,
+    start_at: datetime | None = None,
+    deadline_at: datetime | None = None,
+    who: audit.Who | None = None,
+    request: RequestKey | None = None,
+    priority: int | None = None,
+) -> tuple[Requested, bool]:
+    """Insert a pending run. Returns (the run and its workflow id, created); an open run of the
+    same workflow id wins. ``who``: the start's audit entry, in the same transaction.
 
     A delayed run (``start_at``) gets its timer row in the same transaction: the sweeper wakes
     it when it is due, so no wake-up need be sent now.
+
+    ``request``: the run is that request's (store/start_requests.py), its row inserted in the
+    same transaction. When the request was made before (a concurrent repeat committed first),
+    nothing is inserted and the run it started is returned, not created. When an open run of
+    the workflow id is there instead, the request's row naming that run is inserted in the
+    transaction that reads it (``_existing``): no crash between the two, and no prune of the
+    run in between, can leave the request recorded for a run that is gone or unrecorded once
+    its answer was given.
     """
     statement = run_insert(
         run_id=run_id,
@@ -272,35 +326,79 @@ def insert_run(
         trace_context=trace_context,
         start_at=start_at,
         deadline_at=deadline_at,
+        priority=priority,
     )
-    try:
-        with engine.begin() as conn:
-            if start_at is not None:
-                conn.execute(timer_insert(run_id, start_at))
-            conn.execute(statement)
-            if who is not None:
-                conn.execute(start_entry(who, run_id, workflow_id, spec))
-        return run_id, True
-    except IntegrityError:
+    for _ in range(INSERT_ROUNDS):
+        try:
+            with engine.begin() as conn:
+                if start_at is not None:
+                    conn.execute(timer_insert(run_id, start_at))
+                conn.execute(statement)
+                if request is not None:
+                    conn.execute(request_insert(request, run_id=run_id, workflow_id=workflow_id))
+                if who is not None:
+                    conn.execute(start_entry(who, run_id, workflow_id, spec, request))
+            return Requested(run_id=run_id, workflow_id=workflow_id), True
+        except IntegrityError as exc:
+            conflict = exc
+        found = _existing(engine, run_id, workflow_id, request)
+        if found is not None:
+            return found
+    raise conflict
+
+
+def _existing(
+    engine: Engine, run_id: str, workflow_id: str, request: RequestKey | None
+) -> tuple[Requested, bool] | None:
+    """After a start's insert failed on a key: our own run (its commit went through, but its
+    answer was lost), the run the request started before, or the open run of the workflow id,
+    which becomes the request's in this same transaction; None when there is none of them (the
+    open run ended meanwhile: the insert is worth another try)."""
+    if request is None:
         with engine.connect() as conn:
-            ours = run_exists(conn, run_id)
-        if ours:
-            return run_id, True  # our own insert: it committed, but its answer was lost
-        existing = open_run_id(engine, workflow_id)
-        if existing is None:
-            raise
-        return existing, False
+            if run_exists(conn, run_id):
+                return Requested(run_id=run_id, workflow_id=workflow_id), True
+            open_id = conn.execute(open_run_of(workflow_id)).scalar_one_or_none()
+        if open_id is None:
+            return None
+        return Requested(run_id=open_id, workflow_id=workflow_id), False
+    query = open_run_of(workflow_id)
+    if is_postgres(engine):
+        # The run row is locked until the request's row commits: a prune (which picks runs
+        # FOR UPDATE SKIP LOCKED) passes this run by, so the row never names a deleted run; a
+        # tick of the run (FOR UPDATE) waits for this short transaction. On SQLite the
+        # transaction's BEGIN IMMEDIATE keeps every other writer out until it commits.
+        query = query.with_for_update(read=True, key_share=True)
+    with engine.begin() as conn:
+        if run_exists(conn, run_id):
+            return Requested(run_id=run_id, workflow_id=workflow_id), True
+        earlier = find_request(conn, request)
+        if earlier is not None:
+            return earlier, False
+        open_id = conn.execute(query).scalar_one_or_none()
+        if open_id is None:
+            return None
+        return record_on(conn, request, open_id, workflow_id), False
 
 
-def start_entry(who: audit.Who, run_id: str, workflow_id: str, spec: WorkflowSpec) -> Any:
-    """The audit entry of a run's start."""
+def start_entry(
+    who: audit.Who,
+    run_id: str,
+    workflow_id: str,
+    spec: WorkflowSpec,
+    request: RequestKey | None = None,
+) -> Any:
+    """The audit entry of a run's start (``request``: the request that started it)."""
+    detail: dict[str, Any] = {"workflow": spec.name, "version": spec.version}
+    if request is not None:
+        detail["request"] = request.detail()
     return audit.entry_insert(
         AuditAction.START,
         actor=who.actor,
         source=who.source,
         run_id=run_id,
         workflow_id=workflow_id,
-        detail={"workflow": spec.name, "version": spec.version},
+        detail=detail,
     )
 
 

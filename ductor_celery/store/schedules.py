@@ -409,6 +409,7 @@ def insert_run_on(
                 spec_hash=spec.spec_hash,
                 state=RunState.initial(spec.graph.order, deadline_at=deadline_at),
                 input=input,
+                priority=spec.priority,
             )
         )
     )

@@ -131,6 +131,8 @@ workflow_run = sa.Table(
     # W3C traceparent of the span that started the run (ductor_celery/tracing.py): its ticks
     # and attempts join that trace. NULL when tracing was off at start.
     sa.Column("trace_context", sa.String(200), nullable=True),
+    # 0..9, higher first where work waits (docs/flow-control.md); children inherit it.
+    sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0"),
     # One open run per workflow id: starting twice returns the open run.
     sa.Index(
         "eec_workflow_run_open_workflow_id",
@@ -201,7 +203,27 @@ step_attempt = sa.Table(
     # key's limit as the definition declared it when the attempt was created.
     sa.Column("lease_key", sa.String(500), nullable=True),
     sa.Column("lease_limit", sa.Integer, nullable=True),
+    # The rate-limit bucket the attempt takes a token from when claimed (step name + resolved
+    # key), N and the period in seconds as declared; rate_wait_since is set while it waits
+    # for a token with no message out (docs/flow-control.md).
+    sa.Column("rate_key", sa.String(500), nullable=True),
+    sa.Column("rate_limit", sa.Integer, nullable=True),
+    sa.Column("rate_period", sa.Float, nullable=True),
+    sa.Column("rate_wait_since", Ts, nullable=True),
+    # Set when the sweeper hands it a token's turn (its message sent): it keeps its place in
+    # line until its claim takes the token.
+    sa.Column("rate_released_at", Ts, nullable=True),
+    # Its run's priority, for the order in which waiting attempts (leases, rate limits) go.
+    sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0"),
     sa.Index("eec_workflow_step_attempt_run_node", "run_id", "node"),
+    # Attempts waiting for a rate-limit token, oldest first per key.
+    sa.Index(
+        "eec_workflow_step_attempt_rate_wait",
+        "rate_key",
+        "created_at",
+        postgresql_where=sa.text("rate_wait_since IS NOT NULL AND finished_at IS NULL"),
+        sqlite_where=sa.text("rate_wait_since IS NOT NULL AND finished_at IS NULL"),
+    ),
     # Attempts waiting for a lease of their key, oldest first.
     sa.Index(
         "eec_workflow_step_attempt_lease_wait",
@@ -217,6 +239,40 @@ step_attempt = sa.Table(
         postgresql_where=sa.text("finished_at IS NOT NULL AND NOT folded"),
         sqlite_where=sa.text("finished_at IS NOT NULL AND NOT folded"),
     ),
+)
+
+#: One token bucket per rate-limit key (GCRA): full when ``tat`` is in the past; a claim at
+#: ``now`` may take a token when ``tat - (period - period/N) <= now``, and sets
+#: ``tat = max(tat, now) + period/N``. No row is the same as a full bucket.
+rate_bucket = sa.Table(
+    "eec_rate_bucket",
+    metadata,
+    sa.Column("key", sa.String(500), primary_key=True),
+    sa.Column("tat", Ts, nullable=False),
+    sa.Column("updated_at", Ts, nullable=False),
+)
+
+#: Run concurrency (``RunConcurrency``): one row per run of a limited workflow from its first
+#: tick to its end; ``granted_at`` set while it holds one of its key's slots, NULL while it
+#: waits ``pending`` (store/run_slots.py).
+run_slot = sa.Table(
+    "eec_run_slot",
+    metadata,
+    # The order of arrival in line (a clock can give two runs one time).
+    sa.Column(
+        "id",
+        sa.BigInteger().with_variant(sa.Integer, "sqlite"),
+        primary_key=True,
+        autoincrement=True,
+    ),
+    sa.Column("run_id", sa.String(64), nullable=False, unique=True),
+    sa.Column("key", sa.String(500), nullable=False),
+    # The limit its definition declared: the line moves while fewer runs hold a slot.
+    sa.Column("slot_limit", sa.Integer, nullable=False),
+    sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0"),
+    sa.Column("created_at", Ts, nullable=False),
+    sa.Column("granted_at", Ts, nullable=True),
+    sa.Index("eec_run_slot_key", "key", "granted_at"),
 )
 
 workflow_transition = sa.Table(
@@ -420,4 +476,25 @@ audit = sa.Table(
     sa.Index("eec_audit_workflow_id", "workflow_id", "id"),
     # Newest first over everything, and retention's delete by age.
     sa.Index("eec_audit_at", "at"),
+)
+
+start_request = sa.Table(
+    "eec_start_request",
+    metadata,
+    # One request from outside that must take effect once however often it is sent
+    # (store/start_requests.py): an HTTP start with an ``Idempotency-Key`` (scope
+    # ``api:<workflow>``) or a webhook's delivery (scope ``hook:<name>``; the key is the value
+    # at the hook's workflow id path, or the SHA-256 of the body). Inserted in the transaction
+    # that inserts the run (or the signal) it started, never updated; pruned with that run.
+    # The scope holds "hook:" and a name of up to 200 characters.
+    sa.Column("scope", sa.String(210), primary_key=True),
+    sa.Column("key", sa.String(200), primary_key=True),
+    # The run it started, or (a signal hook) the run its signal went to.
+    sa.Column("run_id", sa.String(64), nullable=False),
+    sa.Column("workflow_id", sa.String(200), nullable=False),
+    # A signal hook's delivery: the signal row it inserted. NULL for a start.
+    sa.Column("signal_id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), nullable=True),
+    sa.Column("created_at", Ts, nullable=False, server_default=sa.func.now()),
+    # Prune deletes a run's requests by run id.
+    sa.Index("eec_start_request_run", "run_id"),
 )

@@ -17,6 +17,7 @@ from .db import is_postgres
 from .outbox import OutboxRow, delete_outbox
 from .schema import (
     concurrency_lease,
+    run_slot,
     step_attempt,
     workflow_control,
     workflow_outbox,
@@ -137,11 +138,16 @@ def parents_behind_children(engine: Engine, *, older_than: float, limit: int = 1
 
 def pending_runs(engine: Engine, *, older_than: float, limit: int = 1000) -> list[str]:
     """Runs a client inserted that no tick has picked up: the first wake-up was lost. A
-    delayed run (its timer row still in the future) is not late: its timer wakes it."""
+    delayed run (its timer row still in the future) is not late: its timer wakes it. Nor is a
+    run waiting in line for a run-concurrency slot (store/run_slots.py): the end of a holder
+    grants it one and wakes it (once granted, a lost wake-up is found here again)."""
     cutoff = _cutoff(engine, older_than)
     delayed = sa.exists().where(
         workflow_timer.c.run_id == workflow_run.c.run_id,
         workflow_timer.c.fire_at > cutoff + timedelta(seconds=older_than),
+    )
+    in_line = sa.exists().where(
+        run_slot.c.run_id == workflow_run.c.run_id, run_slot.c.granted_at.is_(None)
     )
     return _run_ids(
         engine,
@@ -149,6 +155,7 @@ def pending_runs(engine: Engine, *, older_than: float, limit: int = 1000) -> lis
             workflow_run.c.status == RunStatus.PENDING.value,
             workflow_run.c.created_at <= cutoff,
             ~delayed,
+            ~in_line,
         ),
         limit,
     )

@@ -29,7 +29,7 @@ from ..engine import RunState, TickPayload
 from ..engine.children import child_workflow_id
 from ..engine.deadline import deadline_after
 from ..engine.kinds import CONTROL_APPLIED, AuditAction, AuditSource
-from . import audit, leases, pg_commit
+from . import audit, leases, pg_commit, rates, run_slots
 from .db import is_postgres
 from .external import lock_workflow_signals
 from .finishes import RUN_FINISHED_CHANNEL
@@ -77,6 +77,10 @@ def _commit_on(
         values.update(output=None, error=None, finished_at=None)
     if payload.successor is not None:
         values["continued_to"] = payload.successor.run_id
+    slots = _changes_run_slots(loaded, payload)
+    if slots:  # before lease locks, as in every writer of run slots
+        run_slots.lock_for_commit(conn, loaded.run_id, loaded.concurrency_key)
+    rate = claim.rate if claim is not None else None
     if is_postgres(conn.engine) and pg_commit.eligible(payload):
         outbox = _commit_in_one_statement(conn, loaded, payload, values, now, claim)
     else:
@@ -108,6 +112,16 @@ def _commit_on(
             outbox.extend(insert_outbox(conn, [wakeup_intent(loaded.run_id)], now))
     if payload.successor is not None:
         outbox.extend(_insert_successor(conn, loaded, payload, now))
+    if slots:
+        outbox.extend(_run_slot_changes(conn, loaded, payload, now))
+    if claim is not None and rate is not None:
+        # The claimed attempt's token, last: its bucket's lock is held for the least time
+        # (the commit follows), and after the attempt rows, as a worker's claim takes them.
+        rate.taken = rates.take_for_claim(
+            conn, rate.key, rate.limit, rate.period, claim.token, now, loaded.priority
+        )
+        if not rate.taken:
+            rates.give_back(conn, claim.token, now)
     if payload.child_starts or payload.child_controls:
         outbox.extend(_children(conn, loaded, payload, now))
     wakes_parent = payload.checkpoint_reached or payload.finished
@@ -130,6 +144,31 @@ def _commit_on(
     if payload.finished and is_postgres(conn.engine):
         conn.execute(sa.select(sa.func.pg_notify(RUN_FINISHED_CHANNEL, loaded.run_id)))
     return outbox
+
+
+def _run_slot_changes(
+    conn: Connection, loaded: LoadedRun, payload: TickPayload, now: datetime
+) -> list[OutboxRow]:
+    """Run concurrency (store/run_slots.py): a run that ends or continues as new frees its
+    slot for its key's line (woken); a redriven run holds one."""
+    if payload.finished or payload.successor is not None:
+        return run_slots.release(conn, loaded.run_id, now)
+    if payload.reopened and loaded.concurrency_key is not None:
+        return run_slots.readmit(
+            conn,
+            loaded.run_id,
+            loaded.concurrency_key,
+            loaded.concurrency_limit,
+            loaded.priority,
+            now,
+        )
+    return []
+
+
+def _changes_run_slots(loaded: LoadedRun, payload: TickPayload) -> bool:
+    return loaded.concurrency_key is not None and (
+        payload.finished or payload.successor is not None or payload.reopened
+    )
 
 
 # Statements of every tick, built once per process (building one costs more than sending it;
@@ -165,7 +204,7 @@ def _commit_in_one_statement(
     claim: TickClaim | None,
 ) -> list[OutboxRow]:
     """The common tick's writes in one round trip (store/pg_commit.py)."""
-    intents = outbox_intents(payload, unsent(claim))
+    intents = outbox_intents(payload, unsent(claim), loaded.priority)
     matched, ids = pg_commit.commit(
         conn,
         run_id=loaded.run_id,
@@ -176,6 +215,7 @@ def _commit_in_one_statement(
         outbox=intents,
         now=now,
         claim=claim,
+        priority=loaded.priority,
     )
     if not matched:
         raise VersionConflict(loaded.run_id)
@@ -251,7 +291,7 @@ def _commit_core(
         conn.execute(
             sa.insert(workflow_transition), transition_rows(loaded.run_id, loaded.now, payload)
         )
-    intents = outbox_intents(payload, waiting | unsent(claim))
+    intents = outbox_intents(payload, waiting | unsent(claim), loaded.priority)
     outbox = insert_outbox(conn, intents + carrier_revokes(payload, carriers), now)
     if released_keys:
         outbox.extend(leases.release(conn, closed_tokens, now))
@@ -323,6 +363,7 @@ def _insert_successor(
                 parent_run_id=run.parent_run_id,
                 continued_from=loaded.run_id,
                 trace_context=loaded.trace_context,  # the same trace, docs/tracing.md
+                priority=loaded.priority,
                 created_at=now,
                 updated_at=now,
             )
@@ -412,6 +453,7 @@ def _children(
                     parent_run_id=loaded.run_id,
                     parent_node=child.node,
                     trace_context=loaded.trace_context,
+                    priority=loaded.priority,  # children inherit their parent's priority
                     created_at=now,
                     updated_at=now,
                 )
@@ -498,14 +540,17 @@ def _lease_keys_of(conn: Connection, tokens: list[str]) -> list[str]:
 
 
 def _prior_attempts(conn: Connection, payload: TickPayload) -> dict[str, Any]:
-    """The earlier attempts that retries copy their arguments and lease key from."""
+    """The earlier attempts that retries copy their arguments, lease key and rate key from."""
     copied = [a.args_from for a in payload.new_attempts if a.args_from]
     if not copied:
         return {}
     rows = conn.execute(
-        sa.select(step_attempt.c.token, step_attempt.c.args, step_attempt.c.lease_key).where(
-            step_attempt.c.token.in_(copied)
-        )
+        sa.select(
+            step_attempt.c.token,
+            step_attempt.c.args,
+            step_attempt.c.lease_key,
+            step_attempt.c.rate_key,
+        ).where(step_attempt.c.token.in_(copied))
     )
     return {r.token: r for r in rows}
 
@@ -528,7 +573,7 @@ def _insert_attempts(
 ) -> set[str]:
     """Insert the tick's new attempts and ask for their leases (the caller holds the keys'
     locks). Returns the tokens that wait for a lease. A retry copies its first attempt's
-    arguments and lease key."""
+    arguments, lease key and rate key."""
     rows: list[dict[str, Any]] = []
     requests: list[leases.LeaseRequest] = []
     for a, lease_key in _lease_keys(payload, prior):
@@ -550,8 +595,13 @@ def _insert_attempts(
                 "timeout": a.timeout,
                 "created_at": now,
                 "folded": False,
+                "priority": loaded.priority,
                 "lease_key": lease_key,
                 "lease_limit": limit,
+                # A retry takes its tokens from its first attempt's bucket.
+                "rate_key": source.rate_key if source is not None else a.rate_key,
+                "rate_limit": a.rate_limit,
+                "rate_period": a.rate_period,
                 "claimed_at": None if claimed_by is None else now,
                 "claimed_by": claimed_by,
                 "carrier": None if claimed_by is None or claim is None else claim.carrier,

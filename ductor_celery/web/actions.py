@@ -48,6 +48,17 @@ def parse_json(text: str, what: str) -> Any:
         raise BadRequest(str(exc)) from None
 
 
+def json_body(raw: bytes) -> Any:
+    """A request's JSON body (``None`` when empty), read strictly; BadRequest otherwise."""
+    if not raw.strip():
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("the body is not UTF-8 text") from None
+    return parse_json(text, "the body")
+
+
 def check_body(action: str, body: Any) -> dict[str, Any]:
     """The body as the action's keyword arguments; BadRequest for a wrong shape."""
     if action not in ACTION_KEYS:

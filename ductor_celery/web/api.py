@@ -1,9 +1,9 @@
-"""The JSON API beside the pages: runs, one run, the actions (bearer token), ``/metrics``."""
+"""The JSON API beside the pages: runs, one run, the actions and starts (bearer token),
+``/metrics``."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -12,12 +12,13 @@ from starlette.routing import Route
 
 from ..call_checks import check_target
 from ..store import runs
-from .actions import ACTION_ROLES, ACTIONS, parse_json, run_action
+from .actions import ACTION_ROLES, ACTIONS, json_body, run_action
 from .auth import CHALLENGE, actor, check_bearer
 from .console import Console, message_of, status_of
 from .live import run_live
 from .metrics import exposition, registry_for
 from .params import BadRequest, list_query
+from .starts import IDEMPOTENCY_HEADER, idempotency_key, start_run
 from .tokens import Role
 
 
@@ -74,19 +75,29 @@ def routes(console: Console) -> list[Route]:
             check_bearer(request, console, ACTION_ROLES.get(action, Role.OPERATOR), action)
             if action not in ACTIONS:
                 raise BadRequest(f"unknown action {action!r} (one of: {', '.join(ACTIONS)})")
-            raw = await console.body(request)
-            body: Any = None
-            if raw.strip():
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    raise BadRequest("the body is not UTF-8 text") from None
-                body = parse_json(text, "the body")
+            body = json_body(await console.body(request))
             await run_in_threadpool(run_action, d, run_id, action, body, actor(request))
             view = await run_in_threadpool(d.get, run_id)
         except Exception as exc:  # noqa: BLE001
             return error(exc)
         return JSONResponse(view.model_dump(mode="json"))
+
+    async def start(request: Request) -> Response:
+        """Start a run of the workflow (docs/console.md, "Starting runs over HTTP")."""
+        try:
+            check_bearer(request, console, Role.OPERATOR, "start")
+            key = idempotency_key(request.headers.get(IDEMPOTENCY_HEADER))
+            body = json_body(await console.body(request))
+            workflow = request.path_params["name"]
+            handle, created = await run_in_threadpool(
+                start_run, d, workflow, body, key, actor(request)
+            )
+        except Exception as exc:  # noqa: BLE001
+            return error(exc)
+        return JSONResponse(
+            {"run_id": handle.run_id, "workflow_id": handle.workflow_id},
+            status_code=201 if created else 200,
+        )
 
     def metrics(request: Request) -> Response:
         return Response(exposition(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -95,6 +106,7 @@ def routes(console: Console) -> list[Route]:
         Route("/api/runs", list_runs, methods=["GET"]),
         Route("/api/runs/{run_id}", get_run, methods=["GET"]),
         Route("/api/runs/{run_id}/{action}", act, methods=["POST"]),
+        Route("/api/workflows/{name:path}/runs", start, methods=["POST"]),
         Route("/runs/{run_id}/live", live, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

@@ -13,7 +13,7 @@ from starlette.middleware.sessions import SessionMiddleware
 from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
-from . import api, pages
+from . import api, hooks, pages
 from .auth import ReadGate
 from .console import PACKAGE, Console
 from .guard import LOOPBACK_HOSTS, HostCheck, SecurityHeaders, allowed_names, server_error
@@ -133,6 +133,7 @@ def create_app(
         routes=[
             *pages.routes(console),
             *api.routes(console),
+            *hooks.routes(console),
             Mount("/static", StaticFiles(directory=str(PACKAGE / "static")), name="static"),
         ],
         middleware=[

@@ -172,8 +172,9 @@ def check_read(request: Request, access: Access, *, api: bool) -> Token:
     return _remember(request, token)
 
 
-#: Paths anyone may fetch when reads need a token: logging in needs its page and its styles.
-OPEN_PATHS = re.compile(r"^/(login|static/.*)$")
+#: Paths anyone may fetch when reads need a token: logging in needs its page and its styles,
+#: and a webhook's delivery carries its signature instead of a token (web/hooks.py).
+OPEN_PATHS = re.compile(r"^/(login|static/.*|hooks/.*)$")
 #: Whole pages: a request that may not read them gets the login page (with the status).
 PAGE_PATHS = re.compile(r"^/(runs/[^/]+)?$")
 

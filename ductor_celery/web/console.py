@@ -4,6 +4,7 @@ its templates, and the answers to ductor's errors."""
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -20,8 +21,10 @@ from ..errors import (
     InvalidOperation,
     PayloadTooLarge,
     RunNotFound,
+    StoreUnavailable,
     WorkflowNotFound,
 )
+from ..store.db import brief
 from .auth import Forbidden, Unauthenticated
 from .layout import Layout, graph_nodes, layout
 from .params import BadRequest
@@ -31,9 +34,18 @@ if TYPE_CHECKING:
     from ..definition.spec import WorkflowSpec
     from ..ductor import Ductor
 
+log = logging.getLogger("ductor_celery.web")
+
 PACKAGE = resources.files("ductor_celery.web")
 #: The largest request body read: a payload at the limit, JSON-escaped, with room to spare.
 BODY_SLACK = 64 * 1024
+#: How long a request that someone outside waits on (a webhook's delivery, an HTTP start)
+#: rides out a database outage (``store.db.retry_deadline``) before it is answered 503: the
+#: sender retries later, where 120 s of retries would outlast its own timeout (GitHub: 10 s).
+REQUEST_RETRY_S = 5.0
+#: What a caller is told when the database cannot be reached: the driver's text (hosts, ports,
+#: users, the statement) goes to the console's log only.
+STORE_UNAVAILABLE = "the database is not available now: try again later"
 
 
 def status_of(exc: BaseException) -> int:
@@ -48,13 +60,19 @@ def status_of(exc: BaseException) -> int:
         return 404
     if isinstance(exc, PayloadTooLarge):
         return 413
+    if isinstance(exc, StoreUnavailable):
+        return 503
     if isinstance(exc, BadRequest | DuctorError | TypeError | ValueError | RecursionError):
         return 400
     raise exc
 
 
 def message_of(exc: BaseException) -> str:
-    """The error's message on one line."""
+    """The error's message on one line; for ``StoreUnavailable``, ``STORE_UNAVAILABLE`` (the
+    error itself is logged here instead: it is the driver's text)."""
+    if isinstance(exc, StoreUnavailable):
+        log.error("answered %s: %s", STORE_UNAVAILABLE, brief(exc))
+        return STORE_UNAVAILABLE
     text = "; ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
     return text or exc.__class__.__name__
 
