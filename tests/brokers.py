@@ -31,6 +31,17 @@ def is_amqp(broker_url: str) -> bool:
     return broker_url.split("://", 1)[0] in ("amqp", "amqps", "pyamqp")
 
 
+#: kombu's Redis transport keeps a queue's messages of priority ``p > 0`` in a list of its own,
+#: ``<queue>\x06\x16<p>``, for each of its default ``priority_steps``; ductor's step messages
+#: carry their run's priority (docs/flow-control.md), so most of them live there.
+REDIS_PRIORITY_STEPS = (0, 3, 6, 9)
+
+
+def redis_lists(queue: str) -> list[str]:
+    """The Redis lists that hold ``queue``'s messages, one per priority step."""
+    return [queue if p == 0 else f"{queue}\x06\x16{p}" for p in REDIS_PRIORITY_STEPS]
+
+
 def queue_length(broker_url: str, queue: str) -> int:
     """Messages ready on ``queue`` (not those delivered and unacknowledged); 0 if it does not
     exist yet."""
@@ -44,7 +55,7 @@ def queue_length(broker_url: str, queue: str) -> int:
                 return 0
     client = redis.Redis.from_url(broker_url)
     try:
-        return int(client.llen(queue))
+        return sum(int(client.llen(name)) for name in redis_lists(queue))
     finally:
         client.close()
 
@@ -61,6 +72,6 @@ def purge(broker_url: str, queue: str) -> None:
         return
     client = redis.Redis.from_url(broker_url)
     try:
-        client.delete(queue)
+        client.delete(*redis_lists(queue))
     finally:
         client.close()
