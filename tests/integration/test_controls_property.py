@@ -673,6 +673,7 @@ def fresh_world(pg_server: Any, zoo_template: str) -> Iterator[Any]:
 # pytest-timeout times the whole property, every example together (and Hypothesis's shrinking
 # of a failure), not one example: a long hunt (DUCTOR_CONTROLS_EXAMPLES) needs more than the
 # suite's 180 s per test.
+@pytest.mark.slow
 @pytest.mark.timeout(max(600, 12 * EXAMPLES))
 @settings(
     max_examples=EXAMPLES,

@@ -219,6 +219,7 @@ def test_teardown_leaves_nothing_and_the_sweep_removes_a_dead_owners_leftovers()
     assert not [n for n in _ours() if n.startswith(f"dct-{g.tag}-")]
 
 
+@pytest.mark.slow
 def test_a_harness_killed_with_sigkill_leaves_nothing_behind() -> None:
     code = (
         f"import os, signal, sys; sys.path.insert(0, {str(CHAOS)!r}); import fleet; "

@@ -32,6 +32,7 @@ def _rabbitmq_missing() -> str | None:
 
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(
         fleet.unavailable_reason() is not None,
         reason=f"no network namespaces here: {fleet.unavailable_reason()}",

@@ -197,6 +197,7 @@ OLD_RUNS = 100_000
 FLOWING_MAX = 1000
 
 
+@pytest.mark.slow
 def test_prune_100000_finished_runs_in_batches_while_new_runs_flow(database_url: str) -> None:
     d = _make(database_url)
     engine = d.runtime.engine()

@@ -112,6 +112,7 @@ def _expected(view: Any) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(OPERATIONS, min_size=3, max_size=25), n=st.integers(0, 9))
 def test_every_succeeded_run_has_its_workflows_output(

@@ -160,6 +160,7 @@ def _node_pids(server: RabbitMQServer) -> set[int]:
     return {server._proc.pid, *_child_pids(server._proc.pid), server._epmd.pid}
 
 
+@pytest.mark.slow
 def test_rabbitmq_is_private_on_loopback_only_and_leaves_nothing_behind() -> None:
     server = RabbitMQServer()
     server.start()
