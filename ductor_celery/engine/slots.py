@@ -49,7 +49,7 @@ def lease_key_for(spec: AttemptNodeSpec, scope: Scope) -> str | None:
     """
     if spec.concurrency is None:
         return None
-    return _step_key(spec.step, resolve(spec.concurrency.key, scope))
+    return scoped_key(spec.step, resolve(spec.concurrency.key, scope))
 
 
 def rate_key_for(spec: AttemptNodeSpec, scope: Scope) -> str | None:
@@ -59,12 +59,13 @@ def rate_key_for(spec: AttemptNodeSpec, scope: Scope) -> str | None:
         return None
     if spec.rate_limit.key is None:
         return spec.step
-    return _step_key(spec.step, resolve(spec.rate_limit.key, scope))
+    return scoped_key(spec.step, resolve(spec.rate_limit.key, scope))
 
 
-def _step_key(step: str, value: object) -> str:
-    """``"<step>|<value>"``: a value that is not a string by its canonical JSON, a key too
-    long for its column (500 characters) by its hash."""
+def scoped_key(step: str, value: object) -> str:
+    """``"<step>|<value>"`` (a workflow's name in place of a step's for run concurrency): a
+    value that is not a string by its canonical JSON, a key too long for its column (500
+    characters) by its hash."""
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
     key = f"{step}|{text}"
     if len(key) > 500:

@@ -22,8 +22,6 @@ admission in a load does (``lock_for_commit``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -34,6 +32,7 @@ from sqlalchemy.engine import Connection
 from ..definition.paths import Scope, resolve
 from ..definition.spec import RunConcurrencySpec
 from ..engine.kinds import AuditSource, ControlKind
+from ..engine.slots import scoped_key
 from ..engine.status import OPEN_RUN_STATUSES
 from .outbox import OutboxRow, insert_outbox, wakeup_intent
 from .schema import run_slot, workflow_control, workflow_run
@@ -51,13 +50,9 @@ class Admission:
 
 
 def key_for(workflow: str, spec: RunConcurrencySpec, run_input: Any) -> str:
-    """``"<workflow>|<value>"`` of the key path resolved against the run's input."""
-    value = resolve(spec.key, Scope(input=run_input, context={}, outputs={}))
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
-    key = f"{workflow}|{text}"
-    if len(key) > 500:
-        key = f"{workflow[:300]}|sha256:{hashlib.sha256(text.encode()).hexdigest()}"
-    return key
+    """``"<workflow>|<value>"`` of the key path resolved against the run's input, shaped as
+    lease and rate keys are (``engine.slots.scoped_key``)."""
+    return scoped_key(workflow, resolve(spec.key, Scope(input=run_input, context={}, outputs={})))
 
 
 def lock_key(conn: Connection, key: str) -> None:
