@@ -11,7 +11,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -44,6 +44,7 @@ from .engine.kinds import (
 )
 from .engine.outputs import output_ref, resolve_outputs
 from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
+from .engine.tags import checked_tags
 from .errors import (
     InvalidOperation,
     NodeNotFound,
@@ -135,13 +136,16 @@ class Client:
         version: int | None = None,
         by: str | None = None,
         priority: int | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> RunHandle:
         """Insert a pending run and wake it. ``version``: that registered version of the
         workflow (default: the newest). ``delay``/``start_at``: it stays pending until
         then (a timer row wakes it). ``deadline``: seconds from the run's start (the
         workflow's ``deadline`` when not given) after which it ends ``timed_out``.
         ``connection=`` (a SQLAlchemy Connection or Session) or ``using=`` (a Django database
-        alias): inserted in that transaction, woken once it commits (store/joined.py)."""
+        alias): inserted in that transaction, woken once it commits (store/joined.py).
+        ``tags``: up to 20 ``{key: value}`` strings of 1..100 characters (docs/tags.md),
+        written with the run; ValueError naming a bad one."""
         handle, _ = self._start(
             workflow,
             input,
@@ -154,6 +158,7 @@ class Client:
             version=version,
             by=by,
             priority=priority,
+            tags=tags,
         )
         return handle
 
@@ -192,6 +197,7 @@ class Client:
         by: str | None = None,
         request: RequestKey | None = None,
         priority: int | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> tuple[RunHandle, bool]:
         # Every argument is checked before the first query: a bad id must not reach a
         # VARCHAR(200) column (PostgreSQL raises a DataError; SQLite would store it).
@@ -206,6 +212,7 @@ class Client:
             problem = priority_problem(priority)
             if problem is not None:
                 raise ValueError(problem)
+        run_tags = checked_tags(tags)
         who = _who(by)
         value = check_payload(
             input, f"input of workflow {workflow!r}", self.settings.max_payload_bytes
@@ -243,6 +250,7 @@ class Client:
                 self._deadline_at(spec, deadline, fire_at),
                 who,
                 priority,
+                run_tags,
             )
         engine = self.engine
         # The times first: a start_at too far ahead is refused before anything is written.
@@ -266,6 +274,7 @@ class Client:
                 who=who,
                 request=request,
                 priority=priority,
+                tags=run_tags,
             ),
             what="insert run",
         )
@@ -287,6 +296,7 @@ class Client:
         deadline_at: datetime | None = None,
         who: audit.Who | None = None,
         priority: int | None = None,
+        tags: dict[str, str] | None = None,
     ) -> tuple[RunHandle, bool]:
         """The run's rows in the caller's transaction (not retried here: a transaction is the
         caller's to retry); the wake-up once it commits (a delayed run: its timer's)."""
@@ -302,6 +312,7 @@ class Client:
             deadline_at=deadline_at,
             who=who,
             priority=priority,
+            tags=tags,
         )
         if created and due_now:
             caller.on_commit(
@@ -683,10 +694,15 @@ class Client:
         until: datetime | str | None = None,
         cursor: str | None = None,
         workflow_id: str | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> RunPage:
         """Runs newest first, one page of at most ``limit``: ``since`` (inclusive) and
-        ``until`` (exclusive) bound ``created_at``; ``cursor`` is a page's ``next_cursor``."""
+        ``until`` (exclusive) bound ``created_at``; ``cursor`` is a page's ``next_cursor``;
+        ``tags``: only runs that have every one of these tags (docs/tags.md)."""
         where, after = check_list_filter(status, workflow, limit, since, until, cursor, workflow_id)
+        wanted = checked_tags(tags, "tags filter")
+        if wanted:
+            where = dataclasses.replace(where, tags=tuple(wanted.items()))
         rows, key = self._read(runs.list_runs, self.engine, limit=limit, where=where, after=after)
         return RunPage(
             runs=[self._view(r) for r in rows],
@@ -730,6 +746,7 @@ class Client:
             finished_at=row.finished_at,
             start_at=row.state.start_at,
             deadline_at=row.state.deadline_at,
+            tags=row.state.tags,
         )
 
     def definition_of(self, target: str) -> WorkflowSpec:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any, overload
 
@@ -242,6 +242,7 @@ class Ductor:
         version: int | None = None,
         by: str | None = None,
         priority: int | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> RunHandle:
         """Start a run; with ``delay`` (seconds) or ``start_at`` (an aware datetime) it stays
         ``pending`` until then (a timer row, cancellable like any open run). ``deadline``:
@@ -250,7 +251,9 @@ class Ductor:
         transaction on ductor's database, woken once it commits. ``version``: that registered
         version of the workflow (default: the newest); the run keeps it to the end.
         ``priority``: 0..9, higher first wherever work waits (default: the workflow's
-        ``priority``, 0 unless set); its child runs inherit it (docs/flow-control.md)."""
+        ``priority``, 0 unless set); its child runs inherit it (docs/flow-control.md).
+        ``tags``: up to 20 ``{key: value}`` strings of 1..100 characters to find the run by
+        (``list_runs(tags=)``); a continue-as-new successor keeps them (docs/tags.md)."""
         return self.client.start(
             workflow,
             input=input,
@@ -263,6 +266,7 @@ class Ductor:
             version=version,
             by=by,
             priority=priority,
+            tags=tags,
         )
 
     def get(self, target: str) -> RunView:
@@ -280,8 +284,10 @@ class Ductor:
         until: datetime | str | None = None,
         cursor: str | None = None,
         workflow_id: str | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> RunPage:
-        """One page of runs, newest first; iterate it like a list, ``next_cursor`` for more."""
+        """One page of runs, newest first; iterate it like a list, ``next_cursor`` for more.
+        ``tags``: only runs that have every one of these tags."""
         return self.client.list_runs(
             status=status,
             workflow=workflow,
@@ -290,6 +296,7 @@ class Ductor:
             until=until,
             cursor=cursor,
             workflow_id=workflow_id,
+            tags=tags,
         )
 
     def signal(

@@ -61,6 +61,8 @@ class RunView(BaseModel):
     start_at: datetime | None = None
     #: When the whole run times out, if it has a deadline.
     deadline_at: datetime | None = None
+    #: The run's tags (``start(tags=)``, ``ctx.tag``; docs/tags.md).
+    tags: dict[str, str] = {}
 
     _typed_values = field_validator("input", "context", "output", mode="before")(decode_lenient)
 

@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 import click
+from rich.markup import escape
 
 from ..limits import MAX_LIST_LIMIT
 from .base import (
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 @click.option(
     "--deadline", default=None, type=float, help="Seconds from its start; then it is timed_out."
 )
+@click.option("--tag", "tag_texts", multiple=True, help="Tag the run KEY=VALUE (repeatable).")
 @by_option
 @click.pass_context
 def start(
@@ -54,10 +56,12 @@ def start(
     delay: float | None,
     version_text: str | None,
     deadline: float | None,
+    tag_texts: tuple[str, ...],
     by: str | None,
 ) -> None:
     """Start a run of WORKFLOW; prints {"run_id", "workflow_id"} (then the run, with --wait)."""
     value = parse_json(input_json, "--input")
+    tags = call(parse_tags, tag_texts)
     version = parse_version(version_text)
     if wait_:
         from ..call_checks import check_timeout
@@ -73,6 +77,7 @@ def start(
         version=version,
         deadline=deadline,
         by=by,
+        tags=tags,
     )
     click.echo(json.dumps({"run_id": handle.run_id, "workflow_id": handle.workflow_id}))
     if wait_:
@@ -92,6 +97,9 @@ def start(
 # A plain int: the client checks the range, so --limit 0 is one line and exit 1 like every
 # other bad value (click's IntRange would print its usage text and exit 2).
 @click.option("--limit", default=50, type=int, show_default=True, help=f"1..{MAX_LIST_LIMIT} runs.")
+@click.option(
+    "--tag", "tag_texts", multiple=True, help="Only runs tagged KEY=VALUE (repeatable: all match)."
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.pass_context
 def runs(
@@ -103,6 +111,7 @@ def runs(
     until: str | None,
     cursor: str | None,
     limit: int,
+    tag_texts: tuple[str, ...],
     as_json: bool,
 ) -> None:
     """List runs, newest first, a page at a time; prints the cursor of the next page."""
@@ -113,6 +122,7 @@ def runs(
     now = datetime.now(UTC)
     start = None if since is None else call(parse_time, since, "--since", now)
     end = None if until is None else call(parse_time, until, "--until", now)
+    tags = call(parse_tags, tag_texts)
     d = load_ductor(ctx)
     page = call(
         d.list_runs,
@@ -123,6 +133,7 @@ def runs(
         until=end,
         cursor=cursor,
         limit=limit,
+        tags=tags,
     )
     if as_json:
         for view in page:
@@ -134,7 +145,7 @@ def runs(
     from rich.table import Table
 
     table = Table(title=f"{len(page)} runs")
-    for column in ("run id", "workflow id", "workflow", "status", "created", "took"):
+    for column in ("run id", "workflow id", "workflow", "status", "created", "took", "tags"):
         table.add_column(column)
     for v in page:
         table.add_row(
@@ -144,10 +155,27 @@ def runs(
             _status(v.status),
             timestamp(v.created_at),
             duration(v.created_at, v.finished_at),
+            # Tags are anyone's text: never read as rich markup.
+            escape(" ".join(f"{k}={t}" for k, t in sorted(v.tags.items()))),
         )
     rich_console().print(table)
     if page.next_cursor is not None:
         click.echo(f"next cursor: {page.next_cursor}  (more runs: add --cursor {page.next_cursor})")
+
+
+def parse_tags(texts: tuple[str, ...]) -> dict[str, str]:
+    """``--tag KEY=VALUE`` options as a tags mapping: split on the first ``=`` (a value may
+    hold more); ValueError naming one without ``=`` or a key given twice. The client checks
+    the keys and values themselves."""
+    found: dict[str, str] = {}
+    for text in texts:
+        key, equals, value = text.partition("=")
+        if not equals:
+            raise ValueError(f"--tag {text[:100]!r} is not KEY=VALUE")
+        if key in found:
+            raise ValueError(f"--tag key {key[:100]!r} is given twice")
+        found[key] = value
+    return found
 
 
 _COLORS = {

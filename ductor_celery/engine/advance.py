@@ -23,6 +23,7 @@ from .kinds import DispatchKind
 from .slots import Slot, first_limit, slots, start_attempt
 from .state import AttemptOutput, BranchState, NodeState, StepWork
 from .status import NodeStatus
+from .tags import apply_step_tags
 
 #: An unclaimed attempt's re-send period doubles at most this many times (30 s * 2**40 is
 #: longer than any run; a larger exponent would only overflow).
@@ -107,6 +108,8 @@ def _succeed(t: TickContext, result: AttemptResult, slot: Slot, branch: int | No
     _clear(slot)
     if result.patch:
         t.payload.state.context.update(result.patch)
+    if result.tags:
+        apply_step_tags(t, result.node, result.tags)
     if branch is not None:
         scatter.branch_succeeded(t, result.node, branch)
         return

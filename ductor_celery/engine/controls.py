@@ -140,6 +140,8 @@ def maybe_continue_as_new(t: TickContext) -> bool:
     else:
         new_state = _carried(t, target)
         new_input = t.inputs.input
+    # A successor is the same workflow id going on: it keeps the run's tags (docs/tags.md).
+    new_state.tags = dict(state.tags)
     moved = target.spec_hash != t.spec.spec_hash
     t.payload.successor = SuccessorRun(
         run_id=successor_id,

@@ -37,6 +37,8 @@ class AttemptResult:
     retryable: bool = True
     patch: dict[str, Any] | None = None
     branch: int | None = None
+    #: The tags the step set (``ctx.tag``), applied only if it succeeded (engine/tags.py).
+    tags: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +260,9 @@ class TickPayload:
     #: A cooperative cancel was requested: the commit sets ``cancel_requested_at`` on these
     #: open attempts, which their workers read back with their next heartbeat.
     cancel_requested: list[str] = field(default_factory=list)
+    #: Tags this tick added or changed (a succeeded attempt's ``ctx.tag``): the commit
+    #: upserts them into ``eec_run_tag``, as the state already holds them.
+    tags_set: dict[str, str] = field(default_factory=dict)
 
     @property
     def status(self) -> RunStatus:

@@ -515,6 +515,8 @@ class RunState:
     #: A cooperative cancel waiting for attempts in flight to stop (engine/cancel.py):
     #: ``{"reason": str, "grace_until": ISO time}``.
     cancel: dict[str, Any] | None = None
+    #: The run's tags (engine/tags.py, docs/tags.md); ``eec_run_tag`` indexes the same pairs.
+    tags: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def initial(
@@ -522,9 +524,13 @@ class RunState:
         node_ids: list[str],
         start_at: datetime | None = None,
         deadline_at: datetime | None = None,
+        tags: dict[str, str] | None = None,
     ) -> RunState:
         return cls(
-            nodes={n: NodeState() for n in node_ids}, start_at=start_at, deadline_at=deadline_at
+            nodes={n: NodeState() for n in node_ids},
+            start_at=start_at,
+            deadline_at=deadline_at,
+            tags=dict(tags or {}),
         )
 
     def copy(self) -> RunState:
@@ -538,6 +544,7 @@ class RunState:
             input_from=self.input_from,
             deadline_at=self.deadline_at,
             cancel=dict(self.cancel) if self.cancel else None,
+            tags=dict(self.tags),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -551,6 +558,7 @@ class RunState:
             **({"input_from": self.input_from} if self.input_from is not None else {}),
             **({"deadline_at": self.deadline_at.isoformat()} if self.deadline_at else {}),
             **({"cancel": self.cancel} if self.cancel else {}),
+            **({"tags": self.tags} if self.tags else {}),
         }
 
     @classmethod
@@ -567,4 +575,5 @@ class RunState:
                 datetime.fromisoformat(data["deadline_at"]) if data.get("deadline_at") else None
             ),
             cancel=data.get("cancel"),
+            tags=dict(data.get("tags") or {}),
         )

@@ -126,6 +126,8 @@ def commit(
         # A tick drains one control: wake the run at once for the next one.
         if any(c.run_id == run.run_id and c.handled_at is None for c in tables.controls):
             outbox += _insert_outbox(tables, [wakeup_intent(run.run_id)])
+    if payload.tags_set:  # as store/ticks.py: the index follows the state
+        tables.tags.setdefault(run.run_id, {}).update(payload.tags_set)
     if payload.successor is not None:
         outbox += _insert_successor(tables, run, payload, now)
     if payload.child_starts or payload.child_controls:
@@ -238,6 +240,8 @@ def _insert_successor(
         parent_run_id=run.parent_run_id,
         continued_from=run.run_id,
     )
+    if successor.state.tags:
+        tables.tags[successor.run_id] = dict(successor.state.tags)
     # Signals and controls the predecessor never consumed belong to the successor now.
     for s in tables.signals:
         if s.run_id == run.run_id and s.applied_at is None:

@@ -111,6 +111,7 @@ def _results(tables: Tables, run_id: str) -> tuple[AttemptResult, ...]:
             retryable=bool(a.retryable) if a.retryable is not None else True,
             patch=a.patch,
             branch=a.branch,
+            tags=a.tags,
         )
         for a in unfolded
     )

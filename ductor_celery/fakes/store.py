@@ -21,6 +21,7 @@ from ..engine import EngineConfig, RunState, TickPayload
 from ..engine.deadline import deadline_after
 from ..engine.kinds import ControlKind
 from ..engine.status import OPEN_RUN_STATUSES, TERMINAL_RUN_STATUSES, RunStatus
+from ..engine.tags import checked_tags
 from . import commit as committing
 from .load import load
 from .tables import AttemptRow, ControlRow, RunRow, SignalRow, Tables, json_copy
@@ -107,10 +108,13 @@ class InMemoryStore:
         run_id: str | None = None,
         workflow_id: str | None = None,
         deadline: float | None = None,
+        tags: dict[str, str] | None = None,
     ) -> str:
         """Insert a pending run (no tick yet). An open run of ``workflow_id`` wins: its id is
         returned and nothing is inserted, as ``ductor.start`` does. ``deadline``: seconds from
-        now (default: the workflow's), as ``ductor.start(deadline=...)``."""
+        now (default: the workflow's), as ``ductor.start(deadline=...)``; ``tags`` as
+        ``ductor.start(tags=...)`` (checked the same way)."""
+        run_tags = checked_tags(tags)
         self.add_definition(spec)
         run_id = run_id or uuid.uuid4().hex
         workflow_id = workflow_id or run_id
@@ -129,10 +133,13 @@ class InMemoryStore:
                 deadline_at=deadline_after(
                     self.now, deadline if deadline is not None else spec.deadline
                 ),
+                tags=run_tags,
             ),
             input=input,
             now=self.now,
         )
+        if run_tags:
+            self.tables.tags[run_id] = run_tags
         self.tables.wakes.add(run_id)
         return run_id
 
@@ -208,6 +215,7 @@ class InMemoryStore:
         retryable: bool = True,
         patch: dict[str, Any] | None = None,
         cancelled: bool = False,
+        tags: dict[str, str] | None = None,
     ) -> bool:
         """The outcome, written once: succeeded unless ``error`` is given (``cancelled``: the
         step stopped on a cancel, ``StepCancelled``). False: the attempt was finished or
@@ -218,7 +226,7 @@ class InMemoryStore:
         row.finished_at, row.finished_seq = self.now, self.tables.next_id("finish")
         row.outcome = "cancelled" if cancelled else "failed" if error is not None else "succeeded"
         row.output, row.error = json_copy(output), json_copy(error)
-        row.retryable, row.patch = retryable, json_copy(patch)
+        row.retryable, row.patch, row.tags = retryable, json_copy(patch), json_copy(tags)
         self.tables.wakes.add(row.run_id)
         return True
 

@@ -78,6 +78,8 @@ class AttemptRow:
     error: Any = None
     retryable: bool | None = None
     patch: Any = None
+    #: What the step set with ``ctx.tag`` (applied by the tick if it succeeded).
+    tags: Any = None
 
 
 @dataclass
@@ -152,6 +154,8 @@ class Tables:
     timers: dict[str, datetime] = field(default_factory=dict)
     #: Runs a tick message is queued for, whose tick has not started (``eec_workflow_wake``).
     wakes: set[str] = field(default_factory=set)
+    #: ``eec_run_tag``: each run's tags, {run_id: {key: value}} (docs/tags.md).
+    tags: dict[str, dict[str, str]] = field(default_factory=dict)
     #: The last id each sequence gave ("signal", "control", "outbox", "finish"): one per
     #: table, as the database keeps them, so ids in a stored state match a fresh database's.
     last_ids: dict[str, int] = field(default_factory=dict)

@@ -1,5 +1,6 @@
 """What a step function is and what it gets: the ``Step`` object (a ``@ductor.step``
-function) and ``StepContext`` (``ctx``: who it is, its input, secrets, heartbeats, patches)."""
+function) and ``StepContext`` (``ctx``: who it is, its input, secrets, heartbeats, patches,
+tags)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..definition.retry import ConcurrencyLimit, RateLimit, RetryPolicy
+from ..engine.tags import MAX_TAGS, tag_problem
 from ..errors import NonRetryableError, SecretNotFound, StepCancelled
 from ..values import ValueNotDecodable, decode, decode_lenient
 from .secrets import check_name
@@ -74,6 +76,7 @@ class StepContext:
         # Typed values rebuilt (a class this process cannot import stays as its JSON).
         self.context: Mapping[str, Any] = _ReadOnly(decode_lenient(context))
         self._patch: dict[str, Any] = {}
+        self._tags: dict[str, str] = {}
         self._heartbeat_fn = heartbeat_fn
         self._secret_fn = secret_fn
         self._cancelled_fn = cancelled_fn
@@ -139,6 +142,23 @@ class StepContext:
     @property
     def patch_value(self) -> dict[str, Any] | None:
         return dict(self._patch) if self._patch else None
+
+    def tag(self, key: str, value: str) -> None:
+        """Tag the run ``key: value`` when this attempt succeeds (docs/tags.md); a failed
+        attempt's tags are dropped. Keys and values are strings of 1..100 characters;
+        setting a key again replaces its value. Raises ``ValueError`` for a bad tag, or a
+        21st key in one attempt. A tag that would be the run's 21st is dropped by the tick
+        (its history says so); the attempt still succeeds."""
+        problem = tag_problem(key, value)
+        if problem is None and key not in self._tags and len(self._tags) >= MAX_TAGS:
+            problem = f"ctx.tag: at most {MAX_TAGS} tags per run, this attempt set {MAX_TAGS}"
+        if problem is not None:
+            raise ValueError(problem)
+        self._tags[key] = value
+
+    @property
+    def tags_value(self) -> dict[str, str] | None:
+        return dict(self._tags) if self._tags else None
 
 
 class _ReadOnly(Mapping[str, Any]):

@@ -90,6 +90,8 @@ class _Outcome:
     patch: Any = None
     error: dict[str, Any] | None = None
     retryable: bool = True
+    #: What the step set with ``ctx.tag``: applied to the run only if it succeeded.
+    tags: dict[str, str] | None = None
 
 
 #: An attempt claimed after its run's cancel was requested: never run.
@@ -437,10 +439,15 @@ def _run_batch(
             what="read batch progress",
         )
     read_input = _input_reader(engine, claimed.run_id)
+    # The tags the items that ran in this attempt set, in item order: the batch's attempt
+    # carries them, applied if it succeeds (docs/tags.md).
+    tags: dict[str, str] = {}
 
     def call(index: int, args: dict[str, Any]) -> tuple[batch.ItemOutcome, BaseException | None]:
         ctx = _context(engine, claimed, index, read_input, limit, call_info.secrets)
         item, interrupt = _run(step, ctx, args, token, limit, call_info)
+        if item.tags:
+            tags.update(item.tags)
         return (
             batch.ItemOutcome(
                 item.outcome == "succeeded", item.output, item.patch, item.error, item.retryable
@@ -464,7 +471,7 @@ def _run_batch(
         log.error("attempt %s: %s", token, problem)
         return _invalid(f"{problem} (a smaller batch_size keeps it under the limit)"), interrupt
     if done.succeeded:
-        return _Outcome("succeeded", output=output, patch=patch), interrupt
+        return _Outcome("succeeded", output=output, patch=patch, tags=tags or None), interrupt
     return (
         _Outcome("failed", output=output, patch=patch, error=done.error, retryable=done.retryable),
         interrupt,
@@ -517,6 +524,7 @@ def _prelude(token: str, result: _Outcome) -> Callable[[Any], bool]:
         error=result.error,
         retryable=result.retryable,
         patch=result.patch,
+        tags=result.tags,
     )
 
 
@@ -562,6 +570,7 @@ def _run(
             patch=call.secrets.redact(outcome.patch),
             error=call.secrets.redact(outcome.error),
             retryable=outcome.retryable,
+            tags=call.secrets.redact(outcome.tags),
         )
     return outcome, interrupt
 
@@ -609,7 +618,7 @@ def _call(
     if problem is not None:
         log.error("attempt %s: %s", token, problem)
         return _invalid(problem), None
-    return _Outcome("succeeded", output=output, patch=patch), None
+    return _Outcome("succeeded", output=output, patch=patch, tags=ctx.tags_value), None
 
 
 def _record(rt: Runtime, engine: Any, step: Step, token: str, result: _Outcome) -> str:
@@ -646,6 +655,7 @@ def _finish(engine: Any, step: Step, token: str, result: _Outcome) -> tuple[bool
             retryable=result.retryable,
             patch=result.patch,
             leased=step.concurrency is not None,
+            tags=result.tags,
         ),
         what="record attempt outcome",
         deadline_s=FINISH_DEADLINE_S,

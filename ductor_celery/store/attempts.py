@@ -330,6 +330,7 @@ def finish(
     retryable: bool = True,
     patch: dict[str, Any] | None = None,
     leased: bool = False,
+    tags: dict[str, str] | None = None,
 ) -> tuple[bool, list[OutboxRow]]:
     """Write the outcome once. False if the attempt was already finished or closed.
 
@@ -345,6 +346,7 @@ def finish(
         "error": error,
         "retryable": retryable,
         "patch": patch,
+        "tags": tags,
     }
     if not leased and is_postgres(engine):
         # The common case in one round trip: an attempt without a lease needs nothing but
@@ -390,6 +392,7 @@ def finish_unleased_on(
     error: dict[str, Any] | None = None,
     retryable: bool = True,
     patch: dict[str, Any] | None = None,
+    tags: dict[str, str] | None = None,
 ) -> bool:
     """Write the outcome of an attempt that holds no lease, on ``conn`` (PostgreSQL): False if
     it is finished or closed already, or has a lease (then ``finish`` must release it)."""
@@ -399,6 +402,7 @@ def finish_unleased_on(
         "error": error,
         "retryable": retryable,
         "patch": patch,
+        "tags": tags,
     }
     return bool(conn.execute(_pg_finish_unleased(), {"b_token": token, **values}).rowcount == 1)
 

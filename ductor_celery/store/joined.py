@@ -38,6 +38,7 @@ from sqlalchemy.exc import IntegrityError
 from ..definition.spec import WorkflowSpec
 from ..errors import WrongDatabase
 from . import runs
+from . import tags as run_tags
 from .audit import Who
 from .schema import dumps_json
 
@@ -338,6 +339,7 @@ def insert_run_on(
     deadline_at: datetime | None = None,
     who: Who | None = None,
     priority: int | None = None,
+    tags: dict[str, str] | None = None,
 ) -> tuple[str, bool]:
     """``runs.insert_run`` in the caller's transaction: the definitions the run pins, then the
     run. Returns (run_id, created); an open run of the same workflow id wins (a savepoint keeps
@@ -356,12 +358,16 @@ def insert_run_on(
         start_at=start_at,
         deadline_at=deadline_at,
         priority=priority,
+        tags=tags,
     )
+    tag_rows = run_tags.tags_insert(run_id, tags or {})
     try:
         with joined.savepoint():
             if start_at is not None:  # a delayed run: its timer row wakes it (never an ETA)
                 joined.execute(runs.timer_insert(run_id, start_at))
             joined.execute(statement)
+            if tag_rows is not None:
+                joined.execute(tag_rows)
             if who is not None:
                 joined.execute(runs.start_entry(who, run_id, workflow_id, spec))
     except joined.integrity_errors:

@@ -297,13 +297,24 @@ def _results(conn: Connection, run_id: str) -> tuple[AttemptResult, ...]:
             retryable=bool(r.retryable) if r.retryable is not None else True,
             patch=r.patch,
             branch=r.branch,
+            tags=r.tags,
         )
         for r in rows
     )
 
 
 #: The columns of one unfolded result, as ``_results_column`` aggregates them on PostgreSQL.
-_RESULT_COLUMNS = ("token", "node", "outcome", "output", "error", "retryable", "patch", "branch")
+_RESULT_COLUMNS = (
+    "token",
+    "node",
+    "outcome",
+    "output",
+    "error",
+    "retryable",
+    "patch",
+    "branch",
+    "tags",
+)
 
 
 def _results_column(run_id: Any, postgres: bool) -> Any:
@@ -333,8 +344,9 @@ def _aggregated_results(rows: list[list[Any]] | None) -> tuple[AttemptResult, ..
             retryable=bool(retryable) if retryable is not None else True,
             patch=patch,
             branch=branch,
+            tags=tags,
         )
-        for token, node, outcome, output, error, retryable, patch, branch in rows or ()
+        for token, node, outcome, output, error, retryable, patch, branch, tags in rows or ()
     )
 
 
@@ -350,6 +362,7 @@ def _results_statement() -> Any:
             step_attempt.c.retryable,
             step_attempt.c.patch,
             step_attempt.c.branch,
+            step_attempt.c.tags,
         )
         .where(
             step_attempt.c.run_id == sa.bindparam("b_run", type_=sa.String),

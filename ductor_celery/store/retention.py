@@ -9,8 +9,9 @@ A run is prunable when it is finished (a terminal status) and finished before th
 Each batch is one transaction: pick up to ``batch_size`` prunable runs (on PostgreSQL locking
 them ``FOR UPDATE SKIP LOCKED``, so a redrive's tick or a second pruner is never waited on and a
 run reopened meanwhile no longer matches), delete their attempts, transitions, signals,
-controls, outbox rows, timers, wake-up rows and start requests (an HTTP start's idempotency key,
-a webhook's delivery: store/start_requests.py), then the runs. Definitions are kept.
+controls, outbox rows, timers, wake-up rows, tags (docs/tags.md) and start requests (an HTTP
+start's idempotency key, a webhook's delivery: store/start_requests.py), then the runs.
+Definitions are kept.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .db import is_postgres
 from .schema import (
     concurrency_lease,
     run_slot,
+    run_tag,
     start_request,
     step_attempt,
     workflow_control,
@@ -57,6 +59,7 @@ _RUN_TABLES = (
     concurrency_lease,
     start_request,
     run_slot,
+    run_tag,
 )
 
 

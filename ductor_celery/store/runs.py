@@ -22,6 +22,7 @@ from ..engine.kinds import AuditAction
 from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from . import audit, clock
+from . import tags as run_tags
 from .db import aware, is_postgres
 from .schema import (
     step_attempt,
@@ -212,6 +213,7 @@ def run_insert(
     start_at: datetime | None = None,
     deadline_at: datetime | None = None,
     priority: int | None = None,
+    tags: dict[str, str] | None = None,
 ) -> sa.Insert:
     """The row of a run a client starts (``insert_run``, or ``store/joined.py`` in the
     caller's own transaction). ``created_at``: the store's clock when one is injected
@@ -224,7 +226,9 @@ def run_insert(
             workflow=spec.name,
             version=spec.version,
             spec_hash=spec.spec_hash,
-            state=RunState.initial(spec.graph.order, start_at=start_at, deadline_at=deadline_at),
+            state=RunState.initial(
+                spec.graph.order, start_at=start_at, deadline_at=deadline_at, tags=tags
+            ),
             input=input,
             parent_run_id=parent_run_id,
             trace_context=trace_context,
@@ -267,6 +271,7 @@ def insert_run(
     who: audit.Who | None = None,
     request: RequestKey | None = None,
     priority: int | None = None,
+    tags: dict[str, str] | None = None,
 ) -> tuple[str, bool]:
     """Insert a pending run. Returns (run_id, created); an open run of the same workflow id wins.
     ``insert_run_requested`` says the rest."""
@@ -283,6 +288,7 @@ def insert_run(
         who=who,
         request=request,
         priority=priority,
+        tags=tags,
     )
     return found.run_id, created
 
@@ -301,6 +307,7 @@ def insert_run_requested(
     who: audit.Who | None = None,
     request: RequestKey | None = None,
     priority: int | None = None,
+    tags: dict[str, str] | None = None,
 ) -> tuple[Requested, bool]:
     """Insert a pending run. Returns (the run and its workflow id, created); an open run of the
     same workflow id wins. ``who``: the start's audit entry, in the same transaction.
@@ -327,13 +334,18 @@ def insert_run_requested(
         start_at=start_at,
         deadline_at=deadline_at,
         priority=priority,
+        tags=tags,
     )
+    # The tags' rows in the run's own transaction: a run is never seen without them.
+    tag_rows = run_tags.tags_insert(run_id, tags or {})
     for _ in range(INSERT_ROUNDS):
         try:
             with engine.begin() as conn:
                 if start_at is not None:
                     conn.execute(timer_insert(run_id, start_at))
                 conn.execute(statement)
+                if tag_rows is not None:
+                    conn.execute(tag_rows)
                 if request is not None:
                     conn.execute(request_insert(request, run_id=run_id, workflow_id=workflow_id))
                 if who is not None:
@@ -442,6 +454,8 @@ class RunFilter:
     workflow_id: str | None = None
     since: datetime | None = None
     until: datetime | None = None
+    #: Runs with every one of these (key, value) tags (docs/tags.md).
+    tags: tuple[tuple[str, str], ...] = ()
 
 
 #: The position of a run in the newest-first order: (created_at, run_id).
@@ -479,6 +493,8 @@ def _filtered(conn: Connection, query: Any, where: RunFilter) -> Any:
         query = query.where(_created(conn) >= _at(conn, where.since))
     if where.until is not None:
         query = query.where(_created(conn) < _at(conn, where.until))
+    if where.tags:
+        query = run_tags.matching(query, dict(where.tags))
     return query
 
 
@@ -551,6 +567,7 @@ def count_by_status(engine: Engine, where: RunFilter) -> dict[str, int]:
                 workflow_id=where.workflow_id,
                 since=where.since,
                 until=where.until,
+                tags=where.tags,
             ),
         )
         return {status: int(n) for status, n in conn.execute(query).all()}

@@ -215,6 +215,9 @@ step_attempt = sa.Table(
     sa.Column("rate_released_at", Ts, nullable=True),
     # Its run's priority, for the order in which waiting attempts (leases, rate limits) go.
     sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0"),
+    # The tags the step set with ctx.tag ({key: value}), written with the outcome; the tick
+    # that folds a succeeded outcome applies them to the run (docs/tags.md).
+    sa.Column("tags", Json, nullable=True),
     sa.Index("eec_workflow_step_attempt_run_node", "run_id", "node"),
     # Attempts waiting for a rate-limit token, oldest first per key.
     sa.Index(
@@ -273,6 +276,20 @@ run_slot = sa.Table(
     sa.Column("created_at", Ts, nullable=False),
     sa.Column("granted_at", Ts, nullable=True),
     sa.Index("eec_run_slot_key", "key", "granted_at"),
+)
+
+#: Run tags (docs/tags.md): one row per (run, key), the index the lists filter through. The
+#: run state holds the same pairs (``RunState.tags``); both are written in one transaction:
+#: a start's, a tick's commit (a succeeded step's ``ctx.tag``, a continue-as-new successor's),
+#: and prune deletes them with the run.
+run_tag = sa.Table(
+    "eec_run_tag",
+    metadata,
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("key", sa.String(100), primary_key=True),
+    sa.Column("value", sa.String(100), nullable=False),
+    # A filter on (key, value) is a range scan of this index that yields the run ids itself.
+    sa.Index("eec_run_tag_key_value", "key", "value", "run_id"),
 )
 
 workflow_transition = sa.Table(

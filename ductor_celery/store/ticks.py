@@ -30,6 +30,7 @@ from ..engine.children import child_workflow_id
 from ..engine.deadline import deadline_after
 from ..engine.kinds import CONTROL_APPLIED, AuditAction, AuditSource
 from . import audit, leases, pg_commit, rates, run_slots
+from . import tags as run_tags
 from .db import is_postgres
 from .external import lock_workflow_signals
 from .finishes import RUN_FINISHED_CHANNEL
@@ -110,6 +111,8 @@ def _commit_on(
         # predecessor of a continue-as-new), and the sweeper would take one per 30 s.
         if _more_controls(conn, loaded.run_id, payload.handled_control.id):
             outbox.extend(insert_outbox(conn, [wakeup_intent(loaded.run_id)], now))
+    if payload.tags_set:  # a succeeded step's ctx.tag: the index follows the state
+        run_tags.upsert_on(conn, loaded.run_id, payload.tags_set)
     if payload.successor is not None:
         outbox.extend(_insert_successor(conn, loaded, payload, now))
     if slots:
@@ -369,6 +372,9 @@ def _insert_successor(
             )
         )
     )
+    tag_rows = run_tags.tags_insert(successor.run_id, successor.state.tags)
+    if tag_rows is not None:  # the successor keeps the run's tags (docs/tags.md)
+        conn.execute(tag_rows)
     # Signals the predecessor never consumed belong to the successor now. Under the signal
     # lock: a client inserting at this moment either lands before the move (and is moved) or
     # reads the run as continued (and follows it to the successor).

@@ -35,7 +35,7 @@ from .auth import (
 )
 from .console import Console, message_of, status_of
 from .live import run_live
-from .params import LIST_PARAMS, BadRequest, list_query
+from .params import LIST_PARAMS, TAG_PARAM, BadRequest, list_query
 from .tokens import Role
 
 #: Attempt rows the run page shows at most (the newest; a scatter has one per branch).
@@ -93,8 +93,11 @@ def _error_page(console: Console, request: Request, exc: BaseException) -> Respo
 def runs_context(console: Console, request: Request) -> tuple[int, dict[str, Any]]:
     params = query_params(request)
     raw = {k: (params.get(k) or [""])[-1] for k in LIST_PARAMS}
+    # The tag filter repeats (tag=k:v&tag=k2:v2): kept as pairs in every link the page makes.
+    tag_pairs = [(TAG_PARAM, v) for v in params.get(TAG_PARAM) or [] if v]
     ctx: dict[str, Any] = {
         "query": raw,
+        "tag_filters": [v for _, v in tag_pairs],
         "statuses": [s.value for s in RunStatus],
         "runs": [],
         "counts": {},
@@ -112,6 +115,7 @@ def runs_context(console: Console, request: Request) -> tuple[int, dict[str, Any
             workflow_id=kwargs["workflow_id"],
             since=kwargs["since"],
             until=kwargs["until"],
+            tags=tuple(kwargs["tags"].items()),
         )
         ctx["counts"] = runs.count_by_status(console.engine, where)
         ctx["workflows"] = reads.workflow_names(console.engine)
@@ -120,20 +124,13 @@ def runs_context(console: Console, request: Request) -> tuple[int, dict[str, Any
         ctx["workflows"] = []
         return 400, ctx
     ctx["runs"] = list(page)
+    kept = [(k, v) for k, v in raw.items() if v and k != "cursor"] + tag_pairs
     if page.next_cursor is not None:
-        kept = {k: v for k, v in raw.items() if v and k != "cursor"}
-        ctx["next_url"] = "/?" + urlencode({**kept, "cursor": page.next_cursor})
+        ctx["next_url"] = "/?" + urlencode([*kept, ("cursor", page.next_cursor)])
     ctx["first_page"] = not raw["cursor"]
-    kept = {k: v for k, v in raw.items() if v and k != "cursor"}
     ctx["first_url"] = "/?" + urlencode(kept) if kept else "/"
     ctx["status_url"] = lambda status: (
-        "/?"
-        + urlencode(
-            {
-                **{k: v for k, v in raw.items() if v and k not in ("cursor", "status")},
-                "status": status,
-            }
-        )
+        "/?" + urlencode([*((k, v) for k, v in kept if k != "status"), ("status", status)])
     )
     return 200, ctx
 

@@ -12,11 +12,14 @@ from datetime import datetime
 from typing import Any
 
 from ..call_checks import check_list_filter
+from ..engine.tags import tag_problem, tags_problem
 from ..limits import MAX_LIST_LIMIT
 from .timeparse import parse_time
 
 #: The runs list's parameters, as ``GET /api/runs`` and ``GET /`` take them.
 LIST_PARAMS = ("status", "workflow", "workflow_id", "since", "until", "limit", "cursor")
+#: The repeatable tag filter, ``tag=key:value`` (docs/tags.md): every one must match.
+TAG_PARAM = "tag"
 DEFAULT_LIMIT = 50
 _INT = re.compile(r"^[+-]?\d{1,9}$")
 
@@ -42,11 +45,10 @@ def list_query(
     lists everything.
     """
     if strict:
-        unknown = sorted(set(params) - set(LIST_PARAMS))
+        unknown = sorted(set(params) - {*LIST_PARAMS, TAG_PARAM})
         if unknown:
-            raise BadRequest(
-                f"unknown query parameter {unknown[0]!r} (known: {', '.join(LIST_PARAMS)})"
-            )
+            known = ", ".join((*LIST_PARAMS, TAG_PARAM))
+            raise BadRequest(f"unknown query parameter {unknown[0]!r} (known: {known})")
     found = {name: _single(params, name) for name in LIST_PARAMS}
     limit = DEFAULT_LIMIT
     if found["limit"] is not None:
@@ -64,6 +66,7 @@ def list_query(
         "cursor": found["cursor"],
         "since": None,
         "until": None,
+        "tags": tag_filter(params.get(TAG_PARAM) or []),
     }
     try:
         for bound in ("since", "until"):
@@ -83,3 +86,26 @@ def list_query(
     except (ValueError, TypeError) as exc:
         raise BadRequest(str(exc)) from None
     return kwargs
+
+
+def tag_filter(values: Sequence[str]) -> dict[str, str]:
+    """``tag=key:value`` parameters as ``list_runs(tags=...)``: split on the first ``:`` (a
+    value may hold more), empty ones ignored (an empty form field); BadRequest naming one
+    without ``:``, a bad key or value, or a key given twice (no run could match both)."""
+    found: dict[str, str] = {}
+    for text in values:
+        if text == "":
+            continue
+        key, colon, value = text.partition(":")
+        if not colon:
+            raise BadRequest(f"tag {text[:100]!r} is not key:value")
+        if key in found:
+            raise BadRequest(f"tag key {key[:100]!r} is given twice (a run has one value per key)")
+        problem = tag_problem(key, value)
+        if problem is not None:
+            raise BadRequest(f"tag {text[:100]!r}: {problem}")
+        found[key] = value
+    problem = tags_problem(found, "tag filter")
+    if problem is not None:
+        raise BadRequest(problem)
+    return found

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ..ductor import Ductor
 
 #: The body's keys, each optional.
-START_KEYS = ("input", "workflow_id", "delay", "priority")
+START_KEYS = ("input", "workflow_id", "delay", "priority", "tags")
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 
@@ -65,4 +65,5 @@ def start_run(
             delay=values.get("delay"),
             by=actor,
             priority=values.get("priority"),
+            tags=values.get("tags"),
         )
