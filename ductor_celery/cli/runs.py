@@ -226,6 +226,10 @@ def show(ctx: click.Context, target: str, as_json: bool) -> None:
         f"created {timestamp(view.created_at)}  finished {timestamp(view.finished_at) or '-'}  "
         f"took {duration(view.created_at, view.finished_at) or '-'}"
     )
+    if view.tags:  # anyone's text: never read as markup
+        console.print(
+            "[bold]tags[/] " + escape(" ".join(f"{k}={v}" for k, v in sorted(view.tags.items())))
+        )
     if view.error:
         console.print(f"[red]error:[/] {view.error.get('node', '')} {view.error.get('message')}")
     nodes = Table(title="nodes")

@@ -37,8 +37,9 @@ class AttemptResult:
     retryable: bool = True
     patch: dict[str, Any] | None = None
     branch: int | None = None
-    #: The tags the step set (``ctx.tag``), applied only if it succeeded (engine/tags.py).
-    tags: dict[str, str] | None = None
+    #: The tags the step set (``ctx.tag``): ``[[key, value], ...]`` in the order it set them,
+    #: applied only if it succeeded (engine/tags.py, ``StepTags``).
+    tags: list[list[str]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

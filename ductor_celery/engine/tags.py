@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 
 #: At most this many tags per run.
 MAX_TAGS = 20
+#: A step's tags as they travel with its attempt: ``[[key, value], ...]`` in the order the
+#: step first set each key. A list, not an object: PostgreSQL's jsonb reorders an object's keys,
+#: and the order decides which tags fit when the run nears ``MAX_TAGS``.
+StepTags = list[list[str]]
 #: Keys and values are strings of 1..MAX_TAG_LENGTH characters.
 MAX_TAG_LENGTH = 100
 
@@ -60,7 +64,7 @@ def checked_tags(tags: Any, what: str = "tags") -> dict[str, str]:
 
 
 def apply_step_tags(t: TickContext, node: str, tags: Any) -> None:
-    """Apply the tags a succeeded attempt set, in the order it set them.
+    """Apply the tags a succeeded attempt set (``StepTags``), in the order it set them.
 
     A key the run has already is updated; a new key is added while the run has fewer than
     ``MAX_TAGS``; one that would be the run's 21st is dropped, and a transition on ``node``
@@ -71,8 +75,11 @@ def apply_step_tags(t: TickContext, node: str, tags: Any) -> None:
         return
     state = t.payload.state
     status = t.nodes[node].status if node in t.nodes else state.status
-    entries = tags.items() if isinstance(tags, Mapping) else ()
-    for key, value in entries:
+    pairs = isinstance(tags, list) and all(isinstance(p, list) and len(p) == 2 for p in tags)
+    if not pairs:
+        t.record(node, status, status, f"tags dropped: not key-value pairs ({type(tags).__name__})")
+        return
+    for key, value in tags:
         problem = tag_problem(key, value)
         if problem is None and key not in state.tags and len(state.tags) >= MAX_TAGS:
             problem = f"the run has {MAX_TAGS} tags already"
@@ -82,8 +89,6 @@ def apply_step_tags(t: TickContext, node: str, tags: Any) -> None:
         if state.tags.get(key) != value:
             state.tags[key] = value
             t.payload.tags_set[key] = value
-    if not isinstance(tags, Mapping):
-        t.record(node, status, status, f"tags dropped: not a mapping ({type(tags).__name__})")
 
 
 def _shown(key: Any) -> str:

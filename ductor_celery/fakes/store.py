@@ -215,7 +215,7 @@ class InMemoryStore:
         retryable: bool = True,
         patch: dict[str, Any] | None = None,
         cancelled: bool = False,
-        tags: dict[str, str] | None = None,
+        tags: list[list[str]] | None = None,
     ) -> bool:
         """The outcome, written once: succeeded unless ``error`` is given (``cancelled``: the
         step stopped on a cancel, ``StepCancelled``). False: the attempt was finished or

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..definition.retry import ConcurrencyLimit, RateLimit, RetryPolicy
-from ..engine.tags import MAX_TAGS, tag_problem
+from ..engine.tags import MAX_TAGS, StepTags, tag_problem
 from ..errors import NonRetryableError, SecretNotFound, StepCancelled
 from ..values import ValueNotDecodable, decode, decode_lenient
 from .secrets import check_name
@@ -157,8 +157,10 @@ class StepContext:
         self._tags[key] = value
 
     @property
-    def tags_value(self) -> dict[str, str] | None:
-        return dict(self._tags) if self._tags else None
+    def tags_value(self) -> StepTags | None:
+        """The tags set, as they travel with the outcome: ``[[key, value], ...]`` in the
+        order each key was first set (engine/tags.py)."""
+        return [[k, v] for k, v in self._tags.items()] if self._tags else None
 
 
 class _ReadOnly(Mapping[str, Any]):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .. import tracing
 from ..coordinator import SETTLED_TICKS, TickOutcome
 from ..definition.spec import BATCH_ARG
+from ..engine.tags import StepTags
 from ..errors import InvalidSecretName, SecretNotFound, StepCancelled
 from ..payloads import storable_text
 from ..store import attempts, wakes
@@ -91,7 +92,7 @@ class _Outcome:
     error: dict[str, Any] | None = None
     retryable: bool = True
     #: What the step set with ``ctx.tag``: applied to the run only if it succeeded.
-    tags: dict[str, str] | None = None
+    tags: StepTags | None = None
 
 
 #: An attempt claimed after its run's cancel was requested: never run.
@@ -441,13 +442,13 @@ def _run_batch(
     read_input = _input_reader(engine, claimed.run_id)
     # The tags the items that ran in this attempt set, in item order: the batch's attempt
     # carries them, applied if it succeeds (docs/tags.md).
-    tags: dict[str, str] = {}
+    tags: dict[str, str] = {}  # key -> value, in the order first set
 
     def call(index: int, args: dict[str, Any]) -> tuple[batch.ItemOutcome, BaseException | None]:
         ctx = _context(engine, claimed, index, read_input, limit, call_info.secrets)
         item, interrupt = _run(step, ctx, args, token, limit, call_info)
         if item.tags:
-            tags.update(item.tags)
+            tags.update((k, v) for k, v in item.tags)
         return (
             batch.ItemOutcome(
                 item.outcome == "succeeded", item.output, item.patch, item.error, item.retryable
@@ -471,7 +472,9 @@ def _run_batch(
         log.error("attempt %s: %s", token, problem)
         return _invalid(f"{problem} (a smaller batch_size keeps it under the limit)"), interrupt
     if done.succeeded:
-        return _Outcome("succeeded", output=output, patch=patch, tags=tags or None), interrupt
+        return _Outcome(
+            "succeeded", output=output, patch=patch, tags=[[k, v] for k, v in tags.items()] or None
+        ), interrupt
     return (
         _Outcome("failed", output=output, patch=patch, error=done.error, retryable=done.retryable),
         interrupt,

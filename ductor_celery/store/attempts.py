@@ -330,7 +330,7 @@ def finish(
     retryable: bool = True,
     patch: dict[str, Any] | None = None,
     leased: bool = False,
-    tags: dict[str, str] | None = None,
+    tags: list[list[str]] | None = None,
 ) -> tuple[bool, list[OutboxRow]]:
     """Write the outcome once. False if the attempt was already finished or closed.
 
@@ -392,7 +392,7 @@ def finish_unleased_on(
     error: dict[str, Any] | None = None,
     retryable: bool = True,
     patch: dict[str, Any] | None = None,
-    tags: dict[str, str] | None = None,
+    tags: list[list[str]] | None = None,
 ) -> bool:
     """Write the outcome of an attempt that holds no lease, on ``conn`` (PostgreSQL): False if
     it is finished or closed already, or has a lease (then ``finish`` must release it)."""

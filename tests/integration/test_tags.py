@@ -179,8 +179,9 @@ def test_ctx_tag_checks_at_the_call() -> None:
     ctx.tag("k0", "again")  # a key it set already: replaced, not a 21st
     with pytest.raises(ValueError, match="at most 20 tags per run"):
         ctx.tag("k20", "v")
+    # As they travel with the outcome: pairs in the order each key was first set.
     assert ctx.tags_value is not None and len(ctx.tags_value) == 20
-    assert ctx.tags_value["k0"] == "again"
+    assert ctx.tags_value[:2] == [["k0", "again"], ["k1", "v"]]
 
 
 def test_a_successor_keeps_the_tags_and_a_child_run_starts_without(d: Ductor) -> None:
@@ -218,3 +219,16 @@ def test_prune_deletes_a_runs_tags_with_it(d: Ductor) -> None:
     assert _rows(d, gone.run_id) == {}
     assert _rows(d, kept.run_id) == {"customer": "c-1"}
     assert _ids(d.list_runs(tags={"customer": "c-1"})) == {kept.run_id}
+
+
+def test_a_start_in_the_callers_transaction_writes_its_tags_with_it(d: Ductor) -> None:
+    engine = d.client.engine
+    with engine.connect() as conn:
+        with conn.begin() as transaction:
+            dropped = d.start("plain", tags={"customer": "gone"}, connection=conn)
+            transaction.rollback()
+        with conn.begin():
+            kept = d.start("plain", tags={"customer": "c-7"}, connection=conn)
+    assert _rows(d, dropped.run_id) == {}
+    assert _rows(d, kept.run_id) == {"customer": "c-7"} == d.get(kept.run_id).tags
+    assert _ids(d.list_runs(tags={"customer": "c-7"})) == {kept.run_id}

@@ -140,6 +140,10 @@ def test_the_cli_starts_and_lists_by_tag(d: Ductor) -> None:
     # The table's columns wrap at 80 characters: the one run, and its tags in the last column.
     assert table.exit_code == 0 and "1 runs" in table.output and "expr=a=b" in table.output
     assert run_id not in cli(d, "runs", "--tag", "customer=c-2", "--json").output
+    shown = cli(d, "show", run_id)
+    assert shown.exit_code == 0 and "tags customer=c-1 expr=a=b" in shown.output, shown.output
+    hostile = d.start("hold", tags={"note": "[red]x[/red]"})
+    assert "tags note=[red]x[/red]" in cli(d, "show", hostile.run_id).output
 
 
 @pytest.mark.parametrize(

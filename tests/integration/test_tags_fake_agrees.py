@@ -55,7 +55,7 @@ class _Fake:
 
     def finish(self, token: str, error: Any, tags: dict[str, str]) -> None:
         assert self.store.claim(token, "w")
-        assert self.store.finish(token, output=1, error=error, tags=tags)
+        assert self.store.finish(token, output=1, error=error, tags=_pairs(tags))
 
     def continue_as_new(self, run_id: str) -> None:
         self.store.control(run_id, ControlKind.CONTINUE_AS_NEW, reason="test")
@@ -84,7 +84,7 @@ class _Sql:
         assert attempts.claim(self.engine, token, "w") is not None
         outcome = "failed" if error is not None else "succeeded"
         written, _ = attempts.finish(
-            self.engine, token, outcome=outcome, output=1, error=error, tags=tags
+            self.engine, token, outcome=outcome, output=1, error=error, tags=_pairs(tags)
         )
         assert written
 
@@ -102,6 +102,11 @@ class _Sql:
         return states, tags
 
 
+def _pairs(tags: dict[str, str]) -> list[list[str]]:
+    """As a worker writes them (``ctx.tags_value``): in the order they were set."""
+    return [[k, v] for k, v in tags.items()]
+
+
 def _steps(world: Any) -> list[str]:
     return [r.payload["token"] for r in world.sent.sent if r.kind == DispatchKind.STEP]
 
@@ -117,14 +122,15 @@ def test_tags_written_by_start_ticks_and_a_successor_agree(db_url: str) -> None:
         world.coordinator.tick("agree-t")  # the retry, due at once
         world.finish(_steps(world)[-1], None, {"s00": "changed", "kept": "yes"})
         world.coordinator.tick("agree-t")
-        # b sets two new keys where one fits: 18 + kept = 19, then one more.
-        world.finish(_steps(world)[-1], None, {"first": "fits", "second": "dropped"})
+        # b sets two new keys where one fits (18 + kept = 19): the first it set, though jsonb
+        # would order "zz-first" after "a-second" in an object.
+        world.finish(_steps(world)[-1], None, {"zz-first": "fits", "a-second": "dropped"})
         world.coordinator.tick("agree-t")
         world.continue_as_new("agree-t")
         world.coordinator.tick("agree-t")
     fake, sql = (w.rows() for w in worlds)
     assert fake == sql
     states, tags = sql
-    expected = {**START_TAGS, "s00": "changed", "kept": "yes", "first": "fits"}
+    expected = {**START_TAGS, "s00": "changed", "kept": "yes", "zz-first": "fits"}
     assert [s[2] for s in states] == [expected, expected]  # the run and its successor
     assert len(tags) == 2 * 20

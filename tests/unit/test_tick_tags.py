@@ -44,7 +44,9 @@ def _started(tags: dict[str, str]) -> RunState:
 
 
 def _ok(tags: object, token: str = "r:a:1") -> AttemptResult:
-    return AttemptResult(token=token, node="a", outcome="succeeded", output=1, tags=tags)  # type: ignore[arg-type]
+    """A succeeded result; a dict is sent as the worker sends tags: ``[[key, value], ...]``."""
+    sent = [[k, v] for k, v in tags.items()] if isinstance(tags, dict) else tags
+    return AttemptResult(token=token, node="a", outcome="succeeded", output=1, tags=sent)  # type: ignore[arg-type]
 
 
 def test_the_rules_name_the_problem() -> None:
@@ -80,7 +82,7 @@ def test_a_failed_attempts_tags_are_dropped() -> None:
         node="a",
         outcome="failed",
         error={"type": "E", "message": "no"},
-        tags={"risk": "high"},
+        tags=[["risk", "high"]],
     )
     p = _tick(state, 1, (failed,))
     assert p.state.nodes["a"].status == NodeStatus.RUNNING  # retried
@@ -89,10 +91,21 @@ def test_a_failed_attempts_tags_are_dropped() -> None:
 
 def test_a_malformed_tags_value_is_dropped_and_said_so_never_raised() -> None:
     state = _started({})
-    p = _tick(state, 1, (_ok(["risk", "high"]),))
-    assert p.state.nodes["a"].status == NodeStatus.SUCCEEDED
-    assert p.state.tags == {} and p.tags_set == {}
-    assert any("tags dropped: not a mapping (list)" in t.reason for t in p.transitions)
+    for malformed in (["risk", "high"], {"risk": "high"}, [["risk", "high", "x"]]):
+        p = _tick(
+            state,
+            1,
+            (
+                _ok(malformed)
+                if not isinstance(malformed, dict)
+                else AttemptResult(
+                    token="r:a:1", node="a", outcome="succeeded", output=1, tags=malformed
+                ),
+            ),
+        )  # type: ignore[arg-type]
+        assert p.state.nodes["a"].status == NodeStatus.SUCCEEDED
+        assert p.state.tags == {} and p.tags_set == {}
+        assert any("tags dropped: not key-value pairs" in t.reason for t in p.transitions)
     p = _tick(state, 1, (_ok({"k": "v" * 101, "ok": "yes"}),))
     assert p.state.tags == {"ok": "yes"}
     assert any("tag 'k' dropped: tag value of 'k'" in t.reason for t in p.transitions)
