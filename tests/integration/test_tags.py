@@ -232,3 +232,16 @@ def test_a_start_in_the_callers_transaction_writes_its_tags_with_it(d: Ductor) -
     assert _rows(d, dropped.run_id) == {}
     assert _rows(d, kept.run_id) == {"customer": "c-7"} == d.get(kept.run_id).tags
     assert _ids(d.list_runs(tags={"customer": "c-7"})) == {kept.run_id}
+
+
+def test_a_redrive_keeps_the_tags_and_the_rerun_adds_its_own(d: Ductor) -> None:
+    with d.local_workers():
+        handle = d.start("retried", input={"fail_always": True}, tags={"customer": "c-1"})
+        assert d.wait(handle.run_id, timeout=60).status == RunStatus.FAILED
+        # The same run again, from the top of ``f``, with input it succeeds on.
+        d.redrive(handle.run_id, input={"fail_always": False})
+        view = d.wait(handle.run_id, timeout=60)
+    assert view.status == RunStatus.SUCCEEDED, view.error
+    # A fresh retry budget: the rerun's attempt 1 fails (its tags dropped), attempt 2 succeeds.
+    assert view.tags == {"customer": "c-1", "attempt": "a2", "only-a2": "yes"}
+    assert _rows(d, handle.run_id) == view.tags
