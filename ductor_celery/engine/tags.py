@@ -17,12 +17,12 @@ if TYPE_CHECKING:
 
 #: At most this many tags per run.
 MAX_TAGS = 20
+#: Keys and values are strings of 1..MAX_TAG_LENGTH characters.
+MAX_TAG_LENGTH = 100
 #: A step's tags as they travel with its attempt: ``[[key, value], ...]`` in the order the
 #: step first set each key. A list, not an object: PostgreSQL's jsonb reorders an object's keys,
 #: and the order decides which tags fit when the run nears ``MAX_TAGS``.
 StepTags = list[list[str]]
-#: Keys and values are strings of 1..MAX_TAG_LENGTH characters.
-MAX_TAG_LENGTH = 100
 
 
 def tag_problem(key: Any, value: Any) -> str | None:
@@ -68,8 +68,9 @@ def apply_step_tags(t: TickContext, node: str, tags: Any) -> None:
 
     A key the run has already is updated; a new key is added while the run has fewer than
     ``MAX_TAGS``; one that would be the run's 21st is dropped, and a transition on ``node``
-    says so. The attempt is never failed for it. A malformed entry (a row not written by
-    ``ctx.tag``) is dropped the same way: the tick never raises on bad data.
+    says so. The attempt is never failed for it. A malformed entry, or a value that is not a
+    list of pairs (a row not written by ``ctx.tag``), is dropped the same way: the tick never
+    raises on bad data.
     """
     if not tags:
         return

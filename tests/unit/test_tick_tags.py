@@ -44,9 +44,13 @@ def _started(tags: dict[str, str]) -> RunState:
 
 
 def _ok(tags: object, token: str = "r:a:1") -> AttemptResult:
-    """A succeeded result; a dict is sent as the worker sends tags: ``[[key, value], ...]``."""
-    sent = [[k, v] for k, v in tags.items()] if isinstance(tags, dict) else tags
-    return AttemptResult(token=token, node="a", outcome="succeeded", output=1, tags=sent)  # type: ignore[arg-type]
+    """A succeeded result carrying ``tags`` exactly as the attempt row would hold them."""
+    return AttemptResult(token=token, node="a", outcome="succeeded", output=1, tags=tags)  # type: ignore[arg-type]
+
+
+def _set(tags: dict[str, str]) -> list[list[str]]:
+    """As a worker sends them (``ctx.tags_value``): ``[[key, value], ...]`` in the order set."""
+    return [[k, v] for k, v in tags.items()]
 
 
 def test_the_rules_name_the_problem() -> None:
@@ -68,7 +72,7 @@ def test_the_rules_name_the_problem() -> None:
 
 def test_a_succeeded_attempts_tags_are_applied_and_only_changes_go_to_the_index() -> None:
     state = _started({"customer": "c-1", "region": "eu"})
-    p = _tick(state, 1, (_ok({"region": "eu", "risk": "high", "customer": "c-2"}),))
+    p = _tick(state, 1, (_ok(_set({"region": "eu", "risk": "high", "customer": "c-2"})),))
     assert p.state.nodes["a"].status == NodeStatus.SUCCEEDED
     assert p.state.tags == {"customer": "c-2", "region": "eu", "risk": "high"}
     assert p.tags_set == {"risk": "high", "customer": "c-2"}  # region did not change
@@ -92,21 +96,11 @@ def test_a_failed_attempts_tags_are_dropped() -> None:
 def test_a_malformed_tags_value_is_dropped_and_said_so_never_raised() -> None:
     state = _started({})
     for malformed in (["risk", "high"], {"risk": "high"}, [["risk", "high", "x"]]):
-        p = _tick(
-            state,
-            1,
-            (
-                _ok(malformed)
-                if not isinstance(malformed, dict)
-                else AttemptResult(
-                    token="r:a:1", node="a", outcome="succeeded", output=1, tags=malformed
-                ),
-            ),
-        )  # type: ignore[arg-type]
+        p = _tick(state, 1, (_ok(malformed),))
         assert p.state.nodes["a"].status == NodeStatus.SUCCEEDED
         assert p.state.tags == {} and p.tags_set == {}
         assert any("tags dropped: not key-value pairs" in t.reason for t in p.transitions)
-    p = _tick(state, 1, (_ok({"k": "v" * 101, "ok": "yes"}),))
+    p = _tick(state, 1, (_ok(_set({"k": "v" * 101, "ok": "yes"})),))
     assert p.state.tags == {"ok": "yes"}
     assert any("tag 'k' dropped: tag value of 'k'" in t.reason for t in p.transitions)
 
@@ -120,7 +114,7 @@ def test_the_run_never_holds_more_than_twenty_tags_and_the_attempt_always_succee
     start: dict[str, str], step: dict[str, str]
 ) -> None:
     state = _started(start)
-    p = _tick(state, 1, (_ok(step),))
+    p = _tick(state, 1, (_ok(_set(step)),))
     assert p.state.nodes["a"].status == NodeStatus.SUCCEEDED
     assert len(p.state.tags) <= MAX_TAGS
     # Keys the run had are updated; new keys fill the room left, in the order they were set.
@@ -136,7 +130,7 @@ def test_the_run_never_holds_more_than_twenty_tags_and_the_attempt_always_succee
 
 
 def test_a_continue_as_new_successor_keeps_the_tags() -> None:
-    state = _tick(_started({"customer": "c-1"}), 1, (_ok({"risk": "high"}),)).state
+    state = _tick(_started({"customer": "c-1"}), 1, (_ok(_set({"risk": "high"})),)).state
     assert state.nodes["hold"].status == NodeStatus.WAITING
     for control in (
         ControlIn(id=1, kind="continue_as_new"),
