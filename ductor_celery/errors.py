@@ -20,6 +20,8 @@
       SecretNotFound             a step's secret the provider does not have (names it)
       InvalidSecretName          ctx.secret(name) of a name that is not [A-Za-z_][A-Za-z0-9_]*
                                  (at most 100 characters); also a ValueError
+      InvalidTag                 ctx.tag(key, value) with a key or value that is not a string of
+                                 1..100 characters, or a 21st key; also a ValueError
     StepCancelled                ctx.heartbeat() raises it once the run is cancelled
 
 ``TimeoutError`` (the builtin) is what ``wait()`` raises when it runs out of time.
@@ -102,6 +104,12 @@ class InvalidSecretName(NonRetryableError, ValueError):
     """``ctx.secret(name)`` (or a ``$.secret.<name>`` of a definition registered before the
     rule) with a name that is not ASCII letters, digits and ``_``, not starting with a digit,
     at most 100 characters: the provider is not asked, and the attempt fails without retry."""
+
+
+class InvalidTag(NonRetryableError, ValueError):
+    """``ctx.tag(key, value)`` with a key or value that is not a string of 1..100 characters,
+    or a 21st key set by one attempt (docs/tags.md): the same call would fail the same way, so
+    an attempt that lets it propagate fails without retry."""
 
 
 class StepCancelled(Exception):

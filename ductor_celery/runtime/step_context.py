@@ -12,7 +12,7 @@ from typing import Any
 
 from ..definition.retry import ConcurrencyLimit, RateLimit, RetryPolicy
 from ..engine.tags import MAX_TAGS, StepTags, tag_problem
-from ..errors import NonRetryableError, SecretNotFound, StepCancelled
+from ..errors import InvalidTag, NonRetryableError, SecretNotFound, StepCancelled
 from ..values import ValueNotDecodable, decode, decode_lenient
 from .secrets import check_name
 
@@ -146,14 +146,15 @@ class StepContext:
     def tag(self, key: str, value: str) -> None:
         """Tag the run ``key: value`` when this attempt succeeds (docs/tags.md); a failed
         attempt's tags are dropped. Keys and values are strings of 1..100 characters;
-        setting a key again replaces its value. Raises ``ValueError`` for a bad tag, or a
-        21st key in one attempt. A tag that would be the run's 21st is dropped by the tick
-        (its history says so); the attempt still succeeds."""
+        setting a key again replaces its value. Raises ``InvalidTag`` (a ``ValueError``; the
+        attempt fails without retry if it propagates) for a bad tag, or a 21st key in one
+        attempt. A tag that would be the run's 21st is dropped by the tick (its history says
+        so); the attempt still succeeds."""
         problem = tag_problem(key, value)
         if problem is None and key not in self._tags and len(self._tags) >= MAX_TAGS:
             problem = f"ctx.tag: at most {MAX_TAGS} tags per run, this attempt set {MAX_TAGS}"
         if problem is not None:
-            raise ValueError(problem)
+            raise InvalidTag(problem)
         self._tags[key] = value
 
     @property

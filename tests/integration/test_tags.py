@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 from ductor_celery import Ductor, RetryPolicy, RunStatus, StepContext, Workflow
+from ductor_celery.errors import InvalidTag
 from ductor_celery.store.schema import run_tag, workflow_run
 
 
@@ -47,6 +48,15 @@ def d(request: pytest.FixtureRequest, tmp_path: Path) -> Ductor:
         for key in keys:
             ctx.tag(key, "v")
         return len(keys)
+
+    @found.step(name="tags.bad", retry=RetryPolicy(max_attempts=3, initial_interval=0.01))
+    def bad(ctx: StepContext) -> int:
+        ctx.tag("k", "v" * 101)
+        return 1
+
+    bad_tag = Workflow("bad_tag")
+    bad_tag.step("b", bad)
+    found.register(bad_tag)
 
     plain = Workflow("plain")
     plain.step("a", echo, args={"value": "$.input"})
@@ -170,7 +180,7 @@ def test_step_tags_past_twenty_are_dropped_and_said_so_the_attempt_succeeds(d: D
 
 def test_ctx_tag_checks_at_the_call() -> None:
     ctx = StepContext(run_id="r", workflow_id="w", node="n", branch=None, attempt=1, context={})
-    with pytest.raises(ValueError, match="tag value of 'k' must be 1..100 characters"):
+    with pytest.raises(InvalidTag, match="tag value of 'k' must be 1..100 characters"):
         ctx.tag("k", "v" * 101)
     with pytest.raises(ValueError, match="tag key must be a string, got int"):
         ctx.tag(1, "v")  # type: ignore[arg-type]
@@ -245,3 +255,15 @@ def test_a_redrive_keeps_the_tags_and_the_rerun_adds_its_own(d: Ductor) -> None:
     # A fresh retry budget: the rerun's attempt 1 fails (its tags dropped), attempt 2 succeeds.
     assert view.tags == {"customer": "c-1", "attempt": "a2", "only-a2": "yes"}
     assert _rows(d, handle.run_id) == view.tags
+
+
+def test_a_bad_ctx_tag_fails_its_attempt_without_retry_naming_the_tag(d: Ductor) -> None:
+    with d.local_workers():
+        handle = d.start("bad_tag", tags={"customer": "c-1"})
+        view = d.wait(handle.run_id, timeout=60)
+    assert view.status == RunStatus.FAILED
+    node = view.nodes["b"]
+    assert node.attempts == 1  # the same call would fail the same way: no retry
+    assert node.error is not None and node.error["type"] == "InvalidTag"
+    assert "tag value of 'k' must be 1..100 characters, it is 101" in node.error["message"]
+    assert view.tags == {"customer": "c-1"}
