@@ -27,6 +27,10 @@ It is the production code with three things swapped, and nothing else (docs/test
 A stub (``h.stub``) replaces one step's function for the attempts the harness delivers; the
 step's retry policy, timeouts and the rest of its definition stay as registered.
 
+``harness(ductor, from_export="run.json")`` starts with an exported run's rows in that database
+and the clock at the export's time (docs/replay.md); ``replay("run.json", node=...)`` calls one
+node's current step function with an exported attempt's arguments, in this process.
+
 On exit the Ductor is as it was (settings, dispatcher, database), whatever happened inside.
 """
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import tempfile
 from collections import deque
@@ -46,7 +51,9 @@ from typing import TYPE_CHECKING, Any
 from .engine.kinds import DispatchKind
 from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
 from .errors import DefinitionError, DuctorError
+from .exports import ExportedRun, ExportError, read_export
 from .limits import EARLIEST_NOW, LATEST_NOW, time_problem
+from .replay import replay
 from .runtime.coordinator import run_tick
 from .runtime.dispatch import FIRST_TICK_TASK_NAME
 from .runtime.outbox_janitor import close_janitor, sent_outbox
@@ -54,6 +61,7 @@ from .runtime.step_context import Step, StepContext
 from .runtime.steps import execute_attempt, first_tick, worker_identity
 from .store import attempts, clock, migrate, schedules, sweep
 from .store.db import forget_engine, get_engine
+from .store.exports import restore_rows
 from .store.outbox import OutboxRow
 from .views import RunHandle, RunView
 
@@ -62,7 +70,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ductor_celery.testing")
 
-__all__ = ["Harness", "HarnessError", "Message", "Stub", "UnknownStep", "harness"]
+__all__ = [
+    "ExportError",
+    "Harness",
+    "HarnessError",
+    "Message",
+    "Stub",
+    "UnknownStep",
+    "harness",
+    "replay",
+]
 
 #: More messages than this delivered at one instant of the clock: a loop that never parks.
 MAX_MESSAGES_PER_INSTANT = 100_000
@@ -172,6 +189,22 @@ class Harness:
         self.messages: list[Message] = []
         self._stubs: dict[str, Stub] = {}
         self.dispatcher = _RecordingDispatcher(self._queue, self.messages)
+        #: The exported run loaded with ``from_export=`` (None without one).
+        self.run_id: str | None = None
+
+    def _load_export(self, exported: ExportedRun) -> None:
+        """Insert the export's rows, then put what was in flight back in motion as a broker
+        would: a step message for each open attempt no worker had claimed (one claimed and
+        never finished is a worker lost mid-step: its timeout closes it), and a wake-up of the
+        run (it folds a finished attempt or handles a control the export caught unapplied).
+        Delivered by the next call that delivers."""
+        rows = exported.rows
+        restore_rows(self._engine(), rows)
+        self.run_id = exported.run_id
+        for a in rows.attempts:
+            if a["finished_at"] is None and a["claimed_at"] is None:
+                self.dispatcher._put(Message("step", self.run_id, a["step"], a["token"]))
+        self.dispatcher.wake(self.run_id)
 
     # -- time ---------------------------------------------------------------------------------
 
@@ -406,10 +439,20 @@ def _target(target: RunHandle | str) -> str:
 
 
 @contextmanager
-def harness(ductor: Ductor, *, start_at: datetime | None = None) -> Iterator[Harness]:
+def harness(
+    ductor: Ductor,
+    *,
+    start_at: datetime | None = None,
+    from_export: str | os.PathLike[str] | dict[str, Any] | None = None,
+) -> Iterator[Harness]:
     """``with testing.harness(ductor) as h:`` the Ductor's runs, in-process, on a throwaway
     SQLite database and a controlled clock (starting at ``start_at``, an aware datetime,
-    default now). Everything is restored on exit."""
+    default now). ``from_export``: an export (a path or its document) whose run is loaded as
+    it was (``h.run_id``), the clock starting at the export's time unless ``start_at`` is
+    given. Everything is restored on exit."""
+    exported = read_export(from_export) if from_export is not None else None
+    if start_at is None and exported is not None:
+        start_at = exported.exported_at
     if start_at is not None and (start_at.tzinfo is None or start_at.utcoffset() is None):
         raise ValueError("start_at must be an aware datetime (e.g. datetime(..., tzinfo=UTC))")
     if start_at is not None:
@@ -435,6 +478,8 @@ def harness(ductor: Ductor, *, start_at: datetime | None = None) -> Iterator[Har
         ductor.settings = ductor.client.settings = rt.settings = settings
         rt.dispatcher = h.dispatcher  # type: ignore[assignment]
         rt._schema_ready = True
+        if exported is not None:
+            h._load_export(exported)
         yield h
     finally:
         (ductor.settings, ductor.client.settings, rt.settings, rt.dispatcher, rt._schema_ready) = (
