@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .definition.spec import WorkflowSpec
 from .engine.state import RunState
 from .errors import DuctorError, RunNotFound
 from .store import clock
@@ -199,6 +200,32 @@ def _time(source: str, where: str, value: Any) -> datetime:
     return found
 
 
+#: The types replay and restore rely on, per list section (JSON's own: no bool for an int).
+_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "attempts": {
+        "token": (str,),
+        "node": (str,),
+        "step": (str,),
+        "branch": (int, type(None)),
+        "generation": (int,),
+        "attempt": (int,),
+        "args": (dict,),
+    },
+    "signals": {"id": (int,), "name": (str,)},
+    "controls": {"id": (int,), "kind": (str,)},
+    "transitions": {"seq": (int,), "to_status": (str,)},
+}
+
+
+def _type_problem(entry: dict[str, Any], types: dict[str, tuple[type, ...]]) -> str | None:
+    for name, allowed in types.items():
+        value = entry[name]
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            wanted = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            return f"{name} must be {wanted}, got {type(value).__name__}"
+    return None
+
+
 def _checked(source: str, document: dict[str, Any]) -> ExportedRun:
     run = _object(source, document, "run", RUN_COLUMNS)
     definition = _object(source, document, "definition", DEFINITION_COLUMNS)
@@ -208,6 +235,13 @@ def _checked(source: str, document: dict[str, Any]) -> ExportedRun:
         RunState.from_json(run["state"])
     except Exception as exc:  # noqa: BLE001 - whatever a hand-edited state breaks
         raise _incomplete(source, f"the run's state does not read ({exc})") from None
+    try:
+        WorkflowSpec.model_validate(definition["spec"])
+    except Exception as exc:  # noqa: BLE001 - pydantic's error, or a TypeError from a validator
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise _incomplete(source, f"the definition's spec does not read ({first})") from None
+    if not isinstance(run["run_id"], str) or not isinstance(run["workflow_id"], str):
+        raise _incomplete(source, "the run's run_id and workflow_id must be text")
     sections: dict[str, list[dict[str, Any]]] = {}
     for key, columns in _SECTIONS.items():
         entries = document.get(key)
@@ -218,6 +252,9 @@ def _checked(source: str, document: dict[str, Any]) -> ExportedRun:
             missing = [c for c in columns if c not in entry]
             if missing:
                 raise _incomplete(source, f"{key}[{index}] lacks {', '.join(missing)}")
+            problem = _type_problem(entry, _TYPES.get(key, {}))
+            if problem is not None:
+                raise _incomplete(source, f"{key}[{index}] {problem}")
             rows.append(_store_row(source, f"{key}[{index}]", entry, columns))
         sections[key] = rows
     timer = document.get("timer")

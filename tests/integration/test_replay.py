@@ -46,7 +46,9 @@ def run_order(d: Ductor, order_id: int = 42) -> str:
     """The run, executed by the production runtime; its run id (it ends failed at ship)."""
     with d.local_workers(concurrency=2):
         handle = d.start(
-            "replay_order", input={"id": order_id, "total": "12.50"}, workflow_id=f"order-{order_id}"
+            "replay_order",
+            input={"id": order_id, "total": "12.50"},
+            workflow_id=f"order-{order_id}",
         )
         _until(d, handle.run_id, "paid", NodeStatus.WAITING)
         d.pause(handle.run_id, reason="hold on")
@@ -66,7 +68,9 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def exported(db_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Ductor, dict[str, Any]]]:
+def exported(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Ductor, dict[str, Any]]]:
     monkeypatch.setenv(SECRET_ENV, SECRET)
     d = _ductor(db_url)
     run_id = run_order(d)
