@@ -50,17 +50,17 @@ from typing import TYPE_CHECKING, Any
 
 from .engine.kinds import DispatchKind
 from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
-from .errors import DefinitionError, DuctorError
-from .exports import ExportedRun, ExportError, read_export
+from .errors import DefinitionError, DuctorError, ExportError
 from .limits import EARLIEST_NOW, LATEST_NOW, time_problem
-from .replay import replay
 from .runtime.coordinator import run_tick
 from .runtime.dispatch import FIRST_TICK_TASK_NAME
 from .runtime.outbox_janitor import close_janitor, sent_outbox
+from .runtime.replay import replay_attempt
 from .runtime.step_context import Step, StepContext
 from .runtime.steps import execute_attempt, first_tick, worker_identity
 from .store import attempts, clock, migrate, schedules, sweep
 from .store.db import forget_engine, get_engine
+from .store.export_format import ExportedRun, read_export
 from .store.exports import restore_rows
 from .store.outbox import OutboxRow
 from .views import RunHandle, RunView
@@ -432,6 +432,36 @@ class Harness:
             raise HarnessError(f"a step message for {task!r}, which is not registered here")
         stub = self._stubs.get(task)
         return step if stub is None else dataclasses.replace(step, fn=stub)
+
+
+def replay(
+    file: str | os.PathLike[str] | dict[str, Any],
+    node: str,
+    *,
+    attempt: int | None = None,
+    branch: int | None = None,
+    ductor: Ductor | None = None,
+) -> Any:
+    """Call ``node``'s step function, as registered in this process now, with the arguments
+    its latest attempt in the export ``file`` received (``attempt=``: that attempt number;
+    ``branch=``: that scatter branch), and return what it returns or raise what it raises,
+    here, so a breakpoint in the step stops there. Nothing is written (docs/replay.md).
+    ``ductor``: the Ductor whose steps to use (default: every Ductor of this process; the
+    step must be registered by one of them). ``ExportError`` names a bad file, a node the
+    export does not hold or a step no longer registered."""
+    exported = read_export(file)
+    runtimes = [ductor.runtime] if ductor is not None else [d.runtime for d in _ductors()]
+    return replay_attempt(exported, node, attempt=attempt, branch=branch, runtimes=runtimes)
+
+
+def _ductors() -> list[Ductor]:
+    """Every Ductor of this process: each lives on its Celery app (``app._ductor``)."""
+    from celery._state import _get_active_apps
+
+    from .ductor import Ductor
+
+    found = (getattr(app, "_ductor", None) for app in list(_get_active_apps()))
+    return [d for d in found if isinstance(d, Ductor)]
 
 
 def _target(target: RunHandle | str) -> str:

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import click
 
 from .base import call, ductor, load_ductor
+
+if TYPE_CHECKING:
+    from ..ductor import Ductor
+
+
+def export_of(d: Ductor, target: str) -> dict[str, Any]:
+    """The export (format 1) of the run TARGET names: a run id, else the newest run of that
+    workflow id (``RunNotFound`` if none)."""
+    from ..store.export_format import export_document
+
+    view = d.get(target)  # checks the target and resolves a workflow id
+    # Tags arrive with their own feature (RunView.tags); until then a run has none.
+    tags = dict(getattr(view, "tags", None) or {})
+    return export_document(d.client.engine, view.run_id, tags)
 
 
 @ductor.command()
@@ -22,10 +38,10 @@ def export(ctx: click.Context, target: str, output: str | None) -> None:
     """Write run TARGET (run id or workflow id) as JSON: its definition, input, context,
     every attempt with its arguments and outcome, signals, controls, transitions, tags.
     Secrets stay references. Load it with testing.replay or testing.harness(from_export=)."""
-    from ..exports import dumps_export, export_run
+    from ..store.export_format import dumps_export
 
     d = load_ductor(ctx)
-    text = dumps_export(call(export_run, d.client, target))
+    text = dumps_export(call(export_of, d, target))
     if output is None:
         click.echo(text)
         return

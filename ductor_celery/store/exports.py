@@ -5,7 +5,7 @@ JSON columns as stored (ductor's tagged encoding, secrets as references), times 
 datetimes. ``restore_rows`` inserts such rows into an empty database (the test harness's), in
 one transaction: the run exactly as it was, ids, versions and folded marks included.
 
-The rows' wire form (times as ISO text, the format version) is ``ductor_celery.exports``'.
+The rows' wire form (times as ISO text, the format version) is ``store/export_format.py``'s.
 """
 
 from __future__ import annotations

@@ -32,8 +32,9 @@ from ductor_celery import (
     RunStatus,
     testing,
 )
-from ductor_celery.exports import export_run, read_export
+from ductor_celery.cli.export import export_of
 from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.store.export_format import read_export
 from ductor_celery.values import decode
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "export_format1.json"
@@ -101,11 +102,11 @@ def test_a_run_exported_mid_flight_resumes_in_the_harness(tmp_path: Path, secret
     d = _ductor(tmp_path, ship_fixed=True)
     with testing.harness(d) as h:
         handle = h.start("replay_order", input={"id": 9, "total": "3.10"})
-        waiting = export_run(d.client, handle.run_id)
+        waiting = export_of(d, handle.run_id)
         # The signal's tick commits the charge attempt and sends its message: not delivered.
         d.signal(handle.run_id, "payment_received", {"by": "card"})
         run_tick(d.runtime, handle.run_id)
-        in_flight = export_run(d.client, handle.run_id)
+        in_flight = export_of(d, handle.run_id)
     assert waiting["run"]["status"] == "running" and waiting["attempts"] == []
     [out] = in_flight["attempts"]
     assert out["claimed_at"] is None and out["finished_at"] is None

@@ -23,7 +23,8 @@ from replay_support import SECRET, SECRET_ENV, define, fingerprint
 
 from ductor_celery import Ductor, NodeStatus, NonRetryableError, RunStatus, testing
 from ductor_celery.cli import ductor as ductor_cli
-from ductor_celery.exports import EXPORT_FORMAT, export_run, read_export
+from ductor_celery.cli.export import export_of
+from ductor_celery.store.export_format import EXPORT_FORMAT, read_export
 from ductor_celery.values import decode
 
 
@@ -74,7 +75,7 @@ def exported(
     monkeypatch.setenv(SECRET_ENV, SECRET)
     d = _ductor(db_url)
     run_id = run_order(d)
-    yield d, export_run(d.client, run_id)
+    yield d, export_of(d, run_id)
 
 
 def _iso(value: Any) -> bool:

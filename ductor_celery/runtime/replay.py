@@ -1,5 +1,5 @@
-"""``testing.replay``: call a node's current step function with the arguments an exported
-attempt received, in this process (docs/replay.md).
+"""Replay: call a node's current step function with the arguments an exported attempt
+received, in this process (docs/replay.md; ``testing.replay`` finds the Ductors).
 
 It does with the recorded ``args`` what a step worker does with a claimed attempt's
 (``runtime/steps.py``, ``_call``): the secret references the node's template names are
@@ -11,35 +11,32 @@ and raises what it raises, so a breakpoint in the step stops there.
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
-from .definition.spec import BATCH_ARG, WorkflowSpec
-from .exports import ExportedRun, ExportError, read_export
-from .runtime import batch
-from .runtime.arguments import prepare
-from .runtime.secrets import AttemptSecrets, slots_for
-from .runtime.step_context import Step, StepContext
+from ..definition.spec import BATCH_ARG, WorkflowSpec
+from ..errors import ExportError
+from ..store.export_format import ExportedRun
+from . import batch
+from .arguments import prepare
+from .runtime import Runtime
+from .secrets import AttemptSecrets, slots_for
+from .step_context import Step, StepContext
 
-if TYPE_CHECKING:
-    from .ductor import Ductor
-
-__all__ = ["replay"]
+__all__ = ["replay_attempt"]
 
 
-def replay(
-    file: str | os.PathLike[str] | dict[str, Any],
+def replay_attempt(
+    exported: ExportedRun,
     node: str,
     *,
-    attempt: int | None = None,
-    branch: int | None = None,
-    ductor: Ductor | None = None,
+    attempt: int | None,
+    branch: int | None,
+    runtimes: Sequence[Runtime],
 ) -> Any:
-    """Call ``node``'s step, as registered in this process now, with the arguments its latest
-    exported attempt received (``attempt=``: that attempt number; ``branch=``: that scatter
-    branch). Returns what it returns, raises what it raises. ``ductor``: the Ductor whose
-    steps to use (default: the one Ductor of this process that registers the step)."""
-    exported = read_export(file)
+    """Call ``node``'s step, as registered now in one of ``runtimes``, with the arguments its
+    latest exported attempt received (``attempt``: that attempt number; ``branch``: that
+    scatter branch). Returns what it returns, raises what it raises."""
     spec = WorkflowSpec.model_validate(exported.rows.definition["spec"])
     if not isinstance(node, str) or node not in spec.graph.nodes:
         known = ", ".join(spec.graph.order)
@@ -52,8 +49,8 @@ def replay(
             f"node {node!r} ran batched (batch_size > 1): its attempt holds many items; "
             "replay one by calling the step with that item's arguments"
         )
-    registered, owner = _registered(chosen["step"], node, ductor)
-    secrets = AttemptSecrets(owner.runtime.settings.secret_provider if owner else None)
+    registered, owner = _registered(chosen["step"], node, runtimes)
+    secrets = AttemptSecrets(owner.settings.secret_provider)
     slots = slots_for(spec.spec_hash, node, lambda _hash: spec)
     kwargs = prepare(registered.fn, registered.name, secrets.fill(dict(chosen["args"]), slots))
     document = exported.document
@@ -97,13 +94,12 @@ def _attempt_of(
     return max(found, key=lambda a: (a["generation"], a["attempt"]))
 
 
-def _registered(name: str, node: str, ductor: Ductor | None) -> tuple[Step, Ductor | None]:
-    """The step registered under ``name`` now: in ``ductor``, else in the one Ductor of this
-    process that has it."""
-    owners = [ductor] if ductor is not None else _ductors()
-    found = [(step, d) for d in owners if (step := d.runtime.step_named(name)) is not None]
+def _registered(name: str, node: str, runtimes: Sequence[Runtime]) -> tuple[Step, Runtime]:
+    """The step registered under ``name`` now, in the one runtime of ``runtimes`` that has it
+    (or several with the same function)."""
+    found = [(step, rt) for rt in runtimes if (step := rt.step_named(name)) is not None]
     if not found:
-        known = sorted({s for d in owners for s in d._steps})
+        known = sorted({s for rt in runtimes for s in rt._steps})
         raise ExportError(
             f"step {name!r} (node {node!r}) is not registered in this process "
             f"(registered: {', '.join(known) or 'none'}); import the module that defines it"
@@ -114,16 +110,3 @@ def _registered(name: str, node: str, ductor: Ductor | None) -> tuple[Step, Duct
             "different functions: pass ductor= to choose"
         )
     return found[0]
-
-
-def _ductors() -> list[Ductor]:
-    """Every Ductor of this process: each lives on its Celery app (``app._ductor``)."""
-    from celery._state import _get_active_apps
-
-    from .ductor import Ductor
-
-    return [
-        d
-        for app in list(_get_active_apps())
-        if isinstance(d := getattr(app, "_ductor", None), Ductor)
-    ]

@@ -1,9 +1,10 @@
 """A run as one JSON document, format 1 (docs/replay.md): writing it, and reading it back.
 
-``export_run(client, target)`` builds the document from the store (``store/exports.py``
-reads the rows); ``read_export(file)`` checks a document and returns it with its rows in the
-store's form again (``ExportedRun``), for ``testing.replay`` and ``testing.harness(...,
-from_export=...)``. Every problem with a file is one ``ExportError`` that names it.
+``export_document(engine, run_id, tags)`` builds the document from the store
+(``store/exports.py`` reads the rows); ``read_export(file)`` checks a document and returns it
+with its rows in the store's form again (``ExportedRun``), for ``testing.replay`` and
+``testing.harness(..., from_export=...)``. Every problem with a file is one ``ExportError``
+that names it.
 
 Values are copied as the database holds them (ductor's tagged encoding, secret references,
 redactions): nothing is decoded on the way out or encoded on the way back.
@@ -16,13 +17,15 @@ import os
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .definition.spec import WorkflowSpec
-from .engine.state import RunState
-from .errors import DuctorError, RunNotFound
-from .store import clock
-from .store.exports import (
+from sqlalchemy.engine import Engine
+
+from ..definition.spec import WorkflowSpec
+from ..engine.state import RunState
+from ..errors import ExportError, RunNotFound
+from . import clock
+from .exports import (
     ATTEMPT_COLUMNS,
     CONTROL_COLUMNS,
     DEFINITION_COLUMNS,
@@ -33,21 +36,19 @@ from .store.exports import (
     RunRows,
     read_rows,
 )
-from .store.inputs import input_for_view
-
-if TYPE_CHECKING:
-    from .client import Client
+from .inputs import input_for_view
 
 __all__ = [
     "EXPORT_FORMAT",
     "EXPORT_KIND",
     "ExportError",
     "ExportedRun",
-    "export_run",
+    "dumps_export",
+    "export_document",
     "read_export",
 ]
 
-#: The version of the document ``export_run`` writes and ``read_export`` reads.
+#: The version of the document ``export_document`` writes and ``read_export`` reads.
 EXPORT_FORMAT = 1
 #: The ``kind`` key: what tells an export from any other JSON file.
 EXPORT_KIND = "ductor-run-export"
@@ -59,11 +60,6 @@ _SECTIONS: dict[str, tuple[str, ...]] = {
     "controls": CONTROL_COLUMNS,
     "transitions": TRANSITION_COLUMNS,
 }
-
-
-class ExportError(DuctorError, ValueError):
-    """A file that is not a ductor run export this version reads, or a request it cannot
-    answer (a node it does not hold)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,17 +88,13 @@ def _wire_row(row: dict[str, Any]) -> dict[str, Any]:
     return {name: _wire(value) for name, value in row.items()}
 
 
-def export_run(client: Client, target: str) -> dict[str, Any]:
-    """The export (format 1) of the run ``target`` names: a run id, else the newest run of
-    that workflow id. ``RunNotFound`` if there is none."""
-    view = client.get(target)  # checks the target and resolves a workflow id
-    engine = client.engine
-    rows = read_rows(engine, view.run_id)
-    if rows is None:  # pruned between the two reads
-        raise RunNotFound(f"no run with run id or workflow id {target!r}")
+def export_document(engine: Engine, run_id: str, tags: dict[str, str]) -> dict[str, Any]:
+    """The export (format 1) of run ``run_id`` (``RunNotFound`` if there is none); ``tags``:
+    the run's tags as its view has them."""
+    rows = read_rows(engine, run_id)
+    if rows is None:
+        raise RunNotFound(f"no run with run id {run_id!r}")
     state = RunState.from_json(rows.run["state"])
-    # Tags arrive with their own feature (RunView.tags); until then a run has none.
-    tags = getattr(view, "tags", None) or {}
     return {
         "format": EXPORT_FORMAT,
         "kind": EXPORT_KIND,
