@@ -199,7 +199,7 @@ class Harness:
         run (it folds a finished attempt or handles a control the export caught unapplied).
         Delivered by the next call that delivers."""
         rows = exported.rows
-        restore_rows(self._engine(), rows)
+        restore_rows(self._engine(), rows, exported.source)
         self.run_id = exported.run_id
         for a in rows.attempts:
             if a["finished_at"] is None and a["claimed_at"] is None:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .base import call, ductor, load_ductor
+from .base import call, ductor, fail, load_ductor
 
 if TYPE_CHECKING:
     from ..ductor import Ductor
@@ -45,5 +45,8 @@ def export(ctx: click.Context, target: str, output: str | None) -> None:
     if output is None:
         click.echo(text)
         return
-    with open(output, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
+    try:
+        with open(output, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    except OSError as exc:
+        fail(f"cannot write {output}: {exc.strerror or exc}")

@@ -17,7 +17,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from .db import aware
+from ..errors import ExportError
+from .db import aware, is_postgres
 from .schema import (
     step_attempt,
     workflow_control,
@@ -146,8 +147,11 @@ def _select(table: sa.Table, columns: tuple[str, ...]) -> sa.Select[Any]:
 
 
 def read_rows(engine: Engine, run_id: str) -> RunRows | None:
-    """The run's rows (None: no such run), read in one transaction so they agree."""
-    with engine.connect() as conn, conn.begin():
+    """The run's rows (None: no such run), read in one transaction so they agree (on
+    PostgreSQL a repeatable-read one: every statement sees the same snapshot, so a tick
+    committing meanwhile cannot leave the run row older than its attempts)."""
+    options = {"isolation_level": "REPEATABLE READ"} if is_postgres(engine) else {}
+    with engine.connect().execution_options(**options) as conn, conn.begin():
         run = conn.execute(
             _select(workflow_run, RUN_COLUMNS).where(workflow_run.c.run_id == run_id)
         ).one_or_none()
@@ -194,9 +198,22 @@ def _all(
     return [_plain(r, columns) for r in rows]
 
 
-def restore_rows(engine: Engine, rows: RunRows) -> None:
-    """Insert the run's rows as they were, in one transaction. The database must not hold
-    the run already (its primary keys would collide: an IntegrityError, nothing written)."""
+def restore_rows(engine: Engine, rows: RunRows, source: str) -> None:
+    """Insert the run's rows as they were, in one transaction, into a database that does not
+    hold the run. Rows the tables refuse (a duplicate token, a NULL where a column needs a
+    value: a hand-edited export) are one ``ExportError`` naming ``source``; nothing is
+    written."""
+    try:
+        _insert(engine, rows)
+    except sa.exc.SQLAlchemyError as exc:
+        cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        raise ExportError(
+            f"{source} does not load: its rows are refused by the database "
+            f"({cause[0] if cause else type(exc).__name__})"
+        ) from None
+
+
+def _insert(engine: Engine, rows: RunRows) -> None:
     run_id = rows.run["run_id"]
     workflow_id = rows.run["workflow_id"]
     with engine.begin() as conn:

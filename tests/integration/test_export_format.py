@@ -167,6 +167,20 @@ def test_a_file_that_is_not_a_format_1_export_is_one_clear_error(
     assert (d.settings, d.runtime.dispatcher) == before
 
 
+def test_rows_the_tables_refuse_are_one_clear_error_and_no_harness(tmp_path: Path) -> None:
+    doc = _fixture()
+    doc["attempts"][1]["token"] = doc["attempts"][0]["token"]  # two attempts, one token
+    d = _ductor(tmp_path)
+    before = (d.settings, d.runtime.dispatcher)
+    with pytest.raises(testing.ExportError) as raised:
+        with testing.harness(d, from_export=doc):
+            pass
+    assert str(raised.value).startswith(
+        "the export does not load: its rows are refused by the database (UNIQUE constraint"
+    )
+    assert (d.settings, d.runtime.dispatcher) == before
+
+
 def test_a_missing_file_is_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(
         testing.ExportError, match=r"nothere.json is not a ductor run export \(no such file\)"

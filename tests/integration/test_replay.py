@@ -219,6 +219,13 @@ def test_ductor_export_prints_the_document_and_fails_in_one_line(
     )
     assert result.exit_code == 0 and result.stdout == ""
     assert read_export(out).run_id == doc["run"]["run_id"]
+    nowhere = runner.invoke(
+        ductor_cli,
+        ["export", "order-42", "-o", str(tmp_path / "no" / "dir.json")],
+        obj=SimpleNamespace(app=d.app),
+    )
+    assert nowhere.exit_code == 1 and nowhere.stdout == ""
+    assert nowhere.stderr.startswith("error: cannot write ") and "No such file" in nowhere.stderr
     missing = runner.invoke(ductor_cli, ["export", "no-such-run"], obj=SimpleNamespace(app=d.app))
     assert missing.exit_code == 1 and missing.stdout == ""
     assert missing.stderr.strip() == "error: no run with run id or workflow id 'no-such-run'"
