@@ -86,11 +86,15 @@ def _attempt_of(
             f"attempt {a['attempt']}" + ("" if a["branch"] is None else f" of branch {a['branch']}")
             for a in mine
         )
-        raise ExportError(
-            f"node {node!r} has no attempt {number if number is not None else ''}"
-            f"{'' if branch is None else f' of branch {branch}'} in {exported.source} "
-            f"(there: {there})"
+        wanted = " ".join(
+            part
+            for part in (
+                "attempt" if number is None else f"attempt {number}",
+                "" if branch is None else f"of branch {branch}",
+            )
+            if part
         )
+        raise ExportError(f"node {node!r} has no {wanted} in {exported.source} (there: {there})")
     return max(found, key=lambda a: (a["generation"], a["attempt"]))
 
 

@@ -30,6 +30,7 @@ from ductor_celery import (
     NodeStatus,
     NonRetryableError,
     RunStatus,
+    Workflow,
     testing,
 )
 from ductor_celery.cli.export import export_of
@@ -264,3 +265,39 @@ def test_any_damaged_key_is_an_export_error_or_loads(
         read_export(doc)
     except testing.ExportError as exc:
         assert str(exc).startswith("the export ")
+
+
+def test_a_scatter_branch_replays_by_branch_and_a_batched_one_is_refused(tmp_path: Path) -> None:
+    d = _ductor(tmp_path, steps=False)
+
+    @d.step(name="replay.pack")
+    def pack(ctx: Any, item: str, prefix: str) -> str:
+        return f"{prefix}{item.upper()}#{ctx.branch}"
+
+    for name, batch_size in (("packing", 1), ("batched", 2)):
+        wf = Workflow(name)
+        wf.scatter(
+            "pack",
+            pack,
+            over="$.input.items",
+            item_arg="item",
+            args={"prefix": "$.input.prefix"},
+            batch_size=batch_size,
+        )
+        d.register(wf)
+    with testing.harness(d) as h:
+        one = h.start("packing", input={"items": ["a", "b", "c"], "prefix": "box-"})
+        assert h.run(one).status == RunStatus.SUCCEEDED
+        each = export_of(d, one.run_id)
+        many = h.start("batched", input={"items": ["a", "b", "c"], "prefix": "box-"})
+        assert h.run(many).status == RunStatus.SUCCEEDED
+        batched = export_of(d, many.run_id)
+    assert testing.replay(each, node="pack", branch=1, ductor=d) == "box-B#1"
+    assert testing.replay(each, node="pack", branch=2, ductor=d) == "box-C#2"
+    with pytest.raises(
+        testing.ExportError,
+        match=r"no attempt of branch 7 in the export \(there: attempt 1 of branch 0, ",
+    ):
+        testing.replay(each, node="pack", branch=7, ductor=d)
+    with pytest.raises(testing.ExportError, match="node 'pack' ran batched"):
+        testing.replay(batched, node="pack", ductor=d)
