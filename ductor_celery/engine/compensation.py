@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..definition.paths import Scope
 from ..definition.spec import StepNodeSpec, compensated_node, compensation_id
 from ..payloads import refusal
 from .context import TickContext
 from .inputs import Dispatch
 from .kinds import DispatchKind
-from .slots import start_attempt
+from .slots import lease_key_for, rate_key_for, start_attempt
 from .state import NodeState, RunState
 from .status import NodeStatus, RunStatus
 
@@ -130,7 +131,17 @@ def _start(t: TickContext, node_id: str) -> None:
         t.move_node(cid, NodeStatus.FAILED, error["message"])
         _end(t, failed=node_id)
         return
-    start_attempt(t, cid, args)
+    spec = t.attempt_spec(cid)
+    # Leases and rate limits of the compensation step apply as to any step: keys read the
+    # run's input and context.
+    scope = Scope(input=t.inputs.input, context=t.payload.state.context, outputs={}, item=None)
+    start_attempt(
+        t,
+        cid,
+        args,
+        lease_key=lease_key_for(spec, scope),
+        rate_key=rate_key_for(spec, scope),
+    )
     t.move_node(cid, NodeStatus.RUNNING, f"compensating {node_id!r}: attempt 1 dispatched")
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..definition.spec import WorkflowSpec
 from .cancel import request_cancel
-from .compensation import compensating, is_compensation
+from .compensation import compensating, end_or_compensate, is_compensation
 from .context import TickContext
 from .deadline import hard_revokes
 from .delay import resumed_status
