@@ -24,7 +24,7 @@ from .compensation import undone_nodes
 from .context import TickContext
 from .inputs import ControlIn
 from .kinds import ControlKind
-from .state import NodeState
+from .state import NodeState, RunState
 from .status import NodeStatus, RunStatus
 
 #: Node statuses every redrive puts back to pending.
@@ -78,12 +78,16 @@ def redrive(t: TickContext, control: ControlIn, reason: str) -> None:
     t.move_run(RunStatus.RUNNING, reason)
 
 
-def reads_for(definition: WorkflowSpec, control: ControlIn | None) -> frozenset[str]:
+def reads_for(
+    definition: WorkflowSpec, control: ControlIn | None, state: RunState | None = None
+) -> frozenset[str]:
     """Nodes whose outputs a tick applying ``control`` may resolve beyond those that
     ``read_nodes`` names: a redrive from a node (or of a compensated run, whose undone nodes
     run again) puts succeeded nodes back to pending in the tick itself, and they start at
     once with what they read upstream."""
     if control is None or control.kind != ControlKind.REDRIVE:
+        return frozenset()
+    if control.node is None and (state is None or not undone_nodes(state)):
         return frozenset()
     graph = definition.graph
     return graph.output_reads.union(*graph.reads.values())
