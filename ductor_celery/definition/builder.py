@@ -31,22 +31,22 @@ from .retry import RateLimit, RetryPolicy, RunConcurrency, priority_problem
 from .spec import (
     BATCH_ARG,
     CHILD_KINDS,
+    COMPENSATION_SUFFIX,
     ApprovalNodeSpec,
     CheckpointNodeSpec,
     ChildScatterNodeSpec,
+    CompensationSpec,
     ConcurrencySpec,
     EventSetNodeSpec,
     NodeSpec,
     RetrySpec,
     ScatterNodeSpec,
     SleepNodeSpec,
-    COMPENSATION_SUFFIX,
-    CompensationSpec,
     StepNodeSpec,
     SubworkflowNodeSpec,
-    compensation_id,
     WaitSignalNodeSpec,
     WorkflowSpec,
+    compensation_id,
 )
 from .validate import check_node_id, short, validate_spec
 

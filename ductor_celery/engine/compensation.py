@@ -119,7 +119,9 @@ def _start(t: TickContext, node_id: str) -> None:
     cid = compensation_id(node_id)
     if node_id not in t.outputs:
         # The node's output is read by the next load (``compensation_reads``): wake now.
-        t.payload.dispatches.append(Dispatch(DispatchKind.WAKEUP, t.inputs.run_id, cid, "", "", None))
+        t.payload.dispatches.append(
+            Dispatch(DispatchKind.WAKEUP, t.inputs.run_id, cid, "", "", None)
+        )
         t.payload.changed = True
         return
     args = {"output": t.outputs[node_id], "input": t.inputs.input}

@@ -25,9 +25,7 @@ from ductor_celery.errors import DefinitionError
 INPUT = {"order": 7}
 
 
-def _tick(
-    spec: WorkflowSpec, state: RunState, seconds: float = 0, **kw: Any
-) -> TickPayload:
+def _tick(spec: WorkflowSpec, state: RunState, seconds: float = 0, **kw: Any) -> TickPayload:
     kw.setdefault("outputs", {})
     payload = pure_tick(
         spec, state, TickInputs(run_id=RUN, input=INPUT, config=CFG, **kw), at(seconds)
@@ -227,9 +225,7 @@ def test_cancel_compensates_only_when_the_workflow_asks(compensate_on_cancel: bo
     spec = _chain(compensate_on_cancel=compensate_on_cancel)
     state = _tick(spec, RunState.initial(spec.graph.order)).state
     state = _tick(spec, state, 1, results=(ok(f"{RUN}:a:1", 1),)).state
-    p = _tick(
-        spec, state, 2, control=ControlIn(id=1, kind="cancel"), outputs=_outputs(spec, state)
-    )
+    p = _tick(spec, state, 2, control=ControlIn(id=1, kind="cancel"), outputs=_outputs(spec, state))
     assert p.state.nodes["plain"].status == NodeStatus.CANCELLED
     if not compensate_on_cancel:
         assert p.state.status == RunStatus.CANCELLED and p.state.compensation is None
@@ -357,7 +353,9 @@ class _Step:
 def test_an_unregistered_compensation_step_is_refused_naming_the_node() -> None:
     known: dict[str, StepLike] = {"s.do": _Step("s.do")}
     wf = Workflow("w").step("charge", "s.do", compensate="s.refund")
-    with pytest.raises(DefinitionError, match=r"node 'charge', compensate=: unknown step 's.refund'"):
+    with pytest.raises(
+        DefinitionError, match=r"node 'charge', compensate=: unknown step 's.refund'"
+    ):
         wf.build(known.get)
     unknown_obj = Workflow("w").step("charge", "s.do", compensate=_Step("s.refund"))
     with pytest.raises(DefinitionError, match="'s.refund' is not registered"):
