@@ -39,6 +39,7 @@ class Ledger:
         self.entries: list[tuple[str, Any]] = []
         self.refund_failures = 0  # the next N refund attempts raise
         self.refund_refuses = False  # refunds fail without retry
+        self.refusal = "refund refused by the bank"
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -81,7 +82,7 @@ def setup(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Ductor, Ledge
     @d.step(name="saga.refund", retry=FAST)
     def refund(ctx: StepContext, output: dict[str, Any], input: dict[str, Any]) -> dict[str, Any]:
         if ledger.refund_refuses:
-            raise NonRetryableError("refund refused by the bank")
+            raise NonRetryableError(ledger.refusal)
         if ledger.refund_failures > 0:
             ledger.refund_failures -= 1
             raise RuntimeError("gateway timeout")
@@ -297,3 +298,29 @@ def test_an_unregistered_compensation_step_is_refused_at_register(
     with d.runtime.engine().connect() as conn:
         names = conn.execute(sa.select(workflow_definition.c.name)).scalars().all()
     assert "bad_saga" not in names
+
+
+def test_the_run_page_and_the_json_api_show_the_compensations_escaped(
+    setup: tuple[Ductor, Ledger],
+) -> None:
+    from starlette.testclient import TestClient
+
+    from ductor_celery.web import create_app
+
+    d, ledger = setup
+    ledger.refund_refuses = True
+    ledger.refusal = "<script>alert('refund')</script>"
+    handle = d.start("order", input={"item": "ink", "order": 6})
+    assert _drive(d, handle.run_id).status == RunStatus.FAILED
+    with TestClient(create_app(d, allowed_hosts=["testserver"])) as client:
+        html = client.get(f"/runs/{handle.run_id}").text
+        as_json = client.get(f"/api/runs/{handle.run_id}").json()
+    assert '<tr data-compensation="charge" data-status="failed">' in html
+    assert '<tr data-compensation="reserve" data-status="pending">' in html
+    assert "<script>alert" not in html
+    assert "&lt;script&gt;alert(&#39;refund&#39;)&lt;/script&gt;" in html
+    assert [(c["node"], c["status"]) for c in as_json["compensations"]] == [
+        ("charge", "failed"),
+        ("reserve", "pending"),
+    ]
+    assert as_json["error"]["type"] == "CompensationFailed"
