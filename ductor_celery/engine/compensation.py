@@ -184,16 +184,20 @@ def stop_compensating(state: RunState) -> None:
 
 
 def compensation_reads(state: RunState) -> set[str]:
-    """The node whose output the next compensation to start is called with."""
+    """The node whose output the next compensation to start is called with: the first one
+    not started yet, read while the one before it is still running, so the tick that folds
+    that one's success starts it at once (in the same worker, as an inline step)."""
     if not compensating(state):
         return set()
     assert state.compensation is not None
     for node_id in state.compensation["order"]:
         found = state.nodes.get(compensation_id(node_id))
-        if found is not None and found.status == NodeStatus.PENDING:
-            return {node_id}
-        if found is None or found.status != NodeStatus.SUCCEEDED:
+        if found is None:
             return set()
+        if found.status == NodeStatus.PENDING:
+            return {node_id}
+        if found.status not in (NodeStatus.SUCCEEDED, NodeStatus.RUNNING):
+            return set()  # the saga stops at a failed compensation
     return set()
 
 
