@@ -324,3 +324,27 @@ def test_the_run_page_and_the_json_api_show_the_compensations_escaped(
         ("reserve", "pending"),
     ]
     assert as_json["error"]["type"] == "CompensationFailed"
+
+
+def test_ductor_show_lists_the_compensations(setup: tuple[Ductor, Ledger]) -> None:
+    from types import SimpleNamespace
+
+    from click.testing import CliRunner
+
+    from ductor_celery.cli import ductor as ductor_cli
+
+    d, _ = setup
+    handle = d.start("order", input={"item": "lamp", "order": 8})
+    assert _drive(d, handle.run_id).status == RunStatus.FAILED
+    shown = CliRunner().invoke(
+        ductor_cli, ["show", handle.run_id], obj=SimpleNamespace(app=d.app), terminal_width=200
+    )
+    assert shown.exit_code == 0, shown.output
+    table = shown.output.split("compensations", 1)[1]
+    assert table.index("charge") < table.index("reserve")
+    assert "released res-lamp" in table
+    as_json = CliRunner().invoke(
+        ductor_cli, ["show", handle.run_id, "--json"], obj=SimpleNamespace(app=d.app)
+    )
+    assert as_json.exit_code == 0, as_json.output
+    assert '"compensations"' in as_json.output
