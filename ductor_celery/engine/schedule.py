@@ -169,9 +169,9 @@ def finish_if_done(t: TickContext) -> None:
         )
         if error is not None:
             # Every node succeeded, but the output they make cannot be stored (too large, or
-            # nested deeper than the limit): the run fails, saying so, never half-written.
-            t.payload.error = error
-            t.move_run(RunStatus.FAILED, error["message"])
+            # nested deeper than the limit): the run fails, saying so, never half-written
+            # (after undoing its nodes, if they have compensations).
+            end_or_compensate(t, RunStatus.FAILED, error["message"], error)
             return
         t.payload.output = output
         t.move_run(RunStatus.SUCCEEDED, "every node finished")

@@ -7,6 +7,7 @@ nodes that have ``compensate=``, one at a time, the last completed first, as
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -379,3 +380,57 @@ def test_a_node_id_too_long_for_its_compensation_id_is_refused() -> None:
 def test_compensate_on_cancel_must_be_a_bool() -> None:
     with pytest.raises(DefinitionError, match="compensate_on_cancel must be True or False"):
         Workflow("w", compensate_on_cancel="yes")  # type: ignore[arg-type]
+
+
+def test_a_run_whose_output_cannot_be_stored_compensates_too() -> None:
+    spec = (
+        Workflow("big")
+        .step("a", "s.do", compensate="s.undo")
+        .output({"one": "$.nodes.a.output", "two": "$.nodes.a.output"})
+        .build()
+    )
+    small = dataclasses.replace(CFG, max_payload_bytes=100)
+    state = pure_tick(
+        spec, RunState.initial(spec.graph.order), TickInputs(run_id=RUN, config=small), at(0)
+    ).state
+    p = pure_tick(
+        spec,
+        state,
+        TickInputs(run_id=RUN, config=small, results=(ok(f"{RUN}:a:1", "x" * 60),)),
+        at(1),
+    )
+    assert p.state.status == RunStatus.RUNNING
+    assert p.state.compensation is not None and p.state.compensation["order"] == ["a"]
+    assert [a.node for a in p.new_attempts] == ["a~compensate"]  # a's output folded here
+    done = pure_tick(
+        spec,
+        p.state,
+        TickInputs(run_id=RUN, config=small, results=(ok(f"{RUN}:a~compensate:1"),)),
+        at(2),
+    )
+    assert done.state.status == RunStatus.FAILED
+    assert done.error is not None and "run output" in done.error["message"]
+
+
+def test_a_compensation_out_of_attempts_under_on_exhausted_pause_waits_for_resume() -> None:
+    policy = RetryPolicy(max_attempts=1, on_exhausted="pause")
+    known: dict[str, StepLike] = {"s.do": _Step("s.do"), "s.undo": _Step("s.undo", policy)}
+    spec = (
+        Workflow("w")
+        .step("a", "s.do", compensate="s.undo")
+        .step("b", "s.do", after=["a"], retry=RetryPolicy(max_attempts=1))
+        .build(known.get)
+    )
+    state = _tick(spec, RunState.initial(spec.graph.order)).state
+    state = _tick(spec, state, 1, results=(ok(f"{RUN}:a:1", 1),)).state
+    state = _tick(spec, state, 2, results=(err(f"{RUN}:b:1", "no", retryable=False),)).state
+    state = _tick(spec, state, 3, outputs={"a": 1}).state
+    p = _tick(spec, state, 4, results=(err(f"{RUN}:a~compensate:1", "bank down"),))
+    assert p.state.status == RunStatus.PAUSED
+    assert p.state.nodes["a~compensate"].status == NodeStatus.FAILED
+    resumed = _tick(spec, p.state, 5, control=ControlIn(id=1, kind="resume"), outputs={"a": 1})
+    assert resumed.state.status == RunStatus.RUNNING
+    assert [a.token for a in resumed.new_attempts] == [f"{RUN}:a~compensate:2"]
+    done = _tick(spec, resumed.state, 6, results=(ok(f"{RUN}:a~compensate:2"),))
+    assert done.state.status == RunStatus.FAILED and done.error is not None
+    assert done.error["node"] == "b"
