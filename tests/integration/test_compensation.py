@@ -348,3 +348,39 @@ def test_ductor_show_lists_the_compensations(setup: tuple[Ductor, Ledger]) -> No
     )
     assert as_json.exit_code == 0, as_json.output
     assert '"compensations"' in as_json.output
+
+
+def test_the_testing_harness_runs_a_saga_through_its_retries(tmp_path: Path) -> None:
+    """``h.run`` counts a compensation waiting for its retry's backoff as work in progress, so
+    it moves the clock on until the saga is done (ductor_celery.testing)."""
+    from ductor_celery import testing
+
+    app = Celery(f"sagah{uuid.uuid4().hex[:6]}", broker="memory://", set_as_current=False)
+    d = Ductor(app, database_url=f"sqlite:///{tmp_path}/harness.sqlite3")
+    calls: list[int] = []
+
+    @d.step(name="h.charge")
+    def charge(ctx: StepContext) -> str:
+        return "ch_9"
+
+    @d.step(name="h.ship", retry=RetryPolicy(max_attempts=1))
+    def ship(ctx: StepContext) -> None:
+        raise RuntimeError("no truck")
+
+    @d.step(name="h.refund", retry=RetryPolicy(max_attempts=5, initial_interval=60.0))
+    def refund(ctx: StepContext, output: str, input: Any) -> str:
+        calls.append(ctx.attempt)
+        if ctx.attempt < 3:
+            raise RuntimeError("bank closed")
+        return f"refunded {output}"
+
+    wf = Workflow("h_order")
+    wf.step("charge", charge, compensate=refund)
+    wf.step("ship", ship, after=["charge"])
+    d.register(wf)
+    with testing.harness(d) as h:
+        view = h.run(h.start("h_order"))
+    assert view.status == RunStatus.FAILED and calls == [1, 2, 3]
+    assert [(c.node, c.status, c.output) for c in view.compensations] == [
+        ("charge", NodeStatus.SUCCEEDED, "refunded ch_9")
+    ]
