@@ -355,9 +355,10 @@ class Harness:
     def _in_progress(self) -> bool:
         """Whether some open run has a node in progress (an attempt or a retry's backoff)."""
         running = self._ductor.list_runs(status=RunStatus.RUNNING.value, limit=1000)
+        # A compensation counts too (docs/compensation.md): its retries wait for their backoff.
         return any(
             node.status == NodeStatus.RUNNING for view in running for node in view.nodes.values()
-        )
+        ) or any(c.status == NodeStatus.RUNNING for view in running for c in view.compensations)
 
     def get(self, target: RunHandle | str) -> RunView:
         """The run's view as it is, delivering nothing."""

@@ -515,6 +515,12 @@ class RunState:
     #: A cooperative cancel waiting for attempts in flight to stop (engine/cancel.py):
     #: ``{"reason": str, "grace_until": ISO time}``.
     cancel: dict[str, Any] | None = None
+    #: The saga of a run that failed (or was cancelled with ``compensate_on_cancel``) after
+    #: step nodes with ``compensate=`` succeeded (engine/compensation.py): ``{"order": [node
+    #: ids, the one to undo first first], "ending": run status it ends with, "reason": str,
+    #: "error": the run's error, "active": bool}``. Kept once done (the view lists it, a
+    #: redrive reads it); a redrive clears it.
+    compensation: dict[str, Any] | None = None
 
     @classmethod
     def initial(
@@ -538,6 +544,7 @@ class RunState:
             input_from=self.input_from,
             deadline_at=self.deadline_at,
             cancel=dict(self.cancel) if self.cancel else None,
+            compensation=copy.deepcopy(self.compensation),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -551,6 +558,7 @@ class RunState:
             **({"input_from": self.input_from} if self.input_from is not None else {}),
             **({"deadline_at": self.deadline_at.isoformat()} if self.deadline_at else {}),
             **({"cancel": self.cancel} if self.cancel else {}),
+            **({"compensation": self.compensation} if self.compensation else {}),
         }
 
     @classmethod
@@ -567,4 +575,5 @@ class RunState:
                 datetime.fromisoformat(data["deadline_at"]) if data.get("deadline_at") else None
             ),
             cancel=data.get("cancel"),
+            compensation=data.get("compensation"),
         )
