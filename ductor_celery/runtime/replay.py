@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..definition.spec import BATCH_ARG, WorkflowSpec
+from ..definition.spec import BATCH_ARG, WorkflowSpec, compensated_node, compensation_id
 from ..errors import ExportError
 from ..store.export_format import ExportedRun
 from . import batch
@@ -38,8 +38,10 @@ def replay_attempt(
     latest exported attempt received (``attempt``: that attempt number; ``branch``: that
     scatter branch). Returns what it returns, raises what it raises."""
     spec = WorkflowSpec.model_validate(exported.rows.definition["spec"])
-    if not isinstance(node, str) or node not in spec.graph.nodes:
-        known = ", ".join(spec.graph.order)
+    if not isinstance(node, str) or not _replayable(spec, node):
+        known = ", ".join(
+            [*spec.graph.order, *(compensation_id(n) for n in spec.graph.order if _saga(spec, n))]
+        )
         raise ExportError(
             f"node {node!r} is not in workflow {spec.name!r} of {exported.source} (nodes: {known})"
         )
@@ -65,6 +67,18 @@ def replay_attempt(
         secret_fn=secrets.get,
     )
     return registered.fn(ctx, **kwargs)
+
+
+def _saga(spec: WorkflowSpec, node: str) -> bool:
+    """Whether ``node`` is a step node with ``compensate=``."""
+    return getattr(spec.graph.nodes.get(node), "compensate", None) is not None
+
+
+def _replayable(spec: WorkflowSpec, node: str) -> bool:
+    """A node of the definition, or the compensation of one (``"charge~compensate"``: its
+    attempts hold the ``output`` and ``input`` the compensation step received)."""
+    compensated = compensated_node(node)
+    return node in spec.graph.nodes or (compensated is not None and _saga(spec, compensated))
 
 
 def _attempt_of(

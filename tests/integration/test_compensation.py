@@ -384,3 +384,27 @@ def test_the_testing_harness_runs_a_saga_through_its_retries(tmp_path: Path) -> 
     assert [(c.node, c.status, c.output) for c in view.compensations] == [
         ("charge", NodeStatus.SUCCEEDED, "refunded ch_9")
     ]
+
+
+def test_an_exported_saga_replays_its_compensation(setup: tuple[Ductor, Ledger]) -> None:
+    """docs/replay.md: a compensation's attempts are in the export under its id, and
+    ``testing.replay`` calls the compensation step with the output and input it received."""
+    from ductor_celery import testing
+    from ductor_celery.cli.export import export_of
+
+    d, ledger = setup
+    handle = d.start("order", input={"item": "lamp", "order": 7})
+    assert _drive(d, handle.run_id).status == RunStatus.FAILED
+    document = export_of(d, handle.run_id)
+    nodes = [a["node"] for a in document["attempts"]]
+    assert "charge~compensate" in nodes and "reserve~compensate" in nodes
+    assert document["run"]["state"]["compensation"]
+
+    ledger.entries.clear()
+    assert testing.replay(document, node="charge~compensate", ductor=d) == {
+        "refunded": 30,
+        "order": 7,
+    }
+    assert ledger.entries == [("refund", "ch_1")]
+    with pytest.raises(ValueError, match="charge~compensate"):  # ship has no compensation
+        testing.replay(document, node="ship~compensate", ductor=d)
