@@ -35,6 +35,7 @@ from .call_checks import (
 from .coordinator import TickOutcome
 from .definition.retry import priority_problem
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
+from .engine.compensation import is_compensation
 from .engine.deadline import deadline_after
 from .engine.kinds import (
     REDRIVE_FROM_NODE_ALLOWED,
@@ -58,7 +59,15 @@ from .store.db import db_now, get_engine, with_retry
 from .store.outputs import EngineOutputs
 from .store.runs import RunRow
 from .store.start_requests import Requested, RequestKey
-from .views import AuditEntry, AuditPage, NodeView, RunHandle, RunPage, RunView
+from .views import (
+    AuditEntry,
+    AuditPage,
+    NodeView,
+    RunHandle,
+    RunPage,
+    RunView,
+    compensation_views,
+)
 
 log = logging.getLogger("ductor_celery.client")
 
@@ -727,6 +736,7 @@ class Client:
                 finished_at=ns.finished_at,
             )
             for node_id, ns in row.state.nodes.items()
+            if not is_compensation(node_id)
         }
         return RunView(
             run_id=row.run_id,
@@ -747,6 +757,7 @@ class Client:
             start_at=row.state.start_at,
             deadline_at=row.state.deadline_at,
             tags=row.state.tags,
+            compensations=compensation_views(row.state, outputs),
         )
 
     def definition_of(self, target: str) -> WorkflowSpec:

@@ -16,6 +16,9 @@
       WrongDatabase              start(connection=/using=) on another database than ductor's
       QueueMismatch              a ductor queue on RabbitMQ exists with other arguments (names
                                  the queue and the two ways out)
+      ExportError                a file that is not a run export of a format this version
+                                 reads, or a replay it cannot do (a node or step it lacks);
+                                 also a ValueError
     NonRetryableError            raise it inside a step to fail without retry
       SecretNotFound             a step's secret the provider does not have (names it)
       InvalidSecretName          ctx.secret(name) of a name that is not [A-Za-z_][A-Za-z0-9_]*
@@ -85,6 +88,11 @@ class WrongDatabase(DuctorError, ValueError):
 class QueueMismatch(DuctorError):
     """RabbitMQ refused to declare one of ductor's queues: it exists with other arguments
     (a classic queue where ductor declares a quorum one, or the reverse)."""
+
+
+class ExportError(DuctorError, ValueError):
+    """A file that is not a ductor run export this version reads, or a replay it cannot do
+    (a node the export does not hold, a step no longer registered)."""
 
 
 class NonRetryableError(Exception):

@@ -27,6 +27,10 @@ It is the production code with three things swapped, and nothing else (docs/test
 A stub (``h.stub``) replaces one step's function for the attempts the harness delivers; the
 step's retry policy, timeouts and the rest of its definition stay as registered.
 
+``harness(ductor, from_export="run.json")`` starts with an exported run's rows in that database
+and the clock at the export's time (docs/replay.md); ``replay("run.json", node=...)`` calls one
+node's current step function with an exported attempt's arguments, in this process.
+
 On exit the Ductor is as it was (settings, dispatcher, database), whatever happened inside.
 """
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import tempfile
 from collections import deque
@@ -45,15 +50,18 @@ from typing import TYPE_CHECKING, Any
 
 from .engine.kinds import DispatchKind
 from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
-from .errors import DefinitionError, DuctorError
+from .errors import DefinitionError, DuctorError, ExportError
 from .limits import EARLIEST_NOW, LATEST_NOW, time_problem
 from .runtime.coordinator import run_tick
 from .runtime.dispatch import FIRST_TICK_TASK_NAME
 from .runtime.outbox_janitor import close_janitor, sent_outbox
+from .runtime.replay import replay_attempt
 from .runtime.step_context import Step, StepContext
 from .runtime.steps import execute_attempt, first_tick, worker_identity
 from .store import attempts, clock, migrate, schedules, sweep
 from .store.db import forget_engine, get_engine
+from .store.export_format import ExportedRun, read_export
+from .store.exports import restore_rows
 from .store.outbox import OutboxRow
 from .views import RunHandle, RunView
 
@@ -62,7 +70,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ductor_celery.testing")
 
-__all__ = ["Harness", "HarnessError", "Message", "Stub", "UnknownStep", "harness"]
+__all__ = [
+    "ExportError",
+    "Harness",
+    "HarnessError",
+    "Message",
+    "Stub",
+    "UnknownStep",
+    "harness",
+    "replay",
+]
 
 #: More messages than this delivered at one instant of the clock: a loop that never parks.
 MAX_MESSAGES_PER_INSTANT = 100_000
@@ -172,6 +189,22 @@ class Harness:
         self.messages: list[Message] = []
         self._stubs: dict[str, Stub] = {}
         self.dispatcher = _RecordingDispatcher(self._queue, self.messages)
+        #: The exported run loaded with ``from_export=`` (None without one).
+        self.run_id: str | None = None
+
+    def _load_export(self, exported: ExportedRun) -> None:
+        """Insert the export's rows, then put what was in flight back in motion as a broker
+        would: a step message for each open attempt no worker had claimed (one claimed and
+        never finished is a worker lost mid-step: its timeout closes it), and a wake-up of the
+        run (it folds a finished attempt or handles a control the export caught unapplied).
+        Delivered by the next call that delivers."""
+        rows = exported.rows
+        restore_rows(self._engine(), rows, exported.source)
+        self.run_id = exported.run_id
+        for a in rows.attempts:
+            if a["finished_at"] is None and a["claimed_at"] is None:
+                self.dispatcher._put(Message("step", self.run_id, a["step"], a["token"]))
+        self.dispatcher.wake(self.run_id)
 
     # -- time ---------------------------------------------------------------------------------
 
@@ -322,9 +355,10 @@ class Harness:
     def _in_progress(self) -> bool:
         """Whether some open run has a node in progress (an attempt or a retry's backoff)."""
         running = self._ductor.list_runs(status=RunStatus.RUNNING.value, limit=1000)
+        # A compensation counts too (docs/compensation.md): its retries wait for their backoff.
         return any(
             node.status == NodeStatus.RUNNING for view in running for node in view.nodes.values()
-        )
+        ) or any(c.status == NodeStatus.RUNNING for view in running for c in view.compensations)
 
     def get(self, target: RunHandle | str) -> RunView:
         """The run's view as it is, delivering nothing."""
@@ -401,15 +435,55 @@ class Harness:
         return step if stub is None else dataclasses.replace(step, fn=stub)
 
 
+def replay(
+    file: str | os.PathLike[str] | dict[str, Any],
+    node: str,
+    *,
+    attempt: int | None = None,
+    branch: int | None = None,
+    ductor: Ductor | None = None,
+) -> Any:
+    """Call ``node``'s step function, as registered in this process now, with the arguments
+    its latest attempt in the export ``file`` received (``attempt=``: that attempt number;
+    ``branch=``: that scatter branch), and return what it returns or raise what it raises,
+    here, so a breakpoint in the step stops there. Nothing is written (docs/replay.md).
+    ``ductor``: the Ductor whose steps to use (default: every Ductor of this process; the
+    step must be registered by one of them). ``ExportError`` names a bad file, a node the
+    export does not hold or a step no longer registered."""
+    exported = read_export(file)
+    runtimes = [ductor.runtime] if ductor is not None else [d.runtime for d in _ductors()]
+    return replay_attempt(exported, node, attempt=attempt, branch=branch, runtimes=runtimes)
+
+
+def _ductors() -> list[Ductor]:
+    """Every Ductor of this process: each lives on its Celery app (``app._ductor``)."""
+    from celery._state import _get_active_apps
+
+    from .ductor import Ductor
+
+    found = (getattr(app, "_ductor", None) for app in list(_get_active_apps()))
+    return [d for d in found if isinstance(d, Ductor)]
+
+
 def _target(target: RunHandle | str) -> str:
     return target.run_id if isinstance(target, RunHandle) else target
 
 
 @contextmanager
-def harness(ductor: Ductor, *, start_at: datetime | None = None) -> Iterator[Harness]:
+def harness(
+    ductor: Ductor,
+    *,
+    start_at: datetime | None = None,
+    from_export: str | os.PathLike[str] | dict[str, Any] | None = None,
+) -> Iterator[Harness]:
     """``with testing.harness(ductor) as h:`` the Ductor's runs, in-process, on a throwaway
     SQLite database and a controlled clock (starting at ``start_at``, an aware datetime,
-    default now). Everything is restored on exit."""
+    default now). ``from_export``: an export (a path or its document) whose run is loaded as
+    it was (``h.run_id``), the clock starting at the export's time unless ``start_at`` is
+    given. Everything is restored on exit."""
+    exported = read_export(from_export) if from_export is not None else None
+    if start_at is None and exported is not None:
+        start_at = exported.exported_at
     if start_at is not None and (start_at.tzinfo is None or start_at.utcoffset() is None):
         raise ValueError("start_at must be an aware datetime (e.g. datetime(..., tzinfo=UTC))")
     if start_at is not None:
@@ -435,6 +509,8 @@ def harness(ductor: Ductor, *, start_at: datetime | None = None) -> Iterator[Har
         ductor.settings = ductor.client.settings = rt.settings = settings
         rt.dispatcher = h.dispatcher  # type: ignore[assignment]
         rt._schema_ready = True
+        if exported is not None:
+            h._load_export(exported)
         yield h
     finally:
         (ductor.settings, ductor.client.settings, rt.settings, rt.dispatcher, rt._schema_ready) = (

@@ -9,13 +9,15 @@ stays as its JSON envelope, and so does one that does not rebuild: a run can alw
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, overload
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from .definition.spec import compensation_id
+from .engine.state import RunState
 from .engine.status import NodeStatus, RunStatus
 from .values import decode_lenient
 
@@ -37,6 +39,46 @@ class NodeView(BaseModel):
     finished_at: datetime | None = None
 
     _typed_output = field_validator("output", mode="before")(decode_lenient)
+
+
+class CompensationView(BaseModel):
+    """One compensation of a run's saga (docs/compensation.md), in the order they run."""
+
+    model_config = ConfigDict(frozen=True)
+
+    #: The compensated node's id.
+    node: str
+    status: NodeStatus
+    #: What the compensation step returned (once it succeeded).
+    output: Any = None
+    #: Its last attempt's error (``None`` once it succeeded).
+    error: Any = None
+    attempts: int = 0
+
+    _typed_output = field_validator("output", mode="before")(decode_lenient)
+
+
+def compensation_views(state: RunState, outputs: Mapping[str, Any]) -> list[CompensationView]:
+    """The saga of a run as its view lists it; ``outputs`` by node id (compensation ids)."""
+    if state.compensation is None:
+        return []
+    out: list[CompensationView] = []
+    for node in state.compensation["order"]:
+        cid = compensation_id(node)
+        ns = state.nodes.get(cid)
+        if ns is None:
+            continue
+        succeeded = ns.status == NodeStatus.SUCCEEDED
+        out.append(
+            CompensationView(
+                node=node,
+                status=ns.status,
+                output=outputs.get(cid) if succeeded else None,
+                error=None if succeeded else ns.error,
+                attempts=ns.generation,
+            )
+        )
+    return out
 
 
 class RunView(BaseModel):
@@ -63,6 +105,9 @@ class RunView(BaseModel):
     deadline_at: datetime | None = None
     #: The run's tags (``start(tags=)``, ``ctx.tag``; docs/tags.md).
     tags: dict[str, str] = {}
+    #: The run's saga: the compensations of its succeeded nodes, the first to run first
+    #: (empty when it never compensated, or was redriven since).
+    compensations: list[CompensationView] = []
 
     _typed_values = field_validator("input", "context", "output", mode="before")(decode_lenient)
 

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,29 +35,52 @@ class Worker:
     ) -> None:
         self.name = name
         self.log_path = log_path
-        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.command = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            app,
+            "worker",
+            "-n",
+            f"{name}@%h",
+            "--without-mingle",
+            "--without-gossip",
+            "-l",
+            "INFO",
+            *args,
+        ]
+        self.env = env
+        self.cwd = cwd
+        self.crashes: list[str] = []
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                app,
-                "worker",
-                "-n",
-                f"{name}@%h",
-                "--without-mingle",
-                "--without-gossip",
-                "-l",
-                "INFO",
-                *args,
-            ],
-            cwd=cwd,
-            env=env,
+            self.command,
+            cwd=self.cwd,
+            env=self.env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+    def restart_if_exited(self) -> bool:
+        """A supervisor's job (systemd's Restart=always): start the worker again if it exited
+        on its own, keeping the log's lines about why in ``crashes``."""
+        if self.proc.poll() is None:
+            return False
+        self.crashes.append(
+            "\n".join(
+                line
+                for line in self.log_tail(400).splitlines()
+                if "Error" in line or "CRITICAL" in line
+            )
+        )
+        self._log.close()
+        self._spawn()
+        return True
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -118,6 +142,21 @@ class Cluster:
         }
         self.workers: list[Worker] = []
         self.engine = sa.create_engine(database_url, poolclass=sa.pool.NullPool)
+        self._supervising = threading.Event()
+        self._supervisor: threading.Thread | None = None
+
+    def supervise(self) -> None:
+        """Restart workers that exit on their own, every 0.5 s, as a deployment's supervisor
+        would (README: production set-up). Celery/kombu workers can exit on a broker
+        reconnection; ``Worker.crashes`` keeps why."""
+
+        def loop() -> None:
+            while not self._supervising.wait(0.5):
+                for worker in list(self.workers):
+                    worker.restart_if_exited()
+
+        self._supervisor = threading.Thread(target=loop, name="supervisor", daemon=True)
+        self._supervisor.start()
 
     def start_steps(
         self,
@@ -149,12 +188,33 @@ class Cluster:
         return worker
 
     def stop(self) -> None:
+        self._supervising.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
         for worker in self.workers:
             worker.stop()
         self.engine.dispose()
 
     def logs(self) -> str:
-        return "\n\n".join(f"== {w.name} ==\n{w.log_tail()}" for w in self.workers)
+        """Each worker's state (running, or its exit code) and the tail of its log."""
+        return "\n\n".join(
+            f"== {w.name} ({'running' if w.proc.poll() is None else f'exited {w.proc.poll()}'})"
+            f" ==\n{w.log_tail(60 if w.proc.poll() is None else 400)}"
+            for w in self.workers
+        )
+
+    def diagnosis(self, run_id: str) -> str:
+        """What a test prints when a run did not finish: its row, its attempts, the logs."""
+        with self.engine.connect() as conn:
+            run = conn.execute(
+                sa.text(
+                    "SELECT status, record_version, updated_at FROM eec_workflow_run"
+                    " WHERE run_id = :r"
+                ),
+                {"r": run_id},
+            ).first()
+        attempts = "\n".join(map(str, self.attempts(run_id)))
+        return f"run {run_id}: {run}\nattempts:\n{attempts}\n\n{self.logs()}"
 
     # -- ledger: what steps actually executed, written by the steps themselves ------------
 

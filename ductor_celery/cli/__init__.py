@@ -9,13 +9,14 @@ on the group when its module is imported, as this package does:
 - ``controls.py``: pause, resume, cancel, terminate, redrive, continue-as-new (one run or many);
 - ``schedules.py``: schedules, schedule add/remove/pause/resume/trigger;
 - ``web.py``: web, the console;
-- ``admin.py``: migrate, doctor, graph, prune, audit.
+- ``admin.py``: migrate, doctor, graph, prune, audit;
+- ``export.py``: export, a run as JSON (docs/replay.md).
 """
 
 from __future__ import annotations
 
 # Imported for the commands they register on ``ductor``.
-from . import admin, controls, runs, schedules, web  # noqa: F401
+from . import admin, controls, export, runs, schedules, web  # noqa: F401
 from .base import ductor
 
 __all__ = ["ductor", "main"]

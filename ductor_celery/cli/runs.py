@@ -246,6 +246,14 @@ def show(ctx: click.Context, target: str, as_json: bool) -> None:
             short(detail),
         )
     console.print(nodes)
+    if view.compensations:  # docs/compensation.md: undone last-completed first
+        saga = Table(title="compensations")
+        for column in ("node", "status", "attempts", "output / error"):
+            saga.add_column(column)
+        for c in view.compensations:
+            detail = c.output if c.error is None else (c.error or {}).get("message")
+            saga.add_row(c.node, _status(c.status), str(c.attempts), short(detail))
+        console.print(saga)
     # A big scatter has thousands of attempts: show the open ones and the latest others.
     shown = [a for a in attempts if a.finished_at is None][:SHOW_ATTEMPTS]
     room = SHOW_ATTEMPTS - len(shown)

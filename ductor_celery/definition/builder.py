@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 from pydantic import BaseModel
 
 from ..errors import DefinitionError
-from ..limits import duration_problem, id_problem, int_problem
+from ..limits import MAX_ID_LENGTH, duration_problem, id_problem, int_problem
 from .checks import (
     after_ids,
     check_batch_lease,
@@ -31,9 +31,11 @@ from .retry import RateLimit, RetryPolicy, RunConcurrency, priority_problem
 from .spec import (
     BATCH_ARG,
     CHILD_KINDS,
+    COMPENSATION_SUFFIX,
     ApprovalNodeSpec,
     CheckpointNodeSpec,
     ChildScatterNodeSpec,
+    CompensationSpec,
     ConcurrencySpec,
     EventSetNodeSpec,
     NodeSpec,
@@ -44,6 +46,7 @@ from .spec import (
     SubworkflowNodeSpec,
     WaitSignalNodeSpec,
     WorkflowSpec,
+    compensation_id,
 )
 from .validate import check_node_id, short, validate_spec
 
@@ -75,6 +78,7 @@ class Workflow:
         deadline: float | None = None,
         concurrency: RunConcurrency | None = None,
         priority: int = 0,
+        compensate_on_cancel: bool = False,
     ) -> None:
         problem = id_problem(name)
         if problem is not None:
@@ -97,6 +101,12 @@ class Workflow:
         self.deadline = deadline
         self.concurrency = concurrency
         self.priority = priority
+        if not isinstance(compensate_on_cancel, bool):
+            raise DefinitionError(
+                f"workflow {name!r}: compensate_on_cancel must be True or False, "
+                f"got {short(compensate_on_cancel)}"
+            )
+        self.compensate_on_cancel = compensate_on_cancel
         self._nodes: list[dict[str, Any]] = []
         self._output: Any = None
 
@@ -119,10 +129,14 @@ class Workflow:
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
         rate_limit: RateLimit | None = None,
+        compensate: StepLike | str | None = None,
     ) -> Workflow:
         """Add a node that runs ``step`` with ``args`` once every node in ``after`` finished.
 
-        ``retry``, ``timeout`` and ``rate_limit`` given here replace the step's own."""
+        ``retry``, ``timeout`` and ``rate_limit`` given here replace the step's own.
+        ``compensate``: a step called as ``compensate(ctx, output, input)`` to undo this node
+        when the run fails after it succeeded (docs/compensation.md); it runs with its own
+        retry policy, timeouts and queue."""
         return self._add(
             "step",
             id,
@@ -134,6 +148,7 @@ class Workflow:
             retry=retry,
             timeout=timeout,
             rate_limit=rate_limit,
+            compensate=compensate,
         )
 
     def scatter(
@@ -377,6 +392,7 @@ class Workflow:
                 deadline=self.deadline,
                 concurrency=self.concurrency.to_spec() if self.concurrency else None,
                 priority=self.priority,
+                compensate_on_cancel=self.compensate_on_cancel,
             )
         except ValueError as exc:  # pydantic: the output is not JSON-like
             raise DefinitionError(f"workflow {self.name!r}: invalid output: {exc}") from None
@@ -428,7 +444,8 @@ class Workflow:
         }
         try:
             if raw["kind"] == "step":
-                return StepNodeSpec(**common)
+                compensate = _compensation(raw.get("compensate"), node_id, where, resolve_step)
+                return StepNodeSpec(**common, compensate=compensate)
             return ScatterNodeSpec(
                 **common,
                 over=raw["over"],
@@ -480,6 +497,24 @@ def _resolve_step(
     raise DefinitionError(
         f"{where}: unknown step {short(step)}: pass a @ductor.step function or its name"
     )
+
+
+def _compensation(
+    step: Any, node_id: str, where: str, resolve_step: StepResolver | None
+) -> CompensationSpec | None:
+    """The compensation of a step node (``compensate=``): a registered step, with its own
+    settings. Its id (the node's plus ``~compensate``) must fit the node columns."""
+    if step is None:
+        return None
+    where = f"{where}, compensate="
+    longest = MAX_ID_LENGTH - len(COMPENSATION_SUFFIX)
+    if len(node_id) > longest:
+        raise DefinitionError(
+            f"{where}: a node with a compensation has an id of at most {longest} characters"
+        )
+    step_name, known = _resolve_step(step, where, resolve_step)
+    settings = _attempt_settings({"retry": None, "timeout": None}, known, where)
+    return CompensationSpec(id=compensation_id(node_id), step=step_name, **settings)
 
 
 def _attempt_settings(raw: dict[str, Any], step: StepLike | str, where: str) -> dict[str, Any]:

@@ -151,15 +151,45 @@ class AttemptNodeSpec(_NodeBase):
     @model_serializer(mode="wrap")
     def _dump_attempt(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = _without_unset_schedule_to_start(handler(self))
-        if data.get("rate_limit", 0) is None:
-            del data["rate_limit"]
+        for name in ("rate_limit", "compensate"):
+            if data.get(name, 0) is None:
+                del data[name]
         return data
+
+
+#: A compensation's node id is its step node's id plus this suffix (``"charge~compensate"``).
+#: User node ids cannot hold ``~`` (``validate.py``), so it never names a node of the graph.
+COMPENSATION_SUFFIX = "~compensate"
+
+
+def compensation_id(node: str) -> str:
+    """The id the compensation of ``node`` runs under (its attempt rows, state, history)."""
+    return f"{node}{COMPENSATION_SUFFIX}"
+
+
+def compensated_node(node_id: str) -> str | None:
+    """The node a compensation id compensates; ``None`` for any other id."""
+    if node_id.endswith(COMPENSATION_SUFFIX):
+        return node_id[: -len(COMPENSATION_SUFFIX)]
+    return None
+
+
+class CompensationSpec(AttemptNodeSpec):
+    """The step that undoes a succeeded step node when its run fails (or is cancelled with
+    ``compensate_on_cancel``): called with the node's ``output`` and the run's ``input``, with
+    the compensation step's own retry policy, timeouts and queue (docs/compensation.md). Its
+    ``id`` is ``compensation_id(<node>)``; its ``args`` stay empty (the engine passes them)."""
+
+    kind: Literal["compensation"] = "compensation"
 
 
 class StepNodeSpec(AttemptNodeSpec):
     """A node that runs one attempt of a step at a time until it succeeds or runs out of tries."""
 
     kind: Literal["step"] = "step"
+    #: What undoes this node when the run fails (``wf.step(..., compensate=refund)``). Left out
+    #: of the stored form when unset, so specs without it keep their hashes.
+    compensate: CompensationSpec | None = None
 
 
 class ScatterNodeSpec(AttemptNodeSpec):
@@ -340,6 +370,12 @@ class Graph:
         self.output_reads: frozenset[str] = frozenset(
             p.node for p in iter_paths(spec.output) if p.node is not None
         )
+        #: Compensation id -> its spec, for every step node with ``compensate=``.
+        self.compensations: dict[str, CompensationSpec] = {
+            n.compensate.id: n.compensate
+            for n in spec.nodes
+            if isinstance(n, StepNodeSpec) and n.compensate is not None
+        }
 
 
 def _topological_order(spec: WorkflowSpec) -> list[str]:
@@ -389,11 +425,19 @@ class WorkflowSpec(BaseModel):
     #: The default priority of its runs, 0..9 (``start(priority=...)`` overrides it). Left out
     #: at 0.
     priority: Annotated[int, Field(ge=0, le=9)] = 0
+    #: A cancelled run compensates its succeeded nodes too (a failed one always does).
+    #: Left out at False.
+    compensate_on_cancel: bool = False
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
-        for name, default in (("deadline", None), ("concurrency", None), ("priority", 0)):
+        for name, default in (
+            ("deadline", None),
+            ("concurrency", None),
+            ("priority", 0),
+            ("compensate_on_cancel", False),
+        ):
             if data.get(name, default) == default:
                 data.pop(name, None)
         return data

@@ -13,6 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from ..limits import later
+from .compensation import end_or_compensate
 from .context import TickContext
 from .schedule import close_stopped_run
 from .slots import slots
@@ -70,5 +71,4 @@ def settle_cancel(t: TickContext) -> None:
     close_stopped_run(t, reason)
     state.cancel = None
     state.continue_pending = None
-    t.payload.error = {"type": "Cancel", "message": reason}
-    t.move_run(RunStatus.CANCELLED, closing)
+    end_or_compensate(t, RunStatus.CANCELLED, closing, {"type": "Cancel", "message": reason})

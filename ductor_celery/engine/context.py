@@ -26,7 +26,10 @@ class TickContext:
         return self.payload.state.nodes
 
     def attempt_spec(self, node: str) -> AttemptNodeSpec:
-        """The spec of a node that runs attempts (only step and scatter nodes have tokens)."""
+        """The spec of a node that runs attempts (step and scatter nodes, and compensations)."""
+        compensation = self.spec.graph.compensations.get(node)
+        if compensation is not None:
+            return compensation
         spec = self.spec.graph.nodes[node]
         assert isinstance(spec, AttemptNodeSpec), f"{node} is a {spec.kind} node, not a step"
         return spec

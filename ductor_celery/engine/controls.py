@@ -7,6 +7,7 @@ from typing import Any
 
 from ..definition.spec import WorkflowSpec
 from .cancel import request_cancel
+from .compensation import compensating, end_or_compensate, is_compensation
 from .context import TickContext
 from .deadline import hard_revokes
 from .delay import resumed_status
@@ -51,6 +52,8 @@ def apply_control(t: TickContext) -> None:
     problem = control_problem(status, control.kind, control.node)
     if problem is None and control.kind == ControlKind.REDRIVE:
         problem = from_node_problem(t, control.node)
+    if problem is None and compensating(t.payload.state):
+        problem = compensating_problem(control.kind)
     if problem is not None:
         t.payload.handled_control = HandledControl(control.id, control_rejected(problem))
         t.record(None, status, status, f"{control.kind} rejected: {problem}")
@@ -71,10 +74,12 @@ def apply_control(t: TickContext) -> None:
         if kind == ControlKind.TERMINATE:
             hard_revokes(t)  # terminate kills steps still running; cancel lets them stop
         state.continue_pending = None
-        t.payload.error = {"type": kind.capitalize(), "message": reason}
-        t.move_run(
-            RunStatus.CANCELLED if kind == ControlKind.CANCEL else RunStatus.TERMINATED, reason
-        )
+        error = {"type": kind.capitalize(), "message": reason}
+        if kind == ControlKind.CANCEL:
+            end_or_compensate(t, RunStatus.CANCELLED, reason, error)
+        else:
+            t.payload.error = error
+            t.move_run(RunStatus.TERMINATED, reason)
     elif kind == ControlKind.REDRIVE:
         redrive(t, control, reason + (f" from {control.node!r}" if control.node else ""))
     elif kind == ControlKind.CONTINUE_AS_NEW:
@@ -82,6 +87,21 @@ def apply_control(t: TickContext) -> None:
         if control.spec_hash:  # version=: the successor runs that definition
             state.continue_pending["spec_hash"] = control.spec_hash
         t.record(None, state.status, state.status, f"{reason}: draining attempts in flight")
+
+
+#: Controls a compensating run refuses: its saga runs to the end (terminate stops it).
+_NOT_WHILE_COMPENSATING = frozenset({ControlKind.CANCEL, ControlKind.CONTINUE_AS_NEW})
+
+
+def compensating_problem(kind: ControlKind | str) -> str | None:
+    """Why a run that is compensating refuses a control of ``kind`` (``None``: it accepts it:
+    pause, resume and terminate)."""
+    if ControlKind.parse(kind) in _NOT_WHILE_COMPENSATING:
+        return (
+            "run is compensating (its compensations run to the end before it ends); "
+            "terminate it to stop them"
+        )
+    return None
 
 
 def control_problem(
@@ -184,6 +204,8 @@ def _carried(t: TickContext, target: WorkflowSpec) -> RunState:
     carried = RunState.initial(t.spec.graph.order)
     carried.context = dict(t.payload.state.context)
     for node_id, ns in t.nodes.items():
+        if is_compensation(node_id):
+            continue  # a saga of the predecessor is not carried
         done = ns.status in (NodeStatus.SUCCEEDED, NodeStatus.SKIPPED, NodeStatus.WAITING) or (
             ns.status == NodeStatus.FAILED and t.spec.graph.nodes[node_id].continue_on_failure
         )

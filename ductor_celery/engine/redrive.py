@@ -20,10 +20,11 @@ from __future__ import annotations
 import dataclasses
 
 from ..definition.spec import WorkflowSpec
+from .compensation import undone_nodes
 from .context import TickContext
 from .inputs import ControlIn
 from .kinds import ControlKind
-from .state import NodeState
+from .state import NodeState, RunState
 from .status import NodeStatus, RunStatus
 
 #: Node statuses every redrive puts back to pending.
@@ -53,8 +54,15 @@ def from_node_problem(t: TickContext, node: str | None) -> str | None:
 
 
 def redrive(t: TickContext, control: ControlIn, reason: str) -> None:
-    """Reopen the run (the caller checked the control is allowed)."""
+    """Reopen the run (the caller checked the control is allowed).
+
+    After a saga (docs/compensation.md), each node whose compensation succeeded runs again,
+    and everything after it, as a redrive from that node would: its effect was undone. Nodes
+    whose compensation did not succeed keep their outputs (their effect stands)."""
     again = downstream(t, control.node) if control.node is not None else set()
+    for node_id in undone_nodes(t.payload.state):
+        again |= downstream(t, node_id)
+    t.payload.state.compensation = None
     for node_id in t.spec.graph.order:
         ns = t.nodes[node_id]
         if ns.status in _RERUN or (node_id in again and ns.status != NodeStatus.PENDING):
@@ -70,11 +78,16 @@ def redrive(t: TickContext, control: ControlIn, reason: str) -> None:
     t.move_run(RunStatus.RUNNING, reason)
 
 
-def reads_for(definition: WorkflowSpec, control: ControlIn | None) -> frozenset[str]:
+def reads_for(
+    definition: WorkflowSpec, control: ControlIn | None, state: RunState | None = None
+) -> frozenset[str]:
     """Nodes whose outputs a tick applying ``control`` may resolve beyond those that
-    ``read_nodes`` names: a redrive from a node puts succeeded nodes back to pending in the
-    tick itself, and they start at once with what they read upstream."""
-    if control is None or control.kind != ControlKind.REDRIVE or control.node is None:
+    ``read_nodes`` names: a redrive from a node (or of a compensated run, whose undone nodes
+    run again) puts succeeded nodes back to pending in the tick itself, and they start at
+    once with what they read upstream."""
+    if control is None or control.kind != ControlKind.REDRIVE:
+        return frozenset()
+    if control.node is None and (state is None or not undone_nodes(state)):
         return frozenset()
     graph = definition.graph
     return graph.output_reads.union(*graph.reads.values())

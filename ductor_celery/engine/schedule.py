@@ -16,6 +16,7 @@ from ..definition.spec import (
 from ..payloads import refusal
 from ..values import truthy
 from .children import close_checkpointed_children, close_child, start_subworkflow
+from .compensation import end_or_compensate, is_compensation
 from .context import TickContext
 from .delay import waiting_to_start
 from .external import park_node
@@ -38,8 +39,8 @@ def fail_run_on_fatal_node(t: TickContext) -> bool:
             # A continue-as-new that was draining dies with the run (as on cancel), or a later
             # redrive would close the run as continued instead of running it again.
             t.payload.state.continue_pending = None
-            t.payload.error = error
-            t.move_run(RunStatus.FAILED, f"node {node_id!r} failed: {error.get('message', '')}")
+            reason = f"node {node_id!r} failed: {error.get('message', '')}"
+            end_or_compensate(t, RunStatus.FAILED, reason, error)
             return True
     return False
 
@@ -153,7 +154,13 @@ def _reach_checkpoint(t: TickContext, node_id: str) -> None:
 
 
 def finish_if_done(t: TickContext) -> None:
-    if all(ns.status in FINISHED_NODE_STATUSES for ns in t.nodes.values()):
+    # Compensations (``"<node>~compensate"``) are not nodes of the graph: kept from an earlier
+    # saga (a redriven run), they do not hold the run open.
+    if all(
+        ns.status in FINISHED_NODE_STATUSES
+        for node_id, ns in t.nodes.items()
+        if not is_compensation(node_id)
+    ):
         scope = Scope(
             input=t.inputs.input, context=t.payload.state.context, outputs=t.outputs, item=None
         )
@@ -162,9 +169,9 @@ def finish_if_done(t: TickContext) -> None:
         )
         if error is not None:
             # Every node succeeded, but the output they make cannot be stored (too large, or
-            # nested deeper than the limit): the run fails, saying so, never half-written.
-            t.payload.error = error
-            t.move_run(RunStatus.FAILED, error["message"])
+            # nested deeper than the limit): the run fails, saying so, never half-written
+            # (after undoing its nodes, if they have compensations).
+            end_or_compensate(t, RunStatus.FAILED, error["message"], error)
             return
         t.payload.output = output
         t.move_run(RunStatus.SUCCEEDED, "every node finished")

@@ -517,6 +517,12 @@ class RunState:
     cancel: dict[str, Any] | None = None
     #: The run's tags (engine/tags.py, docs/tags.md); ``eec_run_tag`` indexes the same pairs.
     tags: dict[str, str] = field(default_factory=dict)
+    #: The saga of a run that failed (or was cancelled with ``compensate_on_cancel``) after
+    #: step nodes with ``compensate=`` succeeded (engine/compensation.py): ``{"order": [node
+    #: ids, the one to undo first first], "ending": run status it ends with, "reason": str,
+    #: "error": the run's error, "active": bool}``. Kept once done (the view lists it, a
+    #: redrive reads it); a redrive clears it.
+    compensation: dict[str, Any] | None = None
 
     @classmethod
     def initial(
@@ -545,6 +551,7 @@ class RunState:
             deadline_at=self.deadline_at,
             cancel=dict(self.cancel) if self.cancel else None,
             tags=dict(self.tags),
+            compensation=copy.deepcopy(self.compensation),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -559,6 +566,7 @@ class RunState:
             **({"deadline_at": self.deadline_at.isoformat()} if self.deadline_at else {}),
             **({"cancel": self.cancel} if self.cancel else {}),
             **({"tags": self.tags} if self.tags else {}),
+            **({"compensation": self.compensation} if self.compensation else {}),
         }
 
     @classmethod
@@ -576,4 +584,5 @@ class RunState:
             ),
             cancel=data.get("cancel"),
             tags=dict(data.get("tags") or {}),
+            compensation=data.get("compensation"),
         )

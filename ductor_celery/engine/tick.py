@@ -14,6 +14,7 @@ from ..definition.spec import WorkflowSpec
 from .advance import check_in_flight, fire_retries, fold_results
 from .cancel import settle_cancel
 from .children import absorb_subworkflows
+from .compensation import compensating, compensation_reads, drive_compensation, stop_compensating
 from .context import TickContext
 from .controls import apply_control, maybe_continue_as_new, request_auto_continue
 from .deadline import time_out_if_due
@@ -52,6 +53,12 @@ def compute_tick(
         t.move_run(RunStatus.RUNNING, "started")
     fold_results(t)
     check_in_flight(t)
+    if compensating(payload.state):
+        # Undoing succeeded nodes (engine/compensation.py): nothing else moves.
+        if payload.state.status != RunStatus.PAUSED:
+            fire_retries(t)
+        drive_compensation(t)
+        return _finish(t)
     if payload.state.cancel is not None:
         settle_cancel(t)  # a cancel waiting for attempts to stop: nothing else moves
         return _finish(t)
@@ -101,6 +108,7 @@ def _finish(t: TickContext) -> TickPayload:
     payload = t.payload
     if payload.state.status in TERMINAL_RUN_STATUSES:
         payload.state.cancel = None  # ended otherwise (terminate, deadline) while cancelling
+        stop_compensating(payload.state)
     payload.next_wake_at = (
         None if payload.state.status in TERMINAL_RUN_STATUSES else next_wake_at(t)
     )
@@ -123,7 +131,7 @@ def read_nodes(definition: WorkflowSpec, state: RunState) -> set[str]:
         # A running scatter reads its item list (and branch arguments) as it starts branches.
         if ns.status in READER_STATUSES or (ns.status in ACTIVE and ns.scatter):
             wanted |= graph.reads.get(node_id, frozenset())
-    return wanted
+    return wanted | compensation_reads(state)
 
 
 def needed_outputs(definition: WorkflowSpec, state: RunState) -> dict[str, str]:

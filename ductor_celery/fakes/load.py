@@ -69,7 +69,7 @@ def load(
         input=run_input(tables, run),
         results=results,
         checks=_checks(tables, state, now),
-        outputs=_outputs_for(tables, spec, state, reads_for(spec, control)),
+        outputs=_outputs_for(tables, spec, state, reads_for(spec, control, state)),
         config=config,
         signals=tuple(
             SignalIn(id=s.id, name=s.name, payload=s.payload)

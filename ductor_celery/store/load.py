@@ -143,7 +143,7 @@ def load_on(
         refused=admission.refused,
         wake=admission.wake,
         checks=_checks(conn, state, now),
-        outputs=_outputs_for(conn, spec, state, reads_for(spec, control)),
+        outputs=_outputs_for(conn, spec, state, reads_for(spec, control, state)),
         config=config,
         signals=_signals(conn, run_id) if row.has_signals else (),
         control=control,

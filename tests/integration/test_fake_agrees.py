@@ -484,3 +484,58 @@ def test_a_redrive_from_a_node_with_input_and_a_move_to_another_version_agree(
     assert by_run[successor_id][2] == "succeeded"
     # p and q were carried to version 2 (unchanged there): only r ran in the successor
     assert [a[1] for a in sql_rows["attempts"] if a[0].startswith(successor_id)] == ["r"]
+
+
+def _saga_work(world: _World, done: set[str]) -> bool:
+    """Run every step message not run yet: ``boom`` fails without retry, the rest succeed."""
+    ran = False
+    for row in world.sent.sent:
+        if row.kind != DispatchKind.STEP or row.payload["token"] in done:
+            continue
+        token, node = row.payload["token"], row.payload["node"]
+        done.add(token)
+        ran = True
+        if node == "boom":
+            world.claim_and_finish(token, None, {"type": "Boom", "message": "no stock"})
+        else:
+            world.claim_and_finish(token, {"did": token}, None)
+    return ran
+
+
+def test_a_saga_and_its_redrive_leave_the_same_rows_in_both_stores(db_url: str) -> None:
+    """docs/compensation.md: a failed run compensates in reverse order (the compensation's
+    output read from the node's attempt row), is redriven (the undone nodes run again) and
+    compensates again."""
+    wf = Workflow("agree_saga")
+    wf.step("p", "s.p", compensate="s.undo")
+    wf.step("q", "s.q", after=["p"], compensate="s.undo")
+    wf.step("boom", "s.boom", after=["q"], retry=RetryPolicy(max_attempts=1))
+    spec = wf.build()
+    worlds: list[_World] = [_Fake([spec]), _Sql(db_url, [spec])]
+    for world in worlds:
+        done: set[str] = set()
+        world.start(spec, "agree-s", {"order": 1})
+        for _ in range(20):
+            world.coordinator.tick("agree-s")
+            if not _saga_work(world, done) and not world.open_runs():
+                break
+        assert world.open_runs() == []
+        world.control("agree-s", ControlKind.REDRIVE)
+        for _ in range(20):
+            world.coordinator.tick("agree-s")
+            if not _saga_work(world, done) and not world.open_runs():
+                break
+        assert world.open_runs() == []
+    fake_rows, sql_rows = (_strip_ids(w.rows()) for w in worlds)
+    for table in ("runs", "attempts", "transitions", "controls"):
+        assert fake_rows[table] == sql_rows[table], table
+    assert _sent(worlds[0]) == _sent(worlds[1])
+    assert fake_rows["runs"][0][2] == "failed"
+    # Rows are listed by token; the order they ran in is checked in test_compensation.py.
+    undo = [(a[0], a[6]) for a in sql_rows["attempts"] if a[1].endswith("~compensate")]
+    assert undo == [
+        ("agree-s:p~compensate:1", {"output": {"did": "agree-s:p:1"}, "input": {"order": 1}}),
+        ("agree-s:p~compensate:2", {"output": {"did": "agree-s:p:2"}, "input": {"order": 1}}),
+        ("agree-s:q~compensate:1", {"output": {"did": "agree-s:q:1"}, "input": {"order": 1}}),
+        ("agree-s:q~compensate:2", {"output": {"did": "agree-s:q:2"}, "input": {"order": 1}}),
+    ]

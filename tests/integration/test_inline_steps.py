@@ -452,3 +452,49 @@ def test_a_bad_inline_steps_setting_is_refused_by_name(value: Any) -> None:
 def test_inline_steps_setting_reads_strings_from_env_driven_configs() -> None:
     assert Settings.from_conf({"ductor_inline_steps": "7"}).inline_steps == 7
     assert Settings.from_conf({}).inline_steps == 50
+
+
+def test_compensations_after_the_first_run_inline(url: str) -> None:
+    """docs/compensation.md: the failure's tick starts the saga and wakes the run to read the
+    first compensated node's output; that compensation goes out as a message, and the next
+    one runs inline after it, in the same worker, with no message of its own."""
+    ductor, recorder = make_ductor(url)
+    ran: list[str] = []
+
+    @ductor.step(name="inline.book")
+    def book(ctx: StepContext) -> str:
+        ran.append(ctx.node)
+        return f"booked {ctx.node}"
+
+    @ductor.step(name="inline.fail", retry=RetryPolicy(max_attempts=1))
+    def fail(ctx: StepContext) -> None:
+        ran.append(ctx.node)
+        raise RuntimeError("sold out")
+
+    @ductor.step(name="inline.undo")
+    def undo(ctx: StepContext, output: str, input: Any) -> str:
+        ran.append(ctx.node)
+        return f"undid {output}"
+
+    wf = Workflow("inline_saga")
+    wf.step("a", book, compensate=undo)
+    wf.step("b", book, after=["a"], compensate=undo)
+    wf.step("c", fail, after=["b"])
+    ductor.register(wf)
+    run_id, first = start_run(ductor, "inline_saga", recorder)
+    with _as_message(ductor, first):
+        deliver(ductor, first)
+    assert ran == ["a", "b", "c"] and recorder.steps() == []
+    # The failing tick woke the run (an outbox row) to read b's output for its compensation.
+    assert [(r.kind, r.run_id) for r in recorder.rows] == [("wakeup", run_id)]
+    recorder.rows.clear()
+    assert run_tick(ductor.runtime, run_id) == "committed"
+    [undo_b] = [r for r in recorder.rows if r.kind == "step"]
+    assert undo_b.payload["node"] == "b~compensate"
+    recorder.rows.clear()
+    with _as_message(ductor, undo_b):
+        deliver(ductor, undo_b)
+    assert ran == ["a", "b", "c", "b~compensate", "a~compensate"]
+    assert recorder.steps() == []  # a's compensation needed no message
+    assert run_row(ductor, run_id).status == "failed"
+    assert ductor.get(run_id).compensations[1].output == "undid booked a"
