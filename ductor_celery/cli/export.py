@@ -18,9 +18,7 @@ def export_of(d: Ductor, target: str) -> dict[str, Any]:
     from ..store.export_format import export_document
 
     view = d.get(target)  # checks the target and resolves a workflow id
-    # Tags arrive with their own feature (RunView.tags); until then a run has none.
-    tags = dict(getattr(view, "tags", None) or {})
-    return export_document(d.client.engine, view.run_id, tags)
+    return export_document(d.client.engine, view.run_id, dict(view.tags))
 
 
 @ductor.command()

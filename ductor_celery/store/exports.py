@@ -17,7 +17,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from ..engine.tags import tags_problem
 from ..errors import ExportError
+from . import tags as run_tags
 from .db import aware, is_postgres
 from .schema import (
     step_attempt,
@@ -202,7 +204,10 @@ def restore_rows(engine: Engine, rows: RunRows, source: str) -> None:
     """Insert the run's rows as they were, in one transaction, into a database that does not
     hold the run. Rows the tables refuse (a duplicate token, a NULL where a column needs a
     value: a hand-edited export) are one ``ExportError`` naming ``source``; nothing is
-    written."""
+    written. So are tags in the run state that no run could have (docs/tags.md)."""
+    problem = tags_problem(_state_tags(rows.run["state"]), "the run state's tags")
+    if problem is not None:
+        raise ExportError(f"{source} does not load: {problem}")
     try:
         _insert(engine, rows)
     except sa.exc.SQLAlchemyError as exc:
@@ -225,6 +230,10 @@ def _insert(engine: Engine, rows: RunRows) -> None:
         if exists is None:
             conn.execute(sa.insert(workflow_definition).values(**rows.definition))
         conn.execute(sa.insert(workflow_run).values(**rows.run))
+        # The tags' index rows from the run state, which holds the same pairs (docs/tags.md).
+        tag_rows = run_tags.tags_insert(run_id, _state_tags(rows.run["state"]))
+        if tag_rows is not None:
+            conn.execute(tag_rows)
         if rows.attempts:
             conn.execute(sa.insert(step_attempt), [{**a, "run_id": run_id} for a in rows.attempts])
         if rows.signals:
@@ -243,3 +252,9 @@ def _insert(engine: Engine, rows: RunRows) -> None:
             )
         if rows.timer is not None:
             conn.execute(sa.insert(workflow_timer).values(run_id=run_id, fire_at=rows.timer))
+
+
+def _state_tags(state: Any) -> dict[str, str]:
+    """The tags a stored run state holds (none when it has no ``tags`` key)."""
+    tags = state.get("tags") if isinstance(state, dict) else None
+    return dict(tags or {})

@@ -16,7 +16,13 @@ import sqlalchemy as sa
 from celery import Celery
 
 from ductor_celery import Ductor, RetryPolicy, RunStatus, StepContext, Workflow
-from ductor_celery.errors import InvalidTag
+from ductor_celery.cli.export import export_of
+from ductor_celery.errors import ExportError, InvalidTag
+from ductor_celery.store import runs
+from ductor_celery.store.db import get_engine
+from ductor_celery.store.export_format import read_export
+from ductor_celery.store.exports import restore_rows
+from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.schema import run_tag, workflow_run
 
 
@@ -267,3 +273,21 @@ def test_a_bad_ctx_tag_fails_its_attempt_without_retry_naming_the_tag(d: Ductor)
     assert node.error is not None and node.error["type"] == "InvalidTag"
     assert "tag value of 'k' must be 1..100 characters, it is 101" in node.error["message"]
     assert view.tags == {"customer": "c-1"}
+
+
+def test_an_export_carries_the_tags_and_a_restore_indexes_them(d: Ductor, tmp_path: Path) -> None:
+    handle = d.start("plain", tags={"customer": "c-1", "region": "eu"})
+    document = export_of(d, handle.run_id)
+    assert document["tags"] == {"customer": "c-1", "region": "eu"}
+    url = f"sqlite:///{tmp_path}/restored.sqlite3"
+    upgrade(url)
+    elsewhere = get_engine(url)
+    restore_rows(elsewhere, read_export(document).rows, "the export")
+    found, _ = runs.list_runs(elsewhere, where=runs.RunFilter(tags=(("customer", "c-1"),)))
+    assert [r.run_id for r in found] == [handle.run_id]
+    # A state whose tags no run could have: one clear error, nothing written.
+    document["run"]["state"]["tags"] = {f"k{i}": "v" for i in range(21)}
+    document["run"]["run_id"] = "other"
+    with pytest.raises(ExportError, match="at most 20 tags per run, got 21"):
+        restore_rows(elsewhere, read_export(document).rows, "the export")
+    assert runs.find_run(elsewhere, "other") is None
