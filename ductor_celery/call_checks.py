@@ -42,8 +42,8 @@ def check_version(version: Any, also: str = "") -> int:
 
 def check_payload(value: Any, what: str, limit: int) -> Any:
     """Refuse a payload that cannot be stored exactly or is over the limit, naming it; return
-    it as JSON."""
-    checked = check_json(value, what, limit)
+    it as JSON. A value from a caller may not use the key of references to large values."""
+    checked = check_json(value, what, limit, outside=True)
     if checked.problem is None:
         return checked.value
     if checked.too_large:

@@ -52,7 +52,7 @@ from .errors import (
     WorkflowNotFound,
 )
 from .settings import Settings
-from .store import audit, clock, external, finishes, inputs, joined, runs, start_requests
+from .store import audit, blobs, clock, external, finishes, inputs, joined, runs, start_requests
 from .store.db import db_now, get_engine, with_retry
 from .store.outputs import EngineOutputs
 from .store.runs import RunRow
@@ -115,9 +115,13 @@ class Client:
 
     @property
     def engine(self) -> Engine:
-        if self._get_engine is not None:
-            return self._get_engine()
-        return get_engine(self.settings.database_url, prepare=self.settings.database_prepare)
+        engine = (
+            self._get_engine()
+            if self._get_engine is not None
+            else get_engine(self.settings.database_url, prepare=self.settings.database_prepare)
+        )
+        blobs.configure(engine, self.settings.offload_bytes)
+        return engine
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -302,6 +306,7 @@ class Client:
             deadline_at=deadline_at,
             who=who,
             priority=priority,
+            offload_bytes=self.settings.offload_bytes,
         )
         if created and due_now:
             caller.on_commit(
@@ -701,11 +706,19 @@ class Client:
             lambda fn, what: with_retry(fn, what=f"read ({what})", deadline_s=60.0),
         )
         outputs = resolve_outputs(refs, source)
+        # Large values are read back here (docs/large-values.md): one connection, opened only
+        # when a value holds a reference.
+        held = {f"the output of node {n!r}": v for n, v in outputs.items()}
+        held["the run's input"] = self._read(
+            inputs.input_for_view, self.engine, row.state, row.input
+        )
+        held["the run's output"] = row.output
+        values = self._read(blobs.resolved_many, self.engine, held)
         nodes = {
             node_id: NodeView(
                 status=ns.status,
                 attempts=ns.generation,
-                output=outputs[node_id],
+                output=values[f"the output of node {node_id!r}"],
                 error=ns.error if ns.status != NodeStatus.SUCCEEDED else None,
                 started_at=ns.started_at,
                 finished_at=ns.finished_at,
@@ -718,9 +731,9 @@ class Client:
             workflow=row.workflow,
             version=row.version,
             status=row.status,
-            input=self._read(inputs.input_for_view, self.engine, row.state, row.input),
+            input=values["the run's input"],
             context=row.state.context,
-            output=row.output,
+            output=values["the run's output"],
             error=row.error,
             nodes=nodes,
             parent_run_id=row.parent_run_id,

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from .blobrefs import REF_KEY, forged_reference
 from .limits import MAX_JSON_DEPTH
 from .values import (
     VALUE_KEY,
@@ -55,15 +56,19 @@ class JsonCheck(NamedTuple):
     too_large: bool = False
 
 
-def check_json(value: Any, what: str, limit: int) -> JsonCheck:
+def check_json(value: Any, what: str, limit: int, *, outside: bool = False) -> JsonCheck:
     """Whether ``value`` can be stored exactly as JSON of at most ``limit`` UTF-8 bytes.
+
+    ``outside``: the value comes from outside ductor (a client's input or payload, a step's
+    result or patch), so it may not use the key ductor reserves for references to large
+    values (``blobrefs.REF_KEY``): a reference in a row is always one ductor wrote.
 
     Cost on the accepted path: one ``json.dumps`` and one ``json.loads`` (both in C), an
     encode to UTF-8, and a walk over containers only when the text holds more than
     ``MAX_JSON_DEPTH`` brackets (fewer brackets cannot nest deeper).
     """
     try:
-        return _check(value, what, limit)
+        return _check(value, what, limit, outside)
     except Exception as exc:  # noqa: BLE001 - total: a user's dict subclass may raise anything
         return JsonCheck(None, storable_text(f"{what} is not JSON-serializable: {_describe(exc)}"))
 
@@ -79,13 +84,15 @@ def refusal(value: Any, what: str, limit: int) -> tuple[Any, dict[str, Any] | No
     return None, {"type": kind, "message": checked.problem}
 
 
-def json_problem(value: Any, what: str, limit: int) -> tuple[Any, str | None]:
+def json_problem(
+    value: Any, what: str, limit: int, *, outside: bool = False
+) -> tuple[Any, str | None]:
     """``value`` normalized through JSON, or ``None`` and a problem that names ``what``."""
-    checked = check_json(value, what, limit)
+    checked = check_json(value, what, limit, outside=outside)
     return checked.value, checked.problem
 
 
-def _check(value: Any, what: str, limit: int) -> JsonCheck:
+def _check(value: Any, what: str, limit: int, outside: bool) -> JsonCheck:
     try:
         # ensure_ascii=False: the text's UTF-8 encoding is what is measured, and encoding it
         # is what finds a lone surrogate.
@@ -108,6 +115,14 @@ def _check(value: Any, what: str, limit: int) -> JsonCheck:
     # given as an object is; the walk runs only when the text names the kind at all.
     if '"decimal"' in text and (found := _unbounded_decimal(normalized)) is not None:
         return JsonCheck(None, storable_text(f"{what} is not JSON-serializable: {found}"))
+    if outside and (where := forged_reference(text, normalized)) is not None:
+        return JsonCheck(
+            None,
+            storable_text(
+                f"{what} is not JSON-serializable: the key {REF_KEY!r} at {_short(where)} is "
+                "reserved for references to large values"
+            ),
+        )
     return JsonCheck(normalized)
 
 

@@ -89,7 +89,11 @@ def start_ready_nodes(t: TickContext) -> bool:
     """
     moved = False
     scope = Scope(
-        input=t.inputs.input, context=t.payload.state.context, outputs=t.outputs, item=None
+        input=t.inputs.input,
+        context=t.payload.state.context,
+        outputs=t.outputs,
+        item=None,
+        blobs=t.blobs,
     )
     for node_id in t.spec.graph.order:
         ns = t.nodes[node_id]
@@ -155,7 +159,11 @@ def _reach_checkpoint(t: TickContext, node_id: str) -> None:
 def finish_if_done(t: TickContext) -> None:
     if all(ns.status in FINISHED_NODE_STATUSES for ns in t.nodes.values()):
         scope = Scope(
-            input=t.inputs.input, context=t.payload.state.context, outputs=t.outputs, item=None
+            input=t.inputs.input,
+            context=t.payload.state.context,
+            outputs=t.outputs,
+            item=None,
+            blobs=t.blobs,
         )
         output, error = refusal(
             resolve(t.spec.output, scope), "run output", t.inputs.config.max_payload_bytes

@@ -66,7 +66,7 @@ def payload_of(value: Any, what: str, limit: int) -> tuple[Any, str | None]:
     """``json_problem``, made total here as well: whatever the check raises (a RecursionError
     on a value nested thousands deep, a user's container misbehaving) is the problem."""
     try:
-        return json_problem(value, what, limit)
+        return json_problem(value, what, limit, outside=True)
     except Exception as exc:  # noqa: BLE001
         return None, f"{what} is not JSON-serializable: {describe(exc)}"
 

@@ -21,7 +21,7 @@ from ..definition.spec import WorkflowSpec
 from ..engine.kinds import AuditAction
 from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
-from . import audit, clock
+from . import audit, blobs, clock
 from .db import aware, is_postgres
 from .schema import (
     step_attempt,
@@ -333,7 +333,10 @@ def insert_run_requested(
             with engine.begin() as conn:
                 if start_at is not None:
                     conn.execute(timer_insert(run_id, start_at))
-                conn.execute(statement)
+                # A large input is stored by reference (docs/large-values.md), in this
+                # transaction: a start that loses to an open run leaves no blob behind.
+                stored = blobs.offloaded_on(conn, run_id, input)
+                conn.execute(statement if stored is input else statement.values(input=stored))
                 if request is not None:
                     conn.execute(request_insert(request, run_id=run_id, workflow_id=workflow_id))
                 if who is not None:
