@@ -14,7 +14,6 @@ See docs/fan-out.md for the states and transitions.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
