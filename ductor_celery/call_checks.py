@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from . import limits
+from .definition.blobrefs import reserved_key_problem
 from .engine.kinds import CONTROL_ALLOWED, AuditAction, ControlKind, statuses_allowing
 from .engine.status import RunStatus
 from .errors import InvalidOperation, PayloadNotSerializable, PayloadTooLarge
@@ -43,7 +44,7 @@ def check_version(version: Any, also: str = "") -> int:
 def check_payload(value: Any, what: str, limit: int) -> Any:
     """Refuse a payload that cannot be stored exactly or is over the limit, naming it; return
     it as JSON. A value from a caller may not use the key of references to large values."""
-    checked = check_json(value, what, limit, outside=True)
+    checked = check_json(value, what, limit, door=reserved_key_problem)
     if checked.problem is None:
         return checked.value
     if checked.too_large:

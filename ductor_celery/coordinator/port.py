@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
-from ..blobrefs import BlobNeeds
+from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
 from ..engine import RunState, TickInputs, TickPayload
 from ..engine.kinds import DispatchKind

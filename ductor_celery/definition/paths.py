@@ -22,10 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..blobrefs import REF_KEY, BlobValues, ref_of
 from ..errors import DefinitionError
 from ..limits import MAX_SECRET_NAME_LENGTH, show
 from ..values import envelope_fields, truthy
+from .blobrefs import REF_KEY, BlobValues, ref_of
 
 ROOTS = ("input", "context", "nodes", "item", "secret")
 SECRET_PREFIX = "$.secret."

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ..blobrefs import BlobValues
+from ..definition.blobrefs import BlobValues
 from ..definition.spec import AttemptNodeSpec, WorkflowSpec
 from .inputs import TickInputs, TickPayload, Transition
 from .state import NodeState

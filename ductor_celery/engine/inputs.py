@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ..blobrefs import BlobNeeds
+from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
 from .kinds import ControlKind, ControlResult, DispatchKind
 from .state import RunState

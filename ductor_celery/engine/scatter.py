@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..blobrefs import BlobRef, BlobValues, ref_of
+from ..definition.blobrefs import BlobRef, BlobValues, ref_of
 from ..definition.paths import Scope, resolve
 from ..definition.spec import BATCH_ARG, ChildScatterNodeSpec, ScatterNodeSpec
 from ..payloads import refusal

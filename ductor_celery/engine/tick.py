@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from ..blobrefs import BlobValues
+from ..definition.blobrefs import BlobValues
 from ..definition.spec import WorkflowSpec
 from .advance import check_in_flight, fire_retries, fold_results
 from .cancel import settle_cancel

@@ -15,8 +15,8 @@ from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any, TypeVar
 
-from ..blobrefs import BlobNeeds
 from ..coordinator.port import Loaded, LoadedRun, OutboxRow, RunBusy, TickClaim
+from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
 from ..engine import EngineConfig, RunState, TickInputs, TickPayload
 from ..engine.deadline import deadline_after

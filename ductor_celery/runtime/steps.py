@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import tracing
-from ..blobrefs import contains_ref
 from ..coordinator import SETTLED_TICKS, TickOutcome
+from ..definition.blobrefs import contains_ref
 from ..definition.spec import BATCH_ARG
 from ..errors import DanglingReference, InvalidSecretName, SecretNotFound, StepCancelled
 from ..payloads import storable_text

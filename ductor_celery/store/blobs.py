@@ -19,7 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from ..blobrefs import (
+from ..definition.blobrefs import (
     BlobNeeds,
     BlobRef,
     Chunk,
@@ -30,7 +30,7 @@ from ..blobrefs import (
     refs_in,
     value_of,
 )
-from ..blobrefs import replace_refs as _replace
+from ..definition.blobrefs import replace_refs as _replace
 from ..engine.inputs import TickInputs
 from ..errors import DanglingReference
 from .schema import blob

@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from ..blobrefs import BlobNeeds
 from ..coordinator.port import Loaded, LoadedRun, OutboxRow, TickClaim
+from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
 from ..engine import EngineConfig, TickInputs, TickPayload
 from . import blobs, wakes

@@ -11,10 +11,10 @@ reads its items a page at a time (``page_of``) without reading the list.
 
 The marker key cannot be forged: every value that enters ductor from outside (a run's input, a
 signal's payload, a step's result, a context patch) is refused at the door when a dict in it
-uses the key (``forged_reference``), so a reference in a row was always written by ductor.
+uses the key (``reserved_key_problem``), so a reference in a row was always written by ductor.
 
-Pure: imported by ``definition/`` and ``engine/`` (which see references as opaque values) as
-well as the store, which writes and reads the chunks.
+Pure, and in ``definition/`` because paths (``paths.py``) read inside references; the engine
+sees references as opaque values, and the store writes and reads the chunks.
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ def ref_of(value: Any) -> BlobRef | None:
     return BlobRef(blob_id, size, sha, items)
 
 
-def forged_reference(text: str, value: Any) -> str | None:
-    """Where a value from outside uses the reserved key (a JSON path), or None. ``text`` is
-    the value's JSON: the walk runs only when the key appears in it at all."""
+def reserved_key_problem(text: str, value: Any) -> str | None:
+    """The check at the doors (``payloads.check_json(door=...)``): a value from outside may
+    not use the reserved key anywhere; the problem names where. ``text`` is the value's JSON:
+    the walk runs only when the key appears in it at all."""
     if _QUOTED_KEY not in text:
         return None
     stack: list[tuple[Any, str]] = [(value, "$")]
@@ -79,7 +80,8 @@ def forged_reference(text: str, value: Any) -> str | None:
         item, path = stack.pop()
         if isinstance(item, dict):
             if REF_KEY in item:
-                return path
+                shown = path if len(path) <= 120 else "…" + path[-120:]
+                return f"the key {REF_KEY!r} at {shown} is reserved for references to large values"
             stack += [(v, f"{path}.{k}") for k, v in item.items()]
         elif isinstance(item, list):
             stack += [(v, f"{path}[{i}]") for i, v in enumerate(item)]
