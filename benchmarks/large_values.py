@@ -17,10 +17,12 @@ tick runs in the coordinator and every step in the step worker):
   offloaded (the default 256 KiB; each tick reads the page it dispatches).
 
 Figures per scenario: rows written per step (every ``eec_`` row of the runs, blob chunks
-included, over attempt rows), bytes per tick (the coordinator process's reads and writes on
-its sockets and files, ``/proc/<pid>/io`` ``rchar + wchar`` from the first start to the last
-finish, its sweeper's passes included, over the ticks committed: the sum of the runs' ``record_version``), and the peak
-RSS (``VmHWM``) of the step worker and the coordinator. Written to
+included, over attempt rows), bytes per tick (the JSON size of the values each tick of the
+coordinator computed over and wrote: the run's state and input, the outputs, results, signal
+payloads, gathers, large values and list pages it read, the arguments and output it wrote;
+counted in the coordinator process by ``large_values_app.py``), the blob bytes the ticks read,
+and the peak RSS (``ru_maxrss``) of the step worker and the coordinator, each reported by the
+process itself at shutdown. Written to
 ``benchmarks/large_values_results.json`` with the ratios big/small.
 """
 
@@ -61,14 +63,10 @@ RUN_TABLES = (
 )
 
 
-def _proc(pid: int) -> dict[str, int]:
-    io = dict(
-        (k, int(v))
-        for k, v in (line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
-    )
-    status = Path(f"/proc/{pid}/status").read_text().splitlines()
-    hwm = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
-    return {"io": io["rchar"] + io["wchar"], "hwm_kib": hwm}
+def _report(trace: Path, pid: int) -> dict[str, Any]:
+    """What a worker process wrote at its shutdown (large_values_app.py's counters)."""
+    report: dict[str, Any] = json.loads((trace / f"{pid}.json").read_text())
+    return report
 
 
 def _client(url: str, broker: str, offload: int) -> Ductor:
@@ -90,19 +88,18 @@ def scenario(
     upgrade(url)
     broker = redis.url(1)
     redis.client(1).flushdb()
-    env = {"LV_OFFLOAD_BYTES": str(offload)}
+    trace = workdir / name / "trace"
+    trace.mkdir(parents=True)
+    env = {"LV_OFFLOAD_BYTES": str(offload), "LV_TRACE_DIR": str(trace)}
     cluster = Cluster(url, broker, workdir / name, app="large_values_app", cwd=BENCH_DIR, **env)
-    (workdir / name).mkdir(parents=True, exist_ok=True)
     try:
         steps = cluster.start_steps(concurrency=1, pool="solo", name="steps")
         coord = cluster.start_steps(concurrency=1, pool="solo", name="coord", queues="ductor-coord")
         time.sleep(2.0)  # past start-up: what is measured below is the work
-        start = {"steps": _proc(steps.proc.pid), "coord": _proc(coord.proc.pid)}
         client = _client(url, broker, offload)
         t0 = time.perf_counter()
         run_ids = work(client)
         wall = time.perf_counter() - t0
-        end = {"steps": _proc(steps.proc.pid), "coord": _proc(coord.proc.pid)}
         with sa.create_engine(url, poolclass=sa.pool.NullPool).connect() as conn:
             params = {"ids": run_ids}
             rows = {
@@ -130,27 +127,37 @@ def scenario(
                     params,
                 ).scalar_one()
             )
-        attempts = rows["eec_workflow_step_attempt"]
-        coord_io = end["coord"]["io"] - start["coord"]["io"]
-        return {
-            "wall_s": round(wall, 2),
-            "runs": len(run_ids),
-            "attempt_rows": attempts,
-            "ticks": ticks,
-            "rows": rows,
-            "rows_per_step": round(sum(rows.values()) / attempts, 2),
-            "blob_bytes": blob_bytes,
-            "coordinator_bytes_per_tick": round(coord_io / ticks),
-            "step_worker_bytes_per_step": round(
-                (end["steps"]["io"] - start["steps"]["io"]) / attempts
-            ),
-            "peak_rss_mib": {
-                "step_worker": round(end["steps"]["hwm_kib"] / 1024, 1),
-                "coordinator": round(end["coord"]["hwm_kib"] / 1024, 1),
-            },
-        }
     finally:
         cluster.stop()
+    steps_report, coord_report = _report(trace, steps.proc.pid), _report(trace, coord.proc.pid)
+    attempts = rows["eec_workflow_step_attempt"]
+    return {
+        "wall_s": round(wall, 2),
+        "runs": len(run_ids),
+        "attempt_rows": attempts,
+        "ticks_committed": ticks,
+        "ticks_computed": coord_report["ticks"],
+        "computations": coord_report["computations"],
+        "rows": rows,
+        "rows_per_step": round(sum(rows.values()) / attempts, 2),
+        "blob_bytes": blob_bytes,
+        "tick_value_bytes_per_tick": round(
+            coord_report["tick_value_bytes"] / max(coord_report["ticks"], 1)
+        ),
+        "blob_bytes_read_by_ticks": coord_report["blob_bytes_read_by_ticks"],
+        "blob_chunk_bytes_fetched": {
+            "step_worker": steps_report["blob_chunk_bytes_fetched"],
+            "coordinator": coord_report["blob_chunk_bytes_fetched"],
+        },
+        "blob_bytes_written": {
+            "step_worker": steps_report["blob_bytes_written"],
+            "coordinator": coord_report["blob_bytes_written"],
+        },
+        "peak_rss_mib": {
+            "step_worker": round(steps_report["peak_rss_kib"] / 1024, 1),
+            "coordinator": round(coord_report["peak_rss_kib"] / 1024, 1),
+        },
+    }
 
 
 def _two_step(size: int, runs: int) -> Any:
@@ -181,8 +188,8 @@ def _scatter(items: int) -> Any:
 def _ratio(big: dict[str, Any], small: dict[str, Any]) -> dict[str, float]:
     return {
         "rows_per_step": round(big["rows_per_step"] / small["rows_per_step"], 2),
-        "coordinator_bytes_per_tick": round(
-            big["coordinator_bytes_per_tick"] / max(small["coordinator_bytes_per_tick"], 1), 2
+        "tick_value_bytes_per_tick": round(
+            big["tick_value_bytes_per_tick"] / max(small["tick_value_bytes_per_tick"], 1), 2
         ),
         "peak_rss_step_worker": round(
             big["peak_rss_mib"]["step_worker"] / small["peak_rss_mib"]["step_worker"], 2

@@ -28,9 +28,14 @@ from typing import Any
 #: The reserved key of a reference.
 REF_KEY = "__ductor_blob__"
 
-#: Bytes of serialized JSON per ``eec_blob`` row (a list is cut at item boundaries: a chunk
-#: holds whole items, at least one, so an item larger than this is a chunk of its own).
+#: Bytes of serialized JSON per ``eec_blob`` row of any value but a list.
 CHUNK_BYTES = 1_048_576
+
+#: Bytes per row of an offloaded list, cut at item boundaries (a chunk holds whole items, at
+#: least one, so an item larger than this is a chunk of its own). Smaller than ``CHUNK_BYTES``:
+#: a scatter's tick reads the chunks holding the page it dispatches, so a chunk bounds what a
+#: tick reads for a page of a few items.
+LIST_CHUNK_BYTES = 262_144
 
 _QUOTED_KEY = json.dumps(REF_KEY)
 
@@ -141,12 +146,13 @@ class Chunk:
     first_item: int | None = None
 
 
-def chunks_of(value: Any, text: str, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
+def chunks_of(value: Any, text: str, chunk_bytes: int | None = None) -> list[Chunk]:
     """Cut a value (``text`` is its JSON) into chunks. A list is cut between items, each chunk
-    a JSON array of whole items with the index of its first; anything else into slices of its
-    UTF-8 text."""
+    a JSON array of whole items with the index of its first (``LIST_CHUNK_BYTES``); anything
+    else into slices of its UTF-8 text (``CHUNK_BYTES``)."""
     if isinstance(value, list) and value:
-        return list(_list_chunks(value, chunk_bytes))
+        return list(_list_chunks(value, chunk_bytes or LIST_CHUNK_BYTES))
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
     data = text.encode("utf-8")
     return [
         Chunk(seq, data[start : start + chunk_bytes])
