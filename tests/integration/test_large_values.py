@@ -14,19 +14,26 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from celery import Celery
+from support import CONFIG, load_tick
 
 from ductor_celery import (
     DanglingReference,
     Ductor,
     PayloadNotSerializable,
     PayloadTooLarge,
+    RunConcurrency,
     RunStatus,
     StepContext,
     Workflow,
 )
 from ductor_celery.definition.blobrefs import REF_KEY, ref_of
-from ductor_celery.store import blobs
-from ductor_celery.store.schema import blob, step_attempt, workflow_run, workflow_signal
+from ductor_celery.store import blobs, run_slots
+from ductor_celery.store.schema import (
+    blob,
+    step_attempt,
+    workflow_run,
+    workflow_signal,
+)
 
 MIB = 1024 * 1024
 
@@ -315,3 +322,25 @@ def test_a_dangling_reference_is_an_error_that_names_it(db_url: str) -> None:
         DanglingReference, match=f"blob {ref.id} referenced by the output of node 'make'"
     ):
         app.d.get(view.run_id)
+
+
+def test_a_run_concurrency_key_reads_inside_a_large_input(db_url: str) -> None:
+    d = _ductor(db_url, offload_bytes=1000)
+
+    @d.step(name="large.noop")
+    def noop(ctx: StepContext) -> None:
+        return None
+
+    wf = Workflow("keyed", concurrency=RunConcurrency("$.input.customer", 1))
+    wf.step("noop", noop)
+    spec = d.register(wf)
+    run_input = {"customer": "acme", "pad": "p" * 5000}
+    handle = d.start("keyed", input=run_input)  # no workers: it stays pending
+    run = _rows(d, sa.select(workflow_run.c.input).where(workflow_run.c.run_id == handle.run_id))
+    assert ref_of(run[0].input) is not None
+    found = load_tick(d.client.engine, handle.run_id, lambda _h: spec, CONFIG)
+    assert found is not None
+    assert spec.concurrency is not None
+    # The key of the value inside the input, as an inline input gives it (not of a null).
+    expected = run_slots.key_for("keyed", spec.concurrency, run_input)
+    assert expected == "keyed|acme" and found[0].concurrency_key == expected
