@@ -20,9 +20,9 @@ Figures per scenario: rows written per step (every ``eec_`` row of the runs, blo
 included, over attempt rows), bytes per tick (the JSON size of the values each tick of the
 coordinator computed over and wrote: the run's state and input, the outputs, results, signal
 payloads, gathers, large values and list pages it read, the arguments and output it wrote;
-counted in the coordinator process by ``large_values_app.py``), the blob bytes the ticks read,
-and the peak RSS (``ru_maxrss``) of the step worker and the coordinator, each reported by the
-process itself at shutdown. Written to
+counted in the coordinator process by ``large_values_app.py``), the blob bytes the ticks read
+and the chunk bytes they fetched, and the peak RSS (``VmHWM`` in ``/proc/<pid>/status``, read
+when the work is done) of the step worker and the coordinator. Written to
 ``benchmarks/large_values_results.json`` with the ratios big/small.
 """
 
@@ -63,6 +63,14 @@ RUN_TABLES = (
 )
 
 
+def _hwm_mib(pid: int) -> float:
+    """``VmHWM`` (peak resident set) of a process, in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    raise RuntimeError(f"no VmHWM for process {pid}")
+
+
 def _report(trace: Path, pid: int) -> dict[str, Any]:
     """What a worker process wrote at its shutdown (large_values_app.py's counters)."""
     report: dict[str, Any] = json.loads((trace / f"{pid}.json").read_text())
@@ -100,6 +108,9 @@ def scenario(
         t0 = time.perf_counter()
         run_ids = work(client)
         wall = time.perf_counter() - t0
+        # The kernel's peak resident set of each process, read before they stop (a process's
+        # own ru_maxrss at shutdown includes what Celery's shutdown allocates).
+        hwm = {"step_worker": _hwm_mib(steps.proc.pid), "coordinator": _hwm_mib(coord.proc.pid)}
         with sa.create_engine(url, poolclass=sa.pool.NullPool).connect() as conn:
             params = {"ids": run_ids}
             rows = {
@@ -153,10 +164,7 @@ def scenario(
             "step_worker": steps_report["blob_bytes_written"],
             "coordinator": coord_report["blob_bytes_written"],
         },
-        "peak_rss_mib": {
-            "step_worker": round(steps_report["peak_rss_kib"] / 1024, 1),
-            "coordinator": round(coord_report["peak_rss_kib"] / 1024, 1),
-        },
+        "peak_rss_mib": hwm,
     }
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +87,7 @@ def _install(trace_dir: str) -> None:
     """Count, in this process: each tick's value bytes (the run's state, input, the outputs,
     results, signals, gathers, large values and list pages it computed over, and the arguments
     and output it wrote), blob bytes written, chunk bytes fetched from the database, steps
-    run; the peak RSS at shutdown."""
+    run; written at shutdown."""
     from celery.signals import task_postrun, worker_shutdown
 
     from ductor_celery.coordinator import loop
@@ -157,9 +156,7 @@ def _install(trace_dir: str) -> None:
 
     @worker_shutdown.connect(weak=False)
     def report(**_: Any) -> None:
-        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        out = {**COUNTERS, "peak_rss_kib": peak_kib}
-        Path(trace_dir, f"{os.getpid()}.json").write_text(json.dumps(out))
+        Path(trace_dir, f"{os.getpid()}.json").write_text(json.dumps(COUNTERS))
 
 
 if os.environ.get("LV_TRACE_DIR"):
