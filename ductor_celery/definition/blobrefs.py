@@ -192,16 +192,15 @@ def value_of(chunks: list[Chunk], ref: BlobRef) -> Any:
     return json.loads(data)
 
 
-def page_of(chunks: list[Chunk], start: int, stop: int) -> dict[int, Any]:
-    """Items ``start..stop-1`` of an offloaded list from the chunks that hold them (those whose
-    first item is at most ``stop - 1``, from the last one starting at or before ``start``)."""
+def page_of(chunks: list[tuple[int, list[Any]]], start: int, stop: int) -> dict[int, Any]:
+    """Items ``start..stop-1`` of an offloaded list from the chunks that hold them, each given
+    as (its first item's index, its items): those whose first item is at most ``stop - 1``,
+    from the last one starting at or before ``start``."""
     found: dict[int, Any] = {}
-    for chunk in chunks:
-        assert chunk.first_item is not None
-        for offset, item in enumerate(json.loads(chunk.data)):
-            index = chunk.first_item + offset
-            if start <= index < stop:
-                found[index] = item
+    for first, items in chunks:
+        for offset, item in enumerate(items):
+            if start <= first + offset < stop:
+                found[first + offset] = item
     return found
 
 

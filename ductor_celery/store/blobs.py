@@ -33,6 +33,7 @@ from ..definition.blobrefs import (
 from ..definition.blobrefs import replace_refs as _replace
 from ..engine.inputs import TickInputs
 from ..errors import DanglingReference
+from .composed import PerDatabase, cache_for
 from .schema import blob
 
 #: The serializer sizes are measured with, the one ``payloads.check_json`` uses.
@@ -122,8 +123,15 @@ def read(conn: Connection, ref: BlobRef, held_by: str = "a value") -> Any:
         raise DanglingReference(f"{exc} (referenced by {held_by})") from None
 
 
+#: Parsed chunks of offloaded lists, per database: a scatter's consecutive ticks read pages
+#: from the same chunk, and a chunk never changes. A few chunks of at most 256 KiB each.
+_pages: PerDatabase = weakref.WeakKeyDictionary()
+PAGE_CACHE_CHUNKS = 8
+
+
 def read_items(conn: Connection, ref: BlobRef, start: int, stop: int) -> dict[int, Any]:
-    """Items ``start..stop-1`` of an offloaded list, reading only the chunks that hold them."""
+    """Items ``start..stop-1`` of an offloaded list, reading only the chunks that hold them
+    (and of those, only the ones this process has not parsed lately)."""
     stop = min(stop, ref.items or 0)
     if start >= stop:
         return {}
@@ -132,13 +140,25 @@ def read_items(conn: Connection, ref: BlobRef, start: int, stop: int) -> dict[in
         .where(blob.c.id == ref.id, blob.c.first_item <= start)
         .scalar_subquery()
     )
-    chunks = _chunks(conn, ref, sa.and_(blob.c.first_item >= first, blob.c.first_item < stop))
-    found = page_of(chunks, start, stop)
-    if len(found) != stop - start:
+    span = sa.and_(blob.c.first_item >= first, blob.c.first_item < stop)
+    index = conn.execute(
+        sa.select(blob.c.seq, blob.c.first_item).where(blob.c.id == ref.id, span)
+    ).all()
+    cache = cache_for(_pages, conn.engine, PAGE_CACHE_CHUNKS)
+    keys = [f"{ref.id}#{r.seq}" for r in index]
+    found, missing = cache.get_many(keys)
+    if missing:
+        wanted = [int(key.rsplit("#", 1)[1]) for key in missing]
+        for chunk in _chunks(conn, ref, blob.c.seq.in_(wanted)):
+            parsed = (chunk.first_item, json.loads(chunk.data))
+            cache.put(f"{ref.id}#{chunk.seq}", parsed)
+            found[f"{ref.id}#{chunk.seq}"] = parsed
+    items = page_of([found[key] for key in keys if key in found], start, stop)
+    if len(items) != stop - start:
         raise DanglingReference(
             f"blob {ref.id} (a list of {ref.items} items) is missing items {start}..{stop - 1}"
         )
-    return found
+    return items
 
 
 def read_all(conn: Connection, refs: Iterable[BlobRef], held_by: str) -> dict[str, Any]:

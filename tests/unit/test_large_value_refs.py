@@ -95,7 +95,11 @@ def test_a_list_is_cut_between_items_and_any_page_reads_only_its_chunks(
     # The chunks the store reads for the page: from the last one starting at or before
     # ``start`` to those starting before ``stop``.
     low = max(f for f in firsts if f is not None and f <= start)
-    needed = [c for c in chunks if c.first_item is not None and low <= c.first_item < stop]
+    needed = [
+        (c.first_item, json.loads(c.data))
+        for c in chunks
+        if c.first_item is not None and low <= c.first_item < stop
+    ]
     assert page_of(needed, start, stop) == {i: items[i] for i in range(start, stop)}
     assert value_of(chunks, ref) == items
 
