@@ -68,9 +68,11 @@ def check_target(target: Any) -> str:
     return check_id(target, "target")
 
 
-def check_text(value: Any, what: str, limit: int) -> str | None:
+def check_text(
+    value: Any, what: str, limit: int, setting: str = "ductor_max_payload_bytes"
+) -> str | None:
     """Free text (a reason, a comment): ``None`` or a str without NUL or lone surrogates, of
-    at most ``limit`` UTF-8 bytes (PayloadTooLarge otherwise)."""
+    at most ``limit`` UTF-8 bytes (PayloadTooLarge naming ``setting`` otherwise)."""
     if value is None:
         return None
     if not isinstance(value, str):
@@ -84,7 +86,7 @@ def check_text(value: Any, what: str, limit: int) -> str | None:
             f"{what} must not contain lone surrogates (it is not valid Unicode)"
         ) from None
     if size > limit:
-        raise PayloadTooLarge(f"{what} is {size} bytes, over ductor_max_payload_bytes={limit}")
+        raise PayloadTooLarge(f"{what} is {size} bytes, over {setting}={limit}")
     return value
 
 

@@ -382,6 +382,14 @@ class Client:
                 todo.append(child)
         return list(found.values())
 
+    def _text_limit(self) -> tuple[int, str]:
+        """A reason or comment is kept inline (control rows, transitions, audit entries), so
+        it is held to the offload threshold too: the smaller limit, and its setting's name."""
+        s = self.settings
+        if s.offload_bytes < s.max_payload_bytes:
+            return s.offload_bytes, "ductor_offload_bytes"
+        return s.max_payload_bytes, "ductor_max_payload_bytes"
+
     def _read(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """A read that rides out a dropped connection (a PostgreSQL restart) like writes do."""
         return with_retry(
@@ -485,7 +493,7 @@ class Client:
         check_target(target)
         check_id(node, "node")
         who = _who(by)
-        check_text(comment, "comment", self.settings.max_payload_bytes)
+        check_text(comment, "comment", *self._text_limit())
         row = self._open_row(target, f"{verb} {node!r}")
         spec = self._read(runs.load_definition, self.engine, row.spec_hash)
         node_spec = spec.graph.nodes.get(node) if spec is not None else None
@@ -549,7 +557,7 @@ class Client:
         (``continue_as_new``)."""
         kind = ControlKind(kind)  # a caller's plain string too ("pause"); ValueError if unknown
         check_target(target)
-        check_text(reason, "reason", self.settings.max_payload_bytes)
+        check_text(reason, "reason", *self._text_limit())
         if requested_by is not None:
             check_id(requested_by, "by")
         if node is not None:
