@@ -63,9 +63,10 @@ DoorCheck = Callable[[str, Any], str | None]
 def check_json(value: Any, what: str, limit: int, *, door: DoorCheck | None = None) -> JsonCheck:
     """Whether ``value`` can be stored exactly as JSON of at most ``limit`` UTF-8 bytes.
 
-    ``door``: the value comes from outside ductor (a client's input or payload, a step's
-    result or patch) and must also pass this check (the key ductor reserves for references to
-    large values is refused there: a reference in a row is always one ductor wrote).
+    ``door``: the value comes from outside ductor (a client's input or payload) and must
+    also pass this check (the key ductor reserves for references to large values is refused
+    there: a reference in a row is always one ductor wrote; a step's result is checked for
+    it in ``runtime/step_errors.py``).
 
     Cost on the accepted path: one ``json.dumps`` and one ``json.loads`` (both in C), an
     encode to UTF-8, and a walk over containers only when the text holds more than
@@ -88,11 +89,9 @@ def refusal(value: Any, what: str, limit: int) -> tuple[Any, dict[str, Any] | No
     return None, {"type": kind, "message": checked.problem}
 
 
-def json_problem(
-    value: Any, what: str, limit: int, *, door: DoorCheck | None = None
-) -> tuple[Any, str | None]:
+def json_problem(value: Any, what: str, limit: int) -> tuple[Any, str | None]:
     """``value`` normalized through JSON, or ``None`` and a problem that names ``what``."""
-    checked = check_json(value, what, limit, door=door)
+    checked = check_json(value, what, limit)
     return checked.value, checked.problem
 
 

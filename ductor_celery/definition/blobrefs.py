@@ -75,10 +75,28 @@ def ref_of(value: Any) -> BlobRef | None:
 
 
 def reserved_key_problem(text: str, value: Any) -> str | None:
-    """The check at the doors (``payloads.check_json(door=...)``): a value from outside may
-    not use the reserved key anywhere; the problem names where. ``text`` is the value's JSON:
-    the walk runs only when the key appears in it at all."""
+    """The check at the client's doors (``payloads.check_json(door=...)``): a value from
+    outside may not use the reserved key anywhere; the problem names where. ``text`` is the
+    value's JSON: the walk runs only when the key appears in it at all."""
     if _QUOTED_KEY not in text:
+        return None
+    return reserved_key_in(value)
+
+
+def reserved_key_in(value: Any) -> str | None:
+    """``reserved_key_problem`` without the text (a step's checked result): a walk over the
+    value's dicts and lists (paths are spelled only once the key is found), which a result of
+    a few scalars ends at once."""
+    plain = [value]
+    while plain:
+        item = plain.pop()
+        if type(item) is dict:
+            if REF_KEY in item:
+                break
+            plain.extend(item.values())
+        elif type(item) is list:
+            plain.extend(item)
+    else:
         return None
     stack: list[tuple[Any, str]] = [(value, "$")]
     while stack:
@@ -163,16 +181,16 @@ def chunks_of(value: Any, text: str, chunk_bytes: int | None = None) -> list[Chu
 def _list_chunks(items: list[Any], chunk_bytes: int) -> Iterator[Chunk]:
     dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
     page: list[bytes] = []
-    size = 0
+    size = 2  # the brackets
     first = 0
     seq = 0
     for index, item in enumerate(items):
         data = dumps(item).encode("utf-8")
-        if page and size + len(data) + 1 > chunk_bytes:
+        if page and size + 1 + len(data) > chunk_bytes:
             yield Chunk(seq, b"[" + _SEPARATOR.join(page) + b"]", first)
-            seq, page, size, first = seq + 1, [], 0, index
+            seq, page, size, first = seq + 1, [], 2, index
+        size += len(data) + (1 if page else 0)
         page.append(data)
-        size += len(data) + 1
     yield Chunk(seq, b"[" + _SEPARATOR.join(page) + b"]", first)
 
 

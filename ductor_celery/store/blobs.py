@@ -76,16 +76,25 @@ def large_text(value: Any, threshold: int) -> str | None:
     None: one serialization, no query."""
     if value is None or ref_of(value) is not None:
         return None
-    text = _ENCODER.encode(value)
-    # Each character is 1..4 UTF-8 bytes: most values are decided without encoding them.
-    if len(text) <= threshold // 4 or len(text.encode("utf-8")) <= threshold:
+    try:
+        text = _ENCODER.encode(value)
+        # Each character is 1..4 UTF-8 bytes: most values are decided without encoding them.
+        if len(text) <= threshold // 4 or len(text.encode("utf-8")) <= threshold:
+            return None
+    except (ValueError, TypeError):  # UnicodeEncodeError too
+        # Not storable at all (a check let it through): left inline, where the database
+        # refuses it and its writer records that instead (``store.db.ValuesRefused``).
         return None
     return text
 
 
 def size_of(value: Any) -> int:
-    """Bytes of a value's JSON, as the threshold counts them."""
-    return len(_ENCODER.encode(value).encode("utf-8"))
+    """Bytes of a value's JSON, as the threshold counts them (0 for a value that is not
+    storable at all: the database's refusal is what its writer reports)."""
+    try:
+        return len(_ENCODER.encode(value).encode("utf-8"))
+    except (ValueError, TypeError):
+        return 0
 
 
 def write(conn: Any, run_id: str, value: Any, text: str | None = None) -> BlobRef:

@@ -344,3 +344,19 @@ def test_a_run_concurrency_key_reads_inside_a_large_input(db_url: str) -> None:
     # The key of the value inside the input, as an inline input gives it (not of a null).
     expected = run_slots.key_for("keyed", spec.concurrency, run_input)
     assert expected == "keyed|acme" and found[0].concurrency_key == expected
+
+
+def test_a_step_result_cannot_forge_a_reference(db_url: str) -> None:
+    d = _ductor(db_url)
+
+    @d.step(name="large.forger")
+    def forger(ctx: StepContext) -> Any:
+        return {"ok": [{REF_KEY: {"id": "0" * 32, "size": 1, "sha256": "0" * 64}}]}
+
+    wf = Workflow("forger")
+    wf.step("forger", forger)
+    d.register(wf)
+    with d.local_workers():
+        view = d.wait(d.start("forger").run_id, timeout=60)
+    assert view.status == RunStatus.FAILED
+    assert f"{REF_KEY}' at $.ok[0] is reserved" in str(view.error)
