@@ -360,3 +360,23 @@ def test_a_step_result_cannot_forge_a_reference(db_url: str) -> None:
         view = d.wait(d.start("forger").run_id, timeout=60)
     assert view.status == RunStatus.FAILED
     assert f"{REF_KEY}' at $.ok[0] is reserved" in str(view.error)
+
+
+def test_small_values_never_touch_eec_blob(db_url: str) -> None:
+    """The hot path for small values is unchanged: no statement of a small run (its start,
+    steps, ticks and view) reads or writes eec_blob."""
+    app = TwoSteps(db_url)
+    statements: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    engine = app.d.client.engine
+    sa.event.listen(engine, "before_cursor_execute", record)
+    try:
+        view = app.run({"size": 100})
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", record)
+    assert view.status == RunStatus.SUCCEEDED and view.nodes["measure"].output["length"] == 100
+    assert any("eec_workflow_step_attempt" in s for s in statements)  # the listener saw the run
+    assert not [s for s in statements if "eec_blob" in s]
