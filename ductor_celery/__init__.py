@@ -8,6 +8,7 @@ from .definition.retry import ConcurrencyLimit, RateLimit, RetryPolicy, RunConcu
 from .ductor import Ductor
 from .engine.status import NodeStatus, RunStatus
 from .errors import (
+    DanglingReference,
     DefinitionError,
     DuctorError,
     InvalidOperation,
@@ -39,6 +40,7 @@ __all__ = [
     "NodeView",
     "NonRetryableError",
     "StepCancelled",
+    "DanglingReference",
     "PayloadNotSerializable",
     "PayloadTooLarge",
     "RateLimit",

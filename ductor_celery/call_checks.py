@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from . import limits
+from .definition.blobrefs import reserved_key_problem
 from .engine.kinds import CONTROL_ALLOWED, AuditAction, ControlKind, statuses_allowing
 from .engine.status import RunStatus
 from .errors import InvalidOperation, PayloadNotSerializable, PayloadTooLarge
@@ -42,8 +43,8 @@ def check_version(version: Any, also: str = "") -> int:
 
 def check_payload(value: Any, what: str, limit: int) -> Any:
     """Refuse a payload that cannot be stored exactly or is over the limit, naming it; return
-    it as JSON."""
-    checked = check_json(value, what, limit)
+    it as JSON. A value from a caller may not use the key of references to large values."""
+    checked = check_json(value, what, limit, door=reserved_key_problem)
     if checked.problem is None:
         return checked.value
     if checked.too_large:
@@ -67,9 +68,11 @@ def check_target(target: Any) -> str:
     return check_id(target, "target")
 
 
-def check_text(value: Any, what: str, limit: int) -> str | None:
+def check_text(
+    value: Any, what: str, limit: int, setting: str = "ductor_max_payload_bytes"
+) -> str | None:
     """Free text (a reason, a comment): ``None`` or a str without NUL or lone surrogates, of
-    at most ``limit`` UTF-8 bytes (PayloadTooLarge otherwise)."""
+    at most ``limit`` UTF-8 bytes (PayloadTooLarge naming ``setting`` otherwise)."""
     if value is None:
         return None
     if not isinstance(value, str):
@@ -83,7 +86,7 @@ def check_text(value: Any, what: str, limit: int) -> str | None:
             f"{what} must not contain lone surrogates (it is not valid Unicode)"
         ) from None
     if size > limit:
-        raise PayloadTooLarge(f"{what} is {size} bytes, over ductor_max_payload_bytes={limit}")
+        raise PayloadTooLarge(f"{what} is {size} bytes, over {setting}={limit}")
     return value
 
 

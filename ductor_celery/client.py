@@ -54,7 +54,7 @@ from .errors import (
     WorkflowNotFound,
 )
 from .settings import Settings
-from .store import audit, clock, external, finishes, inputs, joined, runs, start_requests
+from .store import audit, blobs, clock, external, finishes, inputs, joined, runs, start_requests
 from .store.db import db_now, get_engine, with_retry
 from .store.outputs import EngineOutputs
 from .store.runs import RunRow
@@ -125,9 +125,13 @@ class Client:
 
     @property
     def engine(self) -> Engine:
-        if self._get_engine is not None:
-            return self._get_engine()
-        return get_engine(self.settings.database_url, prepare=self.settings.database_prepare)
+        engine = (
+            self._get_engine()
+            if self._get_engine is not None
+            else get_engine(self.settings.database_url, prepare=self.settings.database_prepare)
+        )
+        blobs.configure(engine, self.settings.offload_bytes)
+        return engine
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -322,6 +326,7 @@ class Client:
             who=who,
             priority=priority,
             tags=tags,
+            offload_bytes=self.settings.offload_bytes,
         )
         if created and due_now:
             caller.on_commit(
@@ -396,6 +401,14 @@ class Client:
                 found[child.spec_hash] = child
                 todo.append(child)
         return list(found.values())
+
+    def _text_limit(self) -> tuple[int, str]:
+        """A reason or comment is kept inline (control rows, transitions, audit entries), so
+        it is held to the offload threshold too: the smaller limit, and its setting's name."""
+        s = self.settings
+        if s.offload_bytes < s.max_payload_bytes:
+            return s.offload_bytes, "ductor_offload_bytes"
+        return s.max_payload_bytes, "ductor_max_payload_bytes"
 
     def _read(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """A read that rides out a dropped connection (a PostgreSQL restart) like writes do."""
@@ -500,7 +513,7 @@ class Client:
         check_target(target)
         check_id(node, "node")
         who = _who(by)
-        check_text(comment, "comment", self.settings.max_payload_bytes)
+        check_text(comment, "comment", *self._text_limit())
         row = self._open_row(target, f"{verb} {node!r}")
         spec = self._read(runs.load_definition, self.engine, row.spec_hash)
         node_spec = spec.graph.nodes.get(node) if spec is not None else None
@@ -564,7 +577,7 @@ class Client:
         (``continue_as_new``)."""
         kind = ControlKind(kind)  # a caller's plain string too ("pause"); ValueError if unknown
         check_target(target)
-        check_text(reason, "reason", self.settings.max_payload_bytes)
+        check_text(reason, "reason", *self._text_limit())
         if requested_by is not None:
             check_id(requested_by, "by")
         if node is not None:
@@ -726,11 +739,20 @@ class Client:
             lambda fn, what: with_retry(fn, what=f"read ({what})", deadline_s=60.0),
         )
         outputs = resolve_outputs(refs, source)
+        # Large values are read back here (docs/large-values.md): one connection, opened only
+        # when a value holds a reference.
+        held = {f"the output of node {n!r}": v for n, v in outputs.items()}
+        held["the run's input"] = self._read(
+            inputs.input_for_view, self.engine, row.state, row.input
+        )
+        held["the run's output"] = row.output
+        values = self._read(blobs.resolved_many, self.engine, held)
+        read = {n: values[f"the output of node {n!r}"] for n in outputs}
         nodes = {
             node_id: NodeView(
                 status=ns.status,
                 attempts=ns.generation,
-                output=outputs[node_id],
+                output=read.get(node_id),
                 error=ns.error if ns.status != NodeStatus.SUCCEEDED else None,
                 started_at=ns.started_at,
                 finished_at=ns.finished_at,
@@ -744,9 +766,9 @@ class Client:
             workflow=row.workflow,
             version=row.version,
             status=row.status,
-            input=self._read(inputs.input_for_view, self.engine, row.state, row.input),
+            input=values["the run's input"],
             context=row.state.context,
-            output=row.output,
+            output=values["the run's output"],
             error=row.error,
             nodes=nodes,
             parent_run_id=row.parent_run_id,
@@ -757,7 +779,7 @@ class Client:
             start_at=row.state.start_at,
             deadline_at=row.state.deadline_at,
             tags=row.state.tags,
-            compensations=compensation_views(row.state, outputs),
+            compensations=compensation_views(row.state, read),
         )
 
     def definition_of(self, target: str) -> WorkflowSpec:

@@ -12,6 +12,7 @@
         NodeNotFound             redrive(from_node=) naming no node of the run's workflow
       PayloadTooLarge            an input or payload over ductor_max_payload_bytes
       PayloadNotSerializable     a value that cannot be stored exactly (NaN, NUL, too deep, ...)
+      DanglingReference          a large value's reference whose blob is gone (names the blob)
       StoreUnavailable           the database could not be reached
       WrongDatabase              start(connection=/using=) on another database than ductor's
       QueueMismatch              a ductor queue on RabbitMQ exists with other arguments (names
@@ -75,6 +76,11 @@ class PayloadTooLarge(DuctorError):
 class PayloadNotSerializable(DuctorError):
     """A payload cannot be stored exactly as JSON (NaN or Infinity, NUL, a lone surrogate,
     nesting deeper than limits.MAX_JSON_DEPTH, an integer too long to print, a non-JSON type)."""
+
+
+class DanglingReference(DuctorError):
+    """A reference to a large value whose blob (eec_blob) is missing or damaged: the message
+    names the blob id and what held the reference."""
 
 
 class StoreUnavailable(DuctorError):

@@ -17,7 +17,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from .limits import MAX_JSON_DEPTH
@@ -55,15 +55,25 @@ class JsonCheck(NamedTuple):
     too_large: bool = False
 
 
-def check_json(value: Any, what: str, limit: int) -> JsonCheck:
+#: A further check of an accepted value, given its JSON text and normalized value: what is
+#: wrong with it, or None (``definition.blobrefs.reserved_key_problem`` at the doors).
+DoorCheck = Callable[[str, Any], str | None]
+
+
+def check_json(value: Any, what: str, limit: int, *, door: DoorCheck | None = None) -> JsonCheck:
     """Whether ``value`` can be stored exactly as JSON of at most ``limit`` UTF-8 bytes.
+
+    ``door``: the value comes from outside ductor (a client's input or payload) and must
+    also pass this check (the key ductor reserves for references to large values is refused
+    there: a reference in a row is always one ductor wrote; a step's result is checked for
+    it in ``runtime/step_errors.py``).
 
     Cost on the accepted path: one ``json.dumps`` and one ``json.loads`` (both in C), an
     encode to UTF-8, and a walk over containers only when the text holds more than
     ``MAX_JSON_DEPTH`` brackets (fewer brackets cannot nest deeper).
     """
     try:
-        return _check(value, what, limit)
+        return _check(value, what, limit, door)
     except Exception as exc:  # noqa: BLE001 - total: a user's dict subclass may raise anything
         return JsonCheck(None, storable_text(f"{what} is not JSON-serializable: {_describe(exc)}"))
 
@@ -85,7 +95,7 @@ def json_problem(value: Any, what: str, limit: int) -> tuple[Any, str | None]:
     return checked.value, checked.problem
 
 
-def _check(value: Any, what: str, limit: int) -> JsonCheck:
+def _check(value: Any, what: str, limit: int, door: DoorCheck | None) -> JsonCheck:
     try:
         # ensure_ascii=False: the text's UTF-8 encoding is what is measured, and encoding it
         # is what finds a lone surrogate.
@@ -108,6 +118,8 @@ def _check(value: Any, what: str, limit: int) -> JsonCheck:
     # given as an object is; the walk runs only when the text names the kind at all.
     if '"decimal"' in text and (found := _unbounded_decimal(normalized)) is not None:
         return JsonCheck(None, storable_text(f"{what} is not JSON-serializable: {found}"))
+    if door is not None and (problem := door(text, normalized)) is not None:
+        return JsonCheck(None, storable_text(f"{what} is not JSON-serializable: {problem}"))
     return JsonCheck(normalized)
 
 

@@ -31,7 +31,11 @@ class Settings:
     sweep_interval: float = 1.0
     default_step_timeout: float = 300.0
     resend_unclaimed_after: float = 30.0
-    max_payload_bytes: int = 1_048_576
+    #: The largest single value (an input, a payload, a step's result) once serialized.
+    max_payload_bytes: int = 67_108_864
+    #: A value larger than this once serialized is stored in ``eec_blob`` and travels by
+    #: reference (docs/large-values.md); smaller ones stay inline in their row.
+    offload_bytes: int = 262_144
     max_transitions: int = 10_000
     #: Outbox rows older than this are considered abandoned by their dispatcher.
     outbox_grace: float = 2.0
@@ -75,6 +79,7 @@ class Settings:
             resend_unclaimed_after=self.resend_unclaimed_after,
             default_step_timeout=self.default_step_timeout,
             max_payload_bytes=self.max_payload_bytes,
+            offload_bytes=self.offload_bytes,
             max_transitions=self.max_transitions,
             cancel_grace=self.cancel_grace,
         )
@@ -114,6 +119,7 @@ class Settings:
                 "resend_unclaimed_after", defaults.resend_unclaimed_after, float
             ),
             max_payload_bytes=get("max_payload_bytes", defaults.max_payload_bytes, int),
+            offload_bytes=get("offload_bytes", defaults.offload_bytes, int),
             max_transitions=get("max_transitions", defaults.max_transitions, int),
             outbox_grace=get("outbox_grace", defaults.outbox_grace, float),
             eager_ticks=get("eager_ticks", defaults.eager_ticks, _flag),

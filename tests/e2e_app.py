@@ -123,6 +123,12 @@ def big(ctx: StepContext, size: int) -> str:
     return "x" * size
 
 
+@ductor.step(name="e2e.measure")
+def measure(ctx: StepContext, text: str) -> dict[str, Any]:
+    _ledger(ctx)
+    return {"length": len(text), "all_x": text == "x" * len(text)}
+
+
 @ductor.step(name="e2e.echo", timeout=float(os.environ.get("E2E_ECHO_TIMEOUT", "300")))
 def echo(ctx: StepContext, value: Any = None) -> Any:
     _ledger(ctx)
@@ -166,6 +172,13 @@ big_wf = Workflow("big")
 big_wf.step("big", big, args={"size": "$.input.size"})
 big_wf.output("$.nodes.big.output")
 ductor.register(big_wf)
+
+# Large values by reference (docs/large-values.md): a multi-MiB result, read by the next step.
+big_two = Workflow("big_two")
+big_two.step("big", big, args={"size": "$.input.size"})
+big_two.step("measure", measure, after=["big"], args={"text": "$.nodes.big.output"})
+big_two.output("$.nodes.measure.output")
+ductor.register(big_two)
 
 slow_wf = Workflow("slow")
 slow_wf.step("slow", slow, args={"seconds": "$.input.seconds"})

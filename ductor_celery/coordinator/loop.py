@@ -36,6 +36,11 @@ log = logging.getLogger("ductor_celery.coordinator")
 
 MAX_CONFLICT_RETRIES = 50
 
+#: Reads of large values in one tick: each round reads what the last computation needed. A
+#: reference inside a value the tick itself offloaded takes one more; past this the payload
+#: still needs values, and the commit refuses it.
+MAX_VALUE_ROUNDS = 4
+
 TxT = TypeVar("TxT", bound=TickTransaction)
 
 
@@ -239,6 +244,13 @@ class Coordinator(Generic[TxT]):
                     return _NOTHING
                 loaded, spec, inputs = found
                 payload = compute_tick(spec, loaded.state, inputs, loaded.now)
+                for _ in range(MAX_VALUE_ROUNDS):
+                    if not payload.needs:
+                        break
+                    # A path read inside a large value (or a scatter a page of an offloaded
+                    # list) the load had not read: read them, compute again.
+                    inputs = tx.read_values(inputs, payload.needs)
+                    payload = compute_tick(spec, loaded.state, inputs, loaded.now)
                 if not payload.changed:
                     # Nothing to commit; only a timer row that came due early is moved.
                     tx.refresh_stale_timer(loaded, payload.next_wake_at)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
+from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
 from ..engine import RunState, TickInputs, TickPayload
 from ..engine.kinds import DispatchKind
@@ -137,6 +138,10 @@ class TickTransaction(Protocol):
 
     def refresh_stale_timer(self, loaded: LoadedRun, fire_at: datetime | None) -> bool:
         """A tick with nothing to commit still moves a timer row that came due early."""
+
+    def read_values(self, inputs: TickInputs, needs: BlobNeeds) -> TickInputs:
+        """``inputs`` with the large values and list pages a computation needed read in
+        (docs/large-values.md); ``DanglingReference`` names a blob that is gone."""
 
 
 class TickStore(Protocol[TxT_co]):

@@ -25,6 +25,7 @@ from typing import Any
 from ..errors import DefinitionError
 from ..limits import MAX_SECRET_NAME_LENGTH, show
 from ..values import envelope_fields, truthy
+from .blobrefs import REF_KEY, BlobValues, ref_of
 
 ROOTS = ("input", "context", "nodes", "item", "secret")
 SECRET_PREFIX = "$.secret."
@@ -151,10 +152,19 @@ class Scope:
     context: Mapping[str, Any]
     outputs: Mapping[str, Any]
     item: Any = None
+    #: The tick's large values: a path reading inside a reference reads its value from here
+    #: (a path naming the whole value gets the reference itself, read by whoever needs it).
+    blobs: BlobValues | None = None
 
 
-def _dig(value: Any, keys: tuple[str | int, ...]) -> Any:
+def _dig(value: Any, keys: tuple[str | int, ...], blobs: BlobValues | None = None) -> Any:
     for key in keys:
+        if type(value) is dict and REF_KEY in value and (ref := ref_of(value)) is not None:
+            if blobs is None:
+                return None
+            found, value = blobs.value(ref)
+            if not found:
+                return None  # needed: the tick is computed again with it
         if type(value) is dict:
             value = envelope_fields(value)
         if isinstance(key, int):
@@ -201,16 +211,16 @@ def read_body(body: Any, keys: tuple[str | int, ...]) -> Any:
 
 def resolve_path(path: Path, scope: Scope) -> Any:
     if path.root == "input":
-        value = _dig(scope.input, path.keys)
+        value = _dig(scope.input, path.keys, scope.blobs)
     elif path.root == "context":
-        value = _dig(scope.context, path.keys)
+        value = _dig(scope.context, path.keys, scope.blobs)
     elif path.root == "item":
-        value = _dig(scope.item, path.keys)
+        value = _dig(scope.item, path.keys, scope.blobs)
     elif path.root == "secret":
         return path.text  # the reference itself: only the step worker resolves it
     else:
         assert path.node is not None
-        value = _dig(scope.outputs.get(path.node), path.keys)
+        value = _dig(scope.outputs.get(path.node), path.keys, scope.blobs)
     if path.text.startswith("!"):
         return not truthy(value)
     return value

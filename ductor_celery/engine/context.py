@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from ..definition.blobrefs import BlobValues
 from ..definition.spec import AttemptNodeSpec, WorkflowSpec
 from .inputs import TickInputs, TickPayload, Transition
 from .state import NodeState
@@ -20,6 +21,8 @@ class TickContext:
     payload: TickPayload
     #: Outputs readable by paths this tick: loaded ones plus those folded in this tick.
     outputs: dict[str, Any] = field(default_factory=dict)
+    #: Large values the load read; what paths needed beyond them (docs/large-values.md).
+    blobs: BlobValues = field(default_factory=BlobValues)
 
     @property
     def nodes(self) -> dict[str, NodeState]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
 from .kinds import ControlKind, ControlResult, DispatchKind
 from .state import RunState
@@ -16,7 +17,10 @@ from .status import RunStatus
 class EngineConfig:
     resend_unclaimed_after: float = 30.0
     default_step_timeout: float = 300.0
-    max_payload_bytes: int = 1_048_576
+    max_payload_bytes: int = 67_108_864
+    #: Values larger than this are stored by reference (docs/large-values.md); only the size
+    #: of a context patch is held to it here (the context lives in the run row).
+    offload_bytes: int = 262_144
     max_transitions: int = 10_000
     #: A node waiting on child runs looks at them at least this often, whatever wake-ups were
     #: lost on the way (a cheap backstop: one small commit per period).
@@ -122,6 +126,10 @@ class TickInputs:
     admitted: bool = True
     refused: str | None = None
     wake: tuple[str, ...] = ()
+    #: Large values (docs/large-values.md) read for this tick's paths, by blob id, and pages
+    #: of offloaded lists a scatter dispatches (blob id -> item index -> item).
+    blobs: dict[str, Any] = field(default_factory=dict)
+    items: dict[str, dict[int, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +272,9 @@ class TickPayload:
     #: Tags this tick added or changed (a succeeded attempt's ``ctx.tag``): the commit
     #: upserts them into ``eec_run_tag``, as the state already holds them.
     tags_set: dict[str, str] = field(default_factory=dict)
+    #: Large values the tick's paths read inside that its inputs did not hold: never
+    #: committed; the loop reads them and computes the tick again (coordinator/loop.py).
+    needs: BlobNeeds | None = None
 
     @property
     def status(self) -> RunStatus:

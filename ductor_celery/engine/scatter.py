@@ -14,8 +14,10 @@ See docs/fan-out.md for the states and transitions.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from ..definition.blobrefs import BlobRef, BlobValues, ref_of
 from ..definition.paths import Scope, resolve
 from ..definition.spec import BATCH_ARG, ChildScatterNodeSpec, ScatterNodeSpec
 from ..payloads import refusal
@@ -38,12 +40,13 @@ def _active_status(spec: AnyScatter) -> NodeStatus:
 def start_scatter(t: TickContext, node_id: str, spec: AnyScatter, scope: Scope) -> None:
     """A ready scatter node reads its item list and starts its first branches."""
     ns = t.nodes[node_id]
-    items = resolve(spec.over, scope)
+    items = _items_of(resolve(spec.over, scope), t.blobs)
     ns.started_at = t.now
-    if not isinstance(items, list):
+    if not isinstance(items, list | PagedItems):
+        kind = "a large value" if ref_of(items) is not None else type(items).__name__
         ns.error = {
             "type": "InvalidScatter",
-            "message": f"over={spec.over!r} resolved to {type(items).__name__}, not a list",
+            "message": f"over={spec.over!r} resolved to {kind}, not a list",
         }
         ns.finished_at = t.now
         t.move_node(node_id, NodeStatus.FAILED, ns.error["message"])
@@ -93,8 +96,8 @@ def drive_scatters(t: TickContext) -> bool:
         if active and sc.next < sc.total and len(sc.branches) < spec.max_parallel:
             if scope is None:
                 scope = _scope(t)
-            items = resolve(spec.over, scope)
-            if not isinstance(items, list) or len(items) != sc.total:
+            items = _items_of(resolve(spec.over, scope), t.blobs)
+            if not isinstance(items, list | PagedItems) or len(items) != sc.total:
                 # ``over`` reads the input or a finished node's output, which never change;
                 # seeing anything else means the stored state is damaged: fail, never guess.
                 _fail_node(t, node_id, "the scatter's item list changed while it ran")
@@ -132,14 +135,59 @@ def _fold_children(t: TickContext, node_id: str, sc: ScatterState) -> None:
 
 
 def _scope(t: TickContext) -> Scope:
-    return Scope(input=t.inputs.input, context=t.payload.state.context, outputs=t.outputs)
+    return Scope(
+        input=t.inputs.input, context=t.payload.state.context, outputs=t.outputs, blobs=t.blobs
+    )
 
 
-def _fill(t: TickContext, node_id: str, spec: AnyScatter, items: list[Any], scope: Scope) -> None:
+class PagedItems:
+    """A scatter's item list offloaded to a blob (docs/large-values.md): its length is in the
+    reference, and its items come from the pages the load read for the items this tick
+    dispatches, never the whole list."""
+
+    __slots__ = ("ref", "blobs", "_page")
+
+    def __init__(self, ref: BlobRef, blobs: BlobValues) -> None:
+        self.ref = ref
+        self.blobs = blobs
+        self._page: Mapping[int, Any] = {}
+
+    def __len__(self) -> int:
+        return self.ref.items or 0
+
+    def ready(self, start: int, stop: int) -> bool:
+        """Whether items ``start..stop-1`` were read (if not, the page is needed)."""
+        page = self.blobs.page(self.ref, start, stop)
+        if page is None:
+            return False
+        self._page = page
+        return True
+
+    def __getitem__(self, index: int) -> Any:
+        return self._page[index]
+
+
+Items = list[Any] | PagedItems
+
+
+def _items_of(value: Any, blobs: BlobValues) -> Any:
+    """``over``'s value: a list, an offloaded list's pages, or anything else (refused)."""
+    ref = ref_of(value)
+    if ref is not None and ref.items is not None:
+        return PagedItems(ref, blobs)
+    return value
+
+
+def _fill(t: TickContext, node_id: str, spec: AnyScatter, items: Items, scope: Scope) -> None:
     ns = t.nodes[node_id]
     sc = ns.scatter
     assert sc is not None
     limit = t.inputs.config.max_payload_bytes
+    if isinstance(items, PagedItems):
+        # Only the items this tick may dispatch: at most max_parallel branches of batch items.
+        room = max(spec.max_parallel - len(sc.branches), 0) * sc.batch
+        if not items.ready(sc.next, min(sc.total, sc.next + room)):
+            return  # needed: the tick is computed again with that page
     while sc.next < sc.total and len(sc.branches) < spec.max_parallel:
         if ns.status != _active_status(spec):
             return  # the failure policy stopped the scatter (a refused branch)
@@ -149,9 +197,7 @@ def _fill(t: TickContext, node_id: str, spec: AnyScatter, items: list[Any], scop
             continue
         index = sc.next
         sc.next += 1
-        item_scope = Scope(
-            input=scope.input, context=scope.context, outputs=scope.outputs, item=items[index]
-        )
+        item_scope = _item_scope(scope, items[index])
         if isinstance(spec, ChildScatterNodeSpec):
             child, refused = children.start_child(
                 t, node_id, spec, resolve(spec.input, item_scope), index, sc.base, owner=sc.run
@@ -185,7 +231,7 @@ def _fill(t: TickContext, node_id: str, spec: AnyScatter, items: list[Any], scop
 
 
 def _start_batch(
-    t: TickContext, node_id: str, spec: ScatterNodeSpec, items: list[Any], scope: Scope
+    t: TickContext, node_id: str, spec: ScatterNodeSpec, items: Items, scope: Scope
 ) -> None:
     """Start the next batch: one attempt whose arguments are each item's resolved arguments.
 
@@ -233,7 +279,13 @@ def _start_batch(
 
 
 def _item_scope(scope: Scope, item: Any) -> Scope:
-    return Scope(input=scope.input, context=scope.context, outputs=scope.outputs, item=item)
+    return Scope(
+        input=scope.input,
+        context=scope.context,
+        outputs=scope.outputs,
+        item=item,
+        blobs=scope.blobs,
+    )
 
 
 def _runnable(sc: ScatterState, branch: int) -> int:

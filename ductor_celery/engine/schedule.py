@@ -90,7 +90,11 @@ def start_ready_nodes(t: TickContext) -> bool:
     """
     moved = False
     scope = Scope(
-        input=t.inputs.input, context=t.payload.state.context, outputs=t.outputs, item=None
+        input=t.inputs.input,
+        context=t.payload.state.context,
+        outputs=t.outputs,
+        item=None,
+        blobs=t.blobs,
     )
     for node_id in t.spec.graph.order:
         ns = t.nodes[node_id]
@@ -162,7 +166,11 @@ def finish_if_done(t: TickContext) -> None:
         if not is_compensation(node_id)
     ):
         scope = Scope(
-            input=t.inputs.input, context=t.payload.state.context, outputs=t.outputs, item=None
+            input=t.inputs.input,
+            context=t.payload.state.context,
+            outputs=t.outputs,
+            item=None,
+            blobs=t.blobs,
         )
         output, error = refusal(
             resolve(t.spec.output, scope), "run output", t.inputs.config.max_payload_bytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from ..definition.blobrefs import BlobValues
 from ..definition.spec import WorkflowSpec
 from .advance import check_in_flight, fire_retries, fold_results
 from .cancel import settle_cancel
@@ -33,7 +34,13 @@ def compute_tick(
 ) -> TickPayload:
     """Decide what the run does next. The input ``state`` is never modified."""
     payload = TickPayload(state=state.copy())
-    t = TickContext(spec=definition, inputs=inputs, now=now, payload=payload)
+    t = TickContext(
+        spec=definition,
+        inputs=inputs,
+        now=now,
+        payload=payload,
+        blobs=BlobValues(inputs.blobs, inputs.items),
+    )
     t.outputs.update(inputs.outputs)
     _ensure_nodes(t)
     apply_control(t)
@@ -106,6 +113,9 @@ def _wait_for_a_slot(t: TickContext) -> None:
 
 def _finish(t: TickContext) -> TickPayload:
     payload = t.payload
+    if t.blobs.needs:
+        # A path read inside a large value the load had not read: compute again with it.
+        payload.needs = t.blobs.needs
     if payload.state.status in TERMINAL_RUN_STATUSES:
         payload.state.cancel = None  # ended otherwise (terminate, deadline) while cancelling
         stop_compensating(payload.state)

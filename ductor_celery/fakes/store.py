@@ -16,12 +16,14 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ..coordinator.port import Loaded, LoadedRun, OutboxRow, RunBusy, TickClaim
+from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
-from ..engine import EngineConfig, RunState, TickPayload
+from ..engine import EngineConfig, RunState, TickInputs, TickPayload
 from ..engine.deadline import deadline_after
 from ..engine.kinds import ControlKind
 from ..engine.status import OPEN_RUN_STATUSES, TERMINAL_RUN_STATUSES, RunStatus
 from ..engine.tags import checked_tags
+from ..errors import DanglingReference
 from . import commit as committing
 from .load import load
 from .tables import AttemptRow, ControlRow, RunRow, SignalRow, Tables, json_copy
@@ -302,6 +304,15 @@ class InMemoryTransaction:
     ) -> list[OutboxRow]:
         store = self._store
         return committing.commit(store.tables, store.specs, loaded, payload, claim)
+
+    def read_values(self, inputs: TickInputs, needs: BlobNeeds) -> TickInputs:
+        """The in-memory store keeps every value inline (it never offloads one), so a
+        reference here was never written by ductor: it dangles."""
+        missing = sorted({*needs.values, *needs.pages})
+        raise DanglingReference(
+            f"blob {', '.join(missing)} referenced by run {inputs.run_id} "
+            "does not exist (the in-memory store holds no blobs)"
+        )
 
     def refresh_stale_timer(self, loaded: LoadedRun, fire_at: datetime | None) -> bool:
         current = loaded.timer_at

@@ -11,7 +11,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from ..definition.spec import WorkflowSpec
 from ..settings import Settings
-from ..store import runs
+from ..store import blobs, runs
 from ..store.db import get_engine
 from .broker import BrokerQueues, QueuesBootstep
 from .coordinator import run_tick
@@ -57,6 +57,7 @@ class Runtime:
 
     def engine(self) -> Engine:
         engine = get_engine(self.settings.database_url, prepare=self.settings.database_prepare)
+        blobs.configure(engine, self.settings.offload_bytes)
         if self.settings.embedded and not self._schema_ready:
             self._ensure_embedded_schema()
         return engine

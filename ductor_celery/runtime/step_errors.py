@@ -9,6 +9,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from ..definition.blobrefs import reserved_key_in
 from ..errors import NonRetryableError
 from ..payloads import json_problem, storable_text
 from .secrets import redact_known
@@ -66,7 +67,10 @@ def payload_of(value: Any, what: str, limit: int) -> tuple[Any, str | None]:
     """``json_problem``, made total here as well: whatever the check raises (a RecursionError
     on a value nested thousands deep, a user's container misbehaving) is the problem."""
     try:
-        return json_problem(value, what, limit)
+        checked, problem = json_problem(value, what, limit)
+        if problem is None and (reserved := reserved_key_in(checked)) is not None:
+            return None, storable_text(f"{what} is not JSON-serializable: {reserved}")
+        return checked, problem
     except Exception as exc:  # noqa: BLE001
         return None, f"{what} is not JSON-serializable: {describe(exc)}"
 

@@ -3,6 +3,7 @@ the tick after it (the Step object and StepContext: step_context.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -15,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from .. import tracing
 from ..coordinator import SETTLED_TICKS, TickOutcome
+from ..definition.blobrefs import contains_ref
 from ..definition.spec import BATCH_ARG
 from ..engine.tags import StepTags
-from ..errors import InvalidSecretName, SecretNotFound, StepCancelled
+from ..errors import DanglingReference, InvalidSecretName, SecretNotFound, StepCancelled
 from ..payloads import storable_text
-from ..store import attempts, wakes
+from ..store import attempts, blobs, wakes
 from ..store.db import ValuesRefused, outages, with_retry
 from ..store.outbox import OutboxRow
 from ..store.rates import RateHeld
@@ -30,6 +32,7 @@ from .coordinator import Keeper, PreludeRefused, run_tick
 from .failpoints import failpoint
 from .heartbeats import HeartbeatPause, heartbeat, should_stop
 from .inline import InlineChain, TaskEvents, as_current_task, flush_events
+from .large_values import by_reference, patch_problem
 from .lost_outcomes import lost_outcomes
 from .outbox_janitor import sent_outbox
 from .secrets import (
@@ -275,6 +278,7 @@ def _run_claimed(
         AttemptSecrets(rt.settings.secret_provider),
         _slots_of(rt, claimed),
         non_retryable,
+        rt.settings.offload_bytes,
     )
     metrics.record_claim(step.name, claimed.queued_s)
     began = time.perf_counter()
@@ -287,15 +291,19 @@ def _run_claimed(
         claimed.attempt,
         step.name,
     ) as span:
+        claimed, dangling = _with_values(engine, claimed)
         if claimed.cancel_requested:
             # Claimed after its run's cancel was requested: stopped before it began.
             result, interrupt = _CANCELLED_BEFORE_START, None
+        elif dangling is not None:
+            result, interrupt = dangling, None
         elif batch.is_batch(claimed.args, BATCH_ARG):
             result, interrupt = _run_batch(engine, step, claimed, me, limit, call)
         else:
             read_input = _input_reader(engine, claimed.run_id)
             ctx = _context(engine, claimed, claimed.branch, read_input, limit, call.secrets)
             result, interrupt = _run(step, ctx, claimed.args, claimed.token, limit, call)
+            result = _by_reference(engine, claimed.run_id, result, call.offload_bytes)
         tracing.mark_outcome(span, result.outcome, result.error)
     ran_s = time.perf_counter() - began
     remember = (
@@ -371,6 +379,8 @@ class _Call:
     secrets: AttemptSecrets
     slots: Slots
     non_retryable: Callable[[], frozenset[str]] = frozenset
+    #: ``ductor_offload_bytes``: a larger result goes to eec_blob, a larger patch is refused.
+    offload_bytes: int = 262_144
 
 
 def _slots_of(rt: Runtime, claimed: attempts.ClaimedAttempt) -> Slots:
@@ -449,6 +459,8 @@ def _run_batch(
         item, interrupt = _run(step, ctx, args, token, limit, call_info)
         if item.tags:
             tags.update((k, v) for k, v in item.tags)
+        # Each item's large output alone: the batch's list (and its checkpoints) hold references.
+        item = _by_reference(engine, claimed.run_id, item, call_info.offload_bytes)
         return (
             batch.ItemOutcome(
                 item.outcome == "succeeded", item.output, item.patch, item.error, item.retryable
@@ -468,6 +480,8 @@ def _run_batch(
     patch = None
     if problem is None:
         patch, problem = payload_of(done.patch, f"{what} context patch", limit)
+    if problem is None:
+        problem = patch_problem(patch, f"{what} context patch", call_info.offload_bytes)
     if problem is not None:
         log.error("attempt %s: %s", token, problem)
         return _invalid(f"{problem} (a smaller batch_size keeps it under the limit)"), interrupt
@@ -618,10 +632,38 @@ def _call(
     patch = None
     if problem is None:
         patch, problem = payload_of(ctx.patch_value, f"step {step.name!r} context patch", limit)
+    if problem is None:
+        problem = patch_problem(patch, f"step {step.name!r} context patch", call.offload_bytes)
     if problem is not None:
         log.error("attempt %s: %s", token, problem)
         return _invalid(problem), None
     return _Outcome("succeeded", output=output, patch=patch, tags=ctx.tags_value), None
+
+
+def _with_values(
+    engine: Any, claimed: attempts.ClaimedAttempt
+) -> tuple[attempts.ClaimedAttempt, _Outcome | None]:
+    """The attempt with the large values its arguments refer to read back (no query when
+    they refer to none), or the failure naming a reference whose blob is gone."""
+    if not contains_ref(claimed.args):
+        return claimed, None
+    try:
+        args = with_retry(
+            lambda: blobs.resolved_on(engine, claimed.args, f"the arguments of {claimed.token}"),
+            what="read large arguments",
+        )
+    except DanglingReference as exc:
+        error = {"type": "DanglingReference", "message": storable_text(str(exc))}
+        return claimed, _Outcome("failed", error=error, retryable=False)
+    return dataclasses.replace(claimed, args=dict(args)), None
+
+
+def _by_reference(engine: Any, run_id: str, result: _Outcome, threshold: int) -> _Outcome:
+    """The outcome with a large output replaced by a reference to its blob, written now."""
+    output = by_reference(engine, run_id, result.output, threshold)
+    if output is result.output:
+        return result
+    return _Outcome(result.outcome, output, result.patch, result.error, result.retryable)
 
 
 def _record(rt: Runtime, engine: Any, step: Step, token: str, result: _Outcome) -> str:

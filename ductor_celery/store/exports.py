@@ -19,6 +19,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from ..engine.tags import tags_problem
 from ..errors import ExportError
+from . import blobs
 from . import tags as run_tags
 from .db import aware, is_postgres
 from .schema import (
@@ -164,12 +165,22 @@ def read_rows(engine: Engine, run_id: str) -> RunRows | None:
                 workflow_definition.c.spec_hash == run.spec_hash
             )
         ).one()
+        # Large values are exported as values (docs/large-values.md): an export stands on
+        # its own, and replay and the harness's store hold every value inline.
         return RunRows(
-            run=_plain(run, RUN_COLUMNS),
+            run=_resolved(conn, [_plain(run, RUN_COLUMNS)], "the run")[0],
             definition=_plain(definition, DEFINITION_COLUMNS),
-            attempts=_attempts(conn, run_id),
-            signals=_all(conn, workflow_signal, SIGNAL_COLUMNS, run_id, workflow_signal.c.id),
-            controls=_all(conn, workflow_control, CONTROL_COLUMNS, run_id, workflow_control.c.id),
+            attempts=_resolved(conn, _attempts(conn, run_id), "attempt"),
+            signals=_resolved(
+                conn,
+                _all(conn, workflow_signal, SIGNAL_COLUMNS, run_id, workflow_signal.c.id),
+                "signal",
+            ),
+            controls=_resolved(
+                conn,
+                _all(conn, workflow_control, CONTROL_COLUMNS, run_id, workflow_control.c.id),
+                "control",
+            ),
             transitions=_all(
                 conn, workflow_transition, TRANSITION_COLUMNS, run_id, workflow_transition.c.seq
             ),
@@ -179,6 +190,15 @@ def read_rows(engine: Engine, run_id: str) -> RunRows | None:
                 ).scalar_one_or_none()
             ),
         )
+
+
+def _resolved(conn: Connection, rows: list[dict[str, Any]], what: str) -> list[dict[str, Any]]:
+    """``rows`` with every blob reference in their values replaced by the value (no query for
+    rows that hold none)."""
+    return [
+        {name: blobs.resolved(conn, value, f"{what}'s {name}") for name, value in row.items()}
+        for row in rows
+    ]
 
 
 def _attempts(conn: Connection, run_id: str) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from sqlalchemy.engine import Connection, Engine
 from ..engine.kinds import AuditAction, ControlKind
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from ..errors import InvalidOperation
-from . import audit
+from . import audit, blobs
 from .schema import workflow_control, workflow_run, workflow_signal
 from .start_requests import RequestKey, request_insert
 from .start_requests import find_on as find_request
@@ -82,7 +82,8 @@ def insert_signal(
             run_id=run_id,
             workflow_id=workflow_id,
             name=name,
-            payload=payload,
+            # A large payload is stored by reference, owned by the run it goes to.
+            payload=blobs.offloaded_on(conn, run_id, payload),
             idempotency_key=idempotency_key,
         )
         row = conn.execute(stmt.returning(workflow_signal.c.id)).one()
@@ -166,7 +167,8 @@ def insert_control(
                     kind=kind,
                     reason=reason,
                     requested_by=requested_by,
-                    input=input,
+                    # A redrive's or continue-as-new's large input: by reference.
+                    input=blobs.offloaded_on(conn, run_id, input),
                     has_input=has_input,
                     node=node,
                     spec_hash=spec_hash,

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from ..engine.state import RunState
+from . import blobs
 from .composed import ImmutableCache
 from .schema import workflow_control, workflow_run
 
@@ -59,4 +60,5 @@ def current_input(engine: Engine, run_id: str) -> Any:
         ).one_or_none()
         if row is None:
             return None
-        return effective_input(conn, RunState.from_json(row.state), row.input)
+        value = effective_input(conn, RunState.from_json(row.state), row.input)
+        return blobs.resolved(conn, value, f"the input of run {run_id}")

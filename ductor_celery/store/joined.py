@@ -37,7 +37,7 @@ from sqlalchemy.exc import IntegrityError
 
 from ..definition.spec import WorkflowSpec
 from ..errors import WrongDatabase
-from . import runs
+from . import blobs, runs
 from . import tags as run_tags
 from .audit import Who
 from .schema import dumps_json
@@ -340,6 +340,7 @@ def insert_run_on(
     who: Who | None = None,
     priority: int | None = None,
     tags: dict[str, str] | None = None,
+    offload_bytes: int = blobs.DEFAULT_THRESHOLD,
 ) -> tuple[str, bool]:
     """``runs.insert_run`` in the caller's transaction: the definitions the run pins, then the
     run. Returns (run_id, created); an open run of the same workflow id wins (a savepoint keeps
@@ -365,7 +366,8 @@ def insert_run_on(
         with joined.savepoint():
             if start_at is not None:  # a delayed run: its timer row wakes it (never an ETA)
                 joined.execute(runs.timer_insert(run_id, start_at))
-            joined.execute(statement)
+            stored = blobs.offloaded(joined, run_id, input, offload_bytes)
+            joined.execute(statement if stored is input else statement.values(input=stored))
             if tag_rows is not None:
                 joined.execute(tag_rows)
             if who is not None:

@@ -38,7 +38,7 @@ from ..engine.slots import slots
 from ..engine.status import TERMINAL_RUN_STATUSES, RunStatus
 from ..engine.tick import ACTIVE, read_nodes
 from ..engine.versions import successor_spec_hash
-from . import clock, run_slots
+from . import blobs, clock, run_slots
 from .composed import ImmutableCache, PerDatabase, cache_for, children_of, gather_any
 from .db import aware, is_postgres
 from .inputs import redriven_input
@@ -130,6 +130,9 @@ def load_on(
         key_input = run_input
         if control is not None and control.kind == ControlKind.REDRIVE and control.has_input:
             key_input = control.input
+        # The key reads inside the input: a large input is read back for it (a read per tick
+        # of such a run; docs/large-values.md).
+        key_input = blobs.resolved(conn, key_input, f"the input of run {run_id}")
         key = run_slots.key_for(spec.name, spec.concurrency, key_input)
         loaded = dataclasses.replace(
             loaded, concurrency_key=key, concurrency_limit=spec.concurrency.limit

@@ -9,9 +9,9 @@ A run is prunable when it is finished (a terminal status) and finished before th
 Each batch is one transaction: pick up to ``batch_size`` prunable runs (on PostgreSQL locking
 them ``FOR UPDATE SKIP LOCKED``, so a redrive's tick or a second pruner is never waited on and a
 run reopened meanwhile no longer matches), delete their attempts, transitions, signals,
-controls, outbox rows, timers, wake-up rows, tags (docs/tags.md) and start requests (an HTTP
-start's idempotency key, a webhook's delivery: store/start_requests.py), then the runs.
-Definitions are kept.
+controls, outbox rows, timers, wake-up rows, tags (docs/tags.md), blobs (large values:
+docs/large-values.md) and start requests (an HTTP start's idempotency key, a webhook's
+delivery: store/start_requests.py), then the runs. Definitions are kept.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from . import audit
 from .audit import Who
 from .db import is_postgres
 from .schema import (
+    blob,
     concurrency_lease,
     run_slot,
     run_tag,
@@ -60,6 +61,8 @@ _RUN_TABLES = (
     start_request,
     run_slot,
     run_tag,
+    # Large values (docs/large-values.md): every blob a row of the run refers to.
+    blob,
 )
 
 

@@ -21,7 +21,7 @@ from ..definition.spec import WorkflowSpec
 from ..engine.kinds import AuditAction
 from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
-from . import audit, clock
+from . import audit, blobs, clock
 from . import tags as run_tags
 from .db import aware, is_postgres
 from .schema import (
@@ -343,7 +343,10 @@ def insert_run_requested(
             with engine.begin() as conn:
                 if start_at is not None:
                     conn.execute(timer_insert(run_id, start_at))
-                conn.execute(statement)
+                # A large input is stored by reference (docs/large-values.md), in this
+                # transaction: a start that loses to an open run leaves no blob behind.
+                stored = blobs.offloaded_on(conn, run_id, input)
+                conn.execute(statement if stored is input else statement.values(input=stored))
                 if tag_rows is not None:
                     conn.execute(tag_rows)
                 if request is not None:

@@ -515,3 +515,23 @@ start_request = sa.Table(
     # Prune deletes a run's requests by run id.
     sa.Index("eec_start_request_run", "run_id"),
 )
+
+#: Large values by reference (docs/large-values.md): a value over ``ductor_offload_bytes`` is
+#: stored here once, cut into chunks of at most about 1 MiB, and the row that would have held
+#: it holds a reference (``blobrefs.BlobRef``). Written in the transaction of the row that
+#: refers to it (the client's insert, the step worker's outcome, the tick's commit), never
+#: updated; prune deletes a run's blobs with it.
+blob = sa.Table(
+    "eec_blob",
+    metadata,
+    # 32 hex characters, random: a reference names its blob, never a value its content.
+    sa.Column("id", sa.String(32), primary_key=True),
+    sa.Column("seq", sa.Integer, primary_key=True),
+    # The run whose row first held the value: prune deletes by it.
+    sa.Column("run_id", sa.String(64), nullable=False),
+    # An offloaded list: the index of the chunk's first item (each chunk holds whole items,
+    # so a scatter reads the page it dispatches). NULL: a slice of the value's JSON text.
+    sa.Column("first_item", sa.Integer, nullable=True),
+    sa.Column("data", sa.LargeBinary, nullable=False),
+    sa.Index("eec_blob_run", "run_id"),
+)

@@ -17,9 +17,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from ..coordinator.port import Loaded, LoadedRun, OutboxRow, TickClaim
+from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
-from ..engine import EngineConfig, TickPayload
-from . import wakes
+from ..engine import EngineConfig, TickInputs, TickPayload
+from . import blobs, wakes
 from .db import is_postgres, with_retry
 from .load import load_on
 from .ticks import commit_on, refresh_stale_timer, reject_control
@@ -118,3 +119,6 @@ class SqlTickTransaction:
 
     def refresh_stale_timer(self, loaded: LoadedRun, fire_at: datetime | None) -> bool:
         return refresh_stale_timer(self.conn, loaded, fire_at)
+
+    def read_values(self, inputs: TickInputs, needs: BlobNeeds) -> TickInputs:
+        return blobs.read_needs(self.conn, inputs, needs)

@@ -7,6 +7,7 @@ always does so ``WHERE record_version = :expected``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from datetime import datetime
 from typing import Any
@@ -29,7 +30,7 @@ from ..engine import RunState, TickPayload
 from ..engine.children import child_workflow_id
 from ..engine.deadline import deadline_after
 from ..engine.kinds import CONTROL_APPLIED, AuditAction, AuditSource
-from . import audit, leases, pg_commit, rates, run_slots
+from . import audit, blobs, leases, pg_commit, rates, run_slots
 from . import tags as run_tags
 from .db import is_postgres
 from .external import lock_workflow_signals
@@ -45,6 +46,32 @@ from .schema import (
     workflow_timer,
     workflow_transition,
 )
+
+
+def offload_payload(conn: Connection, run_id: str, payload: TickPayload) -> None:
+    """Values the tick writes that are over the offload threshold (a step's arguments, the
+    run's output, a child's or successor's input resolved from inside a large value) go to
+    ``eec_blob`` in this transaction, and the payload carries their references: one
+    serialization per value, no query, when nothing is large (docs/large-values.md)."""
+    limit = blobs.threshold(conn.engine)
+    payload.new_attempts = [
+        a
+        if a.args_from is not None
+        or (stored := blobs.offloaded(conn, run_id, a.args, limit)) is a.args
+        else dataclasses.replace(a, args=stored)
+        for a in payload.new_attempts
+    ]
+    if payload.finished:
+        payload.output = blobs.offloaded(conn, run_id, payload.output, limit)
+    payload.child_starts = [
+        dataclasses.replace(c, input=blobs.offloaded(conn, c.run_id, c.input, limit))
+        for c in payload.child_starts
+    ]
+    if payload.successor is not None:
+        successor = payload.successor
+        payload.successor = dataclasses.replace(
+            successor, input=blobs.offloaded(conn, successor.run_id, successor.input, limit)
+        )
 
 
 def commit_on(
@@ -63,6 +90,11 @@ def commit_on(
 def _commit_on(
     conn: Connection, loaded: LoadedRun, payload: TickPayload, claim: TickClaim | None
 ) -> list[OutboxRow]:
+    if payload.needs:
+        # compute_tick read inside a large value its inputs lacked: never written (the loop
+        # computes the tick again with it first).
+        raise RuntimeError(f"run {loaded.run_id}: a tick computed without its large values")
+    offload_payload(conn, loaded.run_id, payload)
     now = loaded.now
     state = payload.state
     values: dict[str, Any] = {

@@ -158,10 +158,11 @@ def test_many_concurrent_runs_all_finish_with_each_step_applied_once(
 def test_an_oversized_result_fails_the_attempt_without_retry(
     ductor: Any, shared_cluster: Any
 ) -> None:
-    handle = ductor.start("big", input={"size": 2 * 1024 * 1024})
-    view = ductor.wait(handle.run_id, timeout=30)
+    # 64 MiB of text is 64 MiB and 2 bytes of JSON (its quotes): over the default limit.
+    handle = ductor.start("big", input={"size": 64 * 1024 * 1024})
+    view = ductor.wait(handle.run_id, timeout=60)
     assert view.status == RunStatus.FAILED
-    assert "over ductor_max_payload_bytes=1048576" in view.error["message"]
+    assert "over ductor_max_payload_bytes=67108864" in view.error["message"]
     assert view.nodes["big"].attempts == 1
     assert shared_cluster.executions(handle.run_id) == 1
     small = ductor.wait(ductor.start("big", input={"size": 10}).run_id, timeout=30)

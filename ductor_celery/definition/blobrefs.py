@@ -1,0 +1,275 @@
+"""Large values by reference: the reference format and how a value is cut into chunks.
+
+A value over ``ductor_offload_bytes`` once serialized is stored in ``eec_blob`` and the row that
+would have held it holds a reference instead (docs/large-values.md)::
+
+    {"__ductor_blob__": {"id": "<32 hex>", "size": 5242880, "sha256": "<64 hex>",
+                         "items": 100000}}
+
+``items`` is the length of an offloaded list (``None`` for any other value): a scatter over it
+reads its items a page at a time (``page_of``) without reading the list.
+
+The marker key cannot be forged: every value that enters ductor from outside (a run's input, a
+signal's payload, a step's result, a context patch) is refused at the door when a dict in it
+uses the key (``reserved_key_problem``), so a reference in a row was always written by ductor.
+
+Pure, and in ``definition/`` because paths (``paths.py``) read inside references; the engine
+sees references as opaque values, and the store writes and reads the chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+#: The reserved key of a reference.
+REF_KEY = "__ductor_blob__"
+
+#: Bytes of serialized JSON per ``eec_blob`` row of any value but a list.
+CHUNK_BYTES = 1_048_576
+
+#: Bytes per row of an offloaded list, cut at item boundaries (a chunk holds whole items, at
+#: least one, so an item larger than this is a chunk of its own). Smaller than ``CHUNK_BYTES``:
+#: a scatter's tick reads the chunks holding the page it dispatches, so a chunk bounds what a
+#: tick reads for a page of a few items.
+LIST_CHUNK_BYTES = 262_144
+
+_QUOTED_KEY = json.dumps(REF_KEY)
+
+#: Both ends of a chunk of list items: ``[`` + items joined by ``,`` + ``]``.
+_SEPARATOR = b","
+
+
+@dataclass(frozen=True, slots=True)
+class BlobRef:
+    """What a reference says about its blob."""
+
+    id: str
+    size: int
+    sha256: str
+    #: The length of an offloaded list; None for any other value.
+    items: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            REF_KEY: {"id": self.id, "size": self.size, "sha256": self.sha256, "items": self.items}
+        }
+
+
+def ref_of(value: Any) -> BlobRef | None:
+    """The reference ``value`` is, or None (any other value, a malformed reference too)."""
+    if type(value) is not dict or len(value) != 1 or REF_KEY not in value:
+        return None
+    body = value[REF_KEY]
+    if type(body) is not dict:
+        return None
+    blob_id, size, sha, items = (body.get(k) for k in ("id", "size", "sha256", "items"))
+    if not isinstance(blob_id, str) or not isinstance(sha, str):
+        return None
+    if type(size) is not int or (items is not None and type(items) is not int):
+        return None
+    return BlobRef(blob_id, size, sha, items)
+
+
+def reserved_key_problem(text: str, value: Any) -> str | None:
+    """The check at the client's doors (``payloads.check_json(door=...)``): a value from
+    outside may not use the reserved key anywhere; the problem names where. ``text`` is the
+    value's JSON: the walk runs only when the key appears in it at all."""
+    if _QUOTED_KEY not in text:
+        return None
+    return reserved_key_in(value)
+
+
+def reserved_key_in(value: Any) -> str | None:
+    """``reserved_key_problem`` without the text (a step's checked result): a walk over the
+    value's dicts and lists (paths are spelled only once the key is found), which a result of
+    a few scalars ends at once."""
+    plain = [value]
+    while plain:
+        item = plain.pop()
+        if type(item) is dict:
+            if REF_KEY in item:
+                break
+            plain.extend(item.values())
+        elif type(item) is list:
+            plain.extend(item)
+    else:
+        return None
+    stack: list[tuple[Any, str]] = [(value, "$")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            if REF_KEY in item:
+                shown = path if len(path) <= 120 else "…" + path[-120:]
+                return f"the key {REF_KEY!r} at {shown} is reserved for references to large values"
+            stack += [(v, f"{path}.{k}") for k, v in item.items()]
+        elif isinstance(item, list):
+            stack += [(v, f"{path}[{i}]") for i, v in enumerate(item)]
+    return None
+
+
+def contains_ref(value: Any) -> bool:
+    """Whether a stored value holds a reference anywhere (a walk: call it on values read from
+    rows, which are small unless they were offloaded)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is dict:
+            if REF_KEY in item and ref_of(item) is not None:
+                return True
+            stack.extend(item.values())
+        elif type(item) is list:
+            stack.extend(item)
+    return False
+
+
+def refs_in(value: Any) -> list[BlobRef]:
+    """Every reference inside a stored value, outermost first."""
+    found: list[BlobRef] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is dict:
+            ref = ref_of(item)
+            if ref is not None:
+                found.append(ref)
+                continue
+            stack.extend(item.values())
+        elif type(item) is list:
+            stack.extend(item)
+    return found
+
+
+def replace_refs(value: Any, values: Mapping[str, Any]) -> Any:
+    """``value`` with each reference whose id is in ``values`` replaced by that value."""
+    ref = ref_of(value)
+    if ref is not None:
+        return values[ref.id] if ref.id in values else value
+    if type(value) is dict:
+        return {k: replace_refs(v, values) for k, v in value.items()}
+    if type(value) is list:
+        return [replace_refs(v, values) for v in value]
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One ``eec_blob`` row: its place and, for a list, the index of its first item."""
+
+    seq: int
+    data: bytes
+    first_item: int | None = None
+
+
+def chunks_of(value: Any, text: str, chunk_bytes: int | None = None) -> list[Chunk]:
+    """Cut a value (``text`` is its JSON) into chunks. A list is cut between items, each chunk
+    a JSON array of whole items with the index of its first (``LIST_CHUNK_BYTES``); anything
+    else into slices of its UTF-8 text (``CHUNK_BYTES``)."""
+    if isinstance(value, list) and value:
+        return list(_list_chunks(value, chunk_bytes or LIST_CHUNK_BYTES))
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    data = text.encode("utf-8")
+    return [
+        Chunk(seq, data[start : start + chunk_bytes])
+        for seq, start in enumerate(range(0, max(len(data), 1), chunk_bytes))
+    ]
+
+
+def _list_chunks(items: list[Any], chunk_bytes: int) -> Iterator[Chunk]:
+    dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+    page: list[bytes] = []
+    size = 2  # the brackets
+    first = 0
+    seq = 0
+    for index, item in enumerate(items):
+        data = dumps(item).encode("utf-8")
+        if page and size + 1 + len(data) > chunk_bytes:
+            yield Chunk(seq, b"[" + _SEPARATOR.join(page) + b"]", first)
+            seq, page, size, first = seq + 1, [], 2, index
+        size += len(data) + (1 if page else 0)
+        page.append(data)
+    yield Chunk(seq, b"[" + _SEPARATOR.join(page) + b"]", first)
+
+
+def value_of(chunks: list[Chunk], ref: BlobRef) -> Any:
+    """The value back from all of its chunks in order; ``ValueError`` naming the blob when they
+    do not make the value its reference describes (a chunk missing, or altered)."""
+    if ref.items is not None:
+        items: list[Any] = []
+        for chunk in chunks:
+            items.extend(json.loads(chunk.data))
+        if len(items) != ref.items:
+            raise ValueError(f"blob {ref.id} holds {len(items)} items, its reference {ref.items}")
+        return items
+    data = b"".join(chunk.data for chunk in chunks)
+    if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
+        raise ValueError(f"blob {ref.id} does not match its reference (size or sha256)")
+    return json.loads(data)
+
+
+def page_of(chunks: list[tuple[int, list[Any]]], start: int, stop: int) -> dict[int, Any]:
+    """Items ``start..stop-1`` of an offloaded list from the chunks that hold them, each given
+    as (its first item's index, its items): those whose first item is at most ``stop - 1``,
+    from the last one starting at or before ``start``."""
+    found: dict[int, Any] = {}
+    for first, items in chunks:
+        for offset, item in enumerate(items):
+            if start <= first + offset < stop:
+                found[first + offset] = item
+    return found
+
+
+def describe(value: Any, text: str, blob_id: str) -> BlobRef:
+    """The reference to ``value`` stored under ``blob_id`` (``text``: its JSON)."""
+    data = text.encode("utf-8")
+    items = len(value) if isinstance(value, list) and value else None
+    return BlobRef(blob_id, len(data), hashlib.sha256(data).hexdigest(), items)
+
+
+@dataclass(slots=True)
+class BlobNeeds:
+    """What a tick's paths needed and its load had not read: whole values (a path reads inside
+    one) and pages of offloaded lists (a scatter dispatches those items)."""
+
+    values: dict[str, BlobRef]
+    #: blob id -> (its reference, first item, one past the last).
+    pages: dict[str, tuple[BlobRef, int, int]]
+
+    def __bool__(self) -> bool:
+        return bool(self.values or self.pages)
+
+
+class BlobValues:
+    """The large values a tick's load has read, by blob id, and what it asked for that was not
+    read (``needs``): the tick is then computed again with them (coordinator/loop.py), so a
+    payload computed without a value is never committed."""
+
+    __slots__ = ("values", "items", "needs")
+
+    def __init__(
+        self,
+        values: Mapping[str, Any] | None = None,
+        items: Mapping[str, Mapping[int, Any]] | None = None,
+    ) -> None:
+        self.values: Mapping[str, Any] = values or {}
+        self.items: Mapping[str, Mapping[int, Any]] = items or {}
+        self.needs = BlobNeeds({}, {})
+
+    def value(self, ref: BlobRef) -> tuple[bool, Any]:
+        """(True, the value) if it was read, else (False, None) and it is needed."""
+        if ref.id in self.values:
+            return True, self.values[ref.id]
+        self.needs.values[ref.id] = ref
+        return False, None
+
+    def page(self, ref: BlobRef, start: int, stop: int) -> Mapping[int, Any] | None:
+        """Items ``start..stop-1`` of an offloaded list if they were read, else None (and the
+        page is needed)."""
+        have = self.items.get(ref.id, {})
+        if all(i in have for i in range(start, stop)):
+            return have
+        self.needs.pages[ref.id] = (ref, start, stop)
+        return None
