@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from ..limits import later
-from .compensation import end_or_compensate
+from .compensation import end_or_compensate, held_for_saga
 from .context import TickContext
 from .schedule import close_stopped_run
 from .slots import slots
@@ -68,7 +68,9 @@ def settle_cancel(t: TickContext) -> None:
     closing = reason
     if still:
         closing = f"{reason} ({len(still)} attempt(s) still running after the grace: closed)"
-    close_stopped_run(t, reason)
+    held = held_for_saga(t, RunStatus.CANCELLED)
+    close_stopped_run(t, reason, keep=held)
     state.cancel = None
     state.continue_pending = None
-    end_or_compensate(t, RunStatus.CANCELLED, closing, {"type": "Cancel", "message": reason})
+    error = {"type": "Cancel", "message": reason}
+    end_or_compensate(t, RunStatus.CANCELLED, closing, error, held)

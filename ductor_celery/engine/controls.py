@@ -7,7 +7,7 @@ from typing import Any
 
 from ..definition.spec import WorkflowSpec
 from .cancel import request_cancel
-from .compensation import compensating, end_or_compensate, is_compensation
+from .compensation import compensating, end_or_compensate, held_for_saga, is_compensation
 from .context import TickContext
 from .deadline import hard_revokes
 from .delay import resumed_status
@@ -70,13 +70,16 @@ def apply_control(t: TickContext) -> None:
     elif kind == ControlKind.CANCEL and request_cancel(t, reason):
         pass  # cooperative: the run closes once its attempts stop (engine/cancel.py)
     elif kind in (ControlKind.CANCEL, ControlKind.TERMINATE):
-        revoke_and_close(t, reason)
+        # A cancel that compensates leaves compensable attempts in flight open: the saga
+        # drains them first (engine/compensation.py). Terminate closes everything.
+        held = held_for_saga(t, RunStatus.CANCELLED) if kind == ControlKind.CANCEL else set()
+        revoke_and_close(t, reason, keep=held)
         if kind == ControlKind.TERMINATE:
             hard_revokes(t)  # terminate kills steps still running; cancel lets them stop
         state.continue_pending = None
         error = {"type": kind.capitalize(), "message": reason}
         if kind == ControlKind.CANCEL:
-            end_or_compensate(t, RunStatus.CANCELLED, reason, error)
+            end_or_compensate(t, RunStatus.CANCELLED, reason, error, held)
         else:
             t.payload.error = error
             t.move_run(RunStatus.TERMINATED, reason)
@@ -121,10 +124,12 @@ def control_problem(
     return _REFUSED[known].format(status=status.value)
 
 
-def revoke_and_close(t: TickContext, reason: str) -> None:
-    """Close every open attempt and parked node; ask workers to drop attempts in flight; close
-    the run's open children, those past their checkpoint included."""
-    close_stopped_run(t, reason)
+def revoke_and_close(
+    t: TickContext, reason: str, keep: set[str] | frozenset[str] = frozenset()
+) -> None:
+    """Close every open attempt and parked node (but ``keep``); ask workers to drop attempts
+    in flight; close the run's open children, those past their checkpoint included."""
+    close_stopped_run(t, reason, keep=keep)
 
 
 def request_auto_continue(t: TickContext) -> None:

@@ -16,7 +16,7 @@ from ..definition.spec import (
 from ..payloads import refusal
 from ..values import truthy
 from .children import close_checkpointed_children, close_child, start_subworkflow
-from .compensation import end_or_compensate, is_compensation
+from .compensation import end_or_compensate, held_for_saga, is_compensation, waits_for_output
 from .context import TickContext
 from .delay import waiting_to_start
 from .external import park_node
@@ -35,24 +35,31 @@ def fail_run_on_fatal_node(t: TickContext) -> bool:
         if ns.status == NodeStatus.FAILED and not t.spec.graph.nodes[node_id].continue_on_failure:
             error = dict(ns.error or {})
             error["node"] = node_id
-            close_in_flight(t, f"run failed: node {node_id!r} failed")
+            held = held_for_saga(t, RunStatus.FAILED)
+            close_in_flight(t, f"run failed: node {node_id!r} failed", keep=held)
             # A continue-as-new that was draining dies with the run (as on cancel), or a later
             # redrive would close the run as continued instead of running it again.
             t.payload.state.continue_pending = None
             reason = f"node {node_id!r} failed: {error.get('message', '')}"
-            end_or_compensate(t, RunStatus.FAILED, reason, error)
+            end_or_compensate(t, RunStatus.FAILED, reason, error, held)
             return True
     return False
 
 
 def close_in_flight(
-    t: TickContext, reason: str, *, revoke: bool = False, children: bool = True
+    t: TickContext,
+    reason: str,
+    *,
+    revoke: bool = False,
+    children: bool = True,
+    keep: set[str] | frozenset[str] = frozenset(),
 ) -> None:
     """Cancel every running or waiting node: close its open attempts (every branch of a
     scatter), drop pending retries, and with ``revoke`` ask workers to drop them too. Open
-    child runs get their node's parent-close policy unless ``children`` is False."""
+    child runs get their node's parent-close policy unless ``children`` is False. Nodes in
+    ``keep`` stay open (a saga drains them: ``compensation.held_for_saga``)."""
     for node_id, ns in t.nodes.items():
-        if ns.status not in (NodeStatus.RUNNING, NodeStatus.WAITING):
+        if ns.status not in (NodeStatus.RUNNING, NodeStatus.WAITING) or node_id in keep:
             continue
         for _, slot in list(slots(ns)):
             close_slot(t, node_id, slot, reason, revoke=revoke)
@@ -66,11 +73,13 @@ def close_in_flight(
         t.move_node(node_id, NodeStatus.CANCELLED, reason)
 
 
-def close_stopped_run(t: TickContext, reason: str) -> None:
+def close_stopped_run(
+    t: TickContext, reason: str, keep: set[str] | frozenset[str] = frozenset()
+) -> None:
     """What a run cancelled, terminated or timed out closes: everything in flight (attempts
-    revoked) and every open child run by its node's parent-close policy, a child past its
-    ``until=`` checkpoint included."""
-    close_in_flight(t, reason, revoke=True)
+    revoked) but ``keep``, and every open child run by its node's parent-close policy, a
+    child past its ``until=`` checkpoint included."""
+    close_in_flight(t, reason, revoke=True, keep=keep)
     close_checkpointed_children(t, reason)
 
 
@@ -205,4 +214,6 @@ def next_wake_at(t: TickContext) -> datetime | None:
             due.append(t.now)  # backstop: the gather's own wake-up message could be lost
         if ns.status == NodeStatus.WAITING and ns.deadline is not None and not paused:
             due.append(ns.deadline)
+    if waits_for_output(t.payload.state):
+        due.append(t.now)  # backstop: the saga's own wake-up message could be lost
     return min(due) if due else None

@@ -15,7 +15,13 @@ from ..definition.spec import WorkflowSpec
 from .advance import check_in_flight, fire_retries, fold_results
 from .cancel import settle_cancel
 from .children import absorb_subworkflows
-from .compensation import compensating, compensation_reads, drive_compensation, stop_compensating
+from .compensation import (
+    compensating,
+    compensation_reads,
+    draining,
+    drive_compensation,
+    stop_compensating,
+)
 from .context import TickContext
 from .controls import apply_control, maybe_continue_as_new, request_auto_continue
 from .deadline import time_out_if_due
@@ -43,11 +49,21 @@ def compute_tick(
     )
     t.outputs.update(inputs.outputs)
     _ensure_nodes(t)
+    # A workflow with compensations folds the outcomes already written before a control or
+    # the deadline closes anything: a step (or a compensation) that succeeded did change the
+    # world, and recording it as cancelled would lose the charge to undo (or undo it twice
+    # after a redrive). Runs without compensations keep the old order.
+    folded_first = bool(definition.graph.compensations) and payload.state.status in (
+        RunStatus.RUNNING,
+        RunStatus.PAUSED,
+    )
+    if folded_first:
+        fold_results(t)
     apply_control(t)
     time_out_if_due(t)  # before anything else moves: past its deadline nothing new starts
     if payload.state.status in TERMINAL_RUN_STATUSES:
         # Late results for a finished run are folded so nobody wakes the run for them again.
-        for result in inputs.results:
+        for result in () if folded_first else inputs.results:
             payload.folded.append(result.token)
             payload.changed = True
         return _finish(t)
@@ -58,11 +74,13 @@ def compute_tick(
         return _finish(t)
     if payload.state.status == RunStatus.PENDING:
         t.move_run(RunStatus.RUNNING, "started")
-    fold_results(t)
+    if not folded_first:
+        fold_results(t)
     check_in_flight(t)
     if compensating(payload.state):
-        # Undoing succeeded nodes (engine/compensation.py): nothing else moves.
-        if payload.state.status != RunStatus.PAUSED:
+        # Undoing succeeded nodes (engine/compensation.py): nothing else moves; while it
+        # drains attempts in flight no retry fires (their effect would not be undone).
+        if payload.state.status == RunStatus.RUNNING and not draining(payload.state):
             fire_retries(t)
         drive_compensation(t)
         return _finish(t)
