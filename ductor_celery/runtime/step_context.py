@@ -65,6 +65,7 @@ class StepContext:
         secret_fn: Callable[[str], str] | None = None,
         cancelled_fn: Callable[[], bool] | None = None,
         cancelled: bool = False,
+        undone_fn: Callable[[], int] | None = None,
     ) -> None:
         self.run_id = run_id
         self.workflow_id = workflow_id
@@ -82,6 +83,8 @@ class StepContext:
         self._cancelled_fn = cancelled_fn
         self._stop = cancelled
         self._looked = -math.inf
+        self._undone_fn = undone_fn
+        self._key: str | None = None
 
     @property
     def input(self) -> Any:
@@ -108,9 +111,16 @@ class StepContext:
 
     @property
     def idempotency_key(self) -> str:
-        """Stable across retries of the same node and branch of the same run."""
-        branch = "" if self.branch is None else f":{self.branch}"
-        return f"{self.run_id}:{self.node}{branch}"
+        """Stable across retries of the same node and branch of the same run:
+        ``"<run>:<node>[:<branch>]"``. A node that a saga undid and a redrive runs again gets
+        ``"#<n>"`` appended (``n`` = 1 + times undone), and so does its next compensation: the
+        rerun charge is a new charge and its refund a new refund (docs/compensation.md)."""
+        if self._key is None:
+            branch = "" if self.branch is None else f":{self.branch}"
+            # Only a step node (no branch) can have been undone: read it once, on first use.
+            undone = self._undone_fn() if self._undone_fn and self.branch is None else 0
+            self._key = f"{self.run_id}:{self.node}{branch}" + (f"#{undone + 1}" if undone else "")
+        return self._key
 
     def heartbeat(self, details: Any = None) -> None:
         """Record that the attempt is alive (``details``: how far it got). Raises

@@ -424,6 +424,7 @@ def _context(
         secret_fn=secrets.get,
         cancelled_fn=lambda: should_stop(engine, claimed.token),
         cancelled=claimed.cancel_requested,
+        undone_fn=lambda: attempts.times_undone(engine, claimed.run_id, claimed.node),
     )
 
 

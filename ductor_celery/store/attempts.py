@@ -13,6 +13,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from ..definition.spec import compensated_node, compensation_id
 from . import clock, leases, rates
 from .db import autocommit, aware, is_postgres, refusing_values
 from .inputs import current_input
@@ -473,6 +474,22 @@ def should_stop(engine: Engine, token: str) -> bool:
             )
         ).one_or_none()
     return row is None or row.cancel_requested_at is not None or row.finished_at is not None
+
+
+def times_undone(engine: Engine, run_id: str, node: str) -> int:
+    """How many times a saga of the run undid ``node`` (its compensation ``"<node>~compensate"``
+    succeeded), ``node`` being a step node or its compensation id. ``ctx.idempotency_key``
+    of a node rerun after a redrive counts on with it (docs/compensation.md)."""
+    base = compensated_node(node) or node
+    with engine.connect() as conn:
+        found = conn.execute(
+            sa.select(sa.func.count()).where(
+                step_attempt.c.run_id == run_id,
+                step_attempt.c.node == compensation_id(base),
+                step_attempt.c.outcome == "succeeded",
+            )
+        ).scalar_one()
+    return int(found)
 
 
 # -- batch attempts (a scatter with batch_size > 1) ----------------------------------------------
