@@ -65,7 +65,7 @@ def apply_control(t: TickContext) -> None:
     if kind == ControlKind.PAUSE:
         t.move_run(RunStatus.PAUSED, reason)
     elif kind == ControlKind.RESUME:
-        rerun_exhausted(t, reason)
+        rerun_exhausted(t, reason, compensations_only=compensating(state))
         t.move_run(resumed_status(state, t.now, t.inputs.admitted), reason)
     elif kind == ControlKind.CANCEL and request_cancel(t, reason):
         pass  # cooperative: the run closes once its attempts stop (engine/cancel.py)

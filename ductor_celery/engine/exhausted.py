@@ -10,6 +10,7 @@ kept, so its next attempt gets a new token), and the run carries on from there.
 
 from __future__ import annotations
 
+from ..definition.spec import compensated_node
 from .context import TickContext
 from .state import NodeState, StepWork
 from .status import NodeStatus, RunStatus
@@ -26,9 +27,13 @@ def pause_on_exhausted(t: TickContext, node: str) -> None:
         t.move_run(RunStatus.PAUSED, reason)
 
 
-def rerun_exhausted(t: TickContext, reason: str) -> None:
-    """On resume: each node the run was paused on runs again, with a fresh retry budget."""
+def rerun_exhausted(t: TickContext, reason: str, compensations_only: bool = False) -> None:
+    """On resume: each node the run was paused on runs again, with a fresh retry budget.
+    While a saga runs (``compensations_only``) only its compensations do: a regular node
+    would never start again, as nothing but compensations moves until the run ends."""
     for node_id, ns in t.nodes.items():
+        if compensations_only and compensated_node(node_id) is None:
+            continue
         awaiting = isinstance(ns.work, StepWork) and ns.work.awaiting_resume
         if awaiting and ns.status == NodeStatus.FAILED:
             t.nodes[node_id] = NodeState(generation=ns.generation)

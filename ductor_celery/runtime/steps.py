@@ -59,7 +59,8 @@ def _non_retryable_of(rt: Runtime, step: Step, claimed: attempts.ClaimedAttempt)
     every respect: its ``non_retryable`` replaces the step's), else the step's."""
     if claimed.spec_hash is not None:
         try:
-            node = rt.spec_for(claimed.spec_hash).graph.nodes.get(claimed.node)
+            graph = rt.spec_for(claimed.spec_hash).graph  # a compensation's spec is pinned too
+            node = graph.compensations.get(claimed.node) or graph.nodes.get(claimed.node)
         except Exception as exc:  # noqa: BLE001 - the step's own policy is the fallback
             log.warning("attempt %s: definition not readable (%s)", claimed.token, exc)
             node = None

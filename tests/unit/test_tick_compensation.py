@@ -18,8 +18,9 @@ from support import CFG, RUN, at, err, ok, pure_tick
 from ductor_celery.definition import RetryPolicy, Workflow, WorkflowSpec
 from ductor_celery.definition.builder import StepLike
 from ductor_celery.engine import NodeStatus, RunState, RunStatus, TickInputs, TickPayload
-from ductor_celery.engine.inputs import ControlIn
+from ductor_celery.engine.inputs import AttemptCheck, ControlIn
 from ductor_celery.engine.kinds import DispatchKind
+from ductor_celery.engine.state import AttemptOutput
 from ductor_celery.engine.tick import needed_outputs
 from ductor_celery.errors import DefinitionError
 
@@ -169,6 +170,9 @@ def test_without_the_output_loaded_the_run_wakes_itself_to_read_it() -> None:
     assert not p.new_attempts
     assert [(d.kind, d.run_id) for d in p.dispatches] == [(DispatchKind.WAKEUP, RUN)]
     assert needed_outputs(spec, p.state) == {"a": f"{RUN}:a:1"}
+    # The wake-up message is backed by a timer due at once: were it lost (a broker restart,
+    # a tick that raised), the sweeper wakes the run from its timer row.
+    assert p.next_wake_at == at(3)
     again = _tick(spec, p.state, 4, outputs={"a": 1})
     assert [a.node for a in again.new_attempts] == ["a~compensate"]
 
@@ -428,9 +432,238 @@ def test_a_compensation_out_of_attempts_under_on_exhausted_pause_waits_for_resum
     p = _tick(spec, state, 4, results=(err(f"{RUN}:a~compensate:1", "bank down"),))
     assert p.state.status == RunStatus.PAUSED
     assert p.state.nodes["a~compensate"].status == NodeStatus.FAILED
-    resumed = _tick(spec, p.state, 5, control=ControlIn(id=1, kind="resume"), outputs={"a": 1})
+    # What the real loader reads for the resume: the output the compensation is called with.
+    assert needed_outputs(spec, p.state) == {"a": f"{RUN}:a:1"}
+    resumed = _tick(
+        spec, p.state, 5, control=ControlIn(id=1, kind="resume"), outputs=_outputs(spec, p.state)
+    )
     assert resumed.state.status == RunStatus.RUNNING
     assert [a.token for a in resumed.new_attempts] == [f"{RUN}:a~compensate:2"]
     done = _tick(spec, resumed.state, 6, results=(ok(f"{RUN}:a~compensate:2"),))
     assert done.state.status == RunStatus.FAILED and done.error is not None
     assert done.error["node"] == "b"
+
+
+# -- review fixes (docs/compensation.md: "Attempts in flight when the saga starts", ...) ------
+
+
+def _side_by_side(**wf: Any) -> WorkflowSpec:
+    """``charge`` (compensated) and ``ship`` run in parallel; ``ship`` fails."""
+    return (
+        Workflow("saga", **wf)
+        .step("charge", "s.do", compensate="s.undo")
+        .step("ship", "s.boom", retry=RetryPolicy(max_attempts=1))
+        .build()
+    )
+
+
+def _ship_fails_while_charge_runs(spec: WorkflowSpec) -> TickPayload:
+    state = _tick(spec, RunState.initial(spec.graph.order)).state
+    return _tick(spec, state, 1, results=(err(f"{RUN}:ship:1", "no truck", retryable=False),))
+
+
+def test_a_compensable_attempt_in_flight_is_drained_then_undone_if_it_succeeds() -> None:
+    spec = _side_by_side()
+    p = _ship_fails_while_charge_runs(spec)
+    # The charge may already have happened: it is asked to stop, not closed, and the saga
+    # waits for its outcome before fixing its order.
+    assert p.state.status == RunStatus.RUNNING
+    assert p.state.nodes["charge"].status == NodeStatus.RUNNING
+    assert p.closed == [] and p.new_attempts == []
+    assert p.cancel_requested == [f"{RUN}:charge:1"]
+    assert p.next_wake_at is not None  # the attempt's own check (its timeouts bound the wait)
+    done = _tick(spec, p.state, 2, results=(ok(f"{RUN}:charge:1", "ch_1"),))
+    assert [(a.node, a.args["output"]) for a in done.new_attempts] == [
+        ("charge~compensate", "ch_1")
+    ]
+    end = _tick(spec, done.state, 3, results=(ok(f"{RUN}:charge~compensate:1"),))
+    assert end.state.status == RunStatus.FAILED and end.error is not None
+    assert end.error["node"] == "ship"
+
+
+def test_a_drained_attempt_that_fails_leaves_nothing_to_undo() -> None:
+    spec = _side_by_side()
+    p = _ship_fails_while_charge_runs(spec)
+    # Retryable, but no retry fires while the saga drains: the node is closed instead.
+    end = _tick(spec, p.state, 2, results=(err(f"{RUN}:charge:1", "declined"),))
+    assert end.new_attempts == []
+    assert end.state.status == RunStatus.FAILED and end.state.compensation is None
+    assert end.state.nodes["charge"].status == NodeStatus.CANCELLED
+    assert end.error is not None and end.error["node"] == "ship"
+
+
+def test_a_drained_attempt_that_times_out_is_not_retried() -> None:
+    spec = _side_by_side()
+    p = _ship_fails_while_charge_runs(spec)
+    state = p.state
+    checks = {f"{RUN}:charge:1": AttemptCheck(f"{RUN}:charge:1", claimed_at=at(1), finished=False)}
+    end = _tick(spec, state, 400, checks=checks)  # past its 300 s start-to-close timeout
+    assert end.new_attempts == []
+    assert end.state.status == RunStatus.FAILED and end.state.compensation is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    outcomes=st.lists(st.sampled_from(["ok", "fail", "stopped"]), min_size=3, max_size=3),
+    failing=st.integers(min_value=0, max_value=2),
+)
+def test_every_compensated_node_whose_attempt_succeeds_is_undone(
+    outcomes: list[str], failing: int
+) -> None:
+    """Three compensated nodes and ``boom`` in parallel: ``boom`` fails while they are in
+    flight; then each finishes as drawn (one tick each). Exactly those that succeeded are
+    undone, newest first, whatever came first."""
+    w = Workflow("saga")
+    for i in range(3):
+        w.step(f"p{i}", "s.do", compensate="s.undo")
+    w.step("boom", "s.boom", retry=RetryPolicy(max_attempts=1))
+    spec = w.build()
+    state = _tick(spec, RunState.initial(spec.graph.order)).state
+    # Node ``failing`` gets its result in the same tick as boom's failure (folded first).
+    first = outcomes[failing]
+    results: list[Any] = [err(f"{RUN}:boom:1", "boom", retryable=False)]
+    second = 1
+    pending = [i for i in range(3) if i != failing]
+
+    def result(i: int, outcome: str) -> Any:
+        token = f"{RUN}:p{i}:1"
+        if outcome == "ok":
+            return ok(token, f"out-p{i}")
+        if outcome == "fail":
+            return err(token, "no", retryable=False)
+        return dataclasses.replace(err(token, "stop"), outcome="cancelled")
+
+    results.insert(0, result(failing, first))
+    p = _tick(spec, state, second, results=tuple(results))
+    for i in pending:
+        assert p.state.status == RunStatus.RUNNING
+        second += 1
+        p = _tick(spec, p.state, second, results=(result(i, outcomes[i]),), outputs={})
+    succeeded = [f"p{i}" for i in range(3) if outcomes[i] == "ok"]
+    if not succeeded:
+        assert p.state.status == RunStatus.FAILED and p.state.compensation is None
+        return
+    state, undone = _finish_saga(spec, p.state, second + 1)
+    assert sorted(undone) == sorted(succeeded)
+    finished = {n: state.nodes[n].finished_at for n in succeeded}
+    assert [finished[n] for n in undone] == sorted(finished.values(), reverse=True)
+    assert state.status == RunStatus.FAILED
+
+
+def test_a_cancel_folds_an_outcome_already_written_before_closing() -> None:
+    spec = _chain(compensate_on_cancel=True)
+    state = _tick(spec, RunState.initial(spec.graph.order)).state
+    # a's attempt succeeded (its row says so); the tick that applies the cancel loads it.
+    p = _tick(
+        spec, state, 1, results=(ok(f"{RUN}:a:1", "out-a"),), control=ControlIn(id=1, kind="cancel")
+    )
+    assert p.state.nodes["a"].status == NodeStatus.SUCCEEDED
+    assert [a.node for a in p.new_attempts] == ["a~compensate"]
+    assert p.state.status == RunStatus.RUNNING
+
+
+def test_terminate_folds_a_compensation_that_already_succeeded() -> None:
+    spec = _chain()
+    state = _to_failure(spec, ["a", "plain", "b"])
+    running = [n for n in ("b~compensate",) if state.nodes[n].status == NodeStatus.RUNNING]
+    assert running == ["b~compensate"]
+    p = _tick(
+        spec,
+        state,
+        20,
+        results=(ok(f"{RUN}:b~compensate:1", "refunded"),),
+        control=ControlIn(id=1, kind="terminate"),
+    )
+    assert p.state.status == RunStatus.TERMINATED
+    assert p.state.nodes["b~compensate"].status == NodeStatus.SUCCEEDED
+    assert p.closed == []  # nothing left in flight: the refund's row stays succeeded
+    # A redrive reruns b (its charge was undone) and what follows, not a: a's effect stands.
+    again = _tick(spec, p.state, 21, control=ControlIn(id=2, kind="redrive"), outputs={"a": 1})
+    assert [a.node for a in again.new_attempts] == ["b"]
+    assert again.state.nodes["a"].status == NodeStatus.SUCCEEDED
+
+
+def test_a_deadline_folds_a_compensation_that_already_succeeded() -> None:
+    spec = _chain()
+    state = _to_failure(spec, ["a", "plain", "b"])
+    state.deadline_at = at(20)
+    p = _tick(spec, state, 20, results=(ok(f"{RUN}:b~compensate:1", "refunded"),))
+    assert p.state.status == RunStatus.TIMED_OUT
+    assert p.state.nodes["b~compensate"].status == NodeStatus.SUCCEEDED
+
+
+def _held(**wf: Any) -> WorkflowSpec:
+    return (
+        Workflow("saga", **wf)
+        .step("charge", "s.do", compensate="s.undo")
+        .wait_signal("paid", signal="paid", after=["charge"])
+        .build()
+    )
+
+
+def test_a_cancel_of_a_paused_run_runs_the_saga() -> None:
+    spec = _held(compensate_on_cancel=True)
+    state = _tick(spec, RunState.initial(spec.graph.order)).state
+    state = _tick(spec, state, 1, results=(ok(f"{RUN}:charge:1", "ch_1"),)).state
+    state = _tick(spec, state, 2, control=ControlIn(id=1, kind="pause")).state
+    assert state.status == RunStatus.PAUSED
+    p = _tick(spec, state, 3, control=ControlIn(id=2, kind="cancel"), outputs=_outputs(spec, state))
+    assert p.state.status == RunStatus.RUNNING
+    assert p.next_wake_at == at(3)  # it wakes itself to read charge's output
+    started = _tick(spec, p.state, 4, outputs=_outputs(spec, p.state))
+    assert [a.node for a in started.new_attempts] == ["charge~compensate"]
+    end = _tick(spec, started.state, 5, results=(ok(f"{RUN}:charge~compensate:1"),))
+    assert end.state.status == RunStatus.CANCELLED
+
+
+def test_a_node_failing_while_paused_runs_the_saga() -> None:
+    spec = _side_by_side()
+    state = _tick(spec, RunState.initial(spec.graph.order)).state
+    state = _tick(spec, state, 1, results=(ok(f"{RUN}:charge:1", "ch_1"),)).state
+    state = _tick(spec, state, 2, control=ControlIn(id=1, kind="pause")).state
+    p = _tick(spec, state, 3, results=(err(f"{RUN}:ship:1", "no", retryable=False),))
+    assert p.state.status == RunStatus.RUNNING
+    assert p.next_wake_at == at(3)  # the output is read by the next tick, at once
+    started = _tick(spec, p.state, 4, outputs=_outputs(spec, p.state))
+    assert [a.node for a in started.new_attempts] == ["charge~compensate"]
+
+
+def test_a_cancelled_successor_waiting_for_a_slot_compensates_only_once_admitted() -> None:
+    spec = _chain(compensate_on_cancel=True)
+    state = RunState.initial(spec.graph.order)
+    # A continue-as-new successor carried a as succeeded and waits for a run slot.
+    state.nodes["a"].status = NodeStatus.SUCCEEDED
+    state.nodes["a"].output = AttemptOutput("prev:a:1")
+    state.nodes["a"].finished_at = at(0)
+    cancel = ControlIn(id=1, kind="cancel")
+    p = _tick(spec, state, 5, admitted=False, outputs={"a": 1}, control=cancel)
+    assert p.state.status == RunStatus.PENDING and p.new_attempts == []
+    assert p.next_wake_at is None  # the commit that frees a slot wakes it
+    admitted = _tick(spec, p.state, 6, admitted=True, outputs=_outputs(spec, p.state))
+    assert admitted.transitions[0].to_status == RunStatus.RUNNING
+    assert [a.node for a in admitted.new_attempts] == ["a~compensate"]
+
+
+def test_resume_during_a_saga_reruns_only_its_compensations() -> None:
+    policy = RetryPolicy(max_attempts=1, on_exhausted="pause")
+    known: dict[str, StepLike] = {
+        "s.do": _Step("s.do"),
+        "s.undo": _Step("s.undo"),
+        "s.tired": _Step("s.tired", policy),
+    }
+    spec = (
+        Workflow("w")
+        .step("charge", "s.do", compensate="s.undo")
+        .step("tired", "s.tired")
+        .step("ship", "s.do", retry=RetryPolicy(max_attempts=1))
+        .build(known.get)
+    )
+    state = _tick(spec, RunState.initial(spec.graph.order)).state
+    state = _tick(spec, state, 1, results=(ok(f"{RUN}:charge:1", 1),)).state
+    state = _tick(spec, state, 2, results=(err(f"{RUN}:tired:1", "tired"),)).state
+    assert state.status == RunStatus.PAUSED
+    p = _tick(spec, state, 3, results=(err(f"{RUN}:ship:1", "no", retryable=False),))
+    p = _tick(spec, p.state, 4, control=ControlIn(id=1, kind="pause"), outputs={"charge": 1})
+    resumed = _tick(spec, p.state, 5, control=ControlIn(id=2, kind="resume"))
+    assert resumed.state.nodes["tired"].status == NodeStatus.FAILED
+    assert not any(tr.node == "tired" for tr in resumed.transitions)
