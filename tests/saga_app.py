@@ -9,6 +9,7 @@ steps' side.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import sqlalchemy as sa
@@ -79,3 +80,18 @@ trip.step("flight", book, args={"what": "flight"}, compensate=cancel_booking)
 trip.step("hotel", book, after=["flight"], args={"what": "hotel"}, compensate=cancel_booking)
 trip.step("car", fail, after=["hotel"], args={"what": "car"})
 ductor.register(trip)
+
+
+@ductor.step(name="saga.slow_book")
+def slow_book(ctx: StepContext, what: str) -> dict[str, str]:
+    """A booking still running when another node fails (a supplier that answers slowly)."""
+    time.sleep(2.0)
+    _log(ctx, "book", what)
+    return {"booking": f"{what}-{ctx.run_id[:8]}"}
+
+
+#: The flight is still being booked when the car fails: the saga waits for it, then undoes it.
+race = Workflow("race")
+race.step("flight", slow_book, args={"what": "flight"}, compensate=cancel_booking)
+race.step("car", fail, args={"what": "car"})
+ductor.register(race)

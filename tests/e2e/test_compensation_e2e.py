@@ -79,3 +79,27 @@ def test_a_failed_saga_refunds_in_reverse_order_exactly_once_each(
             assert [e[0] for e in log].count("refund-failed") == 2
         else:
             assert [c.attempts for c in view.compensations] == [1, 1]
+
+
+def test_a_booking_still_running_when_the_run_fails_is_waited_for_and_undone(
+    cluster_factory: Any, saga_client: Any
+) -> None:
+    """The car fails (twice) while the slow flight booking is running in another worker: the
+    run does not throw the booking away, it waits for it and then cancels it."""
+    cluster = cluster_factory(app="saga_app")
+    ductor = saga_client(cluster)
+    cluster.start_coordinator()
+    cluster.start_steps(concurrency=2, name="steps-a")
+    cluster.start_steps(concurrency=2, name="steps-b")
+    handle = ductor.start("race", input={})
+    view = ductor.wait(handle.run_id, timeout=90)
+    assert view.status == RunStatus.FAILED, view.error
+    assert view.error["node"] == "car"
+    assert [(c.node, c.status) for c in view.compensations] == [("flight", NodeStatus.SUCCEEDED)]
+    log = _log(cluster, handle.run_id)
+    booked = ("book", "flight")
+    refund = ("refund", f"flight-{handle.run_id[:8]}")
+    assert log.count(booked) == 1 and log.count(refund) == 1
+    # The car had failed for good before the flight was booked: the saga waited for it.
+    assert log.index(booked) > max(i for i, e in enumerate(log) if e == ("book", "car"))
+    assert log.index(refund) > log.index(booked)
