@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,10 +19,10 @@ from celery import Celery
 
 from ductor_celery import Ductor, NodeStatus, RetryPolicy, RunStatus, StepContext, Workflow
 from ductor_celery.runtime.coordinator import run_tick
-from ductor_celery.runtime.steps import execute_attempt
+from ductor_celery.runtime.steps import _non_retryable_of, execute_attempt
 from ductor_celery.store import sweep
 from ductor_celery.store.migrate import upgrade
-from ductor_celery.store.schema import step_attempt, workflow_outbox
+from ductor_celery.store.schema import step_attempt, workflow_outbox, workflow_run
 
 ONE = RetryPolicy(max_attempts=1)
 
@@ -61,7 +62,7 @@ def setup(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Ductor, Ledge
         ledger.entries.append(("ship",))
         raise RuntimeError("no truck")
 
-    @d.step(name="races.refund", retry=ONE)
+    @d.step(name="races.refund", retry=RetryPolicy(max_attempts=1, non_retryable=(LookupError,)))
     def refund(ctx: StepContext, output: dict[str, str], input: Any) -> str:
         ledger.entries.append(("refund", output["charge_id"], ctx.idempotency_key))
         return f"refunded {output['charge_id']}"
@@ -232,3 +233,19 @@ def test_a_lost_wake_up_of_the_saga_is_backed_by_a_timer(setup: tuple[Ductor, Le
         time.sleep(0.1)
     view = _drive(d, handle.run_id)
     assert view.status == RunStatus.FAILED and _refunded(ledger) == ["ch_1"]
+
+
+def test_a_compensations_non_retryable_comes_from_its_pinned_spec(
+    setup: tuple[Ductor, Ledger],
+) -> None:
+    """Not from the step object the worker has now (a deploy may have changed it)."""
+    d, _ = setup
+    handle = d.start("in_sequence")
+    with d.runtime.engine().connect() as conn:
+        spec_hash = conn.execute(
+            sa.select(workflow_run.c.spec_hash).where(workflow_run.c.run_id == handle.run_id)
+        ).scalar_one()
+    now = SimpleNamespace(retry=RetryPolicy(non_retryable=(KeyError,)))
+    claimed = SimpleNamespace(spec_hash=spec_hash, node="charge~compensate", token="t")
+    found = _non_retryable_of(d.runtime, now, claimed)  # type: ignore[arg-type]
+    assert found == frozenset({"builtins.LookupError"})
