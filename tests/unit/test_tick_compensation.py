@@ -496,9 +496,12 @@ def test_a_drained_attempt_that_times_out_is_not_retried() -> None:
     spec = _side_by_side()
     p = _ship_fails_while_charge_runs(spec)
     state = p.state
+    assert state.nodes["charge"].status == NodeStatus.RUNNING  # drained, not closed
     checks = {f"{RUN}:charge:1": AttemptCheck(f"{RUN}:charge:1", claimed_at=at(1), finished=False)}
     end = _tick(spec, state, 400, checks=checks)  # past its 300 s start-to-close timeout
+    assert [(c.token, c.outcome) for c in end.closed] == [(f"{RUN}:charge:1", "timed_out")]
     assert end.new_attempts == []
+    assert end.state.nodes["charge"].status == NodeStatus.CANCELLED
     assert end.state.status == RunStatus.FAILED and end.state.compensation is None
 
 
