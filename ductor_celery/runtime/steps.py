@@ -476,7 +476,9 @@ def _run_batch(
 
     done, interrupt = batch.run_batch(spec, earlier, call, checkpoint)
     what = f"step {step.name!r} batch of {len(spec['items'])} items"
-    output, problem = payload_of(done.output, f"{what} result", limit)
+    # Each item's result was checked (reserved key included) in _run before a large one was
+    # replaced by its reference: the list holds ductor's own references, not forged ones.
+    output, problem = payload_of(done.output, f"{what} result", limit, refs_allowed=True)
     patch = None
     if problem is None:
         patch, problem = payload_of(done.patch, f"{what} context patch", limit)
@@ -663,7 +665,8 @@ def _by_reference(engine: Any, run_id: str, result: _Outcome, threshold: int) ->
     output = by_reference(engine, run_id, result.output, threshold)
     if output is result.output:
         return result
-    return _Outcome(result.outcome, output, result.patch, result.error, result.retryable)
+    # Only the output changes: the tags the step set (ctx.tag) and the rest go with it.
+    return dataclasses.replace(result, output=output)
 
 
 def _record(rt: Runtime, engine: Any, step: Step, token: str, result: _Outcome) -> str:

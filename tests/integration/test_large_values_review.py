@@ -1,0 +1,160 @@
+"""Large values: the review's findings (docs/large-values.md), each through the real store and
+the real step task (``local_workers``) on the embedded SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from test_large_values import _blob_rows, _ductor, _rows, db_url  # noqa: F401 - the fixture
+
+from ductor_celery import RunStatus, StepContext, Workflow
+from ductor_celery.definition.blobrefs import ref_of
+from ductor_celery.store.schema import step_attempt, workflow_run
+
+
+def _age(d: Any, run_id: str, days: int = 30) -> None:
+    with d.client.engine.begin() as conn:
+        conn.execute(
+            sa.update(workflow_run)
+            .where(workflow_run.c.run_id == run_id)
+            .values(finished_at=workflow_run.c.finished_at - timedelta(days=days))
+        )
+
+
+def test_a_batched_scatter_keeps_large_item_results_by_reference(db_url: str) -> None:
+    d = _ductor(db_url, offload_bytes=1000)
+
+    @d.step(name="review.big")
+    def big(ctx: StepContext, item: int) -> str:
+        return str(item) * 5000
+
+    wf = Workflow("review_batched")
+    wf.scatter("s", big, over="$.input", batch_size=2, max_parallel=2)
+    wf.output("$.nodes.s.output")
+    d.register(wf)
+    with d.local_workers():
+        view = d.wait(d.start("review_batched", input=[1, 2, 3]).run_id, timeout=60)
+    assert view.status == RunStatus.SUCCEEDED, view.error
+    assert view.output == [str(i) * 5000 for i in (1, 2, 3)]
+    # Each batch attempt's output is a list of references, one blob per large item.
+    outputs = [
+        r.output
+        for r in _rows(
+            d, sa.select(step_attempt.c.output).where(step_attempt.c.run_id == view.run_id)
+        )
+    ]
+    refs = [ref_of(item) for out in outputs if isinstance(out, list) for item in out]
+    assert len(refs) == 3 and all(r is not None for r in refs)
+    assert {r.id for r in _blob_rows(d, view.run_id)} == {r.id for r in refs if r is not None}
+
+
+def test_a_large_result_keeps_the_steps_tags(db_url: str) -> None:
+    d = _ductor(db_url, offload_bytes=1000)
+
+    @d.step(name="review.tagger")
+    def tagger(ctx: StepContext) -> str:
+        ctx.tag("customer", "acme")
+        return "x" * 5000
+
+    wf = Workflow("review_tagged")
+    wf.step("tagger", tagger)
+    d.register(wf)
+    with d.local_workers():
+        view = d.wait(d.start("review_tagged").run_id, timeout=60)
+    assert view.status == RunStatus.SUCCEEDED, view.error
+    assert _blob_rows(d, view.run_id)  # the result went by reference
+    assert view.tags == {"customer": "acme"}
+
+
+def test_a_parent_whose_reference_a_child_holds_is_not_pruned_before_the_child(
+    db_url: str,
+) -> None:
+    d = _ductor(db_url, offload_bytes=1000)
+
+    @d.step(name="review.make")
+    def make(ctx: StepContext) -> str:
+        return "x" * 5000
+
+    @d.step(name="review.use")
+    def use(ctx: StepContext, data: str) -> int:
+        return len(data)
+
+    child = Workflow("review_child")
+    child.checkpoint("started")
+    child.wait_signal("go", signal="go", after=["started"])
+    child.step("use", use, args={"data": "$.input"}, after=["go"])
+    child.output("$.nodes.use.output")
+    d.register(child)
+    parent = Workflow("review_parent")
+    parent.step("make", make)
+    parent.subworkflow(
+        "sub",
+        workflow="review_child",
+        input="$.nodes.make.output",
+        until="started",
+        parent_close="abandon",
+        after=["make"],
+    )
+    d.register(parent)
+    with d.local_workers():
+        parent_id = d.start("review_parent").run_id
+        assert d.wait(parent_id, timeout=60).status == RunStatus.SUCCEEDED
+        [kid] = _rows(
+            d,
+            sa.select(workflow_run.c.run_id, workflow_run.c.input).where(
+                workflow_run.c.parent_run_id == parent_id
+            ),
+        )
+        held = ref_of(kid.input)
+        assert held is not None  # the child's input is the parent's blob, by reference
+        assert {r.id for r in _blob_rows(d, parent_id)} == {held.id}
+        _age(d, parent_id)
+        assert d.prune(older_than=timedelta(days=7)) == 0  # the child still needs the blob
+        assert d.get(kid.run_id).input == "x" * 5000
+        d.signal(kid.run_id, "go", None)
+        done = d.wait(kid.run_id, timeout=60)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert done.output == 5000
+    # Once the child is old too, the family goes: the child first, then its parent and blob.
+    _age(d, kid.run_id)
+    assert d.prune(older_than=timedelta(days=7)) == 2
+    assert _blob_rows(d, parent_id) == []
+
+
+def test_a_successor_holding_its_predecessors_reference_keeps_it(db_url: str) -> None:
+    d = _ductor(db_url, offload_bytes=1000)
+    seen: list[int] = []
+
+    @d.step(name="review.measure")
+    def measure(ctx: StepContext, data: str) -> int:
+        seen.append(len(data))
+        return len(data)
+
+    wf = Workflow("review_carried")
+    wf.wait_signal("go", signal="go")
+    wf.step("measure", measure, args={"data": "$.input"}, after=["go"])
+    wf.output("$.nodes.measure.output")
+    d.register(wf)
+    with d.local_workers():
+        first = d.start("review_carried", input="z" * 5000).run_id
+        d.continue_as_new(first)  # no input: the successor carries the first run's (a reference)
+        deadline = time.monotonic() + 60
+        while (view := d.get(first)).continued_to is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        successor = view.continued_to
+        assert successor is not None, view.status
+        held = ref_of(
+            _rows(d, sa.select(workflow_run.c.input).where(workflow_run.c.run_id == successor))[
+                0
+            ].input
+        )
+        assert held is not None and {r.id for r in _blob_rows(d, first)} == {held.id}
+        _age(d, first)
+        assert d.prune(older_than=timedelta(days=7)) == 0  # kept while its successor exists
+        d.signal(successor, "go", None)
+        done = d.wait(successor, timeout=60)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert seen == [5000]
