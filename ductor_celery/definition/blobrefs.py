@@ -235,8 +235,9 @@ class BlobNeeds:
     one) and pages of offloaded lists (a scatter dispatches those items)."""
 
     values: dict[str, BlobRef]
-    #: blob id -> (its reference, first item, one past the last).
-    pages: dict[str, tuple[BlobRef, int, int]]
+    #: blob id -> (its reference, the spans of items needed: (first item, one past the last)).
+    #: Several scatters over one list each add their span: none overwrites another's.
+    pages: dict[str, tuple[BlobRef, list[tuple[int, int]]]]
 
     def __bool__(self) -> bool:
         return bool(self.values or self.pages)
@@ -271,5 +272,7 @@ class BlobValues:
         have = self.items.get(ref.id, {})
         if all(i in have for i in range(start, stop)):
             return have
-        self.needs.pages[ref.id] = (ref, start, stop)
+        spans = self.needs.pages.setdefault(ref.id, (ref, []))[1]
+        if (start, stop) not in spans:  # a scatter looked at twice in one computation
+            spans.append((start, stop))
         return None

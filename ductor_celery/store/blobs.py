@@ -227,6 +227,7 @@ def read_needs(conn: Connection, inputs: TickInputs, needs: BlobNeeds) -> TickIn
     fresh = [ref for blob_id, ref in needs.values.items() if blob_id not in values]
     values.update(read_all(conn, fresh, f"run {inputs.run_id}"))
     items = {k: dict(v) for k, v in inputs.items.items()}
-    for blob_id, (ref, start, stop) in needs.pages.items():
-        items.setdefault(blob_id, {}).update(read_items(conn, ref, start, stop))
+    for blob_id, (ref, spans) in needs.pages.items():
+        for start, stop in spans:
+            items.setdefault(blob_id, {}).update(read_items(conn, ref, start, stop))
     return dataclasses.replace(inputs, blobs=values, items=items)

@@ -158,3 +158,51 @@ def test_a_successor_holding_its_predecessors_reference_keeps_it(db_url: str) ->
         done = d.wait(successor, timeout=60)
     assert done.status == RunStatus.SUCCEEDED, done.error
     assert seen == [5000]
+
+
+def test_a_paged_scatter_with_a_refused_branch_finishes(db_url: str) -> None:
+    """Item 0's arguments are over max_payload_bytes: that branch fails alone (tolerated), and
+    the scatter goes on to the next page instead of raising on every tick."""
+    d = _ductor(db_url, offload_bytes=1000, max_payload_bytes=100_000)
+
+    @d.step(name="review.echo")
+    def echo(ctx: StepContext, a: Any, b: Any) -> int:
+        return 1
+
+    wf = Workflow("review_paged_refused")
+    wf.scatter(
+        "s",
+        echo,
+        over="$.input",
+        item_arg=None,
+        args={"a": "$.item", "b": "$.item"},
+        max_parallel=1,
+        tolerated_failures=5,
+    )
+    wf.output("$.nodes.s.output")
+    d.register(wf)
+    items = ["y" * 60_000] + ["s"] * 10
+    with d.local_workers():
+        view = d.wait(d.start("review_paged_refused", input=items).run_id, timeout=60)
+    assert view.status == RunStatus.SUCCEEDED, view.error
+    assert view.output is not None
+    assert view.output[0]["error"]["type"] == "PayloadTooLarge"
+    assert view.output[1:] == [1] * 10
+
+
+def test_several_scatters_over_one_offloaded_list_all_finish(db_url: str) -> None:
+    d = _ductor(db_url, offload_bytes=1000)
+
+    @d.step(name="review.double")
+    def double(ctx: StepContext, item: int) -> int:
+        return item * 2
+
+    wf = Workflow("review_six")
+    for k, at_once in enumerate([6, 5, 4, 3, 2, 1]):
+        wf.scatter(f"s{k}", double, over="$.input", max_parallel=at_once)
+    wf.output({f"s{k}": f"$.nodes.s{k}.output" for k in range(6)})
+    d.register(wf)
+    with d.local_workers():
+        view = d.wait(d.start("review_six", input=list(range(400))).run_id, timeout=120)
+    assert view.status == RunStatus.SUCCEEDED, view.error
+    assert view.output == {f"s{k}": [i * 2 for i in range(400)] for k in range(6)}

@@ -5,6 +5,7 @@ scatter dispatches items of an offloaded list)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -168,7 +169,7 @@ def test_a_scatter_over_an_offloaded_list_needs_only_the_page_it_dispatches() ->
     ref = BlobRef("a" * 32, 900_000, "0" * 64, items=10_000)
     state = RunState.initial(spec.graph.order)
     first = pure_tick(spec, state, TickInputs(run_id=RUN, config=CFG, input=ref.to_json()), NOW)
-    assert first.needs is not None and first.needs.pages == {ref.id: (ref, 0, 3)}
+    assert first.needs is not None and first.needs.pages == {ref.id: (ref, [(0, 3)])}
     page = {i: {"n": i} for i in range(3)}
     second = pure_tick(
         spec,
@@ -180,3 +181,56 @@ def test_a_scatter_over_an_offloaded_list_needs_only_the_page_it_dispatches() ->
     assert [a.args for a in second.new_attempts] == [{"item": {"n": i}} for i in range(3)]
     scatter = second.state.nodes["each"].scatter
     assert scatter is not None and scatter.total == 10_000 and scatter.next == 3
+
+
+def test_several_scatters_over_one_offloaded_list_each_get_their_page() -> None:
+    """Each scatter adds its span to what the tick needs (none overwrites another's), so one
+    read round gives every scatter its page."""
+    wf = Workflow("paged_twice")
+    wf.scatter("wide", "work", over="$.input", max_parallel=5)
+    wf.scatter("narrow", "work", over="$.input", max_parallel=2)
+    spec = wf.build()
+    ref = BlobRef("b" * 32, 900_000, "0" * 64, items=100)
+    state = RunState.initial(spec.graph.order)
+    first = pure_tick(spec, state, TickInputs(run_id=RUN, config=CFG, input=ref.to_json()), NOW)
+    assert first.needs is not None
+    assert first.needs.pages == {ref.id: (ref, [(0, 5), (0, 2)])}
+    page = {i: i for i in range(5)}
+    second = pure_tick(
+        spec,
+        state,
+        TickInputs(run_id=RUN, config=CFG, input=ref.to_json(), items={ref.id: page}),
+        NOW,
+    )
+    assert second.needs is None
+    assert sorted((a.node, a.args["item"]) for a in second.new_attempts) == sorted(
+        [("wide", i) for i in range(5)] + [("narrow", i) for i in range(2)]
+    )
+
+
+@given(refused=st.sets(st.integers(min_value=0, max_value=3)))
+def test_a_paged_scatter_with_refused_branches_stops_at_its_page_and_is_due_again(
+    refused: set[int],
+) -> None:
+    """A branch refused for its arguments takes no place in the scatter: the tick must not read
+    past the page it has (it used to raise KeyError on every tick), and since room is left for
+    more branches the run's next tick is due at once, for the next page."""
+    wf = Workflow("paged_refused")
+    wf.scatter("each", "work", over="$.input", max_parallel=4, tolerated_failures=10)
+    spec = wf.build()
+    ref = BlobRef("c" * 32, 900_000, "0" * 64, items=20)
+    config = dataclasses.replace(CFG, max_payload_bytes=1000)
+    page = {i: ("y" * 2000 if i in refused else i) for i in range(4)}
+    state = RunState.initial(spec.graph.order)
+    tick = pure_tick(
+        spec,
+        state,
+        TickInputs(run_id=RUN, config=config, input=ref.to_json(), items={ref.id: page}),
+        NOW,
+    )
+    assert tick.needs is None
+    scatter = tick.state.nodes["each"].scatter
+    assert scatter is not None and scatter.next == 4
+    assert set(scatter.errors) == refused
+    assert sorted(a.args["item"] for a in tick.new_attempts) == sorted(set(range(4)) - refused)
+    assert (tick.next_wake_at == NOW) == bool(refused)
