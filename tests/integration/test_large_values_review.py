@@ -206,3 +206,33 @@ def test_several_scatters_over_one_offloaded_list_all_finish(db_url: str) -> Non
         view = d.wait(d.start("review_six", input=list(range(400))).run_id, timeout=120)
     assert view.status == RunStatus.SUCCEEDED, view.error
     assert view.output == {f"s{k}": [i * 2 for i in range(400)] for k in range(6)}
+
+
+def test_a_context_patch_may_be_up_to_1_mib_as_before_large_values(db_url: str) -> None:
+    """The patch limit is 1 MiB (the old default of max_payload_bytes), not the offload
+    threshold (256 KiB by default): a 600 KB patch is kept, a 1.1 MB one is refused."""
+    d = _ductor(db_url)
+
+    @d.step(name="review.remember")
+    def remember(ctx: StepContext, size: int) -> int:
+        ctx.patch({"note": "n" * size})
+        return size
+
+    @d.step(name="review.recall")
+    def recall(ctx: StepContext, note: str) -> int:
+        return len(note)
+
+    wf = Workflow("review_patch")
+    wf.step("remember", remember, args={"size": "$.input"})
+    wf.step("recall", recall, args={"note": "$.context.note"}, after=["remember"])
+    wf.output("$.nodes.recall.output")
+    d.register(wf)
+    with d.local_workers():
+        kept = d.wait(d.start("review_patch", input=600_000).run_id, timeout=60)
+        refused = d.wait(d.start("review_patch", input=1_100_000).run_id, timeout=60)
+    assert kept.status == RunStatus.SUCCEEDED, kept.error
+    assert kept.output == 600_000
+    assert refused.status == RunStatus.FAILED
+    error = refused.nodes["remember"].error
+    assert error is not None and error["type"] == "InvalidResult"
+    assert "over the context patch limit of 1048576 bytes" in error["message"]
