@@ -5,14 +5,26 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
-from test_large_values import _blob_rows, _ductor, _rows, db_url  # noqa: F401 - the fixture
+from support import CONFIG, load_tick, tick_once
+from test_large_values import _blob_rows, _ductor, _rows
 
-from ductor_celery import RunStatus, StepContext, Workflow
+from ductor_celery import RunConcurrency, RunStatus, StepContext, Workflow
 from ductor_celery.definition.blobrefs import ref_of
-from ductor_celery.store.schema import step_attempt, workflow_run
+from ductor_celery.store import run_slots
+from ductor_celery.store.schema import blob, step_attempt, workflow_run
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/review.sqlite3"
+    url: str = request.getfixturevalue("database_url")
+    return url
 
 
 def _age(d: Any, run_id: str, days: int = 30) -> None:
@@ -236,3 +248,28 @@ def test_a_context_patch_may_be_up_to_1_mib_as_before_large_values(db_url: str) 
     error = refused.nodes["remember"].error
     assert error is not None and error["type"] == "InvalidResult"
     assert "over the context patch limit of 1048576 bytes" in error["message"]
+
+
+def test_a_run_concurrency_key_is_read_from_the_slot_not_the_large_input_each_tick(
+    db_url: str,
+) -> None:
+    """Admission reads the large input for the key once; later ticks take the key stored in
+    the run's eec_run_slot row. The input's blob is deleted after admission to prove the load
+    no longer reads it (it used to, on every tick: a DanglingReference here)."""
+    d = _ductor(db_url, offload_bytes=1000)
+
+    @d.step(name="review.noop")
+    def noop(ctx: StepContext) -> None:
+        return None
+
+    wf = Workflow("review_keyed", concurrency=RunConcurrency("$.input.customer", 1))
+    wf.step("noop", noop)
+    spec = d.register(wf)
+    handle = d.start("review_keyed", input={"customer": "acme", "pad": "p" * 5000})
+    tick_once(d.client.engine, handle.run_id, lambda _h: spec)  # admitted: a slot row
+    with d.client.engine.connect() as conn:
+        assert run_slots.stored_key(conn, handle.run_id) == "review_keyed|acme"
+    with d.client.engine.begin() as conn:
+        conn.execute(sa.delete(blob).where(blob.c.run_id == handle.run_id))
+    found = load_tick(d.client.engine, handle.run_id, lambda _h: spec, CONFIG)
+    assert found is not None and found[0].concurrency_key == "review_keyed|acme"
