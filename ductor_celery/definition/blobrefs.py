@@ -155,6 +155,19 @@ def replace_refs(value: Any, values: Mapping[str, Any]) -> Any:
     return value
 
 
+def placeholder_for(ref: BlobRef) -> str:
+    """What a list of runs shows instead of a large value (it never reads one)."""
+    return f"large value ({ref.size} bytes)"
+
+
+def with_placeholders(value: Any) -> Any:
+    """``value`` with each reference replaced by its ``placeholder_for`` text: no read."""
+    refs = refs_in(value)
+    if not refs:
+        return value
+    return replace_refs(value, {ref.id: placeholder_for(ref) for ref in refs})
+
+
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """One ``eec_blob`` row: its place and, for a list, the index of its first item."""

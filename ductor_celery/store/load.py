@@ -18,6 +18,7 @@ from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.engine import Connection, Engine
 
 from ..coordinator.port import LoadedRun, RunBusy
+from ..definition.blobrefs import contains_ref
 from ..definition.spec import RunConcurrencySpec, WorkflowSpec
 from ..engine import (
     AttemptCheck,
@@ -131,7 +132,7 @@ def load_on(
         if control is not None and control.kind == ControlKind.REDRIVE and control.has_input:
             key_input = control.input
         key = None
-        if key_input is run_input and state.input_from is None and blobs.refs_in(key_input):
+        if key_input is run_input and state.input_from is None and contains_ref(key_input):
             # A large input's key as admission stored it: the input is read back for the key
             # only until the run has a slot row, not on every tick (docs/large-values.md).
             key = run_slots.stored_key(conn, run_id)

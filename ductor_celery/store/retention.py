@@ -71,9 +71,7 @@ _RUN_TABLES = (
 )
 
 
-def _prunable(
-    cutoff: datetime, statuses: Iterable[RunStatus], *, counting: bool = False
-) -> Any:
+def _prunable(cutoff: datetime, statuses: Iterable[RunStatus], *, counting: bool = False) -> Any:
     """The WHERE clause of prunable runs (see the module docstring). ``counting`` (a dry
     run, which deletes nothing): a parent counts when each of its children is prunable in its
     own right, since the prune deletes those first and the parent in a later batch."""

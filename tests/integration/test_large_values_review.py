@@ -273,3 +273,54 @@ def test_a_run_concurrency_key_is_read_from_the_slot_not_the_large_input_each_ti
         conn.execute(sa.delete(blob).where(blob.c.run_id == handle.run_id))
     found = load_tick(d.client.engine, handle.run_id, lambda _h: spec, CONFIG)
     assert found is not None and found[0].concurrency_key == "review_keyed|acme"
+
+
+def test_lists_of_runs_read_no_large_value_and_survive_a_dangling_one(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The console's runs page, GET /api/runs and ``ductor runs`` list with
+    ``large_values=False``: a placeholder, no blob read, and a dangling reference in one run
+    does not break the list. Python's ``list_runs`` still reads values by default."""
+    from types import SimpleNamespace
+
+    from click.testing import CliRunner
+    from starlette.testclient import TestClient
+    from test_large_values import TwoSteps
+
+    from ductor_celery.cli import ductor as ductor_cli
+    from ductor_celery.store import blobs
+    from ductor_celery.web import create_app
+
+    app = TwoSteps(db_url, offload_bytes=1000)
+    app.d.app.conf.ductor_database_url = db_url
+    ids = [app.run({"size": 5000}).run_id for _ in range(3)]
+    assert app.d.list_runs().runs[0].output["made"]["text"] == "x" * 5000  # read by default
+
+    reads: list[str] = []
+    real_read = blobs.read
+
+    def counting(conn: Any, ref: Any, held_by: str = "a value") -> Any:
+        reads.append(ref.id)
+        return real_read(conn, ref, held_by)
+
+    monkeypatch.setattr(blobs, "read", counting)
+    page = app.d.list_runs(large_values=False)
+    assert reads == []
+    [made] = {ref_of(v.nodes["make"].output) is None for v in page.runs}
+    assert made  # not a reference either: a placeholder text
+    assert all(
+        v.nodes["make"].output.startswith("large value (") and v.output["made"] is not None
+        for v in page.runs
+    )
+
+    with app.d.client.engine.begin() as conn:
+        conn.execute(sa.delete(blob).where(blob.c.run_id == ids[0]))
+    assert {v.run_id for v in app.d.list_runs(large_values=False).runs} == set(ids)
+    with TestClient(create_app(app.d, allowed_hosts=["testserver"])) as client:
+        listed = client.get("/api/runs")
+        assert listed.status_code == 200, listed.text
+        assert {r["run_id"] for r in listed.json()["runs"]} == set(ids)
+        assert client.get("/").status_code == 200
+    result = CliRunner().invoke(ductor_cli, ["runs", "--json"], obj=SimpleNamespace(app=app.d.app))
+    assert result.exit_code == 0, result.output
+    assert reads == []
