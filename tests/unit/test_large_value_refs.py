@@ -9,6 +9,7 @@ import dataclasses
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from support import CFG, NOW, RUN, pure_tick
@@ -28,6 +29,7 @@ from ductor_celery.definition.blobrefs import (
     value_of,
 )
 from ductor_celery.engine import AttemptResult, RunState, TickInputs
+from ductor_celery.errors import DefinitionError
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=30),
@@ -234,3 +236,22 @@ def test_a_paged_scatter_with_refused_branches_stops_at_its_page_and_is_due_agai
     assert set(scatter.errors) == refused
     assert sorted(a.args["item"] for a in tick.new_attempts) == sorted(set(range(4)) - refused)
     assert (tick.next_wake_at == NOW) == bool(refused)
+
+
+@pytest.mark.parametrize(
+    "declare",
+    [
+        lambda wf, ref: wf.step("peek", "peek", args={"x": ref}),
+        lambda wf, ref: wf.step("peek", "peek", args={"x": [1, {"deep": ref}]}),
+        lambda wf, ref: wf.output({"held": ref}),
+        lambda wf, ref: wf.subworkflow("sub", workflow="other", input=ref),
+    ],
+)
+def test_a_definition_literal_cannot_forge_a_reference(declare: Any) -> None:
+    """A literal reference in a template would be trusted as ductor's own (a step would read
+    another run's blob): refused when the workflow is declared, naming the key."""
+    ref = BlobRef("d" * 32, 5000, "0" * 64).to_json()
+    wf = Workflow("forger")
+    with pytest.raises(DefinitionError, match="'__ductor_blob__' at .* is reserved"):
+        declare(wf, ref)
+        wf.build()
