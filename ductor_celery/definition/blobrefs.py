@@ -216,11 +216,33 @@ def value_of(chunks: list[Chunk], ref: BlobRef) -> Any:
             items.extend(json.loads(chunk.data))
         if len(items) != ref.items:
             raise ValueError(f"blob {ref.id} holds {len(items)} items, its reference {ref.items}")
+        # The reference's size and SHA-256 are of the whole list's JSON ("[a, b]", the
+        # encoder's separator), which the chunks ("[a,b]" each) do not hold as such: the items
+        # are encoded again, one at a time, into the hash.
+        size, digest = _list_digest(items)
+        if size != ref.size or digest != ref.sha256:
+            raise ValueError(f"blob {ref.id} does not match its reference (size or sha256)")
         return items
     data = b"".join(chunk.data for chunk in chunks)
     if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
         raise ValueError(f"blob {ref.id} does not match its reference (size or sha256)")
     return json.loads(data)
+
+
+def _list_digest(items: list[Any]) -> tuple[int, str]:
+    """Bytes and SHA-256 of a list's JSON as ``describe`` measured it, item by item."""
+    dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+    digest = hashlib.sha256(b"[")
+    size = 2
+    for index, item in enumerate(items):
+        data = dumps(item).encode("utf-8")
+        if index:
+            digest.update(b", ")
+            size += 2
+        digest.update(data)
+        size += len(data)
+    digest.update(b"]")
+    return size, digest.hexdigest()
 
 
 def page_of(chunks: list[tuple[int, list[Any]]], start: int, stop: int) -> dict[int, Any]:

@@ -255,3 +255,16 @@ def test_a_definition_literal_cannot_forge_a_reference(declare: Any) -> None:
     with pytest.raises(DefinitionError, match="'__ductor_blob__' at .* is reserved"):
         declare(wf, ref)
         wf.build()
+
+
+def test_an_altered_list_chunk_is_refused_though_the_item_count_matches() -> None:
+    items = [{"n": i, "text": "t" * 50} for i in range(40)]
+    text = _text(items)
+    ref = describe(items, text, "e" * 32)
+    chunks = chunks_of(items, text, 300)
+    assert len(chunks) > 1
+    altered = json.loads(chunks[1].data)
+    altered[0]["n"] = -1  # same number of items, another value
+    chunks[1] = dataclasses.replace(chunks[1], data=json.dumps(altered).encode())
+    with pytest.raises(ValueError, match="e{32} does not match its reference"):
+        value_of(chunks, ref)
