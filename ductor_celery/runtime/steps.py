@@ -662,7 +662,14 @@ def _with_values(
 
 def _by_reference(engine: Any, run_id: str, result: _Outcome, threshold: int) -> _Outcome:
     """The outcome with a large output replaced by a reference to its blob, written now."""
-    output = by_reference(engine, run_id, result.output, threshold)
+    try:
+        output = by_reference(engine, run_id, result.output, threshold)
+    except Exception as exc:  # noqa: BLE001 - recorded as the attempt's outcome instead
+        # Raised, it would leave the attempt claimed until its timeout; like the outcome's own
+        # write failures it becomes a failure, retryable (the next attempt may store it).
+        log.error("run %s: a large result could not be stored: %s", run_id, describe(exc))
+        error = {"type": "LargeValueNotStored", "message": describe(exc)}
+        return _Outcome("failed", error=error, retryable=True)
     if output is result.output:
         return result
     # Only the output changes: the tags the step set (ctx.tag) and the rest go with it.

@@ -324,3 +324,45 @@ def test_lists_of_runs_read_no_large_value_and_survive_a_dangling_one(
     result = CliRunner().invoke(ductor_cli, ["runs", "--json"], obj=SimpleNamespace(app=app.d.app))
     assert result.exit_code == 0, result.output
     assert reads == []
+
+
+def test_a_failed_blob_write_is_recorded_as_a_retryable_failure(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step's large result cannot be stored (the blob write raises): the attempt is
+    recorded as failed and retried at once, instead of staying claimed until its timeout."""
+    from ductor_celery import RetryPolicy
+    from ductor_celery.runtime import large_values
+
+    d = _ductor(db_url, offload_bytes=1000)
+    real_write = large_values.blobs.write
+    failures = [RuntimeError("disk full")]
+
+    def flaky_write(conn: Any, run_id: str, value: Any, text: str | None = None) -> Any:
+        if failures:
+            raise failures.pop()
+        return real_write(conn, run_id, value, text)
+
+    monkeypatch.setattr(large_values.blobs, "write", flaky_write)
+
+    @d.step(name="review.large")
+    def large(ctx: StepContext) -> str:
+        return "w" * 5000
+
+    wf = Workflow("review_flaky")
+    wf.step("large", large, retry=RetryPolicy(max_attempts=2, initial_interval=0.1))
+    wf.output("$.nodes.large.output")
+    d.register(wf)
+    with d.local_workers():
+        view = d.wait(d.start("review_flaky").run_id, timeout=60)
+    assert view.status == RunStatus.SUCCEEDED, view.error
+    assert view.output == "w" * 5000
+    rows = _rows(
+        d,
+        sa.select(step_attempt.c.attempt, step_attempt.c.outcome, step_attempt.c.error)
+        .where(step_attempt.c.run_id == view.run_id)
+        .order_by(step_attempt.c.attempt),
+    )
+    assert [r.outcome for r in rows] == ["failed", "succeeded"]
+    assert rows[0].error["type"] == "LargeValueNotStored"
+    assert "disk full" in rows[0].error["message"]
