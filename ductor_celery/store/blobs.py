@@ -5,8 +5,7 @@ The writer of the row that would have held a value writes its blob: in the same 
 (the client's insert, the tick's commit), or, for a step's result, in a short transaction of
 the step worker's own just before the outcome's (runtime/large_values.py). Readers resolve
 references where a value leaves for user code or for a path that reads inside it: the step's
-arguments,
-``ctx.input``, views, the tick's paths (``TickInputs.blobs``).
+arguments, ``ctx.input``, views, the tick's paths (``TickInputs.blobs``).
 """
 
 from __future__ import annotations
