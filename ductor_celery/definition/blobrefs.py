@@ -181,14 +181,30 @@ def chunks_of(value: Any, text: str, chunk_bytes: int | None = None) -> list[Chu
     """Cut a value (``text`` is its JSON) into chunks. A list is cut between items, each chunk
     a JSON array of whole items with the index of its first (``LIST_CHUNK_BYTES``); anything
     else into slices of its UTF-8 text (``CHUNK_BYTES``)."""
+    return list(iter_chunks(value, text, chunk_bytes))
+
+
+def iter_chunks(value: Any, text: str, chunk_bytes: int | None = None) -> Iterator[Chunk]:
+    """``chunks_of``, one chunk at a time: the writer holds one chunk, not a second copy of
+    the whole value."""
     if isinstance(value, list) and value:
-        return list(_list_chunks(value, chunk_bytes or LIST_CHUNK_BYTES))
-    chunk_bytes = chunk_bytes or CHUNK_BYTES
-    data = text.encode("utf-8")
-    return [
-        Chunk(seq, data[start : start + chunk_bytes])
-        for seq, start in enumerate(range(0, max(len(data), 1), chunk_bytes))
-    ]
+        yield from _list_chunks(value, chunk_bytes or LIST_CHUNK_BYTES)
+        return
+    for seq, piece in enumerate(utf8_pieces(text, chunk_bytes or CHUNK_BYTES)):
+        yield Chunk(seq, piece)
+
+
+def utf8_pieces(text: str, piece_bytes: int) -> Iterator[bytes]:
+    """``text``'s UTF-8 bytes in consecutive pieces of ``piece_bytes``. An ASCII text (most
+    large values) is encoded a slice at a time, never whole; any other is encoded whole once
+    and sliced through a memoryview (one copy per piece, not a second copy of the whole)."""
+    if text.isascii():  # O(1) in CPython; characters are bytes
+        for start in range(0, max(len(text), 1), piece_bytes):
+            yield text[start : start + piece_bytes].encode("ascii")
+        return
+    whole = memoryview(text.encode("utf-8"))
+    for start in range(0, max(len(whole), 1), piece_bytes):
+        yield bytes(whole[start : start + piece_bytes])
 
 
 def _list_chunks(items: list[Any], chunk_bytes: int) -> Iterator[Chunk]:
@@ -259,9 +275,13 @@ def page_of(chunks: list[tuple[int, list[Any]]], start: int, stop: int) -> dict[
 
 def describe(value: Any, text: str, blob_id: str) -> BlobRef:
     """The reference to ``value`` stored under ``blob_id`` (``text``: its JSON)."""
-    data = text.encode("utf-8")
+    digest = hashlib.sha256()
+    size = 0
+    for piece in utf8_pieces(text, CHUNK_BYTES):  # no second whole copy of the value
+        digest.update(piece)
+        size += len(piece)
     items = len(value) if isinstance(value, list) and value else None
-    return BlobRef(blob_id, len(data), hashlib.sha256(data).hexdigest(), items)
+    return BlobRef(blob_id, size, digest.hexdigest(), items)
 
 
 @dataclass(slots=True)

@@ -24,8 +24,8 @@ from ..definition.blobrefs import (
     BlobNeeds,
     BlobRef,
     Chunk,
-    chunks_of,
     describe,
+    iter_chunks,
     page_of,
     ref_of,
     refs_in,
@@ -79,8 +79,12 @@ def large_text(value: Any, threshold: int) -> str | None:
         return None
     try:
         text = _ENCODER.encode(value)
-        # Each character is 1..4 UTF-8 bytes: most values are decided without encoding them.
-        if len(text) <= threshold // 4 or len(text.encode("utf-8")) <= threshold:
+        # Each character is 1..4 UTF-8 bytes: most values are decided without encoding them
+        # (more characters than the threshold is over it; an ASCII text's bytes are its
+        # characters).
+        if len(text) <= threshold // 4:
+            return None
+        if len(text) <= threshold and (text.isascii() or len(text.encode("utf-8")) <= threshold):
             return None
     except (ValueError, TypeError):  # UnicodeEncodeError too
         # Not storable at all (a check let it through): left inline, where the database
@@ -93,7 +97,8 @@ def size_of(value: Any) -> int:
     """Bytes of a value's JSON, as the threshold counts them (0 for a value that is not
     storable at all: the database's refusal is what its writer reports)."""
     try:
-        return len(_ENCODER.encode(value).encode("utf-8"))
+        text = _ENCODER.encode(value)
+        return len(text) if text.isascii() else len(text.encode("utf-8"))
     except (ValueError, TypeError):
         return 0
 
@@ -102,13 +107,14 @@ def write(conn: Any, run_id: str, value: Any, text: str | None = None) -> BlobRe
     """Store ``value`` (plain JSON, already checked) as a new blob of ``run_id``."""
     text = _ENCODER.encode(value) if text is None else text
     ref = describe(value, text, uuid.uuid4().hex)
-    rows = [
-        {"id": ref.id, "seq": c.seq, "run_id": run_id, "first_item": c.first_item, "data": c.data}
-        for c in chunks_of(value, text)
-    ]
-    # One statement per chunk: a multi-row insert of several MiB is one huge statement.
-    for row in rows:
-        conn.execute(sa.insert(blob).values(**row))
+    # One statement per chunk: a multi-row insert of several MiB is one huge statement; and
+    # one chunk made at a time, so the writer never holds a second copy of the whole value.
+    for c in iter_chunks(value, text):
+        conn.execute(
+            sa.insert(blob).values(
+                id=ref.id, seq=c.seq, run_id=run_id, first_item=c.first_item, data=c.data
+            )
+        )
     return ref
 
 
