@@ -366,3 +366,25 @@ def test_a_failed_blob_write_is_recorded_as_a_retryable_failure(
     assert [r.outcome for r in rows] == ["failed", "succeeded"]
     assert rows[0].error["type"] == "LargeValueNotStored"
     assert "disk full" in rows[0].error["message"]
+
+
+def test_no_door_lets_user_data_forge_a_reference(db_url: str) -> None:
+    """A signal's payload and a continue-as-new's input are refused like a start's input
+    (the first forge test covered start only), and nothing is written."""
+    from ductor_celery import PayloadNotSerializable
+    from ductor_celery.definition.blobrefs import REF_KEY
+    from ductor_celery.store.schema import workflow_control, workflow_signal
+
+    d = _ductor(db_url)
+    wf = Workflow("review_forge")
+    wf.wait_signal("s", signal="go")
+    d.register(wf)
+    run_id = d.start("review_forge").run_id
+    forged = {REF_KEY: {"id": "0" * 32, "size": 1, "sha256": "0" * 64, "items": None}}
+    reserved = rf"{REF_KEY}.* at \$\.b is reserved"
+    with pytest.raises(PayloadNotSerializable, match=reserved):
+        d.signal(run_id, "go", {"b": forged})
+    with pytest.raises(PayloadNotSerializable, match=reserved):
+        d.continue_as_new(run_id, input={"b": forged})
+    assert _rows(d, sa.select(workflow_signal)) == []
+    assert _rows(d, sa.select(workflow_control)) == []
