@@ -33,6 +33,7 @@ from .call_checks import (
     check_version,
 )
 from .coordinator import TickOutcome
+from .definition.blobrefs import with_placeholders
 from .definition.retry import priority_problem
 from .definition.spec import ApprovalNodeSpec, WorkflowSpec, approval_signal
 from .engine.compensation import is_compensation
@@ -717,21 +718,27 @@ class Client:
         cursor: str | None = None,
         workflow_id: str | None = None,
         tags: Mapping[str, str] | None = None,
+        *,
+        large_values: bool = True,
     ) -> RunPage:
         """Runs newest first, one page of at most ``limit``: ``since`` (inclusive) and
         ``until`` (exclusive) bound ``created_at``; ``cursor`` is a page's ``next_cursor``;
-        ``tags``: only runs that have every one of these tags (docs/tags.md)."""
+        ``tags``: only runs that have every one of these tags (docs/tags.md).
+
+        ``large_values=False`` (the console's list, ``GET /api/runs``, ``ductor runs``): a
+        large value is shown as ``"large value (N bytes)"`` and never read, so a page costs
+        no blob reads and a dangling reference in one run cannot break the list."""
         where, after = check_list_filter(status, workflow, limit, since, until, cursor, workflow_id)
         wanted = checked_tags(tags, "tags filter")
         if wanted:
             where = dataclasses.replace(where, tags=tuple(wanted.items()))
         rows, key = self._read(runs.list_runs, self.engine, limit=limit, where=where, after=after)
         return RunPage(
-            runs=[self._view(r) for r in rows],
+            runs=[self._view(r, large_values=large_values) for r in rows],
             next_cursor=runs.encode_cursor(key) if key is not None else None,
         )
 
-    def _view(self, row: RunRow) -> RunView:
+    def _view(self, row: RunRow, *, large_values: bool = True) -> RunView:
         refs = {node_id: output_ref(ns) for node_id, ns in row.state.nodes.items()}
         source = EngineOutputs(
             self.engine,
@@ -746,7 +753,10 @@ class Client:
             inputs.input_for_view, self.engine, row.state, row.input
         )
         held["the run's output"] = row.output
-        values = self._read(blobs.resolved_many, self.engine, held)
+        if large_values:
+            values = self._read(blobs.resolved_many, self.engine, held)
+        else:
+            values = {what: with_placeholders(v) for what, v in held.items()}
         read = {n: values[f"the output of node {n!r}"] for n in outputs}
         nodes = {
             node_id: NodeView(

@@ -285,9 +285,13 @@ class Ductor:
         cursor: str | None = None,
         workflow_id: str | None = None,
         tags: Mapping[str, str] | None = None,
+        *,
+        large_values: bool = True,
     ) -> RunPage:
         """One page of runs, newest first; iterate it like a list, ``next_cursor`` for more.
-        ``tags``: only runs that have every one of these tags."""
+        ``tags``: only runs that have every one of these tags. Large values are read back
+        into the views (one read per value on the page); ``large_values=False`` shows
+        ``"large value (N bytes)"`` instead and reads none (docs/large-values.md)."""
         return self.client.list_runs(
             status=status,
             workflow=workflow,
@@ -297,6 +301,7 @@ class Ductor:
             cursor=cursor,
             workflow_id=workflow_id,
             tags=tags,
+            large_values=large_values,
         )
 
     def signal(

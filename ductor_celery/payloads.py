@@ -100,14 +100,16 @@ def _check(value: Any, what: str, limit: int, door: DoorCheck | None) -> JsonChe
         # ensure_ascii=False: the text's UTF-8 encoding is what is measured, and encoding it
         # is what finds a lone surrogate.
         text = _ENCODER.encode(value)
-        data = text.encode("utf-8")
+        # An ASCII text's bytes are its characters (no copy to measure it); any other is
+        # encoded, which is also what finds a lone surrogate, and the copy dropped at once.
+        size = len(text) if text.isascii() else len(text.encode("utf-8"))
     except Exception as exc:  # noqa: BLE001 - TypeError, ValueError, RecursionError, ...
         return _refused(value, what, exc)
     if "\\u0000" in text and _NUL.search(text):
         return _refused(value, what, None)
-    if len(data) > limit:
+    if size > limit:
         return JsonCheck(
-            None, f"{what} is {len(data)} bytes, over ductor_max_payload_bytes={limit}", True
+            None, f"{what} is {size} bytes, over ductor_max_payload_bytes={limit}", True
         )
     normalized = json.loads(text)
     if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _deeper_than(

@@ -180,6 +180,12 @@ big_two.step("measure", measure, after=["big"], args={"text": "$.nodes.big.outpu
 big_two.output("$.nodes.measure.output")
 ductor.register(big_two)
 
+# A batched scatter whose items' results are large: the batch's list holds references.
+big_batch = Workflow("big_batch")
+big_batch.scatter("each", big, over="$.input.sizes", item_arg="size", batch_size=2, max_parallel=2)
+big_batch.output("$.nodes.each.output")
+ductor.register(big_batch)
+
 slow_wf = Workflow("slow")
 slow_wf.step("slow", slow, args={"seconds": "$.input.seconds"})
 slow_wf.output("$.nodes.slow.output")

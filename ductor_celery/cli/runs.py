@@ -134,6 +134,7 @@ def runs(
         cursor=cursor,
         limit=limit,
         tags=tags,
+        large_values=False,  # the list shows no values: it never reads them
     )
     if as_json:
         for view in page:

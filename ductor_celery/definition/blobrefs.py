@@ -155,6 +155,19 @@ def replace_refs(value: Any, values: Mapping[str, Any]) -> Any:
     return value
 
 
+def placeholder_for(ref: BlobRef) -> str:
+    """What a list of runs shows instead of a large value (it never reads one)."""
+    return f"large value ({ref.size} bytes)"
+
+
+def with_placeholders(value: Any) -> Any:
+    """``value`` with each reference replaced by its ``placeholder_for`` text: no read."""
+    refs = refs_in(value)
+    if not refs:
+        return value
+    return replace_refs(value, {ref.id: placeholder_for(ref) for ref in refs})
+
+
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """One ``eec_blob`` row: its place and, for a list, the index of its first item."""
@@ -168,14 +181,30 @@ def chunks_of(value: Any, text: str, chunk_bytes: int | None = None) -> list[Chu
     """Cut a value (``text`` is its JSON) into chunks. A list is cut between items, each chunk
     a JSON array of whole items with the index of its first (``LIST_CHUNK_BYTES``); anything
     else into slices of its UTF-8 text (``CHUNK_BYTES``)."""
+    return list(iter_chunks(value, text, chunk_bytes))
+
+
+def iter_chunks(value: Any, text: str, chunk_bytes: int | None = None) -> Iterator[Chunk]:
+    """``chunks_of``, one chunk at a time: the writer holds one chunk, not a second copy of
+    the whole value."""
     if isinstance(value, list) and value:
-        return list(_list_chunks(value, chunk_bytes or LIST_CHUNK_BYTES))
-    chunk_bytes = chunk_bytes or CHUNK_BYTES
-    data = text.encode("utf-8")
-    return [
-        Chunk(seq, data[start : start + chunk_bytes])
-        for seq, start in enumerate(range(0, max(len(data), 1), chunk_bytes))
-    ]
+        yield from _list_chunks(value, chunk_bytes or LIST_CHUNK_BYTES)
+        return
+    for seq, piece in enumerate(utf8_pieces(text, chunk_bytes or CHUNK_BYTES)):
+        yield Chunk(seq, piece)
+
+
+def utf8_pieces(text: str, piece_bytes: int) -> Iterator[bytes]:
+    """``text``'s UTF-8 bytes in consecutive pieces of ``piece_bytes``. An ASCII text (most
+    large values) is encoded a slice at a time, never whole; any other is encoded whole once
+    and sliced through a memoryview (one copy per piece, not a second copy of the whole)."""
+    if text.isascii():  # O(1) in CPython; characters are bytes
+        for start in range(0, max(len(text), 1), piece_bytes):
+            yield text[start : start + piece_bytes].encode("ascii")
+        return
+    whole = memoryview(text.encode("utf-8"))
+    for start in range(0, max(len(whole), 1), piece_bytes):
+        yield bytes(whole[start : start + piece_bytes])
 
 
 def _list_chunks(items: list[Any], chunk_bytes: int) -> Iterator[Chunk]:
@@ -203,11 +232,33 @@ def value_of(chunks: list[Chunk], ref: BlobRef) -> Any:
             items.extend(json.loads(chunk.data))
         if len(items) != ref.items:
             raise ValueError(f"blob {ref.id} holds {len(items)} items, its reference {ref.items}")
+        # The reference's size and SHA-256 are of the whole list's JSON ("[a, b]", the
+        # encoder's separator), which the chunks ("[a,b]" each) do not hold as such: the items
+        # are encoded again, one at a time, into the hash.
+        size, digest = _list_digest(items)
+        if size != ref.size or digest != ref.sha256:
+            raise ValueError(f"blob {ref.id} does not match its reference (size or sha256)")
         return items
     data = b"".join(chunk.data for chunk in chunks)
     if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
         raise ValueError(f"blob {ref.id} does not match its reference (size or sha256)")
     return json.loads(data)
+
+
+def _list_digest(items: list[Any]) -> tuple[int, str]:
+    """Bytes and SHA-256 of a list's JSON as ``describe`` measured it, item by item."""
+    dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+    digest = hashlib.sha256(b"[")
+    size = 2
+    for index, item in enumerate(items):
+        data = dumps(item).encode("utf-8")
+        if index:
+            digest.update(b", ")
+            size += 2
+        digest.update(data)
+        size += len(data)
+    digest.update(b"]")
+    return size, digest.hexdigest()
 
 
 def page_of(chunks: list[tuple[int, list[Any]]], start: int, stop: int) -> dict[int, Any]:
@@ -224,9 +275,13 @@ def page_of(chunks: list[tuple[int, list[Any]]], start: int, stop: int) -> dict[
 
 def describe(value: Any, text: str, blob_id: str) -> BlobRef:
     """The reference to ``value`` stored under ``blob_id`` (``text``: its JSON)."""
-    data = text.encode("utf-8")
+    digest = hashlib.sha256()
+    size = 0
+    for piece in utf8_pieces(text, CHUNK_BYTES):  # no second whole copy of the value
+        digest.update(piece)
+        size += len(piece)
     items = len(value) if isinstance(value, list) and value else None
-    return BlobRef(blob_id, len(data), hashlib.sha256(data).hexdigest(), items)
+    return BlobRef(blob_id, size, digest.hexdigest(), items)
 
 
 @dataclass(slots=True)
@@ -235,8 +290,9 @@ class BlobNeeds:
     one) and pages of offloaded lists (a scatter dispatches those items)."""
 
     values: dict[str, BlobRef]
-    #: blob id -> (its reference, first item, one past the last).
-    pages: dict[str, tuple[BlobRef, int, int]]
+    #: blob id -> (its reference, the spans of items needed: (first item, one past the last)).
+    #: Several scatters over one list each add their span: none overwrites another's.
+    pages: dict[str, tuple[BlobRef, list[tuple[int, int]]]]
 
     def __bool__(self) -> bool:
         return bool(self.values or self.pages)
@@ -271,5 +327,7 @@ class BlobValues:
         have = self.items.get(ref.id, {})
         if all(i in have for i in range(start, stop)):
             return have
-        self.needs.pages[ref.id] = (ref, start, stop)
+        spans = self.needs.pages.setdefault(ref.id, (ref, []))[1]
+        if (start, stop) not in spans:  # a scatter looked at twice in one computation
+            spans.append((start, stop))
         return None

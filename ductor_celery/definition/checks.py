@@ -12,6 +12,7 @@ from typing import Any
 from ..errors import DefinitionError
 from ..limits import MAX_BATCH_SIZE, duration_problem, id_problem, int_problem, is_number
 from ..payloads import check_json
+from .blobrefs import reserved_key_in
 from .retry import ConcurrencyLimit, RateLimit, RetryPolicy
 from .spec import BATCH_ARG, RESERVED_SIGNAL_PREFIX, ConcurrencySpec, RateLimitSpec
 from .validate import short
@@ -43,6 +44,10 @@ def check_literals(template: Any, where: str, field: str) -> Any:
     checked = check_json(template, f"{where}: {field}", _NO_SIZE_LIMIT)
     if checked.problem is not None:
         raise DefinitionError(checked.problem)
+    # A literal reference would be trusted as ductor's own and read another run's blob.
+    reserved = reserved_key_in(checked.value)
+    if reserved is not None:
+        raise DefinitionError(f"{where}: {field}: {reserved}")
     return checked.value
 
 

@@ -23,6 +23,10 @@ class TickContext:
     outputs: dict[str, Any] = field(default_factory=dict)
     #: Large values the load read; what paths needed beyond them (docs/large-values.md).
     blobs: BlobValues = field(default_factory=BlobValues)
+    #: A scatter over an offloaded list stopped at the end of the page it read with room for
+    #: more branches (some of the page's were refused): the run's next tick is due now, and
+    #: this computation reads no further page for it (no extra read round). Its node ids.
+    page_due: set[str] = field(default_factory=set)
 
     @property
     def nodes(self) -> dict[str, NodeState]:

@@ -183,12 +183,19 @@ def _fill(t: TickContext, node_id: str, spec: AnyScatter, items: Items, scope: S
     sc = ns.scatter
     assert sc is not None
     limit = t.inputs.config.max_payload_bytes
+    end = sc.total
     if isinstance(items, PagedItems):
+        if node_id in t.page_due:
+            return  # its page ran out in this computation: the next tick reads the next one
         # Only the items this tick may dispatch: at most max_parallel branches of batch items.
         room = max(spec.max_parallel - len(sc.branches), 0) * sc.batch
-        if not items.ready(sc.next, min(sc.total, sc.next + room)):
+        end = min(sc.total, sc.next + room)
+        if not items.ready(sc.next, end):
             return  # needed: the tick is computed again with that page
-    while sc.next < sc.total and len(sc.branches) < spec.max_parallel:
+        # A refused branch takes no place in ``branches``, so the loop would run past the page
+        # it read: it stops at the page's end, and the run's next tick is due at once for the
+        # next page (``TickContext.page_due``), not another read round in this tick.
+    while sc.next < end and len(sc.branches) < spec.max_parallel:
         if ns.status != _active_status(spec):
             return  # the failure policy stopped the scatter (a refused branch)
         if sc.batch > 1:
@@ -227,6 +234,13 @@ def _fill(t: TickContext, node_id: str, spec: AnyScatter, items: Items, scope: S
             slot=branch,
             rate_key=rate_key_for(spec, item_scope),
         )
+    if (
+        isinstance(items, PagedItems)
+        and ns.status == _active_status(spec)
+        and sc.next < sc.total
+        and len(sc.branches) < spec.max_parallel
+    ):
+        t.page_due.add(node_id)
     t.payload.changed = True
 
 

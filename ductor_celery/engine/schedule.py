@@ -206,6 +206,8 @@ def next_wake_at(t: TickContext) -> datetime | None:
     if waiting_to_start(t.payload.state, t.now):
         assert t.payload.state.start_at is not None
         due.append(t.payload.state.start_at)
+    if t.page_due:
+        due.append(t.now)  # the next page of a scatter whose page had refused branches
     for ns in t.nodes.values():
         for _, slot in slots(ns):
             due.extend(w for w in (slot.check_at, None if paused else slot.retry_at) if w)

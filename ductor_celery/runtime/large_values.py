@@ -1,6 +1,6 @@
 """The step worker's side of large values (docs/large-values.md): a result over
 ``ductor_offload_bytes`` is written to ``eec_blob`` before the outcome that refers to it, and a
-context patch, which lives in the run row, is held to the threshold.
+context patch, which lives in the run row, is held to 1 MiB (or the threshold when larger).
 
 The blob is written in a short transaction of its own, before the outcome's: the outcome
 write has several paths (the one-round-trip unleased write, the eager tick's transaction, a
@@ -32,14 +32,29 @@ def by_reference(engine: Engine, run_id: str, output: Any, threshold: int) -> An
     return with_retry(store, what="store a large result")
 
 
-def patch_problem(patch: Any, what: str, threshold: int) -> str | None:
-    """Why a context patch cannot be kept in the run row, or None."""
+#: A context patch may be this large even when ``ductor_offload_bytes`` is lower: 1 MiB, the
+#: patch limit before large values (it was ``ductor_max_payload_bytes``, whose default was
+#: 1 MiB then), so a patch that worked before still works.
+CONTEXT_PATCH_BYTES = 1_048_576
+
+
+def patch_limit(offload_bytes: int) -> int:
+    """The most bytes a context patch may have: 1 MiB, or ``offload_bytes`` when larger (the
+    check against ``ductor_max_payload_bytes`` comes first, so a lower one still wins)."""
+    return max(offload_bytes, CONTEXT_PATCH_BYTES)
+
+
+def patch_problem(patch: Any, what: str, offload_bytes: int) -> str | None:
+    """Why a context patch cannot be kept in the run row, or None. The context is not
+    offloaded: every tick reads and writes it (docs/large-values.md)."""
     if not patch:
         return None
     size = blobs.size_of(patch)
-    if size <= threshold:
+    limit = patch_limit(offload_bytes)
+    if size <= limit:
         return None
     return (
-        f"{what} is {size} bytes, over ductor_offload_bytes={threshold}: the context lives "
-        "in the run row; return a large value as the step's result instead"
+        f"{what} is {size} bytes, over the context patch limit of {limit} bytes (1 MiB, or "
+        "ductor_offload_bytes when larger): the context lives in the run row; return a "
+        "large value as the step's result instead"
     )

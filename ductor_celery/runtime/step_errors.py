@@ -63,12 +63,22 @@ def error_of(exc: BaseException, redact: Callable[[str], str]) -> dict[str, str]
     return {"type": name, "message": message, "traceback": trace}
 
 
-def payload_of(value: Any, what: str, limit: int) -> tuple[Any, str | None]:
+def payload_of(
+    value: Any, what: str, limit: int, *, refs_allowed: bool = False
+) -> tuple[Any, str | None]:
     """``json_problem``, made total here as well: whatever the check raises (a RecursionError
-    on a value nested thousands deep, a user's container misbehaving) is the problem."""
+    on a value nested thousands deep, a user's container misbehaving) is the problem.
+
+    ``refs_allowed``: the value was put together by ductor from values already checked one by
+    one (a batch's list of item results, where a large item is ductor's own reference), so
+    the reserved key is not refused in it."""
     try:
         checked, problem = json_problem(value, what, limit)
-        if problem is None and (reserved := reserved_key_in(checked)) is not None:
+        if (
+            problem is None
+            and not refs_allowed
+            and (reserved := reserved_key_in(checked)) is not None
+        ):
             return None, storable_text(f"{what} is not JSON-serializable: {reserved}")
         return checked, problem
     except Exception as exc:  # noqa: BLE001

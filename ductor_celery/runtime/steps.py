@@ -478,7 +478,9 @@ def _run_batch(
 
     done, interrupt = batch.run_batch(spec, earlier, call, checkpoint)
     what = f"step {step.name!r} batch of {len(spec['items'])} items"
-    output, problem = payload_of(done.output, f"{what} result", limit)
+    # Each item's result was checked (reserved key included) in _run before a large one was
+    # replaced by its reference: the list holds ductor's own references, not forged ones.
+    output, problem = payload_of(done.output, f"{what} result", limit, refs_allowed=True)
     patch = None
     if problem is None:
         patch, problem = payload_of(done.patch, f"{what} context patch", limit)
@@ -662,10 +664,18 @@ def _with_values(
 
 def _by_reference(engine: Any, run_id: str, result: _Outcome, threshold: int) -> _Outcome:
     """The outcome with a large output replaced by a reference to its blob, written now."""
-    output = by_reference(engine, run_id, result.output, threshold)
+    try:
+        output = by_reference(engine, run_id, result.output, threshold)
+    except Exception as exc:  # noqa: BLE001 - recorded as the attempt's outcome instead
+        # Raised, it would leave the attempt claimed until its timeout; like the outcome's own
+        # write failures it becomes a failure, retryable (the next attempt may store it).
+        log.error("run %s: a large result could not be stored: %s", run_id, describe(exc))
+        error = {"type": "LargeValueNotStored", "message": describe(exc)}
+        return _Outcome("failed", error=error, retryable=True)
     if output is result.output:
         return result
-    return _Outcome(result.outcome, output, result.patch, result.error, result.retryable)
+    # Only the output changes: the tags the step set (ctx.tag) and the rest go with it.
+    return dataclasses.replace(result, output=output)
 
 
 def _record(rt: Runtime, engine: Any, step: Step, token: str, result: _Outcome) -> str:

@@ -1,10 +1,11 @@
 """Large values in ``eec_blob`` (docs/large-values.md): write one, read one back, read a page of
 an offloaded list, delete a run's.
 
-The writer of the row that would have held a value writes its blob, on the same connection
-(the client's insert, the step worker's outcome, the tick's commit). Readers resolve references
-where a value leaves for user code or for a path that reads inside it: the step's arguments,
-``ctx.input``, views, the tick's paths (``TickInputs.blobs``).
+The writer of the row that would have held a value writes its blob: in the same transaction
+(the client's insert, the tick's commit), or, for a step's result, in a short transaction of
+the step worker's own just before the outcome's (runtime/large_values.py). Readers resolve
+references where a value leaves for user code or for a path that reads inside it: the step's
+arguments, ``ctx.input``, views, the tick's paths (``TickInputs.blobs``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from ..definition.blobrefs import (
     BlobNeeds,
     BlobRef,
     Chunk,
-    chunks_of,
     describe,
+    iter_chunks,
     page_of,
     ref_of,
     refs_in,
@@ -78,8 +79,12 @@ def large_text(value: Any, threshold: int) -> str | None:
         return None
     try:
         text = _ENCODER.encode(value)
-        # Each character is 1..4 UTF-8 bytes: most values are decided without encoding them.
-        if len(text) <= threshold // 4 or len(text.encode("utf-8")) <= threshold:
+        # Each character is 1..4 UTF-8 bytes: most values are decided without encoding them
+        # (more characters than the threshold is over it; an ASCII text's bytes are its
+        # characters).
+        if len(text) <= threshold // 4:
+            return None
+        if len(text) <= threshold and (text.isascii() or len(text.encode("utf-8")) <= threshold):
             return None
     except (ValueError, TypeError):  # UnicodeEncodeError too
         # Not storable at all (a check let it through): left inline, where the database
@@ -92,7 +97,8 @@ def size_of(value: Any) -> int:
     """Bytes of a value's JSON, as the threshold counts them (0 for a value that is not
     storable at all: the database's refusal is what its writer reports)."""
     try:
-        return len(_ENCODER.encode(value).encode("utf-8"))
+        text = _ENCODER.encode(value)
+        return len(text) if text.isascii() else len(text.encode("utf-8"))
     except (ValueError, TypeError):
         return 0
 
@@ -101,13 +107,14 @@ def write(conn: Any, run_id: str, value: Any, text: str | None = None) -> BlobRe
     """Store ``value`` (plain JSON, already checked) as a new blob of ``run_id``."""
     text = _ENCODER.encode(value) if text is None else text
     ref = describe(value, text, uuid.uuid4().hex)
-    rows = [
-        {"id": ref.id, "seq": c.seq, "run_id": run_id, "first_item": c.first_item, "data": c.data}
-        for c in chunks_of(value, text)
-    ]
-    # One statement per chunk: a multi-row insert of several MiB is one huge statement.
-    for row in rows:
-        conn.execute(sa.insert(blob).values(**row))
+    # One statement per chunk: a multi-row insert of several MiB is one huge statement; and
+    # one chunk made at a time, so the writer never holds a second copy of the whole value.
+    for c in iter_chunks(value, text):
+        conn.execute(
+            sa.insert(blob).values(
+                id=ref.id, seq=c.seq, run_id=run_id, first_item=c.first_item, data=c.data
+            )
+        )
     return ref
 
 
@@ -227,6 +234,7 @@ def read_needs(conn: Connection, inputs: TickInputs, needs: BlobNeeds) -> TickIn
     fresh = [ref for blob_id, ref in needs.values.items() if blob_id not in values]
     values.update(read_all(conn, fresh, f"run {inputs.run_id}"))
     items = {k: dict(v) for k, v in inputs.items.items()}
-    for blob_id, (ref, start, stop) in needs.pages.items():
-        items.setdefault(blob_id, {}).update(read_items(conn, ref, start, stop))
+    for blob_id, (ref, spans) in needs.pages.items():
+        for start, stop in spans:
+            items.setdefault(blob_id, {}).update(read_items(conn, ref, start, stop))
     return dataclasses.replace(inputs, blobs=values, items=items)

@@ -18,6 +18,7 @@ from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.engine import Connection, Engine
 
 from ..coordinator.port import LoadedRun, RunBusy
+from ..definition.blobrefs import contains_ref
 from ..definition.spec import RunConcurrencySpec, WorkflowSpec
 from ..engine import (
     AttemptCheck,
@@ -130,10 +131,15 @@ def load_on(
         key_input = run_input
         if control is not None and control.kind == ControlKind.REDRIVE and control.has_input:
             key_input = control.input
-        # The key reads inside the input: a large input is read back for it (a read per tick
-        # of such a run; docs/large-values.md).
-        key_input = blobs.resolved(conn, key_input, f"the input of run {run_id}")
-        key = run_slots.key_for(spec.name, spec.concurrency, key_input)
+        key = None
+        if key_input is run_input and state.input_from is None and contains_ref(key_input):
+            # A large input's key as admission stored it: the input is read back for the key
+            # only until the run has a slot row, not on every tick (docs/large-values.md).
+            key = run_slots.stored_key(conn, run_id)
+        if key is None:
+            # The key reads inside the input: a large input is read back for it.
+            key_input = blobs.resolved(conn, key_input, f"the input of run {run_id}")
+            key = run_slots.key_for(spec.name, spec.concurrency, key_input)
         loaded = dataclasses.replace(
             loaded, concurrency_key=key, concurrency_limit=spec.concurrency.limit
         )

@@ -4,7 +4,12 @@ A run is prunable when it is finished (a terminal status) and finished before th
 - it is not the child of a parent that stays (an open parent, or one finished after the
   cutoff: the parent reads its child's output and status);
 - it is not a ``continued`` run whose successor still exists (the successor may show outputs
-  that live in this run's attempt rows).
+  that live in this run's attempt rows, and its input may be a reference to this run's blob);
+- it is not the parent of a child that still exists, open or finished: a child's input may be
+  a reference to one of this run's blobs (``input="$.nodes.make.output"`` passes the
+  reference, not the value: docs/large-values.md), and that blob must outlive the child.
+  No deadlock with the first rule: a child waits for its parent to be *old*, not gone, so an
+  old family is pruned children first, the parent in a later batch.
 
 Each batch is one transaction: pick up to ``batch_size`` prunable runs (on PostgreSQL locking
 them ``FOR UPDATE SKIP LOCKED``, so a redrive's tick or a second pruner is never waited on and a
@@ -66,8 +71,10 @@ _RUN_TABLES = (
 )
 
 
-def _prunable(cutoff: datetime, statuses: Iterable[RunStatus]) -> Any:
-    """The WHERE clause of prunable runs (see the module docstring)."""
+def _prunable(cutoff: datetime, statuses: Iterable[RunStatus], *, counting: bool = False) -> Any:
+    """The WHERE clause of prunable runs (see the module docstring). ``counting`` (a dry
+    run, which deletes nothing): a parent counts when each of its children is prunable in its
+    own right, since the prune deletes those first and the parent in a later batch."""
     parent = workflow_run.alias("parent")
     successor = workflow_run.alias("successor")
     terminal = [s.value for s in TERMINAL_RUN_STATUSES]
@@ -80,6 +87,22 @@ def _prunable(cutoff: datetime, statuses: Iterable[RunStatus]) -> Any:
         ),
     )
     successor_exists = sa.exists().where(successor.c.run_id == workflow_run.c.continued_to)
+    child = workflow_run.alias("child")
+    # By the partial index on parent_run_id: one index probe per candidate run.
+    child_exists = sa.exists().where(
+        child.c.parent_run_id == workflow_run.c.run_id,
+        *(
+            [
+                sa.or_(
+                    child.c.finished_at.is_(None),
+                    child.c.finished_at >= cutoff,
+                    child.c.status.not_in([s.value for s in statuses]),
+                )
+            ]
+            if counting
+            else []
+        ),
+    )
     return sa.and_(
         workflow_run.c.finished_at.is_not(None),
         workflow_run.c.finished_at < cutoff,
@@ -88,6 +111,7 @@ def _prunable(cutoff: datetime, statuses: Iterable[RunStatus]) -> Any:
         # (by primary key) for them instead of scanning for the few parents that stay.
         sa.or_(workflow_run.c.parent_run_id.is_(None), ~parent_stays),
         sa.or_(workflow_run.c.continued_to.is_(None), ~successor_exists),
+        ~child_exists,
     )
 
 
@@ -97,7 +121,7 @@ def count_prunable(engine: Engine, *, cutoff: datetime, statuses: Iterable[RunSt
             conn.execute(
                 sa.select(sa.func.count())
                 .select_from(workflow_run)
-                .where(_prunable(cutoff, statuses))
+                .where(_prunable(cutoff, tuple(statuses), counting=True))
             ).scalar_one()
         )
 
@@ -169,6 +193,8 @@ def prune(
             on_batch(deleted, time.monotonic() - started)
         total += deleted
         batches += 1
-        if deleted < batch_size:
+        # Not "a short batch means done": deleting children can make their parents prunable
+        # (a parent stays while a child exists), so only an empty batch ends the prune.
+        if deleted == 0:
             break
     return total

@@ -517,10 +517,12 @@ start_request = sa.Table(
 )
 
 #: Large values by reference (docs/large-values.md): a value over ``ductor_offload_bytes`` is
-#: stored here once, cut into chunks of at most about 1 MiB, and the row that would have held
-#: it holds a reference (``blobrefs.BlobRef``). Written in the transaction of the row that
-#: refers to it (the client's insert, the step worker's outcome, the tick's commit), never
-#: updated; prune deletes a run's blobs with it.
+#: stored here once, cut into chunks (1 MiB slices of its text; a list's whole items, up to
+#: 256 KiB a chunk), and the row that would have held it holds a reference
+#: (``blobrefs.BlobRef``). Written in the transaction of the row that refers to it (the
+#: client's insert, the tick's commit), except a step's result: the step worker writes its
+#: blob in a short transaction of its own just before the outcome's. Never updated; prune
+#: deletes a run's blobs with it.
 blob = sa.Table(
     "eec_blob",
     metadata,

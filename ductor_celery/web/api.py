@@ -42,7 +42,8 @@ def routes(console: Console) -> list[Route]:
     def list_runs(request: Request) -> Response:
         try:
             kwargs = list_query(query_params(request), datetime.now(UTC), strict=True)
-            page = d.list_runs(**kwargs)
+            # A list never reads large values (docs/large-values.md): "large value (N bytes)".
+            page = d.list_runs(**kwargs, large_values=False)
         except Exception as exc:  # noqa: BLE001 - status_of re-raises what is not ours
             return error(exc)
         return JSONResponse(

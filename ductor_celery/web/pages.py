@@ -109,7 +109,8 @@ def runs_context(console: Console, request: Request) -> tuple[int, dict[str, Any
     }
     try:
         kwargs = list_query(params, datetime.now(UTC), strict=False)
-        page = console.ductor.list_runs(**kwargs)
+        # A list never reads large values: a placeholder, and no dangling reference breaks it.
+        page = console.ductor.list_runs(**kwargs, large_values=False)
         where = runs.RunFilter(
             workflow=kwargs["workflow"],
             workflow_id=kwargs["workflow_id"],

@@ -1,6 +1,8 @@
 """Large values by reference (docs/large-values.md) with real workers: a multi-MiB result goes
 to ``eec_blob`` once, the next step (on another worker process, or inline on the same one)
-reads the value, and the rows and messages carry only the reference."""
+reads the value, and the rows carry only the reference (messages carry tokens, never values:
+every one is sent, none is left in the outbox); a batched scatter's large item results go by
+reference too."""
 
 from __future__ import annotations
 
@@ -51,3 +53,28 @@ def test_a_multi_mib_value_through_a_two_step_run(ductor: Any, shared_cluster: A
     assert len(chunks) == 7 and all(len(c.data) <= MIB for c in chunks)
     assert outbox == []  # every message sent (they carry tokens, never values)
     assert shared_cluster.executions(handle.run_id) == 2
+
+
+def test_a_batched_scatter_with_large_item_results(ductor: Any, shared_cluster: Any) -> None:
+    """Each item's result over the offload threshold (256 KiB) is its own blob; the batch's
+    output list holds the references and the run's output reads back the values."""
+    sizes = [300_000, 10, 300_001]
+    handle = ductor.start("big_batch", input={"sizes": sizes})
+    view = ductor.wait(handle.run_id, timeout=120)
+    assert view.status == RunStatus.SUCCEEDED, view.error
+    assert view.output == ["x" * n for n in sizes]
+    with ductor.client.engine.connect() as conn:
+        outputs = [
+            r.output
+            for r in conn.execute(
+                sa.select(step_attempt.c.output).where(step_attempt.c.run_id == handle.run_id)
+            )
+        ]
+        blob_ids = set(
+            conn.execute(sa.select(blob.c.id).where(blob.c.run_id == handle.run_id)).scalars()
+        )
+    items = [item for out in outputs if isinstance(out, list) for item in out]
+    held = [ref_of(item) for item in items]
+    assert sorted(r.size for r in held if r is not None) == [300_002, 300_003]
+    assert items.count("x" * 10) == 1  # a small result stays inline
+    assert {r.id for r in held if r is not None} == blob_ids

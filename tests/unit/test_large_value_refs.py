@@ -5,9 +5,11 @@ scatter dispatches items of an offloaded list)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from support import CFG, NOW, RUN, pure_tick
@@ -27,6 +29,7 @@ from ductor_celery.definition.blobrefs import (
     value_of,
 )
 from ductor_celery.engine import AttemptResult, RunState, TickInputs
+from ductor_celery.errors import DefinitionError
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=30),
@@ -168,7 +171,7 @@ def test_a_scatter_over_an_offloaded_list_needs_only_the_page_it_dispatches() ->
     ref = BlobRef("a" * 32, 900_000, "0" * 64, items=10_000)
     state = RunState.initial(spec.graph.order)
     first = pure_tick(spec, state, TickInputs(run_id=RUN, config=CFG, input=ref.to_json()), NOW)
-    assert first.needs is not None and first.needs.pages == {ref.id: (ref, 0, 3)}
+    assert first.needs is not None and first.needs.pages == {ref.id: (ref, [(0, 3)])}
     page = {i: {"n": i} for i in range(3)}
     second = pure_tick(
         spec,
@@ -180,3 +183,88 @@ def test_a_scatter_over_an_offloaded_list_needs_only_the_page_it_dispatches() ->
     assert [a.args for a in second.new_attempts] == [{"item": {"n": i}} for i in range(3)]
     scatter = second.state.nodes["each"].scatter
     assert scatter is not None and scatter.total == 10_000 and scatter.next == 3
+
+
+def test_several_scatters_over_one_offloaded_list_each_get_their_page() -> None:
+    """Each scatter adds its span to what the tick needs (none overwrites another's), so one
+    read round gives every scatter its page."""
+    wf = Workflow("paged_twice")
+    wf.scatter("wide", "work", over="$.input", max_parallel=5)
+    wf.scatter("narrow", "work", over="$.input", max_parallel=2)
+    spec = wf.build()
+    ref = BlobRef("b" * 32, 900_000, "0" * 64, items=100)
+    state = RunState.initial(spec.graph.order)
+    first = pure_tick(spec, state, TickInputs(run_id=RUN, config=CFG, input=ref.to_json()), NOW)
+    assert first.needs is not None
+    assert first.needs.pages == {ref.id: (ref, [(0, 5), (0, 2)])}
+    page = {i: i for i in range(5)}
+    second = pure_tick(
+        spec,
+        state,
+        TickInputs(run_id=RUN, config=CFG, input=ref.to_json(), items={ref.id: page}),
+        NOW,
+    )
+    assert second.needs is None
+    assert sorted((a.node, a.args["item"]) for a in second.new_attempts) == sorted(
+        [("wide", i) for i in range(5)] + [("narrow", i) for i in range(2)]
+    )
+
+
+@given(refused=st.sets(st.integers(min_value=0, max_value=3)))
+def test_a_paged_scatter_with_refused_branches_stops_at_its_page_and_is_due_again(
+    refused: set[int],
+) -> None:
+    """A branch refused for its arguments takes no place in the scatter: the tick must not read
+    past the page it has (it used to raise KeyError on every tick), and since room is left for
+    more branches the run's next tick is due at once, for the next page."""
+    wf = Workflow("paged_refused")
+    wf.scatter("each", "work", over="$.input", max_parallel=4, tolerated_failures=10)
+    spec = wf.build()
+    ref = BlobRef("c" * 32, 900_000, "0" * 64, items=20)
+    config = dataclasses.replace(CFG, max_payload_bytes=1000)
+    page = {i: ("y" * 2000 if i in refused else i) for i in range(4)}
+    state = RunState.initial(spec.graph.order)
+    tick = pure_tick(
+        spec,
+        state,
+        TickInputs(run_id=RUN, config=config, input=ref.to_json(), items={ref.id: page}),
+        NOW,
+    )
+    assert tick.needs is None
+    scatter = tick.state.nodes["each"].scatter
+    assert scatter is not None and scatter.next == 4
+    assert set(scatter.errors) == refused
+    assert sorted(a.args["item"] for a in tick.new_attempts) == sorted(set(range(4)) - refused)
+    assert (tick.next_wake_at == NOW) == bool(refused)
+
+
+@pytest.mark.parametrize(
+    "declare",
+    [
+        lambda wf, ref: wf.step("peek", "peek", args={"x": ref}),
+        lambda wf, ref: wf.step("peek", "peek", args={"x": [1, {"deep": ref}]}),
+        lambda wf, ref: wf.output({"held": ref}),
+        lambda wf, ref: wf.subworkflow("sub", workflow="other", input=ref),
+    ],
+)
+def test_a_definition_literal_cannot_forge_a_reference(declare: Any) -> None:
+    """A literal reference in a template would be trusted as ductor's own (a step would read
+    another run's blob): refused when the workflow is declared, naming the key."""
+    ref = BlobRef("d" * 32, 5000, "0" * 64).to_json()
+    wf = Workflow("forger")
+    with pytest.raises(DefinitionError, match="'__ductor_blob__' at .* is reserved"):
+        declare(wf, ref)
+        wf.build()
+
+
+def test_an_altered_list_chunk_is_refused_though_the_item_count_matches() -> None:
+    items = [{"n": i, "text": "t" * 50} for i in range(40)]
+    text = _text(items)
+    ref = describe(items, text, "e" * 32)
+    chunks = chunks_of(items, text, 300)
+    assert len(chunks) > 1
+    altered = json.loads(chunks[1].data)
+    altered[0]["n"] = -1  # same number of items, another value
+    chunks[1] = dataclasses.replace(chunks[1], data=json.dumps(altered).encode())
+    with pytest.raises(ValueError, match="e{32} does not match its reference"):
+        value_of(chunks, ref)
