@@ -34,6 +34,7 @@ query, nothing per engine to keep.
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, ClassVar
@@ -45,7 +46,7 @@ from sqlalchemy.engine import Connection, Engine
 from . import clock
 
 
-class Dialect:
+class Dialect(ABC):
     """One database's ways; the two subclasses below are the only instances."""
 
     #: SQLAlchemy's name for the database ("postgresql", "sqlite").
@@ -65,27 +66,28 @@ class Dialect:
     #: Execution options for a read whose statements must all see one snapshot.
     snapshot_options: ClassVar[Mapping[str, Any]]
 
+    @abstractmethod
     def insert(self, table: sa.Table) -> Any:
         """The database's ``INSERT`` for ``table`` (it has ``on_conflict_do_*``)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def write_now(self, engine: Engine) -> Any:
         """The time to write into a row: an SQL expression or a value."""
-        raise NotImplementedError
 
+    @abstractmethod
     def now_on(self, conn: Connection) -> datetime:
         """The store's time, read in ``conn``'s transaction (UTC-aware)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def db_now(self, engine: Engine) -> datetime:
         """The store's time, outside any transaction."""
-        raise NotImplementedError
 
+    @abstractmethod
     def statement_now(self, conn: Connection) -> datetime:
         """The wall clock at this statement, not at the transaction's start (two reads in one
         transaction differ)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def lock_rows(
         self,
         query: Any,
@@ -96,32 +98,31 @@ class Dialect:
         key_share: bool = False,
     ) -> Any:
         """``query`` locking the rows it selects until the transaction ends."""
-        raise NotImplementedError
 
+    @abstractmethod
     def advisory_lock(self, conn: Connection, namespace: int, key: str) -> None:
         """Take ``key``'s lock in ``namespace`` until the transaction ends (wait for it)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def try_advisory_lock(self, conn: Connection, namespace: int, key: str) -> bool:
         """Take ``key``'s lock if nobody holds it; whether this transaction holds it now."""
-        raise NotImplementedError
 
+    @abstractmethod
     def notify(self, conn: Connection, channel: str, payload: str) -> None:
         """Announce ``payload`` on ``channel`` when the transaction commits."""
-        raise NotImplementedError
 
+    @abstractmethod
     def sortable_time(self, column: Any) -> Any:
         """``column`` (a timestamp) as it compares and orders exactly."""
-        raise NotImplementedError
 
+    @abstractmethod
     def bound_time(self, value: datetime) -> Any:
         """``value`` bound for comparison with ``sortable_time``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def identity(self, execute: Callable[[Any], list[Any]]) -> tuple[Any, ...]:
         """What tells one database from another, read through ``execute`` (a caller's
         connection: ``store/joined.py`` checks it is to ductor's database)."""
-        raise NotImplementedError
 
     def engine_identity(self, engine: Engine) -> tuple[Any, ...]:
         """``identity`` of ductor's own database."""
@@ -230,6 +231,7 @@ class SqliteDialect(Dialect):
         return clock.now(engine)
 
     def statement_now(self, conn: Connection) -> datetime:
+        # Python's clock, not an injected one: what a schedule's trigger always used here.
         return datetime.now(UTC)
 
     def lock_rows(
