@@ -14,8 +14,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from ..definition.spec import compensated_node, compensation_id
-from . import clock, leases, rates
-from .db import autocommit, aware, is_postgres, refusing_values
+from . import leases, rates
+from .db import autocommit, aware, refusing_values
+from .dialect import dialect_of
 from .inputs import current_input
 from .leases import holds_lease
 from .outbox import OutboxRow
@@ -47,7 +48,7 @@ class ClaimedAttempt:
 
 
 def _now(engine: Engine) -> Any:
-    return sa.func.now() if is_postgres(engine) else clock.now(engine)
+    return dialect_of(engine).write_now(engine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +92,7 @@ def claim(
     If the claiming worker died, the coordinator's start-to-close timeout retries the node
     under a new token.
     """
-    if is_postgres(engine):
+    if dialect_of(engine).one_statement:
         return _claim_postgres(engine, token, worker, step, carrier)
     claim_stmt = (
         sa.update(step_attempt)
@@ -349,7 +350,7 @@ def finish(
         "patch": patch,
         "tags": tags,
     }
-    if not leased and is_postgres(engine):
+    if not leased and dialect_of(engine).one_statement:
         # The common case in one round trip: an attempt without a lease needs nothing but
         # its own row (autocommit). An attempt that has a lease after all (its step's limit
         # was added since), or is finished already, takes the full path below.
@@ -368,19 +369,14 @@ def finish(
             return False, []
         if not leases.keys_held_by(conn, [token]):
             return True, []
-        db_now = (
-            aware(conn.execute(sa.select(sa.func.now())).scalar_one())
-            if is_postgres(engine)
-            else None
-        )
-        return True, leases.release(conn, [token], db_now or clock.now(engine))
+        return True, leases.release(conn, [token], dialect_of(engine).now_on(conn))
 
 
 @refusing_values()
 def finishes_in_tick(engine: Engine) -> bool:
     """Whether a worker can write an unleased outcome in its eager tick's transaction
     (``finish_unleased_on``): on PostgreSQL. SQLite serializes every writer anyway."""
-    return is_postgres(engine)
+    return dialect_of(engine).one_statement
 
 
 @refusing_values()
@@ -427,7 +423,7 @@ def may_lose_commits(engine: Engine) -> bool:
     """Whether a commit this database acknowledged can still be lost: PostgreSQL, whose
     failover to an asynchronous standby drops the last commits (runtime/lost_outcomes.py);
     not SQLite, a file on this machine."""
-    return is_postgres(engine)
+    return dialect_of(engine).may_lose_commits
 
 
 def open_claims(engine: Engine, tokens: list[str]) -> dict[str, str | None]:

@@ -32,6 +32,7 @@ from sqlalchemy.exc import DataError, DBAPIError, OperationalError, StatementErr
 
 from ..errors import StoreUnavailable
 from ..payloads import storable_text
+from .dialect import dialect_of
 from .schema import dumps_json
 
 log = logging.getLogger("ductor_celery.store")
@@ -248,22 +249,11 @@ def forget_engine(url: str) -> None:
             engine.dispose()
 
 
-def is_postgres(engine: Engine) -> bool:
-    return engine.dialect.name == "postgresql"
-
-
 def db_now(engine: Engine) -> datetime:
     """The database's clock on PostgreSQL (the one ticks and the sweeper go by), this
     process's on SQLite (the same machine's clock there; the test harness's, when it injected
     one: store/clock.py)."""
-    if is_postgres(engine):
-        with engine.connect() as conn:
-            value = conn.execute(sa.select(sa.func.now())).scalar_one()
-        assert isinstance(value, datetime)
-        return value
-    from . import clock  # here: clock.py is a leaf, db.py is imported by everything
-
-    return clock.now(engine)
+    return dialect_of(engine).db_now(engine)
 
 
 def aware(value: datetime | None) -> datetime | None:

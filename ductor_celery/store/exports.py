@@ -21,7 +21,8 @@ from ..engine.tags import tags_problem
 from ..errors import ExportError
 from . import blobs
 from . import tags as run_tags
-from .db import aware, is_postgres
+from .db import aware
+from .dialect import dialect_of
 from .schema import (
     step_attempt,
     workflow_control,
@@ -153,7 +154,7 @@ def read_rows(engine: Engine, run_id: str) -> RunRows | None:
     """The run's rows (None: no such run), read in one transaction so they agree (on
     PostgreSQL a repeatable-read one: every statement sees the same snapshot, so a tick
     committing meanwhile cannot leave the run row older than its attempts)."""
-    options = {"isolation_level": "REPEATABLE READ"} if is_postgres(engine) else {}
+    options = dialect_of(engine).snapshot_options
     with engine.connect().execution_options(**options) as conn, conn.begin():
         run = conn.execute(
             _select(workflow_run, RUN_COLUMNS).where(workflow_run.c.run_id == run_id)

@@ -8,14 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 
 from ..engine.kinds import AuditAction, ControlKind
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from ..errors import InvalidOperation
 from . import audit, blobs
+from .dialect import dialect_of
 from .schema import workflow_control, workflow_run, workflow_signal
 from .start_requests import RequestKey, request_insert
 from .start_requests import find_on as find_request
@@ -30,12 +29,7 @@ def lock_workflow_signals(conn: Connection, workflow_id: str) -> None:
     Signals are consumed in id order, so ids must be handed out in commit order; and a signal
     must never land on a run that has just been continued. SQLite serializes every write.
     """
-    if conn.dialect.name == "postgresql":
-        conn.execute(
-            sa.select(
-                sa.func.pg_advisory_xact_lock(SIGNAL_LOCK_NAMESPACE, sa.func.hashtext(workflow_id))
-            )
-        )
+    dialect_of(conn).advisory_lock(conn, SIGNAL_LOCK_NAMESPACE, workflow_id)
 
 
 def insert_signal(
@@ -62,7 +56,7 @@ def insert_signal(
     the signal; a request made before returns its signal, even once its run has finished.
     Repeats of one request name one workflow id, so the lock below orders them.
     """
-    insert = pg_insert if engine.dialect.name == "postgresql" else sqlite_insert
+    insert = dialect_of(engine).insert
     with engine.begin() as conn:
         lock_workflow_signals(conn, workflow_id)
         earlier = find_request(conn, request) if request is not None else None

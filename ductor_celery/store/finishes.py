@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.engine import Engine
 
-from .db import brief, is_postgres, psycopg_connect_args
+from .db import brief, psycopg_connect_args
+from .dialect import dialect_of
 
 if TYPE_CHECKING:
     import psycopg
@@ -114,7 +115,7 @@ def listener(engine: Engine, listen_url: str) -> Iterator[FinishListener]:
     ``listen_url`` (``Settings.listen_url``) gets a connection of its own: LISTEN is session
     state, which a transaction-pooling PgBouncer does not keep (its notifications arrive on a
     server connection no client is linked to), so behind one it is a direct URL."""
-    if not is_postgres(engine):
+    if not dialect_of(engine).notifies:
         yield _Polling()
         return
     import psycopg

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 import weakref
@@ -40,6 +39,7 @@ from ..errors import WrongDatabase
 from . import blobs, runs
 from . import tags as run_tags
 from .audit import Who
+from .dialect import dialect_named, dialect_of
 from .schema import dumps_json
 
 log = logging.getLogger("ductor_celery.client")
@@ -198,10 +198,11 @@ class _DjangoJoined:
         self.alias = alias
         self.connection = connections[alias]
         self.dialect_name = _django_dialect(self.connection.vendor)
-        if self.dialect_name != ductor_engine.dialect.name:
+        ours = dialect_of(ductor_engine).name
+        if self.dialect_name != ours:
             raise WrongDatabase(
                 f"Django database {alias!r} is {self.connection.vendor}, ductor's database "
-                f"is {ductor_engine.dialect.name}: start() must write to ductor's database"
+                f"is {ours}: start() must write to ductor's database"
             )
         # Our statements in the pyformat style Django's cursors take on every backend.
         dialect_class: Any = type(ductor_engine.dialect)
@@ -253,10 +254,11 @@ def join(connection: Any, using: str | None, ductor_engine: Engine) -> Joined:
             "connection must be a SQLAlchemy Connection or Session, got "
             f"{type(connection).__name__}"
         )
-    if joined.dialect_name != ductor_engine.dialect.name:
+    ours = dialect_of(ductor_engine).name
+    if joined.dialect_name != ours:
         raise WrongDatabase(
             f"the connection is to a {joined.dialect_name} database, ductor's is "
-            f"{ductor_engine.dialect.name}: start() must write to ductor's database"
+            f"{ours}: start() must write to ductor's database"
         )
     _check_same_database(joined, ductor_engine)
     return joined
@@ -288,31 +290,14 @@ def _check_same_database(joined: Joined, ductor_engine: Engine) -> None:
 
 
 def _engine_identity(engine: Engine) -> tuple[Any, ...]:
-    if engine.dialect.name == "sqlite":
-        # From the URL: on SQLite our engine begins every transaction IMMEDIATE, which would
-        # wait for the caller's, who may hold the write lock already.
-        path = engine.url.database or ""
-        real = os.path.realpath(path) if path and path != ":memory:" else "<memory>"
-        return ("sqlite", real)
-    with engine.connect() as conn:
-        return database_identity(lambda s: list(conn.execute(s).all()), engine.dialect.name)
+    return dialect_of(engine).engine_identity(engine)
 
 
 def database_identity(execute: Callable[[Any], list[Any]], dialect_name: str) -> tuple[Any, ...]:
-    """What tells one database from another, read on the connection itself."""
-    if dialect_name == "postgresql":
-        row = execute(
-            sa.text(
-                "SELECT current_database(), extract(epoch FROM pg_postmaster_start_time())::text"
-            )
-        )[0]
-        return ("postgresql", row[0], row[1])
-    if dialect_name == "sqlite":
-        files = {r[1]: r[2] for r in execute(sa.text("PRAGMA database_list"))}
-        path = files.get("main") or ""
-        # An in-memory database is private to its connection: never ductor's.
-        return ("sqlite", os.path.realpath(path) if path else f"<memory {id(execute)}>")
-    return (dialect_name,)
+    """What tells one database from another, read on the connection itself (a database ductor
+    does not run on is told by its name alone: it is not ductor's anyway)."""
+    dialect = dialect_named(dialect_name)
+    return (dialect_name,) if dialect is None else dialect.identity(execute)
 
 
 def _describe(identity: tuple[Any, ...] | None) -> str:

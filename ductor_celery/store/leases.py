@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ..limits import later
+from .dialect import dialect_of
 from .outbox import OutboxRow, insert_outbox, step_intent
 from .schema import concurrency_lease, step_attempt
 
@@ -49,25 +50,14 @@ class LeaseRequest:
 def lock_keys(conn: Connection, keys: Iterable[str]) -> None:
     """Take the per-key locks in sorted order (two transactions never wait on each other in a
     cycle). Re-taking a lock held by this transaction is free."""
-    if conn.dialect.name != "postgresql":
-        return
+    dialect = dialect_of(conn)
     for key in sorted(set(keys)):
-        conn.execute(
-            sa.select(sa.func.pg_advisory_xact_lock(LEASE_LOCK_NAMESPACE, sa.func.hashtext(key)))
-        )
+        dialect.advisory_lock(conn, LEASE_LOCK_NAMESPACE, key)
 
 
 def try_lock_key(conn: Connection, key: str) -> bool:
     """Take one key's lock if nobody holds it (the sweeper's way: never wait, come back)."""
-    if conn.dialect.name != "postgresql":
-        return True
-    return bool(
-        conn.execute(
-            sa.select(
-                sa.func.pg_try_advisory_xact_lock(LEASE_LOCK_NAMESPACE, sa.func.hashtext(key))
-            )
-        ).scalar_one()
-    )
+    return dialect_of(conn).try_advisory_lock(conn, LEASE_LOCK_NAMESPACE, key)
 
 
 def keys_held_by(conn: Connection, tokens: list[str]) -> list[str]:

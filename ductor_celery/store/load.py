@@ -41,7 +41,8 @@ from ..engine.tick import ACTIVE, read_nodes
 from ..engine.versions import successor_spec_hash
 from . import blobs, clock, run_slots
 from .composed import ImmutableCache, PerDatabase, cache_for, children_of, gather_any
-from .db import aware, is_postgres
+from .db import aware
+from .dialect import dialect_of
 from .inputs import redriven_input
 from .leases import holds_lease
 from .outputs import ConnectionOutputs, signal_payloads
@@ -218,7 +219,9 @@ LOCK_NOT_AVAILABLE = "55P03"
 def _run_row(
     conn: Connection, run_id: str, wait_for_lock: bool = True, *, with_input: bool = True
 ) -> Any:
-    postgres = is_postgres(conn.engine)
+    # PostgreSQL's form of the read (the clock, the results aggregated, the row locked) is
+    # the one-statement one; SQLite's transaction is BEGIN IMMEDIATE already.
+    postgres = dialect_of(conn).one_statement
     query = _run_row_statement(postgres, postgres and not wait_for_lock, with_input)
     try:
         row = conn.execute(query, {"b_run": run_id}).one_or_none()

@@ -98,7 +98,9 @@ def create_throwaway(url: str) -> Engine:
     from .schema import metadata
 
     engine = get_engine(url)
-    if engine.dialect.name != "sqlite":
+    from .dialect import SQLITE, dialect_of
+
+    if dialect_of(engine) is not SQLITE:
         raise ValueError("a throwaway database is a SQLite file")
 
     @event.listens_for(engine, "connect")

@@ -35,7 +35,8 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
 from . import clock
-from .db import aware, is_postgres
+from .db import aware
+from .dialect import dialect_of
 from .outbox import OutboxRow, delete_outbox, insert_outbox, step_intent
 from .schema import rate_bucket, step_attempt
 
@@ -102,7 +103,7 @@ def lock_bucket(conn: Connection, key: str, limit: int, period: float) -> Bucket
     """The key's bucket row, locked until the transaction ends (created full if missing),
     with the database's time (PostgreSQL ``clock_timestamp()``; SQLite: the store's clock,
     and ``BEGIN IMMEDIATE`` already serializes writers)."""
-    if conn.dialect.name == "postgresql":
+    if dialect_of(conn).one_statement:
         # One statement creates the row or locks the existing one, and reads the clock: a
         # conflicting insert updates nothing but still takes the row lock.
         # The clock at the lock, not the transaction's start: claims are admitted in lock
@@ -173,7 +174,7 @@ def take_for_claim(
     commit of its own), the commit's last: the bucket's lock is held until the tick commits,
     a round trip later."""
     bucket = Bucket(key, created_at, created_at, limit, period)
-    if conn.dialect.name == "postgresql":
+    if dialect_of(conn).one_statement:
         return bool(
             conn.execute(
                 _take_statement(),
@@ -349,9 +350,8 @@ def release_key(conn: Connection, key: str) -> list[OutboxRow]:
         .order_by(*_LINE_ORDER)
         .limit(count)
     )
-    if conn.dialect.name == "postgresql":
-        # A tick closing one of them meanwhile is left alone (it is next sweep's business).
-        query = query.with_for_update(skip_locked=True)
+    # A tick closing one of them meanwhile is left alone (it is next sweep's business).
+    query = dialect_of(conn).lock_rows(query, skip_locked=True)
     released = conn.execute(query).all()
     if not released:
         return []
@@ -389,8 +389,7 @@ def prune_full_buckets(engine: Engine) -> int:
     """Delete buckets that have been full for ``FULL_BUCKET_KEPT``: no row means a full
     bucket, so nothing changes but the table's size."""
     with engine.begin() as conn:
-        now = conn.execute(sa.select(sa.func.now())).scalar_one() if is_postgres(engine) else None
-        cutoff = _aware(now if now is not None else clock.now(engine)) - FULL_BUCKET_KEPT
+        cutoff = dialect_of(engine).now_on(conn) - FULL_BUCKET_KEPT
         return int(conn.execute(sa.delete(rate_bucket).where(rate_bucket.c.tat < cutoff)).rowcount)
 
 

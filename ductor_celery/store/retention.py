@@ -33,7 +33,7 @@ from ..engine.kinds import AuditAction
 from ..engine.status import TERMINAL_RUN_STATUSES, RunStatus
 from . import audit
 from .audit import Who
-from .db import is_postgres
+from .dialect import dialect_of
 from .schema import (
     blob,
     concurrency_lease,
@@ -142,8 +142,7 @@ def prune_batch(
         .order_by(workflow_run.c.finished_at)
         .limit(batch_size)
     )
-    if is_postgres(engine):
-        query = query.with_for_update(of=workflow_run, skip_locked=True)
+    query = dialect_of(engine).lock_rows(query, of=workflow_run, skip_locked=True)
     with engine.begin() as conn:
         run_ids = list(conn.execute(query).scalars())
         if not run_ids:

@@ -34,6 +34,7 @@ from ..definition.spec import RunConcurrencySpec
 from ..engine.kinds import AuditSource, ControlKind
 from ..engine.slots import scoped_key
 from ..engine.status import OPEN_RUN_STATUSES
+from .dialect import dialect_of
 from .outbox import OutboxRow, insert_outbox, wakeup_intent
 from .schema import run_slot, workflow_control, workflow_run
 
@@ -56,10 +57,7 @@ def key_for(workflow: str, spec: RunConcurrencySpec, run_input: Any) -> str:
 
 
 def lock_key(conn: Connection, key: str) -> None:
-    if conn.dialect.name == "postgresql":
-        conn.execute(
-            sa.select(sa.func.pg_advisory_xact_lock(RUN_SLOT_LOCK_NAMESPACE, sa.func.hashtext(key)))
-        )
+    dialect_of(conn).advisory_lock(conn, RUN_SLOT_LOCK_NAMESPACE, key)
 
 
 def admit(

@@ -9,7 +9,7 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -23,7 +23,8 @@ from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from . import audit, blobs, clock
 from . import tags as run_tags
-from .db import aware, is_postgres
+from .db import aware
+from .dialect import dialect_of
 from .schema import (
     step_attempt,
     workflow_definition,
@@ -378,12 +379,11 @@ def _existing(
             return None
         return Requested(run_id=open_id, workflow_id=workflow_id), False
     query = open_run_of(workflow_id)
-    if is_postgres(engine):
-        # The run row is locked until the request's row commits: a prune (which picks runs
-        # FOR UPDATE SKIP LOCKED) passes this run by, so the row never names a deleted run; a
-        # tick of the run (FOR UPDATE) waits for this short transaction. On SQLite the
-        # transaction's BEGIN IMMEDIATE keeps every other writer out until it commits.
-        query = query.with_for_update(read=True, key_share=True)
+    # The run row is locked until the request's row commits: a prune (which picks runs
+    # FOR UPDATE SKIP LOCKED) passes this run by, so the row never names a deleted run; a
+    # tick of the run (FOR UPDATE) waits for this short transaction. On SQLite the
+    # transaction's BEGIN IMMEDIATE keeps every other writer out until it commits.
+    query = dialect_of(engine).lock_rows(query, read=True, key_share=True)
     with engine.begin() as conn:
         if run_exists(conn, run_id):
             return Requested(run_id=run_id, workflow_id=workflow_id), True
@@ -472,17 +472,12 @@ def _created(conn: Connection) -> Any:
     ``CURRENT_TIMESTAMP`` has no fraction, SQLAlchemy writes microseconds): compared as text,
     equal times would differ. There both sides go through one ``strftime`` format instead.
     """
-    if conn.dialect.name == "sqlite":
-        return sa.func.strftime("%Y-%m-%d %H:%M:%f", workflow_run.c.created_at)
-    return workflow_run.c.created_at
+    return dialect_of(conn).sortable_time(workflow_run.c.created_at)
 
 
 def _at(conn: Connection, value: datetime) -> Any:
     """A datetime bound for comparison with ``_created`` (UTC on SQLite, as stored)."""
-    if conn.dialect.name == "sqlite":
-        utc = value.astimezone(UTC).replace(tzinfo=None)
-        return sa.func.strftime("%Y-%m-%d %H:%M:%f", sa.literal(utc.isoformat(sep=" ")))
-    return value
+    return dialect_of(conn).bound_time(value)
 
 
 def _filtered(conn: Connection, query: Any, where: RunFilter) -> Any:

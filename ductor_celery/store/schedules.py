@@ -14,12 +14,10 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
@@ -30,7 +28,8 @@ from ..engine.kinds import AuditAction, AuditSource
 from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES
 from .audit import Who, record
-from .db import aware, db_now, is_postgres
+from .db import aware, db_now
+from .dialect import dialect_of
 from .runs import pending_run, start_entry
 from .schema import workflow_definition, workflow_run, workflow_schedule
 
@@ -95,7 +94,7 @@ def save_schedule(engine: Engine, row: ScheduleRow, who: Who | None = None) -> N
         "next_fire_at": row.next_fire_at,
         "buffered_fire_at": None,
     }
-    insert = pg_insert if is_postgres(engine) else sqlite_insert
+    insert = dialect_of(engine).insert
     stmt = insert(workflow_schedule).values(**values)
     replace = {k: v for k, v in values.items() if k != "name"}
     with engine.begin() as conn:
@@ -197,8 +196,7 @@ def fire_due(
     for name in names:
         with engine.begin() as conn:
             query = _due(now).where(workflow_schedule.c.name == name)
-            if is_postgres(engine):
-                query = query.with_for_update(skip_locked=True)
+            query = dialect_of(engine).lock_rows(query, skip_locked=True)
             row = conn.execute(query).one_or_none()
             if row is None:
                 continue  # another sweeper holds it, or has just handled it
@@ -332,8 +330,7 @@ def trigger(engine: Engine, name: str) -> tuple[str, str] | None:
     asked for it); its fire time is now. Returns (run_id, workflow_id), None if unknown."""
     with engine.begin() as conn:
         query = sa.select(workflow_schedule).where(workflow_schedule.c.name == name)
-        if is_postgres(engine):
-            query = query.with_for_update()
+        query = dialect_of(engine).lock_rows(query)
         row = conn.execute(query).one_or_none()
         if row is None:
             return None
@@ -353,13 +350,8 @@ def trigger(engine: Engine, name: str) -> tuple[str, str] | None:
 
 
 def db_now_on(conn: Connection) -> datetime:
-    if conn.dialect.name == "postgresql":
-        # clock_timestamp(): now() is the transaction's start, the same for two triggers
-        # inside one transaction.
-        value = conn.execute(sa.select(sa.func.clock_timestamp())).scalar_one()
-        assert isinstance(value, datetime)
-        return value
-    return datetime.now(UTC)
+    # The statement's clock: the transaction's would be the same for two triggers inside one.
+    return dialect_of(conn).statement_now(conn)
 
 
 def open_run_of(conn: Connection, workflow_id: str) -> str | None:

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 
+from .dialect import dialect_of
 from .schema import start_request
 
 #: Scopes: a start through the console's JSON API, and a webhook's delivery.
@@ -96,7 +95,7 @@ def record_on(conn: Connection, request: RequestKey, run_id: str, workflow_id: s
     row if a concurrent repeat wrote it, else a row that records that run as the request's, so
     a repeat after the run finished still returns it and starts nothing. The first row written
     wins (a concurrent repeat's insert waits for this transaction, then finds the row)."""
-    insert: Any = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    insert: Any = dialect_of(conn).insert
     conn.execute(
         insert(start_request)
         .values(scope=request.scope, key=request.key, run_id=run_id, workflow_id=workflow_id)

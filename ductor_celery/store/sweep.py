@@ -12,8 +12,8 @@ from sqlalchemy.engine import Engine
 
 from ..engine.kinds import DispatchKind
 from ..engine.status import RunStatus
-from . import clock, leases
-from .db import is_postgres
+from . import leases
+from .dialect import dialect_of
 from .outbox import OutboxRow, delete_outbox
 from .schema import (
     concurrency_lease,
@@ -28,12 +28,7 @@ from .schema import (
 
 
 def _now(engine: Engine) -> datetime:
-    if is_postgres(engine):
-        with engine.connect() as conn:
-            value = conn.execute(sa.select(sa.func.now())).scalar_one()
-        assert isinstance(value, datetime)
-        return value
-    return clock.now(engine)
+    return dialect_of(engine).db_now(engine)
 
 
 def due_timer_runs(engine: Engine, *, rewake_after: float, limit: int = 1000) -> list[str]:
@@ -182,8 +177,7 @@ def relay_stale_outbox(
             .order_by(workflow_outbox.c.id)
             .limit(limit)
         )
-        if is_postgres(engine):
-            query = query.with_for_update(skip_locked=True)
+        query = dialect_of(engine).lock_rows(query, skip_locked=True)
         rows = [
             OutboxRow(
                 id=r.id,

@@ -11,10 +11,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 
+from .dialect import dialect_of
 from .schema import run_tag, workflow_run
 
 
@@ -31,7 +30,7 @@ def upsert_on(conn: Connection, run_id: str, tags: Mapping[str, str]) -> None:
     """Set these tags of a run (a tick's ``tags_set``): a key it has gets the new value."""
     if not tags:
         return
-    insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    insert = dialect_of(conn).insert
     statement = insert(run_tag).values(
         [{"run_id": run_id, "key": k, "value": v} for k, v in tags.items()]
     )

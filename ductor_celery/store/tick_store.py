@@ -21,7 +21,8 @@ from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
 from ..engine import EngineConfig, TickInputs, TickPayload
 from . import blobs, wakes
-from .db import is_postgres, with_retry
+from .db import with_retry
+from .dialect import dialect_of
 from .load import load_on
 from .ticks import commit_on, refresh_stale_timer, reject_control
 
@@ -53,13 +54,14 @@ SpecFor = Callable[[str, Connection], WorkflowSpec]
 class SqlTickStore:
     """``TickStore`` over an SQLAlchemy engine."""
 
-    __slots__ = ("engine", "spec_for", "config", "postgres")
+    __slots__ = ("engine", "spec_for", "config", "bounds_ticks")
 
     def __init__(self, engine: Engine, spec_for: SpecFor, config: EngineConfig) -> None:
         self.engine = engine
         self.spec_for = spec_for
         self.config = config
-        self.postgres = is_postgres(engine)
+        #: Whether each tick's transaction sets its own timeouts (``_BOUND_TICK``).
+        self.bounds_ticks = dialect_of(engine).bounds_transactions
 
     def transaction(self) -> SqlTickTransaction:
         return SqlTickTransaction(self)
@@ -90,7 +92,7 @@ class SqlTickTransaction:
     def __enter__(self) -> SqlTickTransaction:
         self._begin = self._store.engine.begin()
         self.conn = self._begin.__enter__()
-        if self._store.postgres:
+        if self._store.bounds_ticks:
             try:
                 self.conn.execute(
                     _BOUND_TICK, {"idle": TICK_IDLE_TIMEOUT, "lock": TICK_LOCK_TIMEOUT}

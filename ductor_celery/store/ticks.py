@@ -13,8 +13,6 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
@@ -32,7 +30,7 @@ from ..engine.deadline import deadline_after
 from ..engine.kinds import CONTROL_APPLIED, AuditAction, AuditSource
 from . import audit, blobs, leases, pg_commit, rates, run_slots
 from . import tags as run_tags
-from .db import is_postgres
+from .dialect import dialect_of
 from .external import lock_workflow_signals
 from .finishes import RUN_FINISHED_CHANNEL
 from .outbox import insert_outbox
@@ -114,7 +112,7 @@ def _commit_on(
     if slots:  # before lease locks, as in every writer of run slots
         run_slots.lock_for_commit(conn, loaded.run_id, loaded.concurrency_key)
     rate = claim.rate if claim is not None else None
-    if is_postgres(conn.engine) and pg_commit.eligible(payload):
+    if dialect_of(conn).one_statement and pg_commit.eligible(payload):
         outbox = _commit_in_one_statement(conn, loaded, payload, values, now, claim)
     else:
         outbox = _commit_core(conn, loaded, payload, values, now, claim)
@@ -176,8 +174,8 @@ def _commit_on(
         )
     _set_timer(conn, loaded, payload.next_wake_at)
 
-    if payload.finished and is_postgres(conn.engine):
-        conn.execute(sa.select(sa.func.pg_notify(RUN_FINISHED_CHANNEL, loaded.run_id)))
+    if payload.finished:
+        dialect_of(conn).notify(conn, RUN_FINISHED_CHANNEL, loaded.run_id)
     return outbox
 
 
@@ -363,7 +361,7 @@ def _set_timer(conn: Connection, loaded: LoadedRun, fire_at: datetime | None) ->
         return
     if current is not None and loaded.now < current <= fire_at:
         return
-    insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    insert = dialect_of(conn).insert
     stmt = insert(workflow_timer).values(run_id=run_id, fire_at=fire_at, woken_at=None)
     conn.execute(
         stmt.on_conflict_do_update(
@@ -450,7 +448,7 @@ def _children(
     """
     intents: list[dict[str, Any]] = []
     started: list[dict[str, Any]] = []  # their audit entries (source parent)
-    insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    insert = dialect_of(conn).insert
     for child in payload.child_starts:
         found = conn.execute(
             sa.select(

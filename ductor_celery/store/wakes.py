@@ -32,7 +32,8 @@ from sqlalchemy.engine import Engine
 
 from ..engine.status import TERMINAL_RUN_STATUSES
 from . import clock
-from .db import autocommit, is_postgres
+from .db import autocommit
+from .dialect import dialect_of
 from .load import exists_where
 from .schema import step_attempt, workflow_control, workflow_run, workflow_timer, workflow_wake
 
@@ -41,7 +42,7 @@ STALE_AFTER_S = 5.0
 
 def request_wake(engine: Engine, run_id: str) -> bool:
     """Record that the run needs a tick. True: the caller must send the wake-up message."""
-    if not is_postgres(engine):
+    if not dialect_of(engine).dedupes_wakes:
         return True
     now = sa.func.now()
     stale = workflow_wake.c.requested_at < now - sa.text(f"interval '{STALE_AFTER_S} seconds'")
@@ -63,7 +64,7 @@ def clear_wake(engine: Engine, run_id: str) -> bool:
     Returns whether the run is settled: finished, with no outcome left to fold, no control to
     handle and no timer row come due, so the tick has nothing to do. One statement, no lock,
     no transaction: a duplicate wake-up of a finished run costs this indexed read alone."""
-    if not is_postgres(engine):
+    if not dialect_of(engine).dedupes_wakes:
         with engine.connect() as conn:
             found = conn.execute(_settled(False), {"b_run": run_id, "b_now": clock.now(engine)})
             return found.first() is not None

@@ -104,6 +104,8 @@ def reaches_the_database(name: str) -> bool:
         top in {"psycopg", "psycopg2"}
         or (top == "sqlalchemy" and name not in ALLOWED_SQLALCHEMY)
         or name.endswith(".is_postgres")
+        or name == "ductor_celery.store.dialect"
+        or name.startswith("ductor_celery.store.dialect.")
     )
 
 
@@ -138,6 +140,9 @@ def test_only_store_knows_the_dialect_and_the_driver(path: Path) -> None:
         ("def f():\n    from psycopg import errors\n", True),
         ("from ..store.db import is_postgres", True),
         ("from ..store import db\nfrom ..store.db import aware, is_postgres", True),
+        ("from ..store.dialect import dialect_of", True),
+        ("from ..store import dialect", True),
+        ("from ..store.db import db_now", False),
     ],
 )
 def test_the_checker_itself(tmp_path: Path, source: str, is_bad: bool) -> None:
