@@ -28,7 +28,6 @@ from ..store.rates import RateHeld
 from ..store.schema import dumps_json
 from . import batch, metrics
 from .arguments import ArgumentRefused, prepare
-from .coordinator import Keeper, PreludeRefused, run_tick
 from .failpoints import failpoint
 from .heartbeats import HeartbeatPause, heartbeat, should_stop
 from .inline import InlineChain, TaskEvents, as_current_task, flush_events
@@ -43,6 +42,7 @@ from .secrets import (
 )
 from .step_context import Step, StepContext
 from .step_errors import describe, error_of, is_non_retryable, payload_of
+from .tick_task import Keeper, PreludeRefused, run_tick
 
 if TYPE_CHECKING:
     from .runtime import Runtime

@@ -33,7 +33,7 @@ __all__ = ["url"]  # the fixture: PostgreSQL and SQLite
 from ductor_celery import ConcurrencyLimit, Ductor, RetryPolicy, StepContext
 from ductor_celery.definition import Workflow
 from ductor_celery.runtime import inline
-from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.settings import Settings
 from ductor_celery.store.outbox import OutboxRow
 
