@@ -62,7 +62,7 @@ from ..store.schema import dumps_json
 if TYPE_CHECKING:
     from ..coordinator.port import LoadedRun
     from ..engine import NewAttempt, TickPayload
-    from .runtime import Runtime
+    from .ports import WorkerPort
     from .step_context import Step
 
 log = logging.getLogger("ductor_celery.step")
@@ -98,7 +98,7 @@ class _Held:
 class InlineChain:
     """The attempts one step message's worker runs after its own, one at a time."""
 
-    rt: Runtime
+    rt: WorkerPort
     #: The queue the message came from: only steps routed there are run inline.
     queue: str
     #: Makes this worker's claim identity (one per claim, as for a message's claim).
@@ -128,7 +128,7 @@ class InlineChain:
     @classmethod
     def start(
         cls,
-        rt: Runtime,
+        rt: WorkerPort,
         queue: str | None,
         identity: Callable[[], str],
         carrier: str | None = None,
