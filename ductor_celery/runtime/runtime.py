@@ -27,7 +27,10 @@ log = logging.getLogger("ductor_celery.runtime")
 
 
 class Runtime:
-    """Everything a worker process needs to run ticks and steps for one Celery app."""
+    """Everything a worker process needs to run ticks and steps for one Celery app.
+
+    The modules it calls into take it as a ``ports.WorkerPort`` (the few members they use),
+    so none of them imports this module back (tests/unit/test_runtime_layers.py)."""
 
     def __init__(self, app: Any, settings: Settings) -> None:
         self.app = app
