@@ -21,11 +21,12 @@ from ..store.rates import RateHeld
 from ..store.schema import dumps_json
 from . import metrics
 from .failpoints import failpoint
-from .inline import InlineChain, TaskEvents, as_current_task, flush_events
+from .inline import InlineChain
 from .lost_outcomes import lost_outcomes
 from .outbox_janitor import sent_outbox
 from .outcome import Outcome, call_attempt, invalid, prepare_call
 from .step_context import Step
+from .task_events import TaskEvents, as_current_task, flush_events
 from .tick_task import Keeper, PreludeRefused, run_tick
 
 if TYPE_CHECKING:

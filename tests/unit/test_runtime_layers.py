@@ -24,7 +24,16 @@ PACKAGE = "ductor_celery"
 ABOVE_RUNTIME = frozenset({"replay"})
 
 #: The modules the issue names: the step and tick code, which must not know ``Runtime``.
-BELOW_RUNTIME = ("steps", "outcome", "tick_task", "inline", "sweeper", "ports", "local")
+BELOW_RUNTIME = (
+    "steps",
+    "outcome",
+    "tick_task",
+    "inline",
+    "task_events",
+    "sweeper",
+    "ports",
+    "local",
+)
 
 
 def _modules() -> dict[str, Path]:
