@@ -376,7 +376,7 @@ class _Profiles:
 
 def _instrument() -> None:
     from ductor_celery.coordinator import loop
-    from ductor_celery.runtime import coordinator, runtime
+    from ductor_celery.runtime import runtime, tick_task
     from ductor_celery.runtime.dispatch import Dispatcher
     from ductor_celery.store import attempts, tick_store
 
@@ -393,7 +393,7 @@ def _instrument() -> None:
             (tick_store, "load_on", "load_tick"),
             (loop, "compute_tick", "compute_tick"),
             (tick_store, "commit_on", "commit_tick"),
-            (coordinator, "delete_outbox", "delete_outbox"),
+            (tick_task, "delete_outbox", "delete_outbox"),
             (Dispatcher, "send", "send"),
             (attempts, "claim", "claim"),
             (attempts, "finish", "finish"),
@@ -446,9 +446,9 @@ def _instrument() -> None:
 
 
 def _tick_stats() -> Any:
-    from ductor_celery.runtime import coordinator
+    from ductor_celery.runtime import tick_task
 
-    return getattr(coordinator, "TICK_STATS", None)
+    return getattr(tick_task, "TICK_STATS", None)
 
 
 def _describe_tick(_rt: Any, run_id: str, *_args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -469,7 +469,7 @@ def _tick_recomputes(rec: dict[str, Any]) -> None:
 
 def _replace_everywhere(original: Any, replacement: Any) -> None:
     """Point every ``ductor_celery`` module attribute that is ``original`` at ``replacement``
-    (``from .coordinator import run_tick`` copies the reference into the importing module)."""
+    (``from .tick_task import run_tick`` copies the reference into the importing module)."""
     if replacement is original:
         return
     for name, module in list(sys.modules.items()):

@@ -122,7 +122,7 @@ def noop_ticks(bench: Bench, run_id: str, n: int = 300) -> dict[str, Any]:
     tick, and what each tick returned."""
     from collections import Counter
 
-    from ductor_celery.runtime.coordinator import run_tick
+    from ductor_celery.runtime.tick_task import run_tick
 
     rt = bench.app.ductor.runtime
     for _ in range(10):

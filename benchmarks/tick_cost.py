@@ -38,7 +38,7 @@ from servers import PgBouncer, PostgresServer  # noqa: E402
 
 from ductor_celery import Ductor, Workflow  # noqa: E402
 from ductor_celery.engine.kinds import DispatchKind  # noqa: E402
-from ductor_celery.runtime.coordinator import run_tick  # noqa: E402
+from ductor_celery.runtime.tick_task import run_tick  # noqa: E402
 from ductor_celery.store import attempts  # noqa: E402
 from ductor_celery.store.migrate import upgrade  # noqa: E402
 

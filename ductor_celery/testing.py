@@ -16,7 +16,7 @@ It is the production code with three things swapped, and nothing else (docs/test
 - the database: a SQLite file in a temporary directory, migrated to head, deleted on exit;
 - the broker: a dispatcher that records every message (``h.messages``) and hands them to the
   harness, which delivers them in this thread, in order: a wake-up runs the production tick
-  (``runtime.coordinator.run_tick``), a run's first tick ``runtime.steps.first_tick``, a step
+  (``runtime.tick_task.run_tick``), a run's first tick ``runtime.steps.first_tick``, a step
   message the production attempt execution
   (``runtime.steps.execute_attempt``: claim, call, record, eager tick);
 - the clock: the store's clock for that database only (``store/clock.py``). It stands still
@@ -52,12 +52,12 @@ from .engine.kinds import DispatchKind
 from .engine.status import TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
 from .errors import DefinitionError, DuctorError, ExportError
 from .limits import EARLIEST_NOW, LATEST_NOW, time_problem
-from .runtime.coordinator import run_tick
 from .runtime.dispatch import FIRST_TICK_TASK_NAME
 from .runtime.outbox_janitor import close_janitor, sent_outbox
 from .runtime.replay import replay_attempt
 from .runtime.step_context import Step, StepContext
 from .runtime.steps import execute_attempt, first_tick, worker_identity
+from .runtime.tick_task import run_tick
 from .store import attempts, clock, migrate, schedules, sweep
 from .store.db import forget_engine, get_engine
 from .store.export_format import ExportedRun, read_export

@@ -13,10 +13,10 @@ import sqlalchemy as sa
 from celery import Celery
 
 from ductor_celery import Ductor
-from ductor_celery.runtime.coordinator import run_tick
 from ductor_celery.runtime.dispatch import Dispatcher
 from ductor_celery.runtime.outbox_janitor import sent_outbox
 from ductor_celery.runtime.steps import execute_attempt
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store.outbox import OutboxRow
 from ductor_celery.store.schema import step_attempt, workflow_outbox, workflow_run
 

@@ -5,7 +5,7 @@ past, with ``woken_at`` moving every few seconds.
 Cause: the tick commit writes the timer row "only when it must move earlier or go"
 (``store/ticks.py:_set_timer``: a row still in the future and no later than the new
 ``next_wake_at`` is left as it is, "it wakes the run early, a no-op tick that moves it"). But a
-tick with nothing to change is a no-op that does not commit (``runtime/coordinator.py``:
+tick with nothing to change is a no-op that does not commit (``runtime/tick_task.py``:
 ``if not payload.changed: return "noop"``), so nothing ever moves the early row. Once it is
 due, the sweeper wakes the run every ``REWAKE_AFTER_S`` (5 s) with a no-op tick, until the real
 deadline: for an approval with ``timeout=86400`` that is about 17,000 wasted ticks (and
@@ -38,7 +38,7 @@ def reproduce(url: str) -> dict[str, object]:
     from celery import Celery
 
     from ductor_celery import Ductor, Workflow
-    from ductor_celery.runtime import coordinator
+    from ductor_celery.runtime import tick_task
     from ductor_celery.store import sweep
 
     app = Celery("repro_timer", broker="memory://")
@@ -58,17 +58,17 @@ def reproduce(url: str) -> dict[str, object]:
             ).scalar_one_or_none()
 
     run_id = ductor.start("repro_early_timer", workflow_id="repro-timer").run_id
-    coordinator.run_tick(rt, run_id)  # both wait: the timer is the event set's deadline
+    tick_task.run_tick(rt, run_id)  # both wait: the timer is the event set's deadline
     ductor.signal("repro-timer", "a", 1)
     ductor.signal("repro-timer", "b", 2)
-    coordinator.run_tick(rt, run_id)  # the event set succeeds; the approval waits on
+    tick_task.run_tick(rt, run_id)  # the event set succeeds; the approval waits on
     early = timer()
     time.sleep(2.5)  # the event set's old deadline passes
     ticks, wakes = [], 0
     for _ in range(3):
         if run_id in sweep.due_timer_runs(engine, rewake_after=0.0):
             wakes += 1
-            ticks.append(coordinator.run_tick(rt, run_id))
+            ticks.append(tick_task.run_tick(rt, run_id))
         time.sleep(0.2)
     late = timer()
     with engine.connect() as conn:

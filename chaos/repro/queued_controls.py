@@ -35,7 +35,7 @@ def reproduce(url: str) -> dict[str, object]:
     from celery import Celery
 
     from ductor_celery import Ductor, StepContext, Workflow
-    from ductor_celery.runtime import coordinator
+    from ductor_celery.runtime import tick_task
 
     app = Celery("repro_controls", broker="memory://")
     app.conf.update(ductor_database_url=url)
@@ -51,7 +51,7 @@ def reproduce(url: str) -> dict[str, object]:
     rt = ductor.runtime
     engine = sa.create_engine(url)
     run_id = ductor.start("repro_queued_controls", workflow_id="repro-controls").run_id
-    coordinator.run_tick(rt, run_id)
+    tick_task.run_tick(rt, run_id)
     # Queued as clients whose own tick did not get to them leave them (a control call applies
     # its control before it returns, so the queue is made here row by row).
     from ductor_celery.store.external import insert_control
@@ -62,7 +62,7 @@ def reproduce(url: str) -> dict[str, object]:
     real_send = rt.dispatcher.send
     rt.dispatcher.send = lambda rows: (sent.extend(rows), real_send(rows))[1]
     try:
-        outcome = coordinator.run_tick(rt, run_id)  # the one wake-up that arrived
+        outcome = tick_task.run_tick(rt, run_id)  # the one wake-up that arrived
     finally:
         rt.dispatcher.send = real_send
     with engine.connect() as conn:

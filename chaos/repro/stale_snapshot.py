@@ -45,7 +45,7 @@ def reproduce(url: str) -> dict[str, object]:
     from celery import Celery
 
     from ductor_celery import Ductor, StepContext, Workflow
-    from ductor_celery.runtime import coordinator
+    from ductor_celery.runtime import tick_task
     from ductor_celery.store import attempts, tick_store
 
     app = Celery("repro", broker="memory://")
@@ -67,7 +67,7 @@ def reproduce(url: str) -> dict[str, object]:
 
     handle = ductor.start("repro_stale_snapshot", workflow_id="repro-1")
     run_id = handle.run_id
-    assert coordinator.run_tick(rt, run_id) == "committed"  # s1's attempt (and a timer)
+    assert tick_task.run_tick(rt, run_id) == "committed"  # s1's attempt (and a timer)
     token = f"{run_id}:s1:1"
     assert attempts.claim(engine, token, "repro-worker") is not None
     attempts.finish(engine, token, outcome="succeeded", output=1)
@@ -86,7 +86,7 @@ def reproduce(url: str) -> dict[str, object]:
     tick_store.commit_on = slow_commit
     try:
         a = threading.Thread(
-            target=lambda: ticks.update(A=coordinator.run_tick(rt, run_id)), name="tick-A"
+            target=lambda: ticks.update(A=tick_task.run_tick(rt, run_id)), name="tick-A"
         )
         a.start()
         time.sleep(0.4)
@@ -94,7 +94,7 @@ def reproduce(url: str) -> dict[str, object]:
         ductor.signal("repro-1", "go", {"ok": True}, idempotency_key="go-1")
         time.sleep(0.2)
         b = threading.Thread(
-            target=lambda: ticks.update(B=coordinator.run_tick(rt, run_id)), name="tick-B"
+            target=lambda: ticks.update(B=tick_task.run_tick(rt, run_id)), name="tick-B"
         )
         b.start()
         a.join()

@@ -1,7 +1,7 @@
 """The tick loop: load -> compute (pure) -> commit (versioned) -> dispatch, against any store.
 
 ``Coordinator(store, dispatcher).tick(run_id)`` is the one implementation of the loop. In
-production ``runtime/coordinator.py:run_tick`` builds it over ``store.tick_store.SqlTickStore``
+production ``runtime/tick_task.py:run_tick`` builds it over ``store.tick_store.SqlTickStore``
 and the Celery dispatcher; tests build it over ``fakes.InMemoryStore`` and
 ``fakes.RecordingDispatcher`` and run the very same code without a database or a broker.
 """

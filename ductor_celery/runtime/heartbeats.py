@@ -7,11 +7,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..store import attempts
 from ..store.db import ValuesRefused
 from .step_errors import describe, payload_of
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
 
 log = logging.getLogger("ductor_celery.step")
 
@@ -37,7 +40,7 @@ class HeartbeatPause:
 
 
 def heartbeat(
-    engine: Any,
+    engine: Engine,
     token: str,
     details: Any,
     limit: int,
@@ -65,7 +68,7 @@ def heartbeat(
     return stop
 
 
-def record_heartbeat(engine: Any, token: str, details: Any) -> bool:
+def record_heartbeat(engine: Engine, token: str, details: Any) -> bool:
     try:
         return attempts.heartbeat(engine, token, details)
     except ValuesRefused as refused:
@@ -79,7 +82,7 @@ def record_heartbeat(engine: Any, token: str, details: Any) -> bool:
         return attempts.heartbeat(engine, token, None)
 
 
-def should_stop(engine: Any, token: str) -> bool:
+def should_stop(engine: Engine, token: str) -> bool:
     """``ctx.cancelled``'s look at the attempt row; a database blip reads as "go on"."""
     try:
         return attempts.should_stop(engine, token)

@@ -24,9 +24,9 @@ its message had just arrived and been claimed (``ductor_inline_steps``; docs/arc
   run it (docs/flow-control.md).
 - With task events on, each inline attempt sends ``task-started`` (with its name and
   arguments) and ``task-succeeded`` under its own token, so Flower lists it as a task
-  (``TaskEvents``). After a slow step the next one's events go out at once; a chain of quick
-  steps publishes them every ``EVENTS_AT_MOST_EVERY_S`` and at its end (one broker publish
-  costs more than a quick step).
+  (runtime/task_events.py). After a slow step the next one's events go out at once; a chain
+  of quick steps publishes them every ``EVENTS_AT_MOST_EVERY_S`` and at its end (one broker
+  publish costs more than a quick step).
 - Held branches: after a quick step, the tick also gives the worker more branches of the same
   scatter (``TickClaim.held``, and earlier ones still in flight, adopted), which it claims and
   runs one after another, writing each outcome alone, before one tick folds them all
@@ -41,17 +41,12 @@ its message had just arrived and been claimed (``ductor_inline_steps``; docs/arc
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-from celery._state import pop_current_task, push_current_task
+from typing import TYPE_CHECKING
 
 from ..coordinator.port import OutboxRow, RateTake, TickClaim
 from ..coordinator.rows import step_intent
@@ -62,7 +57,7 @@ from ..store.schema import dumps_json
 if TYPE_CHECKING:
     from ..coordinator.port import LoadedRun
     from ..engine import NewAttempt, TickPayload
-    from .runtime import Runtime
+    from .ports import WorkerPort
     from .step_context import Step
 
 log = logging.getLogger("ductor_celery.step")
@@ -98,7 +93,7 @@ class _Held:
 class InlineChain:
     """The attempts one step message's worker runs after its own, one at a time."""
 
-    rt: Runtime
+    rt: WorkerPort
     #: The queue the message came from: only steps routed there are run inline.
     queue: str
     #: Makes this worker's claim identity (one per claim, as for a message's claim).
@@ -128,7 +123,7 @@ class InlineChain:
     @classmethod
     def start(
         cls,
-        rt: Runtime,
+        rt: WorkerPort,
         queue: str | None,
         identity: Callable[[], str],
         carrier: str | None = None,
@@ -333,121 +328,3 @@ class InlineChain:
             self.rt.dispatcher.send(rows)
         except Exception as exc:  # noqa: BLE001 - the tick re-sends unclaimed attempts
             log.warning("held attempts not handed back (%s); they are re-sent later", exc)
-
-
-@contextlib.contextmanager
-def as_current_task(
-    step: Step, claimed: ClaimedAttempt, hostname: str | None, queue: str
-) -> Iterator[None]:
-    """Inside an inline attempt, Celery's current task is the attempt's own step task and its
-    request carries the attempt's token as id, as when a message delivers it: code that reads
-    ``celery.current_task.request.id``, and the task id and name in Celery's task log format,
-    name this attempt, not the one whose message started the chain."""
-    task = step.task
-    if task is None:  # a Step not registered on an app (a direct test call)
-        yield
-        return
-    task.push_request(
-        id=claimed.token,
-        task=task.name,
-        args=[claimed.token],
-        kwargs={},
-        hostname=hostname,
-        delivery_info={"routing_key": queue},
-        root_id=claimed.token,
-        retries=0,
-    )
-    push_current_task(task)
-    try:
-        yield
-    finally:
-        pop_current_task()
-        task.pop_request()
-
-
-class TaskEvents:
-    """Celery task events for an attempt that has no message of its own (Flower's view).
-
-    Sent only when the app sends task events (``worker_send_task_events``, which ``Ductor``
-    turns on unless the user configured it), over one event dispatcher per process and
-    thread. Events are buffered and published together (Celery's batched ``task.multi``
-    events, which Flower and every event receiver read): ``task-started`` at once after a slow
-    step, with the previous attempt's ``task-succeeded``; after a quick one at most every
-    ``EVENTS_AT_MOST_EVERY_S`` (``InlineChain.flush_events_now``); the rest at the chain's end
-    (``flush_events``). An event that cannot be sent is dropped: events are a view, never the
-    truth.
-    """
-
-    def __init__(self, app: Any, hostname: str | None, claimed: ClaimedAttempt) -> None:
-        self.app = app
-        self.hostname = hostname
-        self.claimed = claimed
-        self.enabled = bool(app.conf.get("worker_send_task_events"))
-        self.started_at = 0.0
-
-    def started(self, flush: bool = True) -> None:
-        """``flush``: publish it now (with what is buffered); else with the next flush."""
-        self.started_at = time.monotonic()
-        if self.enabled:
-            claimed = self.claimed
-            self._send(
-                "task-started",
-                name=claimed.step,
-                args=repr([claimed.token]),
-                kwargs=repr({"run_id": claimed.run_id, "node": claimed.node}),
-                root_id=claimed.token,
-                retries=0,
-            )
-            if flush:
-                flush_events(self.app, self.hostname)
-
-    def finished(self, outcome: str) -> None:
-        if self.enabled:
-            self._send(
-                "task-succeeded",
-                result=repr(outcome),
-                runtime=time.monotonic() - self.started_at,
-            )
-
-    def _send(self, kind: str, **fields: Any) -> None:
-        try:
-            _dispatcher(self.app, self.hostname).send(kind, uuid=self.claimed.token, **fields)
-        except Exception as exc:  # noqa: BLE001 - a view: never fail the attempt for it
-            _local.__dict__.pop("dispatcher", None)
-            log.debug("task event for %s not sent: %s", self.claimed.token, exc)
-
-
-def flush_events(app: Any, hostname: str | None) -> None:
-    """Publish the task events buffered so far (at the end of a chain, and with each start)."""
-    found = getattr(_local, "dispatcher", None)
-    if found is None or found[0] != _key(app, hostname):
-        return
-    try:
-        found[1].flush()
-    except Exception as exc:  # noqa: BLE001 - a view: never fail the attempt for it
-        _local.__dict__.pop("dispatcher", None)
-        log.debug("task events not sent: %s", exc)
-
-
-_local = threading.local()
-
-
-def _key(app: Any, hostname: str | None) -> tuple[int, int, str | None]:
-    return (os.getpid(), id(app), hostname)
-
-
-def _dispatcher(app: Any, hostname: str | None) -> Any:
-    """This thread's event dispatcher (a forked child makes its own: the key has the pid).
-    Task events are buffered until ``flush``."""
-    key = _key(app, hostname)
-    found = getattr(_local, "dispatcher", None)
-    if found is None or found[0] != key:
-        dispatcher = app.events.Dispatcher(
-            app.connection_for_write(),
-            hostname=hostname,
-            buffer_while_offline=False,
-            buffer_group=["task"],
-            buffer_limit=64,
-        )
-        _local.dispatcher = found = (key, dispatcher)
-    return found[1]

@@ -17,7 +17,7 @@ from celery.worker import WorkController
 from celery.worker import state as worker_state
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from .ports import WorkerPort
 
 log = logging.getLogger("ductor_celery.local")
 
@@ -52,7 +52,7 @@ class _LocalWorkController(WorkController):  # type: ignore[misc]
 
 
 @contextmanager
-def local_workers(rt: Runtime, concurrency: int = 4, timeout: float = 30.0) -> Iterator[Any]:
+def local_workers(rt: WorkerPort, concurrency: int = 4, timeout: float = 30.0) -> Iterator[Any]:
     app = rt.app
     # Pool threads resolve tasks through the current app, which is thread-local with a
     # process-wide default: make ours the default, as `celery -A app worker` does.

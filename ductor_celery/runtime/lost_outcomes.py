@@ -31,10 +31,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..store import attempts
 from ..store.db import get_engine, open_engine, outages, server_identity
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
 
 log = logging.getLogger("ductor_celery.step")
 
@@ -66,7 +69,7 @@ class LostOutcomes:
     """One per worker process: the outcomes it wrote lately, and the thread that writes the
     lost ones again."""
 
-    def __init__(self, engine: Callable[[], Any | None], *, watch: bool = True) -> None:
+    def __init__(self, engine: Callable[[], Engine | None], *, watch: bool = True) -> None:
         """``engine``: this process's engine, or ``None`` once it was disposed of (then
         everything kept is forgotten: the app is gone). ``watch``: a thread looks while
         anything is kept (off: ``check()`` is called by hand)."""
@@ -178,7 +181,7 @@ class LostOutcomes:
         self._identity, self._outages = identity, seen
         return written
 
-    def _rewrite_lost(self, engine: Any) -> int:
+    def _rewrite_lost(self, engine: Engine) -> int:
         with self._lock:
             kept = list(self._kept.values())
         still_open = attempts.open_claims(engine, [k.token for k in kept])

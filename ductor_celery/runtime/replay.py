@@ -2,7 +2,7 @@
 received, in this process (docs/replay.md; ``testing.replay`` finds the Ductors).
 
 It does with the recorded ``args`` what a step worker does with a claimed attempt's
-(``runtime/steps.py``, ``_call``): the secret references the node's template names are
+(``runtime/outcome.py``, ``_call``): the secret references the node's template names are
 resolved from this process's provider, the arguments are decoded and converted to the
 function's annotations (``runtime/arguments.prepare``), and the function is called with a
 ``StepContext`` of that attempt. Nothing is written anywhere: it returns what the step returns

@@ -14,7 +14,6 @@ from ..settings import Settings
 from ..store import blobs, runs
 from ..store.db import get_engine
 from .broker import BrokerQueues, QueuesBootstep
-from .coordinator import run_tick
 from .dispatch import FIRST_TICK_TASK_NAME, TICK_TASK_NAME, Dispatcher
 from .failpoints import failpoint
 from .metrics import MetricsBootstep
@@ -22,12 +21,16 @@ from .poison import PoisonGuard
 from .step_context import Step
 from .steps import execute_attempt, first_tick
 from .sweeper import SweeperBootstep
+from .tick_task import run_tick
 
 log = logging.getLogger("ductor_celery.runtime")
 
 
 class Runtime:
-    """Everything a worker process needs to run ticks and steps for one Celery app."""
+    """Everything a worker process needs to run ticks and steps for one Celery app.
+
+    The modules it calls into take it as a ``ports.WorkerPort`` (the few members they use),
+    so none of them imports this module back (tests/unit/test_runtime_layers.py)."""
 
     def __init__(self, app: Any, settings: Settings) -> None:
         self.app = app

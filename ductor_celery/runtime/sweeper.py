@@ -28,7 +28,9 @@ from ..store.outbox import delete_outbox
 from . import metrics
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from sqlalchemy.engine import Engine
+
+    from .ports import WorkerPort
 
 log = logging.getLogger("ductor_celery.sweeper")
 
@@ -48,7 +50,7 @@ SWEEP_BACKOFF_MAX_S = 5.0
 
 
 class Sweeper:
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: WorkerPort) -> None:
         self.rt = rt
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -160,7 +162,7 @@ class Sweeper:
         metrics.record_sweep(actions)
         return actions
 
-    def _fire_schedules(self, engine: Any) -> schedules.FireResult:
+    def _fire_schedules(self, engine: Engine) -> schedules.FireResult:
         """Start the runs of due fire times; a failure here (a schema not migrated yet, a bad
         row) is logged and leaves the rest of the sweep alone."""
         try:
@@ -171,7 +173,7 @@ class Sweeper:
             log.exception("sweep: firing schedules failed; retrying next sweep")
             return schedules.FireResult()
 
-    def _prune(self, engine: Any) -> int:
+    def _prune(self, engine: Engine) -> int:
         """``ductor_retention_days``: delete finished runs older than that, a few batches at
         most every PRUNE_EVERY_S (several coordinators skip each other's locked batches)."""
         days = self.rt.settings.retention_days
@@ -196,7 +198,7 @@ class Sweeper:
             log.info("sweep: pruned %d runs finished before %s", pruned, cutoff.isoformat())
         return pruned
 
-    def _reap_run_slots(self, engine: Any) -> None:
+    def _reap_run_slots(self, engine: Engine) -> None:
         """Run concurrency's backstop (store/run_slots.py ``reap``): slots of runs that ended
         without releasing them are released, and the woken waiters sent."""
         with engine.begin() as conn:
@@ -206,7 +208,7 @@ class Sweeper:
             self.rt.dispatcher.send(outbox)
             delete_outbox(engine, [r.id for r in outbox])
 
-    def _prune_audit(self, engine: Any) -> int:
+    def _prune_audit(self, engine: Engine) -> int:
         """``ductor_audit_retention_days``: delete audit entries older than that (with the
         runs' prune, at most every PRUNE_EVERY_S)."""
         days = self.rt.settings.audit_retention_days

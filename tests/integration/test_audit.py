@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from ductor_celery import AuditPage, Ductor, InvalidOperation, RunNotFound, Workflow
 from ductor_celery.cli import ductor as ductor_cli
-from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import audit as audit_rows
 from ductor_celery.store import schedules as schedule_rows
 from ductor_celery.store.external import insert_control

@@ -28,7 +28,7 @@ from ductor_celery import (
 )
 from ductor_celery.cli import ductor as ductor_cli
 from ductor_celery.limits import MAX_DURATION_S
-from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store.db import forget_engine
 from ductor_celery.store.migrate import upgrade
 

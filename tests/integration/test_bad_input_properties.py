@@ -65,7 +65,7 @@ from ductor_celery.limits import (
     show,
 )
 from ductor_celery.payloads import check_json
-from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import external
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.runs import load_definition

@@ -209,7 +209,7 @@ def test_a_control_for_a_child_that_continues_as_new_moves_to_its_successor(
 from inline_support import RecordingDispatcher, deliver, make_ductor, url  # noqa: E402
 
 from ductor_celery import Ductor, RunStatus, StepContext  # noqa: E402
-from ductor_celery.runtime.coordinator import run_tick  # noqa: E402
+from ductor_celery.runtime.tick_task import run_tick  # noqa: E402
 
 __all__ = ["url"]  # the fixture: PostgreSQL and SQLite
 

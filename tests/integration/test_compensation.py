@@ -24,8 +24,8 @@ from ductor_celery import (
     StepContext,
     Workflow,
 )
-from ductor_celery.runtime.coordinator import run_tick
 from ductor_celery.runtime.steps import execute_attempt
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.schema import step_attempt, workflow_definition
 

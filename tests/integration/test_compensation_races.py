@@ -18,8 +18,9 @@ import sqlalchemy as sa
 from celery import Celery
 
 from ductor_celery import Ductor, NodeStatus, RetryPolicy, RunStatus, StepContext, Workflow
-from ductor_celery.runtime.coordinator import run_tick
-from ductor_celery.runtime.steps import _non_retryable_of, execute_attempt
+from ductor_celery.runtime.outcome import _non_retryable_of
+from ductor_celery.runtime.steps import execute_attempt
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import sweep
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.schema import step_attempt, workflow_outbox, workflow_run

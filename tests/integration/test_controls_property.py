@@ -52,9 +52,9 @@ from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 from ductor_celery import Ductor, DuctorError, NonRetryableError, RetryPolicy, Workflow
-from ductor_celery.runtime.coordinator import run_tick
 from ductor_celery.runtime.outbox_janitor import sent_outbox
 from ductor_celery.runtime.steps import execute_attempt
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import attempts as attempt_rows
 from ductor_celery.store.db import dispose_all
 

@@ -16,8 +16,8 @@ import sqlalchemy as sa
 from celery import Celery
 
 from ductor_celery import Ductor, NodeStatus, RunStatus, StepCancelled, StepContext, Workflow
-from ductor_celery.runtime.coordinator import run_tick
 from ductor_celery.runtime.steps import execute_attempt
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import attempts
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.schema import step_attempt

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 from ductor_celery import Ductor, RunStatus, StepContext, Workflow
-from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import sweep
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.schema import workflow_run, workflow_timer

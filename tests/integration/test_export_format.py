@@ -34,7 +34,7 @@ from ductor_celery import (
     testing,
 )
 from ductor_celery.cli.export import export_of
-from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store.export_format import read_export
 from ductor_celery.values import decode
 

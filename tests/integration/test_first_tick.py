@@ -18,9 +18,9 @@ __all__ = ["url"]  # the fixture: PostgreSQL and SQLite
 
 from ductor_celery import Ductor, RunStatus, StepContext
 from ductor_celery.definition import Workflow
-from ductor_celery.runtime.coordinator import run_tick
 from ductor_celery.runtime.dispatch import first_tick_id
 from ductor_celery.runtime.steps import first_tick
+from ductor_celery.runtime.tick_task import run_tick
 
 
 def _chain(ductor: Ductor, length: int, queue: str | None = None) -> None:

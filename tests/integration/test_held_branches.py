@@ -25,7 +25,7 @@ from inline_support import (
 from ductor_celery import Ductor, StepContext
 from ductor_celery.definition import Workflow
 from ductor_celery.runtime import inline
-from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store.outbox import OutboxRow
 
 __all__ = ["url"]  # the fixture: PostgreSQL and SQLite

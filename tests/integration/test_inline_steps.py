@@ -32,8 +32,8 @@ __all__ = ["url"]  # the fixture: PostgreSQL and SQLite
 
 from ductor_celery import ConcurrencyLimit, Ductor, RetryPolicy, StepContext
 from ductor_celery.definition import Workflow
-from ductor_celery.runtime import inline
-from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime import inline, task_events
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.settings import Settings
 from ductor_celery.store.outbox import OutboxRow
 
@@ -220,7 +220,7 @@ def test_a_worker_dying_before_its_inline_step_leaves_it_to_the_step_timeout(
     def die(self: Any, *_: Any, **__: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(inline.TaskEvents, "started", die)
+    monkeypatch.setattr(task_events.TaskEvents, "started", die)
     with pytest.raises(KeyboardInterrupt):
         deliver(ductor, first)
     monkeypatch.undo()

@@ -17,7 +17,7 @@ from click.testing import CliRunner, Result
 
 from ductor_celery import Ductor, RunStatus, Workflow
 from ductor_celery.cli import ductor as ductor_cli
-from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.schema import workflow_control, workflow_run, workflow_schedule
 

@@ -21,8 +21,8 @@ from ductor_celery.definition.retry import backoff_delay
 from ductor_celery.definition.spec import RetrySpec
 from ductor_celery.engine.advance import _spread
 from ductor_celery.errors import DefinitionError
-from ductor_celery.runtime.coordinator import run_tick
 from ductor_celery.runtime.steps import execute_attempt
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store.schema import step_attempt
 
 

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 from ductor_celery import Ductor, NodeStatus, RunStatus, StepContext, Workflow, testing
-from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.schema import workflow_control, workflow_run
 

@@ -13,8 +13,8 @@ import sqlalchemy as sa
 from celery import Celery
 
 from ductor_celery import Ductor, Workflow
-from ductor_celery.runtime import coordinator
-from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime import tick_task
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import attempts, tick_store
 from ductor_celery.store.db import get_engine
 
@@ -175,7 +175,7 @@ def test_eager_and_coordinator_ticks_racing_on_one_scatter_never_recompute(
             ).scalars()
         )
     assert len(tokens) == len(items)
-    before = coordinator.TICK_STATS.conflicts
+    before = tick_task.TICK_STATS.conflicts
     outcomes: list[str] = []
     barrier = threading.Barrier(len(tokens) + 1)
 
@@ -204,7 +204,7 @@ def test_eager_and_coordinator_ticks_racing_on_one_scatter_never_recompute(
         run_tick(ductor.runtime, run_id)
         if ductor.get(run_id).nodes["each"].status == "succeeded":
             break
-    assert coordinator.TICK_STATS.conflicts == before
+    assert tick_task.TICK_STATS.conflicts == before
     assert "conflict" not in outcomes
     view = ductor.get(run_id)
     assert view.nodes["each"].status == "succeeded"
@@ -295,7 +295,7 @@ def test_a_closed_attempt_refuses_the_prelude_and_no_tick_runs(
     assert attempts.claim(engine, token, "w1") is not None
     ductor.terminate(run_id)  # applied by the call: the terminate closes the attempt
     version = _record_version(database_url, run_id)
-    with pytest.raises(coordinator.PreludeRefused):
+    with pytest.raises(tick_task.PreludeRefused):
         run_tick(ductor.runtime, run_id, eager=True, prelude=_prelude(token, 7))
     assert _attempt(engine, token).outcome == "cancelled"
     assert _record_version(database_url, run_id) == version
@@ -315,7 +315,7 @@ def test_a_conflict_rolls_the_prelude_back_with_the_tick_and_the_retry_writes_it
     def commit_once_conflicting(conn: Any, loaded: Any, payload: Any, claim: Any = None) -> Any:
         calls.append(1)
         if len(calls) == 1:
-            raise coordinator.VersionConflict(run_id)
+            raise tick_task.VersionConflict(run_id)
         return real_commit(conn, loaded, payload, claim)
 
     monkeypatch.setattr(tick_store, "commit_on", commit_once_conflicting)

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from ductor_celery import Ductor, DuctorError, NonRetryableError, RetryPolicy, Workflow
-from ductor_celery.runtime.coordinator import run_tick
 from ductor_celery.runtime.steps import execute_attempt
+from ductor_celery.runtime.tick_task import run_tick
 
 RETRY = RetryPolicy(max_attempts=2, initial_interval=0, backoff=1, max_interval=0)
 

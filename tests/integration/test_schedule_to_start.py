@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 from ductor_celery import ConcurrencyLimit, Ductor, RetryPolicy, RunStatus, StepContext, Workflow
-from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import attempts
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.schema import concurrency_lease, step_attempt

@@ -15,7 +15,7 @@ from celery import Celery
 
 from ductor_celery import Ductor, RunStatus, ScheduleNotFound, StepContext, Workflow
 from ductor_celery.errors import WorkflowNotFound
-from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import schedules
 from ductor_celery.store.db import db_now
 from ductor_celery.store.migrate import upgrade

@@ -17,8 +17,8 @@ from inline_support import url
 
 from ductor_celery import Ductor, Workflow
 from ductor_celery.engine.kinds import ControlKind
-from ductor_celery.runtime.coordinator import run_tick
 from ductor_celery.runtime.steps import execute_attempt
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import attempts
 from ductor_celery.store.db import get_engine
 from ductor_celery.store.external import insert_control

@@ -20,7 +20,7 @@ from celery import Celery
 from sqlalchemy.orm import Session
 
 from ductor_celery import Ductor, RunStatus, Workflow, WrongDatabase
-from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store.db import get_engine
 from ductor_celery.store.migrate import upgrade
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from ductor_celery import Ductor, DuctorError, Workflow, bulk
 from ductor_celery.engine.status import OPEN_RUN_STATUSES
 from ductor_celery.limits import MAX_DURATION_S
-from ductor_celery.runtime.coordinator import run_tick
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store.db import forget_engine
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.runs import encode_cursor

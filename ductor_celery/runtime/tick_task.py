@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
 
     from .dispatch import Dispatcher
-    from .runtime import Runtime
+    from .ports import WorkerPort
 
 __all__ = [
     "MAX_CONFLICT_RETRIES",
@@ -76,7 +76,7 @@ class _SendThenForget:
 
 
 def run_tick(
-    rt: Runtime,
+    rt: WorkerPort,
     run_id: str,
     *,
     eager: bool = False,

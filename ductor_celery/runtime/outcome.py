@@ -1,0 +1,364 @@
+"""Calling a step and what its attempt comes to: the arguments it is called with (secrets
+filled in, large values read back), its context, its call (one, or one per item of a batch),
+and the ``Outcome`` that call comes to, checked and ready to be written (the errors it
+records: step_errors.py). Nothing here writes the attempt: ``steps.py`` records the outcome
+and advances the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .. import tracing
+from ..definition.blobrefs import contains_ref
+from ..definition.spec import BATCH_ARG
+from ..engine.tags import StepTags
+from ..errors import DanglingReference, InvalidSecretName, SecretNotFound, StepCancelled
+from ..payloads import storable_text
+from ..store import attempts, blobs
+from ..store.db import with_retry
+from . import batch
+from .arguments import ArgumentRefused, prepare
+from .heartbeats import HeartbeatPause, heartbeat, should_stop
+from .large_values import by_reference, patch_problem
+from .secrets import AttemptSecrets, SecretUnavailable, Slots, slots_for
+from .step_context import Step, StepContext
+from .step_errors import describe, error_of, is_non_retryable, payload_of
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
+
+    from .ports import WorkerPort
+
+log = logging.getLogger("ductor_celery.step")
+
+
+def _non_retryable_of(
+    rt: WorkerPort, step: Step, claimed: attempts.ClaimedAttempt
+) -> frozenset[str]:
+    """The exceptions that fail this attempt's node without retry: its retry policy as the
+    run's pinned definition stores it, which is the node's own ``retry=`` when it has one (in
+    every respect: its ``non_retryable`` replaces the step's), else the step's."""
+    if claimed.spec_hash is not None:
+        try:
+            graph = rt.spec_for(claimed.spec_hash).graph  # a compensation's spec is pinned too
+            node = graph.compensations.get(claimed.node) or graph.nodes.get(claimed.node)
+        except Exception as exc:  # noqa: BLE001 - the step's own policy is the fallback
+            log.warning("attempt %s: definition not readable (%s)", claimed.token, exc)
+            node = None
+        retry = getattr(node, "retry", None)
+        if retry is not None:
+            return frozenset(retry.non_retryable)
+    return frozenset(f"{e.__module__}.{e.__qualname__}" for e in step.retry.non_retryable)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one execution of a step comes to, ready to be written to its attempt row."""
+
+    outcome: str
+    output: Any = None
+    patch: Any = None
+    error: dict[str, Any] | None = None
+    retryable: bool = True
+    #: What the step set with ``ctx.tag``: applied to the run only if it succeeded.
+    tags: StepTags | None = None
+
+
+#: An attempt claimed after its run's cancel was requested: never run.
+_CANCELLED_BEFORE_START = Outcome(
+    "cancelled",
+    error={"type": "StepCancelled", "message": "the run was cancelled before the step began"},
+    retryable=False,
+)
+
+
+def invalid(problem: str) -> Outcome:
+    """Failed without retry: the same step would return the same unstorable value again."""
+    error = {"type": "InvalidResult", "message": storable_text(problem)}
+    return Outcome("failed", error=error, retryable=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """What every call of one attempt shares: its secrets, where its arguments hold secret
+    references, and (read lazily) the exceptions that fail it without retry."""
+
+    secrets: AttemptSecrets
+    slots: Slots
+    non_retryable: Callable[[], frozenset[str]] = frozenset
+    #: ``ductor_offload_bytes``: a larger result goes to eec_blob, a larger patch is refused.
+    offload_bytes: int = 262_144
+
+
+def _slots_of(rt: WorkerPort, claimed: attempts.ClaimedAttempt) -> Slots:
+    """Where the node's argument template holds secret references (none known: none)."""
+    if claimed.spec_hash is None:
+        return ()
+    try:
+        return slots_for(claimed.spec_hash, claimed.node, rt.spec_for)
+    except Exception as exc:  # noqa: BLE001 - not cached: the next attempt reads again
+        log.warning("attempt %s: definition not readable (%s)", claimed.token, exc)
+        return ()
+
+
+def _input_reader(engine: Engine, run_id: str) -> Callable[[], Any]:
+    """Reads the run's input once, on first use (shared by the items of a batch)."""
+    return functools.cache(
+        lambda: with_retry(lambda: attempts.run_input(engine, run_id), what="read run input")
+    )
+
+
+def _context(
+    engine: Engine,
+    claimed: attempts.ClaimedAttempt,
+    branch: int | None,
+    read_input: Callable[[], Any],
+    limit: int,
+    secrets: AttemptSecrets,
+) -> StepContext:
+    pause = HeartbeatPause()
+    return StepContext(
+        run_id=claimed.run_id,
+        workflow_id=claimed.workflow_id,
+        node=claimed.node,
+        branch=branch,
+        attempt=claimed.attempt,
+        input_fn=read_input,
+        context=claimed.context,
+        heartbeat_fn=lambda details: heartbeat(
+            engine, claimed.token, details, limit, secrets.redact, pause
+        ),
+        secret_fn=secrets.get,
+        cancelled_fn=lambda: should_stop(engine, claimed.token),
+        cancelled=claimed.cancel_requested,
+        undone_fn=lambda: attempts.times_undone(engine, claimed.run_id, claimed.node),
+    )
+
+
+def _run_batch(
+    engine: Engine,
+    step: Step,
+    claimed: attempts.ClaimedAttempt,
+    me: str,
+    limit: int,
+    call_info: Call,
+) -> tuple[Outcome, BaseException | None]:
+    """A batch attempt (runtime/batch.py): the step once per item without a recorded output;
+    each item gets its own context (``ctx.branch`` is the item's index) and the same checks
+    an unbatched branch gets."""
+    token = claimed.token
+    spec = claimed.args[BATCH_ARG]
+    earlier: list[Any] = []
+    branch = claimed.branch
+    if claimed.attempt > 1 and branch is not None:
+        earlier = with_retry(
+            lambda: attempts.batch_progress(
+                engine, claimed.run_id, claimed.node, branch, int(spec["base"]), token
+            ),
+            what="read batch progress",
+        )
+    read_input = _input_reader(engine, claimed.run_id)
+    # The tags the items that ran in this attempt set, in item order: the batch's attempt
+    # carries them, applied if it succeeds (docs/tags.md).
+    tags: dict[str, str] = {}  # key -> value, in the order first set
+
+    def call(index: int, args: dict[str, Any]) -> tuple[batch.ItemOutcome, BaseException | None]:
+        ctx = _context(engine, claimed, index, read_input, limit, call_info.secrets)
+        item, interrupt = _run(step, ctx, args, token, limit, call_info)
+        if item.tags:
+            tags.update((k, v) for k, v in item.tags)
+        # Each item's large output alone: the batch's list (and its checkpoints) hold references.
+        item = _by_reference(engine, claimed.run_id, item, call_info.offload_bytes)
+        return (
+            batch.ItemOutcome(
+                item.outcome == "succeeded", item.output, item.patch, item.error, item.retryable
+            ),
+            interrupt,
+        )
+
+    def checkpoint(progress: dict[str, Any]) -> None:
+        try:
+            attempts.batch_checkpoint(engine, token, me, progress)
+        except Exception as exc:  # noqa: BLE001 - a checkpoint only saves a retry some work
+            log.warning("attempt %s: batch checkpoint not recorded: %s", token, describe(exc))
+
+    done, interrupt = batch.run_batch(spec, earlier, call, checkpoint)
+    what = f"step {step.name!r} batch of {len(spec['items'])} items"
+    # Each item's result was checked (reserved key included) in _run before a large one was
+    # replaced by its reference: the list holds ductor's own references, not forged ones.
+    output, problem = payload_of(done.output, f"{what} result", limit, refs_allowed=True)
+    patch = None
+    if problem is None:
+        patch, problem = payload_of(done.patch, f"{what} context patch", limit)
+    if problem is None:
+        problem = patch_problem(patch, f"{what} context patch", call_info.offload_bytes)
+    if problem is not None:
+        log.error("attempt %s: %s", token, problem)
+        return invalid(f"{problem} (a smaller batch_size keeps it under the limit)"), interrupt
+    if done.succeeded:
+        return Outcome(
+            "succeeded", output=output, patch=patch, tags=[[k, v] for k, v in tags.items()] or None
+        ), interrupt
+    return (
+        Outcome("failed", output=output, patch=patch, error=done.error, retryable=done.retryable),
+        interrupt,
+    )
+
+
+def _run(
+    step: Step,
+    ctx: StepContext,
+    args: dict[str, Any],
+    token: str,
+    limit: int,
+    call: Call,
+) -> tuple[Outcome, BaseException | None]:
+    """Call the step: its outcome (every secret it used redacted), and the interrupt to
+    re-raise once that is written."""
+    outcome, interrupt = _call(step, ctx, args, token, limit, call)
+    if call.secrets.used:
+        outcome = Outcome(
+            outcome.outcome,
+            output=call.secrets.redact(outcome.output),
+            patch=call.secrets.redact(outcome.patch),
+            error=call.secrets.redact(outcome.error),
+            retryable=outcome.retryable,
+            tags=call.secrets.redact(outcome.tags),
+        )
+    return outcome, interrupt
+
+
+def _call(
+    step: Step,
+    ctx: StepContext,
+    args: dict[str, Any],
+    token: str,
+    limit: int,
+    call: Call,
+) -> tuple[Outcome, BaseException | None]:
+    try:
+        kwargs = prepare(step.fn, step.name, call.secrets.fill(args, call.slots))
+    except (ArgumentRefused, SecretNotFound, InvalidSecretName) as exc:
+        # A bad name reaches here from a definition registered before names were checked.
+        kind = "InvalidArgument" if isinstance(exc, ArgumentRefused) else type(exc).__name__
+        error = {"type": kind, "message": storable_text(str(exc))}
+        return Outcome("failed", error=error, retryable=False), None
+    except SecretUnavailable as exc:
+        error = {"type": "SecretUnavailable", "message": storable_text(str(exc))}
+        return Outcome("failed", error=error, retryable=True), None
+    try:
+        value = step.fn(ctx, **kwargs)
+    except StepCancelled as exc:
+        # Stopped on a cancel: recorded as cancelled, never a failure to retry.
+        error = error_of(exc, call.secrets.redact_text)
+        return Outcome("cancelled", error=error, retryable=False), None
+    except BaseException as exc:  # noqa: BLE001 - a step's failure is data, not a crash
+        failed = Outcome(
+            "failed",
+            error=error_of(exc, call.secrets.redact_text),
+            retryable=not is_non_retryable(exc, call.non_retryable()),
+        )
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            return failed, exc
+        if not isinstance(exc, Exception):
+            # Celery's tracer treats these as failures too; the worker carries on.
+            log.warning("attempt %s: step %r raised %s", token, step.name, describe(exc))
+        return failed, None
+    output, problem = payload_of(value, f"step {step.name!r} result", limit)
+    patch = None
+    if problem is None:
+        patch, problem = payload_of(ctx.patch_value, f"step {step.name!r} context patch", limit)
+    if problem is None:
+        problem = patch_problem(patch, f"step {step.name!r} context patch", call.offload_bytes)
+    if problem is not None:
+        log.error("attempt %s: %s", token, problem)
+        return invalid(problem), None
+    return Outcome("succeeded", output=output, patch=patch, tags=ctx.tags_value), None
+
+
+def _with_values(
+    engine: Engine, claimed: attempts.ClaimedAttempt
+) -> tuple[attempts.ClaimedAttempt, Outcome | None]:
+    """The attempt with the large values its arguments refer to read back (no query when
+    they refer to none), or the failure naming a reference whose blob is gone."""
+    if not contains_ref(claimed.args):
+        return claimed, None
+    try:
+        args = with_retry(
+            lambda: blobs.resolved_on(engine, claimed.args, f"the arguments of {claimed.token}"),
+            what="read large arguments",
+        )
+    except DanglingReference as exc:
+        error = {"type": "DanglingReference", "message": storable_text(str(exc))}
+        return claimed, Outcome("failed", error=error, retryable=False)
+    return dataclasses.replace(claimed, args=dict(args)), None
+
+
+def _by_reference(engine: Engine, run_id: str, result: Outcome, threshold: int) -> Outcome:
+    """The outcome with a large output replaced by a reference to its blob, written now."""
+    try:
+        output = by_reference(engine, run_id, result.output, threshold)
+    except Exception as exc:  # noqa: BLE001 - recorded as the attempt's outcome instead
+        # Raised, it would leave the attempt claimed until its timeout; like the outcome's own
+        # write failures it becomes a failure, retryable (the next attempt may store it).
+        log.error("run %s: a large result could not be stored: %s", run_id, describe(exc))
+        error = {"type": "LargeValueNotStored", "message": describe(exc)}
+        return Outcome("failed", error=error, retryable=True)
+    if output is result.output:
+        return result
+    # Only the output changes: the tags the step set (ctx.tag) and the rest go with it.
+    return dataclasses.replace(result, output=output)
+
+
+def prepare_call(rt: WorkerPort, step: Step, claimed: attempts.ClaimedAttempt) -> Call:
+    """What every call of a claimed attempt shares (read before its run time is measured)."""
+    # Read only when the step raises: most attempts succeed.
+    non_retryable = functools.cache(lambda: _non_retryable_of(rt, step, claimed))
+    return Call(
+        AttemptSecrets(rt.settings.secret_provider),
+        _slots_of(rt, claimed),
+        non_retryable,
+        rt.settings.offload_bytes,
+    )
+
+
+def call_attempt(
+    engine: Engine,
+    step: Step,
+    claimed: attempts.ClaimedAttempt,
+    me: str,
+    limit: int,
+    call: Call,
+) -> tuple[Outcome, BaseException | None]:
+    """Run a claimed attempt's step (not at all if its run's cancel came first, or a large
+    argument is gone): its outcome, and the interrupt to re-raise once that is written."""
+    # The attempt's span is current while the step runs: the user's own spans nest under it.
+    with tracing.attempt_span(
+        claimed.trace_context,
+        claimed.run_id,
+        claimed.workflow,
+        claimed.node,
+        claimed.attempt,
+        step.name,
+    ) as span:
+        claimed, dangling = _with_values(engine, claimed)
+        if claimed.cancel_requested:
+            # Claimed after its run's cancel was requested: stopped before it began.
+            result, interrupt = _CANCELLED_BEFORE_START, None
+        elif dangling is not None:
+            result, interrupt = dangling, None
+        elif batch.is_batch(claimed.args, BATCH_ARG):
+            result, interrupt = _run_batch(engine, step, claimed, me, limit, call)
+        else:
+            read_input = _input_reader(engine, claimed.run_id)
+            ctx = _context(engine, claimed, claimed.branch, read_input, limit, call.secrets)
+            result, interrupt = _run(step, ctx, claimed.args, claimed.token, limit, call)
+            result = _by_reference(engine, claimed.run_id, result, call.offload_bytes)
+        tracing.mark_outcome(span, result.outcome, result.error)
+    return result, interrupt
