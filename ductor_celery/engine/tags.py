@@ -37,6 +37,14 @@ def tag_problem(key: Any, value: Any) -> str | None:
                 f"tag {what}{shown} must be 1..{MAX_TAG_LENGTH} characters, "
                 f"it is {len(text)} characters long"
             )
+        # Neither database stores these: PostgreSQL refuses NUL in text, and a lone surrogate
+        # is not valid UTF-8 (SQLite would keep it mangled, so a filter would never match).
+        if "\x00" in text:
+            shown = _shown(key) if what == "value" else ""
+            return f"tag {what}{shown} must not contain NUL characters"
+        if not text.isprintable() and any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+            shown = _shown(key) if what == "value" else ""
+            return f"tag {what}{shown} must not contain lone surrogates (it is not valid Unicode)"
     return None
 
 

@@ -23,12 +23,14 @@ from sqlalchemy.engine import Engine
 
 from ..definition.spec import WorkflowSpec
 from ..engine.state import RunState
+from ..engine.status import RunStatus
 from ..errors import ExportError, RunNotFound
 from . import clock
 from .exports import (
     ATTEMPT_COLUMNS,
     CONTROL_COLUMNS,
     DEFINITION_COLUMNS,
+    LATER_COLUMNS,
     RUN_COLUMNS,
     SIGNAL_COLUMNS,
     TIME_COLUMNS,
@@ -175,7 +177,7 @@ def _store_row(
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in columns:
-        value = row[name]
+        value = row.get(name) if name in LATER_COLUMNS else row[name]
         if name in TIME_COLUMNS and value is not None:
             value = _time(source, f"{where} {name}", value)
         out[name] = value
@@ -209,12 +211,60 @@ _TYPES: dict[str, dict[str, tuple[type, ...]]] = {
 }
 
 
+#: The run row's columns a restore writes as they are, and what each must be.
+_RUN_TYPES: dict[str, tuple[type, ...]] = {
+    "run_id": (str,),
+    "workflow_id": (str,),
+    "status": (str,),
+    "record_version": (int,),
+    "transition_count": (int,),
+    "priority": (int,),
+}
+
+#: What an attempt row's ``outcome`` may hold: written by the worker (succeeded, failed,
+#: cancelled by StepCancelled) or by a tick that closed it (timed_out, cancelled).
+_ATTEMPT_OUTCOMES = frozenset({None, "succeeded", "failed", "cancelled", "timed_out"})
+
+
 def _type_problem(entry: dict[str, Any], types: dict[str, tuple[type, ...]]) -> str | None:
     for name, allowed in types.items():
         value = entry[name]
         if isinstance(value, bool) or not isinstance(value, allowed):
             wanted = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
             return f"{name} must be {wanted}, got {type(value).__name__}"
+    return None
+
+
+def _outcome_problem(outcome: Any) -> str | None:
+    if outcome is None or (isinstance(outcome, str) and outcome in _ATTEMPT_OUTCOMES):
+        return None
+    return f"outcome {str(outcome)[:40]!r} is not an attempt outcome"
+
+
+def _step_problem(spec: WorkflowSpec, attempt: dict[str, Any]) -> str | None:
+    """An attempt of a node the run's definition lacks, or that ran another step than the
+    node's: the file was edited (a run's definition is pinned), and replay would call the
+    wrong function."""
+    node = attempt["node"]
+    declared = spec.graph.compensations.get(node) or spec.graph.nodes.get(node)
+    expected = getattr(declared, "step", None)
+    if expected is None:
+        return f"node {node[:100]!r} is not a step node of the run's definition"
+    if attempt["step"] != expected:
+        return (
+            f"step {attempt['step'][:100]!r} is not the step of node {node[:100]!r} "
+            f"in the run's definition ({expected!r})"
+        )
+    return None
+
+
+def _run_problem(run: dict[str, Any]) -> str | None:
+    """What is wrong with the run row's columns a restore writes unchecked, or None."""
+    problem = _type_problem(run, _RUN_TYPES)
+    if problem is not None:
+        return f"the run's {problem}"
+    if run["status"] not in {s.value for s in RunStatus}:
+        return f"the run's status {run['status'][:40]!r} is not a run status"
     return None
 
 
@@ -228,12 +278,13 @@ def _checked(source: str, document: dict[str, Any]) -> ExportedRun:
     except Exception as exc:  # noqa: BLE001 - whatever a hand-edited state breaks
         raise _incomplete(source, f"the run's state does not read ({exc})") from None
     try:
-        WorkflowSpec.model_validate(definition["spec"])
+        spec = WorkflowSpec.model_validate(definition["spec"])
     except Exception as exc:  # noqa: BLE001 - pydantic's error, or a TypeError from a validator
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise _incomplete(source, f"the definition's spec does not read ({first})") from None
-    if not isinstance(run["run_id"], str) or not isinstance(run["workflow_id"], str):
-        raise _incomplete(source, "the run's run_id and workflow_id must be text")
+    problem = _run_problem(run)
+    if problem is not None:
+        raise _incomplete(source, problem)
     sections: dict[str, list[dict[str, Any]]] = {}
     for key, columns in _SECTIONS.items():
         entries = document.get(key)
@@ -241,10 +292,12 @@ def _checked(source: str, document: dict[str, Any]) -> ExportedRun:
             raise _incomplete(source, f"{key!r} must be a list of objects")
         rows = []
         for index, entry in enumerate(entries):
-            missing = [c for c in columns if c not in entry]
+            missing = [c for c in columns if c not in entry and c not in LATER_COLUMNS]
             if missing:
                 raise _incomplete(source, f"{key}[{index}] lacks {', '.join(missing)}")
             problem = _type_problem(entry, _TYPES.get(key, {}))
+            if key == "attempts" and problem is None:
+                problem = _outcome_problem(entry["outcome"]) or _step_problem(spec, entry)
             if problem is not None:
                 raise _incomplete(source, f"{key}[{index}] {problem}")
             rows.append(_store_row(source, f"{key}[{index}]", entry, columns))

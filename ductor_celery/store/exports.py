@@ -81,7 +81,11 @@ ATTEMPT_COLUMNS = (
     "retryable",
     "patch",
     "folded",
+    "tags",
 )
+#: Columns format 1 gained after its first release (additions keep the format): an export
+#: written before lacks them, and they read as null (an attempt's ``tags``: none set).
+LATER_COLUMNS = frozenset({"tags"})
 SIGNAL_COLUMNS = (
     "id",
     "name",

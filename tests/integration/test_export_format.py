@@ -182,6 +182,44 @@ def test_rows_the_tables_refuse_are_one_clear_error_and_no_harness(tmp_path: Pat
     assert (d.settings, d.runtime.dispatcher) == before
 
 
+def _damaged(section: str, key: str, value: Any) -> dict[str, Any]:
+    doc = _fixture()
+    (doc[section][0] if isinstance(doc[section], list) else doc[section])[key] = value
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("doc", "words"),
+    [
+        (_damaged("run", "status", "exploded"), "the run's status 'exploded' is not a run status"),
+        (_damaged("run", "status", 3), "the run's status must be str, got int"),
+        (_damaged("run", "record_version", "7"), "the run's record_version must be int, got str"),
+        (_damaged("run", "transition_count", 1.5), "transition_count must be int, got float"),
+        (_damaged("run", "priority", True), "the run's priority must be int, got bool"),
+        (_damaged("attempts", "outcome", "exploded"), "attempts[0] outcome 'exploded' is not"),
+        (_damaged("attempts", "outcome", {"a": 1}), "attempts[0] outcome \"{'a': 1}\" is not"),
+        (
+            _damaged("attempts", "step", "replay.ship"),
+            "attempts[0] step 'replay.ship' is not the step of node 'charge' in the run's "
+            "definition ('replay.charge')",
+        ),
+        (_damaged("attempts", "node", "elsewhere"), "node 'elsewhere' is not a step node of"),
+    ],
+)
+def test_run_and_attempt_columns_a_restore_writes_are_checked(
+    tmp_path: Path, doc: dict[str, Any], words: str
+) -> None:
+    """A status or an outcome ductor never writes would be restored as is and break the
+    harness's first tick: refused when the file is read, naming the column."""
+    d = _ductor(tmp_path)
+    with pytest.raises(testing.ExportError) as raised:
+        read_export(doc)
+    assert words in str(raised.value)
+    with pytest.raises(testing.ExportError, match=re.escape(words)):
+        with testing.harness(d, from_export=doc):
+            pass
+
+
 def test_a_missing_file_is_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(
         testing.ExportError, match=r"nothere.json is not a ductor run export \(no such file\)"

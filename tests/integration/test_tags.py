@@ -126,6 +126,11 @@ def test_start_writes_the_tags_and_list_runs_filters_on_all_of_them(d: Ductor) -
         ({f"k{i}": "v" for i in range(21)}, "at most 20 tags per run, got 21"),
         ({"k": 5}, "tag value of 'k' must be a string, got int"),
         (["k", "v"], "tags must be a mapping of strings to strings, got list"),
+        # Neither database stores NUL or a lone surrogate as text: refused before the insert.
+        ({"k": "a\x00b"}, "tag value of 'k' must not contain NUL characters"),
+        ({"k\x00": "v"}, "tag key must not contain NUL characters"),
+        ({"k": "a\ud800"}, "tag value of 'k' must not contain lone surrogates"),
+        ({"\udfff": "v"}, "tag key must not contain lone surrogates"),
     ],
 )
 def test_a_bad_tag_is_one_clear_error_and_nothing_is_written(
@@ -190,6 +195,10 @@ def test_ctx_tag_checks_at_the_call() -> None:
         ctx.tag("k", "v" * 101)
     with pytest.raises(ValueError, match="tag key must be a string, got int"):
         ctx.tag(1, "v")  # type: ignore[arg-type]
+    with pytest.raises(InvalidTag, match="must not contain NUL characters"):
+        ctx.tag("k", "\x00")
+    with pytest.raises(InvalidTag, match="must not contain lone surrogates"):
+        ctx.tag("\ud800", "v")
     for i in range(20):
         ctx.tag(f"k{i}", "v")
     ctx.tag("k0", "again")  # a key it set already: replaced, not a 21st
@@ -291,3 +300,17 @@ def test_an_export_carries_the_tags_and_a_restore_indexes_them(d: Ductor, tmp_pa
     with pytest.raises(ExportError, match="at most 20 tags per run, got 21"):
         restore_rows(elsewhere, read_export(document).rows, "the export")
     assert runs.find_run(elsewhere, "other") is None
+
+
+def test_an_export_holds_each_attempts_tags(d: Ductor) -> None:
+    """The tags a succeeded attempt set travel with it in the export (a failed attempt's are
+    dropped, not written); an export written before attempts carried them still loads
+    (test_export_format)."""
+    with d.local_workers():
+        handle = d.start("retried", input={"fail_always": False})
+        assert d.wait(handle.run_id, timeout=60).status == RunStatus.SUCCEEDED
+    attempts = export_of(d, handle.run_id)["attempts"]
+    assert [a["tags"] for a in attempts] == [None, [["attempt", "a2"], ["only-a2", "yes"]]]
+    assert [a["tags"] for a in read_export(export_of(d, handle.run_id)).rows.attempts] == [
+        a["tags"] for a in attempts
+    ]

@@ -85,6 +85,7 @@ def test_the_json_api_filters_on_every_tag_given(d: Ductor, api: TestClient) -> 
         ("tag=k:a&tag=k:b", "tag key 'k' is given twice"),
         ("&".join(f"tag=k{i}:v" for i in range(21)), "at most 20 tags per run, got 21"),
         ("tags=k:v", "unknown query parameter 'tags'"),
+        ("tag=k:a%00b", "tag value of 'k' must not contain NUL characters"),
     ],
 )
 def test_a_bad_tag_filter_is_a_400_naming_it(api: TestClient, query: str, words: str) -> None:
