@@ -60,6 +60,7 @@ from .runtime.steps import execute_attempt, first_tick, worker_identity
 from .runtime.tick_task import run_tick
 from .store import attempts, clock, migrate, schedules, sweep
 from .store.db import forget_engine, get_engine
+from .store.dialect import dialect_of
 from .store.export_format import ExportedRun, read_export
 from .store.exports import restore_rows
 from .store.outbox import OutboxRow
@@ -504,7 +505,7 @@ def harness(
     saved = (ductor.settings, ductor.client.settings, rt.settings, rt.dispatcher, rt._schema_ready)
     try:
         engine = migrate.create_throwaway(url)
-        clock.inject(engine, h._clock)
+        dialect_of(engine).inject_clock(engine, h._clock)
         settings = dataclasses.replace(rt.settings, database_url=url)
         ductor.settings = ductor.client.settings = rt.settings = settings
         rt.dispatcher = h.dispatcher  # type: ignore[assignment]

@@ -124,6 +124,13 @@ class Dialect(ABC):
         """What tells one database from another, read through ``execute`` (a caller's
         connection: ``store/joined.py`` checks it is to ductor's database)."""
 
+    def inject_clock(self, engine: Engine, now: clock.Clock) -> None:
+        """Make ``now`` the store's time for ``engine`` (the test harness's controlled
+        clock); a database whose server keeps the time refuses it."""
+        if self.server_clock:
+            raise ValueError(f"a clock can only be injected into a SQLite engine, not {self.name}")
+        clock.inject(engine, now)
+
     def engine_identity(self, engine: Engine) -> tuple[Any, ...]:
         """``identity`` of ductor's own database."""
         with engine.connect() as conn:
@@ -267,6 +274,13 @@ class SqliteDialect(Dialect):
         path = files.get("main") or ""
         # An in-memory database is private to its connection: never ductor's.
         return ("sqlite", os.path.realpath(path) if path else f"<memory {id(execute)}>")
+
+    def inject_clock(self, engine: Engine, now: clock.Clock) -> None:
+        """Make ``now`` the store's time for ``engine`` (the test harness's controlled
+        clock); a database whose server keeps the time refuses it."""
+        if self.server_clock:
+            raise ValueError(f"a clock can only be injected into a SQLite engine, not {self.name}")
+        clock.inject(engine, now)
 
     def engine_identity(self, engine: Engine) -> tuple[Any, ...]:
         # From the URL: on SQLite our engine begins every transaction IMMEDIATE, which would
