@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..coordinator import SETTLED_TICKS, TickOutcome
+from ..engine.status import AttemptOutcome
 from ..store import attempts, wakes
 from ..store.db import ValuesRefused, outages, with_retry
 from ..store.outbox import OutboxRow
@@ -372,7 +373,7 @@ def _record(rt: WorkerPort, engine: Engine, step: Step, token: str, result: Outc
     try:
         written, granted = _finish(engine, step, token, result)
     except ValuesRefused as refused:
-        what = "result or context patch" if result.outcome == "succeeded" else "error"
+        what = "result or context patch" if result.outcome == AttemptOutcome.SUCCEEDED else "error"
         problem = f"step {step.name!r} {what} could not be stored: {refused.cause}"
         log.error("attempt %s: %s; recording the attempt as failed without it", token, problem)
         result = invalid(problem)
