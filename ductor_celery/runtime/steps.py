@@ -316,11 +316,12 @@ def _record_and_advance(
         except Exception as exc:  # noqa: BLE001 - the ordinary path below still writes it
             log.warning("eager tick of run %s failed (%s); recording on its own", run_id, exc)
             tick = None
+        # The outcome's value: the task's result, shown by Flower, is the plain string.
         if tick in SETTLED_TICKS:
-            return result.outcome
+            return result.outcome.value
         if tick == TickOutcome.BUSY:  # the outcome is committed; the coordinator folds it
             _wake_coordinator(rt, engine, run_id)
-            return result.outcome
+            return result.outcome.value
     outcome = _record(rt, engine, step, token, result)
     _advance_run(rt, engine, run_id, keep)
     return outcome
@@ -383,7 +384,7 @@ def _record(rt: WorkerPort, engine: Engine, step: Step, token: str, result: Outc
         # sweeper relays it if we die first), then clear the outbox rows.
         rt.dispatcher.send(granted)
         sent_outbox(engine).add([r.id for r in granted])
-    return result.outcome if written else "closed"
+    return result.outcome.value if written else "closed"
 
 
 def _finish(
