@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .engine.status import AttemptOutcome
+
 try:
     from opentelemetry import trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -106,6 +108,6 @@ def mark_outcome(span: Any, outcome: str, error: dict[str, Any] | None) -> None:
     if span is None:
         return
     span.set_attribute("ductor.outcome", outcome)
-    if outcome != "succeeded":
+    if outcome != AttemptOutcome.SUCCEEDED:
         message = None if error is None else f"{error.get('type')}: {error.get('message')}"
         span.set_status(trace.Status(trace.StatusCode.ERROR, message))

@@ -5,6 +5,7 @@ dispatcher plug it into PostgreSQL/SQLite and Celery, ``fakes`` into dicts and a
 """
 
 from .loop import (
+    COMPUTED_TICKS,
     MAX_CONFLICT_RETRIES,
     SETTLED_TICKS,
     Coordinator,
@@ -28,6 +29,7 @@ from .port import (
 )
 
 __all__ = [
+    "COMPUTED_TICKS",
     "MAX_CONFLICT_RETRIES",
     "SETTLED_TICKS",
     "Coordinator",

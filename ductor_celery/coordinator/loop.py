@@ -62,6 +62,9 @@ class TickOutcome(StrEnum):
 
 #: Outcomes after which the caller owes the run nothing: whatever woke it has been seen.
 SETTLED_TICKS = frozenset({TickOutcome.COMMITTED, TickOutcome.NOOP, TickOutcome.MISSING})
+#: Outcomes of a tick that loaded a run and computed it: the ticks the metrics count and time
+#: (a missing run, a busy lock or a tick given up computed nothing).
+COMPUTED_TICKS = frozenset({TickOutcome.COMMITTED, TickOutcome.NOOP})
 
 
 @dataclass
@@ -72,7 +75,7 @@ class TickStats:
     #: Ticks computed again because the run or one of its attempts changed under them.
     conflicts: int = 0
 
-    def count(self, outcome: str) -> None:
+    def count(self, outcome: TickOutcome) -> None:
         self.outcomes[outcome] += 1
 
 
@@ -82,16 +85,13 @@ class TickResult:
     ``payload``: what the last computation decided (None when nothing was computed);
     ``outbox``: the rows the commit wrote and the dispatcher was handed.
 
-    Compares equal to its outcome's string, as ``run_tick``'s answer does:
-    ``coordinator.tick(run_id) == "committed"``."""
+    Compares equal only to another result; compare ``.outcome`` with a ``TickOutcome``."""
 
     outcome: TickOutcome
     payload: TickPayload | None = None
     outbox: list[OutboxRow] = field(default_factory=list)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, str):
-            return self.outcome == other
         if isinstance(other, TickResult):
             return (self.outcome, self.payload, self.outbox) == (
                 other.outcome,
@@ -118,7 +118,7 @@ class TickObserver(Protocol):
 
     def conflict(self) -> None: ...
 
-    def ended(self, outcome: str) -> None: ...
+    def ended(self, outcome: TickOutcome) -> None: ...
 
 
 class _Rejected(Exception):

@@ -7,38 +7,94 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from ..engine import TickPayload
 from ..engine.inputs import Dispatch
 from ..engine.kinds import DispatchKind
-from .port import TickClaim
+from .port import OutboxRow, TickClaim
+
+
+class AttemptMessage(TypedDict):
+    """The payload of a step or revoke row: the attempt it is about."""
+
+    token: str
+    run_id: str
+    node: str
+    #: A step message of a run with a priority (1..9): the broker priority it is sent with.
+    priority: NotRequired[int]
+    #: A revoke that kills the step if it is running (terminate, a run deadline).
+    terminate: NotRequired[bool]
+    #: A revoke of the message an attempt with none of its own runs under: that attempt.
+    carrier_of: NotRequired[str]
+
+
+class WakeupMessage(TypedDict):
+    """The payload of a wake-up row."""
+
+    run_id: str
+
+
+class AttemptIntent(TypedDict):
+    """An outbox row to insert that sends (``DispatchKind.STEP``) or revokes
+    (``DispatchKind.REVOKE``) an attempt's message; ``task`` is the step's name."""
+
+    run_id: str
+    kind: DispatchKind
+    task: str
+    queue: str | None
+    payload: AttemptMessage
+
+
+class WakeupIntent(TypedDict):
+    """An outbox row to insert that wakes a run (``DispatchKind.WAKEUP``, task ``ductor.tick``)."""
+
+    run_id: str
+    kind: DispatchKind
+    task: str
+    queue: None
+    payload: WakeupMessage
+
+
+#: One outbox row before its insert: its columns (``eec_workflow_outbox``) but the id and
+#: the time. A plain dict, so the JSON a row holds is the one every version wrote and reads.
+OutboxIntent = AttemptIntent | WakeupIntent
 
 
 def step_intent(
     run_id: str, token: str, node: str, step: str, queue: str | None, priority: int = 0
-) -> dict[str, Any]:
+) -> AttemptIntent:
     """A step message's row; ``priority`` (its run's, 0..9) travels to the broker when set."""
-    payload: dict[str, Any] = {"token": token, "run_id": run_id, "node": node}
+    payload = AttemptMessage(token=token, run_id=run_id, node=node)
     if priority:
         payload["priority"] = priority
-    return {
-        "run_id": run_id,
-        "kind": DispatchKind.STEP,
-        "task": step,
-        "queue": queue,
-        "payload": payload,
-    }
+    return AttemptIntent(
+        run_id=run_id, kind=DispatchKind.STEP, task=step, queue=queue, payload=payload
+    )
 
 
-def wakeup_intent(run_id: str) -> dict[str, Any]:
-    return {
-        "run_id": run_id,
-        "kind": DispatchKind.WAKEUP,
-        "task": "ductor.tick",
-        "queue": None,
-        "payload": {"run_id": run_id},
-    }
+def wakeup_intent(run_id: str) -> WakeupIntent:
+    return WakeupIntent(
+        run_id=run_id,
+        kind=DispatchKind.WAKEUP,
+        task="ductor.tick",
+        queue=None,
+        payload=WakeupMessage(run_id=run_id),
+    )
+
+
+def outbox_row(row_id: int, intent: OutboxIntent) -> OutboxRow:
+    """The row an intent became once inserted with id ``row_id``, as the dispatcher reads it
+    (the same values: a sweeper reading it back from the table gets these)."""
+    payload: dict[str, Any] = dict(intent["payload"])
+    return OutboxRow(
+        id=row_id,
+        run_id=intent["run_id"],
+        kind=intent["kind"],
+        task=intent["task"],
+        queue=intent["queue"],
+        payload=payload,
+    )
 
 
 def unsent(claim: TickClaim | None) -> set[str]:
@@ -48,7 +104,7 @@ def unsent(claim: TickClaim | None) -> set[str]:
 
 def outbox_intents(
     payload: TickPayload, waiting: set[str], priority: int = 0
-) -> list[dict[str, Any]]:
+) -> list[OutboxIntent]:
     """The payload's dispatches as outbox rows. A step message for an attempt in ``waiting``
     (for its lease, or claimed by the tick's worker) is not written: the release that hands it
     a slot sends it, or the worker runs it. Step messages carry the run's ``priority``."""
@@ -59,18 +115,19 @@ def outbox_intents(
     ]
 
 
-def _attempt_intent(d: Dispatch, priority: int = 0) -> dict[str, Any]:
+def _attempt_intent(d: Dispatch, priority: int = 0) -> AttemptIntent:
     """A step or revoke row; a revoke that kills a running step says so in its payload (a
     version that does not know the key revokes without terminating, as it always did)."""
-    row = step_intent(d.run_id, d.token, d.node, d.step, d.queue, priority) | {"kind": d.kind}
+    row = step_intent(d.run_id, d.token, d.node, d.step, d.queue, priority)
+    row["kind"] = d.kind
     if d.terminate:
-        row["payload"] = row["payload"] | {"terminate": True}
+        row["payload"]["terminate"] = True
     return row
 
 
 def carrier_revokes(
     payload: TickPayload, carriers: Mapping[str, str | None]
-) -> list[dict[str, Any]]:
+) -> list[AttemptIntent]:
     """Revokes with ``terminate=True`` of the messages the attempts a terminate (or a run
     deadline) closes run under: ``carriers`` maps each closed attempt's token to the task id
     its worker claimed it under (store/schema.py ``carrier``), as the close read it back.
@@ -83,7 +140,7 @@ def carrier_revokes(
     or one revoked already in this tick, is not sent again; a revoke that only drops a queued
     message (cancel) kills nothing, so it has none."""
     revoked = {d.token for d in payload.dispatches if d.kind == DispatchKind.REVOKE}
-    rows: list[dict[str, Any]] = []
+    rows: list[AttemptIntent] = []
     for d in payload.dispatches:
         if d.kind != DispatchKind.REVOKE or not d.terminate:
             continue

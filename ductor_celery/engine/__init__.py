@@ -14,11 +14,12 @@ from .inputs import (
     Transition,
 )
 from .state import NodeState, RunState
-from .status import NodeStatus, RunStatus
+from .status import AttemptOutcome, NodeStatus, RunStatus
 from .tick import compute_tick, needed_outputs
 
 __all__ = [
     "AttemptCheck",
+    "AttemptOutcome",
     "AttemptResult",
     "ClosedAttempt",
     "ControlIn",

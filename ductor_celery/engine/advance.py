@@ -22,7 +22,7 @@ from .inputs import AttemptResult, ClosedAttempt, Dispatch
 from .kinds import DispatchKind
 from .slots import Slot, first_limit, slots, start_attempt
 from .state import AttemptOutput, BranchState, NodeState, StepWork
-from .status import NodeStatus
+from .status import AttemptOutcome, NodeStatus
 from .tags import apply_step_tags
 
 #: An unclaimed attempt's re-send period doubles at most this many times (30 s * 2**40 is
@@ -43,10 +43,10 @@ def fold_results(t: TickContext) -> None:
             continue
         branch = result.branch if ns.scatter is not None else None
         batched = ns.scatter is not None and ns.scatter.batch > 1 and branch is not None
-        if result.outcome == "cancelled":
+        if result.outcome == AttemptOutcome.CANCELLED:
             _stopped(t, result, slot, branch)
             continue
-        if result.outcome == "succeeded":
+        if result.outcome == AttemptOutcome.SUCCEEDED:
             problem = _bad_success(result, t.inputs.config.max_payload_bytes)
             if problem is None and batched:
                 assert ns.scatter is not None and branch is not None
@@ -249,7 +249,7 @@ def _check_slot(t: TickContext, node: str, slot: Slot, branch: int | None) -> No
         return
     error = {"type": "StepTimeout", "message": f"{where} {slot.attempt} {why}"}
     t.payload.closed.append(
-        ClosedAttempt(slot.token, "timed_out", error, step=spec.step, lost=silent)
+        ClosedAttempt(slot.token, AttemptOutcome.TIMED_OUT, error, step=spec.step, lost=silent)
     )
     attempt_failed(t, node, slot, branch, error, True)
 
@@ -280,7 +280,9 @@ def _not_started_in_time(
             f"{spec.schedule_to_start_timeout:g}s of its dispatch ({why})"
         ),
     }
-    t.payload.closed.append(ClosedAttempt(slot.token, "timed_out", error, step=spec.step))
+    t.payload.closed.append(
+        ClosedAttempt(slot.token, AttemptOutcome.TIMED_OUT, error, step=spec.step)
+    )
     attempt_failed(t, node, slot, branch, error, True)
 
 

@@ -21,10 +21,7 @@ from .context import TickContext
 from .inputs import ChildControl, ChildSnapshot, ChildStart, ControlIn
 from .kinds import ControlKind
 from .state import ChildWork, RunState, ScatterState
-from .status import OPEN_RUN_STATUSES, NodeStatus
-
-#: Child statuses that end the parent's wait with a failure.
-FAILED_CHILD = frozenset({"failed", "cancelled", "terminated", "timed_out", "missing"})
+from .status import CHILD_MISSING, FAILED_CHILD_STATUSES, OPEN_RUN_STATUSES, NodeStatus, RunStatus
 
 
 def child_run_id(run_id: str, node: str, branch: int | None, generation: int) -> str:
@@ -144,11 +141,11 @@ def absorb_subworkflows(t: TickContext) -> bool:
             t.move_node(
                 node_id, NodeStatus.SUCCEEDED, f"child run reached checkpoint {spec.until!r}"
             )
-        elif snap.status == "succeeded" and spec.until is None:
+        elif snap.status == RunStatus.SUCCEEDED and spec.until is None:
             ns.finished_at = t.now
             t.outputs[node_id] = snap.output
             t.move_node(node_id, NodeStatus.SUCCEEDED, f"child run {snap.run_id} succeeded")
-        elif snap.status in FAILED_CHILD or snap.status == "succeeded":
+        elif snap.status in FAILED_CHILD_STATUSES or snap.status == RunStatus.SUCCEEDED:
             ns.error = child_error(snap, spec.until)
             ns.finished_at = t.now
             t.move_node(node_id, NodeStatus.FAILED, ns.error["message"])
@@ -161,9 +158,9 @@ def absorb_subworkflows(t: TickContext) -> bool:
 
 
 def child_error(snap: ChildSnapshot, until: str | None = None) -> dict[str, Any]:
-    if snap.status == "succeeded":
+    if snap.status == RunStatus.SUCCEEDED:
         message = f"child run {snap.run_id} finished without reaching checkpoint {until!r}"
-    elif snap.status == "missing":
+    elif snap.status == CHILD_MISSING:
         message = (
             f"child run {snap.run_id} could not be started (its workflow id is taken by an "
             "open run)"

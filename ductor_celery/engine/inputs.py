@@ -10,7 +10,7 @@ from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
 from .kinds import ControlKind, ControlResult, DispatchKind
 from .state import RunState
-from .status import RunStatus
+from .status import AttemptOutcome, RunStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +35,8 @@ class AttemptResult:
 
     token: str
     node: str
-    outcome: str  # "succeeded" | "failed"
+    #: What its worker wrote (``WRITTEN_BY_WORKER``).
+    outcome: AttemptOutcome
     output: Any = None
     error: dict[str, Any] | None = None
     retryable: bool = True
@@ -89,7 +90,8 @@ class ControlIn:
 @dataclass(frozen=True, slots=True)
 class ChildSnapshot:
     """What a parent reads of a child run it waits on (the newest run of its
-    continue-as-new chain). ``status`` is ``missing`` when the child row does not exist."""
+    continue-as-new chain). ``status`` is a ``RunStatus`` value, or ``CHILD_MISSING`` when the
+    child row does not exist."""
 
     run_id: str
     status: str
@@ -162,7 +164,7 @@ class ClosedAttempt:
     """An attempt the coordinator closes itself (timed out, or cancelled with its run)."""
 
     token: str
-    outcome: str  # "timed_out" | "cancelled"
+    outcome: AttemptOutcome  # one of CLOSED_BY_COORDINATOR
     error: dict[str, Any]
     #: For metrics only (not compared): the attempt's step, and whether it timed out because
     #: its worker went silent (no heartbeat) rather than ran too long.

@@ -27,7 +27,7 @@ from .inputs import ClosedAttempt, Dispatch
 from .kinds import DispatchKind
 from .slots import Slot, lease_key_for, rate_key_for, start_attempt
 from .state import BranchState, ScatterState
-from .status import OPEN_RUN_STATUSES, NodeStatus
+from .status import OPEN_RUN_STATUSES, RAN_TO_END, AttemptOutcome, NodeStatus, RunStatus
 
 AnyScatter = ScatterNodeSpec | ChildScatterNodeSpec
 
@@ -126,7 +126,7 @@ def _fold_children(t: TickContext, node_id: str, sc: ScatterState) -> None:
         snap = t.inputs.children.get(branch.token or "")
         if snap is None or snap.status in OPEN_RUN_STATUSES:
             continue
-        if snap.status == "succeeded":
+        if snap.status == RunStatus.SUCCEEDED:
             branch_succeeded(t, node_id, index)
         else:
             branch_failed(t, node_id, index, children.child_error(snap), "child run ended")
@@ -434,7 +434,7 @@ def close_slot(t: TickContext, node_id: str, slot: Slot, reason: str, *, revoke:
             # (closing it would conflict on every recompute).
             spec = t.attempt_spec(node_id)
             error = {"type": "Cancelled", "message": reason}
-            p.closed.append(ClosedAttempt(token, "cancelled", error, step=spec.step))
+            p.closed.append(ClosedAttempt(token, AttemptOutcome.CANCELLED, error, step=spec.step))
             if revoke:
                 p.dispatches.append(
                     Dispatch(DispatchKind.REVOKE, t.inputs.run_id, node_id, token, spec.step, None)
@@ -449,13 +449,21 @@ def close_slot(t: TickContext, node_id: str, slot: Slot, reason: str, *, revoke:
 def child_final(run_id: str, status: str, output: Any, error: Any) -> tuple[bool, Any]:
     """A finished child run as a child-run scatter branch's final (ok, value): its output, or
     a ``ChildRunFailed`` error naming it (the SQL store and the fake read rows the same way)."""
-    if status == "succeeded":
+    if status == RunStatus.SUCCEEDED:
         return True, output
     return False, {
         "type": "ChildRunFailed",
         "message": f"child run {run_id} {status}",
         "child_error": error,
     }
+
+
+def attempt_final(outcome: str | None, output: Any, error: Any) -> tuple[bool, Any]:
+    """A scatter branch's last attempt row as its final (ok, value): its output if it
+    succeeded, otherwise its error (the SQL store and the fake read rows the same way)."""
+    if outcome == AttemptOutcome.SUCCEEDED:
+        return True, output
+    return False, error
 
 
 def assemble(sc: ScatterState, finals: dict[int, tuple[bool, Any]]) -> list[Any]:
@@ -475,6 +483,12 @@ def assemble(sc: ScatterState, finals: dict[int, tuple[bool, Any]]) -> list[Any]
 #: output of an attempt the coordinator closed (timed out, cancelled) is passed as ``None``:
 #: only outputs the worker wrote with its outcome were counted by the tick.
 BatchAttempt = tuple[bool, Any, Any]
+
+
+def batch_attempt(outcome: str | None, output: Any, error: Any) -> BatchAttempt:
+    """One finished attempt row of a batch as the gather reads it (``BatchAttempt``)."""
+    counted = outcome in RAN_TO_END
+    return outcome == AttemptOutcome.SUCCEEDED, output if counted else None, error
 
 
 def assemble_batched(sc: ScatterState, attempts: dict[int, list[BatchAttempt]]) -> list[Any]:

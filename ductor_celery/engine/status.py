@@ -1,7 +1,8 @@
-"""Run and node statuses, their groups, and the allowed node transitions.
+"""Run and node statuses, attempt outcomes, their groups, and the allowed node transitions.
 
 The groups are the one spelling of "open" and "terminal" everywhere: the engine, the client,
 the store's queries and the schema's partial index (``store/schema.py``, ``OPEN_STATUSES_SQL``).
+Each enum is a ``str``: a row read back (a plain string) compares equal to its member.
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ TERMINAL_RUN_STATUSES: frozenset[RunStatus] = frozenset(
 #: workflow id is open (a partial unique index), and only an open run takes signals.
 OPEN_RUN_STATUSES: frozenset[RunStatus] = frozenset(RunStatus) - TERMINAL_RUN_STATUSES
 
+#: What a parent reads as the status of a child run whose row does not exist
+#: (``ChildSnapshot.status``): never stored, so not a ``RunStatus``.
+CHILD_MISSING = "missing"
+
+#: Child statuses that end the parent's wait with a failure: every terminal status but
+#: succeeded (a child that continued as new is followed to its successor), and a child that
+#: could not be started (``CHILD_MISSING``).
+FAILED_CHILD_STATUSES: frozenset[str] = frozenset(
+    TERMINAL_RUN_STATUSES - {RunStatus.SUCCEEDED, RunStatus.CONTINUED}
+) | {CHILD_MISSING}
+
 #: Node statuses after which the node never changes again within one run generation.
 FINISHED_NODE_STATUSES: frozenset[NodeStatus] = frozenset(
     {NodeStatus.SUCCEEDED, NodeStatus.FAILED, NodeStatus.SKIPPED, NodeStatus.CANCELLED}
@@ -72,3 +84,30 @@ NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
     NodeStatus.SKIPPED: frozenset(),
     NodeStatus.CANCELLED: frozenset(),
 }
+
+
+class AttemptOutcome(StrEnum):
+    """How an attempt ended (``eec_workflow_step_attempt.outcome``, stored as its value; NULL
+    while the attempt is queued or running)."""
+
+    SUCCEEDED = "succeeded"  #: the worker wrote the step's output (and context patch, tags)
+    FAILED = "failed"  #: the worker wrote the step's error, retryable or not
+    #: The step stopped on a cancel (its worker wrote it), or the coordinator closed the
+    #: attempt with its node (a cancel, a scatter's failure policy).
+    CANCELLED = "cancelled"
+    #: The coordinator closed it: it ran past its timeout, or its worker went silent.
+    TIMED_OUT = "timed_out"
+
+
+#: Outcomes a step worker writes (``store/attempts.py``, ``finish``).
+WRITTEN_BY_WORKER: frozenset[AttemptOutcome] = frozenset(
+    {AttemptOutcome.SUCCEEDED, AttemptOutcome.FAILED, AttemptOutcome.CANCELLED}
+)
+#: Outcomes the coordinator writes when it closes an attempt itself (``ClosedAttempt``).
+CLOSED_BY_COORDINATOR: frozenset[AttemptOutcome] = frozenset(
+    {AttemptOutcome.CANCELLED, AttemptOutcome.TIMED_OUT}
+)
+#: Outcomes of a step that ran to its end: the row's output column holds what it returned
+#: (a batch's recorded items when it failed). Any other outcome's output column may hold its
+#: worker's last checkpoint, which the tick never counted, so no gather counts it either.
+RAN_TO_END: frozenset[AttemptOutcome] = frozenset({AttemptOutcome.SUCCEEDED, AttemptOutcome.FAILED})

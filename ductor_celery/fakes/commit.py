@@ -7,6 +7,7 @@ here raises, so a conflict found half-way writes nothing, as a rolled-back SQL c
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
@@ -19,8 +20,10 @@ from ..coordinator.port import (
     WorkflowIdTaken,
 )
 from ..coordinator.rows import (
+    OutboxIntent,
     carrier_revokes,
     outbox_intents,
+    outbox_row,
     transition_rows,
     unsent,
     wakeup_intent,
@@ -97,7 +100,7 @@ def commit(
     for t in transition_rows(loaded.run_id, now, payload):
         tables.transitions.append(TransitionRow(**t))
     intents = outbox_intents(payload, unsent(claim))
-    outbox = _insert_outbox(tables, intents + carrier_revokes(payload, carriers))
+    outbox = _insert_outbox(tables, [*intents, *carrier_revokes(payload, carriers)])
 
     for applied in payload.applied_signals:
         signal = next((s for s in tables.signals if s.id == applied.id), None)
@@ -156,11 +159,12 @@ def _open_elsewhere(tables: Tables, workflow_id: str, run_id: str) -> bool:
     )
 
 
-def _insert_outbox(tables: Tables, intents: Iterable[dict[str, Any]]) -> list[OutboxRow]:
+def _insert_outbox(tables: Tables, intents: Iterable[OutboxIntent]) -> list[OutboxRow]:
     rows = []
     for intent in intents:
-        values = {**intent, "payload": json_copy(intent["payload"])}
-        row = OutboxRow(id=tables.next_id("outbox"), **values)
+        row = outbox_row(tables.next_id("outbox"), intent)
+        # The payload as the JSON column gives it back: the row shares nothing with the intent.
+        row = dataclasses.replace(row, payload=json_copy(row.payload))
         tables.outbox[row.id] = row
         rows.append(row)
     return rows
@@ -268,7 +272,7 @@ def _definition(specs: dict[str, WorkflowSpec], name: str, spec_hash: str | None
 def _children(
     tables: Tables, specs: dict[str, WorkflowSpec], run: RunRow, payload: TickPayload, now: datetime
 ) -> list[OutboxRow]:
-    intents: list[dict[str, Any]] = []
+    intents: list[OutboxIntent] = []
     for child in payload.child_starts:
         spec = _definition(specs, child.workflow, child.spec_hash)
         if child.run_id in tables.runs:

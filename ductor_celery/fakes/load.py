@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from ..coordinator.port import Loaded, LoadedRun
+from ..coordinator.read_rows import attempt_result, child_snapshot
 from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec, WorkflowSpec
 from ..engine import (
     AttemptCheck,
@@ -16,6 +17,7 @@ from ..engine import (
     EngineConfig,
     NodeStatus,
     RunState,
+    RunStatus,
     SignalIn,
     TickInputs,
 )
@@ -30,7 +32,14 @@ from ..engine.outputs import (
     resolve_outputs,
 )
 from ..engine.redrive import reads_for
-from ..engine.scatter import BatchAttempt, assemble, assemble_batched, child_final
+from ..engine.scatter import (
+    BatchAttempt,
+    assemble,
+    assemble_batched,
+    attempt_final,
+    batch_attempt,
+    child_final,
+)
 from ..engine.slots import slots
 from ..engine.state import ScatterState
 from ..engine.status import TERMINAL_RUN_STATUSES
@@ -102,16 +111,8 @@ def _results(tables: Tables, run_id: str) -> tuple[AttemptResult, ...]:
     ]
     unfolded.sort(key=finish_order)
     return tuple(
-        AttemptResult(
-            token=a.token,
-            node=a.node,
-            outcome=a.outcome or "failed",
-            output=a.output,
-            error=a.error,
-            retryable=bool(a.retryable) if a.retryable is not None else True,
-            patch=a.patch,
-            branch=a.branch,
-            tags=a.tags,
+        attempt_result(
+            a.token, a.node, a.outcome, a.output, a.error, a.retryable, a.patch, a.branch, a.tags
         )
         for a in unfolded
     )
@@ -214,7 +215,7 @@ def newest_of_chain(tables: Tables, run_id: str) -> RunRow | None:
     """The newest run of ``run_id``'s continue-as-new chain (None: no such run)."""
     row = tables.runs.get(run_id)
     for _ in range(100):
-        if row is None or row.status != "continued" or not row.continued_to:
+        if row is None or row.status != RunStatus.CONTINUED or not row.continued_to:
             return row
         row = tables.runs.get(row.continued_to)
     return row
@@ -230,10 +231,7 @@ def gather_any(tables: Tables, spec: WorkflowSpec, node: str, sc: ScatterState) 
         assert a.branch is not None
         if a.branch not in last or a.generation > last[a.branch].generation:
             last[a.branch] = a
-    finals = {
-        b: (a.outcome == "succeeded", a.output if a.outcome == "succeeded" else a.error)
-        for b, a in last.items()
-    }
+    finals = {b: attempt_final(a.outcome, a.output, a.error) for b, a in last.items()}
     return assemble(sc, finals)
 
 
@@ -252,11 +250,7 @@ def _branch_attempts(tables: Tables, node: str, sc: ScatterState) -> list[Any]:
 def _gather_batched(tables: Tables, node: str, sc: ScatterState) -> list[Any]:
     attempts: dict[int, list[BatchAttempt]] = {}
     for a in sorted(_branch_attempts(tables, node, sc), key=lambda a: (a.branch, a.generation)):
-        # A closed attempt's output may hold its worker's last checkpoint: never counted.
-        written = a.outcome in ("succeeded", "failed")
-        attempts.setdefault(a.branch, []).append(
-            (a.outcome == "succeeded", a.output if written else None, a.error)
-        )
+        attempts.setdefault(a.branch, []).append(batch_attempt(a.outcome, a.output, a.error))
     return assemble_batched(sc, attempts)
 
 
@@ -282,22 +276,7 @@ def child_output(tables: Tables, spec: WorkflowSpec, node: str, child: str) -> A
 def _children_of(
     tables: Tables, spec: WorkflowSpec, state: RunState, stopping: bool
 ) -> dict[str, ChildSnapshot]:
-    out: dict[str, ChildSnapshot] = {}
-    for child, until in children_to_read(spec, state, stopping=stopping).items():
-        row = newest_of_chain(tables, child)
-        if row is None:
-            out[child] = ChildSnapshot(run_id=child, status="missing")
-            continue
-        reached: dict[str, Any] = {}
-        if until is not None:
-            passed, context = checkpoint_of(row.state, until)
-            if passed:
-                reached[until] = context
-        out[child] = ChildSnapshot(
-            run_id=row.run_id,
-            status=row.status,
-            output=row.output if row.status == "succeeded" else None,
-            error=row.error,
-            checkpoints=reached,
-        )
-    return out
+    return {
+        child: child_snapshot(child, newest_of_chain(tables, child), until)
+        for child, until in children_to_read(spec, state, stopping=stopping).items()
+    }

@@ -21,7 +21,7 @@ from ..definition.spec import WorkflowSpec
 from ..engine import EngineConfig, RunState, TickInputs, TickPayload
 from ..engine.deadline import deadline_after
 from ..engine.kinds import ControlKind
-from ..engine.status import OPEN_RUN_STATUSES, TERMINAL_RUN_STATUSES, RunStatus
+from ..engine.status import OPEN_RUN_STATUSES, TERMINAL_RUN_STATUSES, AttemptOutcome, RunStatus
 from ..engine.tags import checked_tags
 from ..errors import DanglingReference
 from . import commit as committing
@@ -226,7 +226,13 @@ class InMemoryStore:
         if row.finished_at is not None:
             return False
         row.finished_at, row.finished_seq = self.now, self.tables.next_id("finish")
-        row.outcome = "cancelled" if cancelled else "failed" if error is not None else "succeeded"
+        row.outcome = (
+            AttemptOutcome.CANCELLED
+            if cancelled
+            else AttemptOutcome.FAILED
+            if error is not None
+            else AttemptOutcome.SUCCEEDED
+        )
         row.output, row.error = json_copy(output), json_copy(error)
         row.retryable, row.patch, row.tags = retryable, json_copy(patch), json_copy(tags)
         self.tables.wakes.add(row.run_id)

@@ -48,8 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..coordinator.port import OutboxRow, RateTake, TickClaim
-from ..coordinator.rows import step_intent
+from ..coordinator.port import RateTake, TickClaim
+from ..coordinator.rows import outbox_row, step_intent
 from ..engine.kinds import DispatchKind
 from ..store.attempts import ClaimedAttempt
 from ..store.schema import dumps_json
@@ -319,10 +319,10 @@ class InlineChain:
         held, self._held = [h for h in self._held if not h.adopted], []
         if not held:
             return
+        # Sent now, never inserted: no id.
         rows = [
-            OutboxRow(0, h.run_id, DispatchKind.STEP, h.step.name, h.queue, intent["payload"])
+            outbox_row(0, step_intent(h.run_id, h.token, h.node, h.step.name, h.queue, h.priority))
             for h in held
-            for intent in [step_intent(h.run_id, h.token, h.node, h.step.name, h.queue, h.priority)]
         ]
         try:
             self.rt.dispatcher.send(rows)

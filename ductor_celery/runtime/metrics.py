@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
 
+from ..coordinator.loop import COMPUTED_TICKS, TickOutcome
 from ..engine.status import RunStatus
 
 if TYPE_CHECKING:
@@ -143,7 +144,8 @@ def _use_multiprocess_values() -> None:
 
 
 def record_attempt(step: str, outcome: str, seconds: float | None) -> None:
-    """A worker wrote an attempt's outcome (``succeeded`` or ``failed``)."""
+    """A worker wrote an attempt's outcome (an ``AttemptOutcome``), or found its attempt
+    closed already (``closed``)."""
     m = _get()
     if m is None:
         return
@@ -162,20 +164,20 @@ def record_claim(step: str, queued_seconds: float | None) -> None:
 def record_conflict() -> None:
     m = _get()
     if m is not None:
-        m.ticks.labels("conflict").inc()
+        m.ticks.labels(TickOutcome.CONFLICT).inc()
 
 
 def record_tick(
-    outcome: str, seconds: float, computed: tuple[LoadedRun, TickPayload] | None
+    outcome: TickOutcome, seconds: float, computed: tuple[LoadedRun, TickPayload] | None
 ) -> None:
     """A tick ended (runtime/observe.py): ``committed`` with what it computed, ``noop``, or
     anything else (busy, missing, given up: not a computed tick, not counted)."""
     m = _get()
-    if m is None or outcome not in ("committed", "noop"):
+    if m is None or outcome not in COMPUTED_TICKS:
         return
     m.ticks.labels(outcome).inc()
     m.tick_duration.observe(seconds)
-    if outcome == "committed" and computed is not None:
+    if outcome == TickOutcome.COMMITTED and computed is not None:
         _TickCounts.of(*computed).emit(m)
 
 

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .. import tracing
+from ..coordinator.loop import TickOutcome
 from . import metrics
 
 if TYPE_CHECKING:
@@ -45,11 +46,11 @@ def tick_conflict() -> None:
     metrics.record_conflict()
 
 
-def tick_ended(outcome: str) -> None:
+def tick_ended(outcome: TickOutcome) -> None:
     """``committed``, ``noop``, or what else ``run_tick`` returns (not a computed tick)."""
     computed, _tick.computed = _tick.computed, None
     metrics.record_tick(outcome, time.perf_counter() - _tick.started, computed)
-    if outcome == "committed" and computed is not None:
+    if outcome == TickOutcome.COMMITTED and computed is not None:
         loaded, _ = computed
         tracing.record_tick(
             loaded.trace_context, loaded.run_id, loaded.workflow, outcome, _tick.started_ns

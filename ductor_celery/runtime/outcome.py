@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .. import tracing
 from ..definition.blobrefs import contains_ref
 from ..definition.spec import BATCH_ARG
+from ..engine.status import AttemptOutcome
 from ..engine.tags import StepTags
 from ..errors import DanglingReference, InvalidSecretName, SecretNotFound, StepCancelled
 from ..payloads import storable_text
@@ -61,7 +62,7 @@ def _non_retryable_of(
 class Outcome:
     """What one execution of a step comes to, ready to be written to its attempt row."""
 
-    outcome: str
+    outcome: AttemptOutcome
     output: Any = None
     patch: Any = None
     error: dict[str, Any] | None = None
@@ -72,7 +73,7 @@ class Outcome:
 
 #: An attempt claimed after its run's cancel was requested: never run.
 _CANCELLED_BEFORE_START = Outcome(
-    "cancelled",
+    AttemptOutcome.CANCELLED,
     error={"type": "StepCancelled", "message": "the run was cancelled before the step began"},
     retryable=False,
 )
@@ -81,7 +82,7 @@ _CANCELLED_BEFORE_START = Outcome(
 def invalid(problem: str) -> Outcome:
     """Failed without retry: the same step would return the same unstorable value again."""
     error = {"type": "InvalidResult", "message": storable_text(problem)}
-    return Outcome("failed", error=error, retryable=False)
+    return Outcome(AttemptOutcome.FAILED, error=error, retryable=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +178,11 @@ def _run_batch(
         item = _by_reference(engine, claimed.run_id, item, call_info.offload_bytes)
         return (
             batch.ItemOutcome(
-                item.outcome == "succeeded", item.output, item.patch, item.error, item.retryable
+                item.outcome == AttemptOutcome.SUCCEEDED,
+                item.output,
+                item.patch,
+                item.error,
+                item.retryable,
             ),
             interrupt,
         )
@@ -203,10 +208,19 @@ def _run_batch(
         return invalid(f"{problem} (a smaller batch_size keeps it under the limit)"), interrupt
     if done.succeeded:
         return Outcome(
-            "succeeded", output=output, patch=patch, tags=[[k, v] for k, v in tags.items()] or None
+            AttemptOutcome.SUCCEEDED,
+            output=output,
+            patch=patch,
+            tags=[[k, v] for k, v in tags.items()] or None,
         ), interrupt
     return (
-        Outcome("failed", output=output, patch=patch, error=done.error, retryable=done.retryable),
+        Outcome(
+            AttemptOutcome.FAILED,
+            output=output,
+            patch=patch,
+            error=done.error,
+            retryable=done.retryable,
+        ),
         interrupt,
     )
 
@@ -248,19 +262,19 @@ def _call(
         # A bad name reaches here from a definition registered before names were checked.
         kind = "InvalidArgument" if isinstance(exc, ArgumentRefused) else type(exc).__name__
         error = {"type": kind, "message": storable_text(str(exc))}
-        return Outcome("failed", error=error, retryable=False), None
+        return Outcome(AttemptOutcome.FAILED, error=error, retryable=False), None
     except SecretUnavailable as exc:
         error = {"type": "SecretUnavailable", "message": storable_text(str(exc))}
-        return Outcome("failed", error=error, retryable=True), None
+        return Outcome(AttemptOutcome.FAILED, error=error, retryable=True), None
     try:
         value = step.fn(ctx, **kwargs)
     except StepCancelled as exc:
         # Stopped on a cancel: recorded as cancelled, never a failure to retry.
         error = error_of(exc, call.secrets.redact_text)
-        return Outcome("cancelled", error=error, retryable=False), None
+        return Outcome(AttemptOutcome.CANCELLED, error=error, retryable=False), None
     except BaseException as exc:  # noqa: BLE001 - a step's failure is data, not a crash
         failed = Outcome(
-            "failed",
+            AttemptOutcome.FAILED,
             error=error_of(exc, call.secrets.redact_text),
             retryable=not is_non_retryable(exc, call.non_retryable()),
         )
@@ -279,7 +293,7 @@ def _call(
     if problem is not None:
         log.error("attempt %s: %s", token, problem)
         return invalid(problem), None
-    return Outcome("succeeded", output=output, patch=patch, tags=ctx.tags_value), None
+    return Outcome(AttemptOutcome.SUCCEEDED, output=output, patch=patch, tags=ctx.tags_value), None
 
 
 def _with_values(
@@ -296,7 +310,7 @@ def _with_values(
         )
     except DanglingReference as exc:
         error = {"type": "DanglingReference", "message": storable_text(str(exc))}
-        return claimed, Outcome("failed", error=error, retryable=False)
+        return claimed, Outcome(AttemptOutcome.FAILED, error=error, retryable=False)
     return dataclasses.replace(claimed, args=dict(args)), None
 
 
@@ -309,7 +323,7 @@ def _by_reference(engine: Engine, run_id: str, result: Outcome, threshold: int) 
         # write failures it becomes a failure, retryable (the next attempt may store it).
         log.error("run %s: a large result could not be stored: %s", run_id, describe(exc))
         error = {"type": "LargeValueNotStored", "message": describe(exc)}
-        return Outcome("failed", error=error, retryable=True)
+        return Outcome(AttemptOutcome.FAILED, error=error, retryable=True)
     if output is result.output:
         return result
     # Only the output changes: the tags the step set (ctx.tag) and the rest go with it.

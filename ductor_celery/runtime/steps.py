@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..coordinator import SETTLED_TICKS, TickOutcome
+from ..engine.status import AttemptOutcome
 from ..store import attempts, wakes
 from ..store.db import ValuesRefused, outages, with_retry
 from ..store.outbox import OutboxRow
@@ -315,11 +316,12 @@ def _record_and_advance(
         except Exception as exc:  # noqa: BLE001 - the ordinary path below still writes it
             log.warning("eager tick of run %s failed (%s); recording on its own", run_id, exc)
             tick = None
+        # The outcome's value: the task's result, shown by Flower, is the plain string.
         if tick in SETTLED_TICKS:
-            return result.outcome
+            return result.outcome.value
         if tick == TickOutcome.BUSY:  # the outcome is committed; the coordinator folds it
             _wake_coordinator(rt, engine, run_id)
-            return result.outcome
+            return result.outcome.value
     outcome = _record(rt, engine, step, token, result)
     _advance_run(rt, engine, run_id, keep)
     return outcome
@@ -372,7 +374,7 @@ def _record(rt: WorkerPort, engine: Engine, step: Step, token: str, result: Outc
     try:
         written, granted = _finish(engine, step, token, result)
     except ValuesRefused as refused:
-        what = "result or context patch" if result.outcome == "succeeded" else "error"
+        what = "result or context patch" if result.outcome == AttemptOutcome.SUCCEEDED else "error"
         problem = f"step {step.name!r} {what} could not be stored: {refused.cause}"
         log.error("attempt %s: %s; recording the attempt as failed without it", token, problem)
         result = invalid(problem)
@@ -382,7 +384,7 @@ def _record(rt: WorkerPort, engine: Engine, step: Step, token: str, result: Outc
         # sweeper relays it if we die first), then clear the outbox rows.
         rt.dispatcher.send(granted)
         sent_outbox(engine).add([r.id for r in granted])
-    return result.outcome if written else "closed"
+    return result.outcome.value if written else "closed"
 
 
 def _finish(

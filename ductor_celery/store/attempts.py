@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from ..definition.spec import compensated_node, compensation_id
+from ..engine.status import AttemptOutcome
 from . import leases, rates
 from .db import autocommit, aware, refusing_values
 from .dialect import dialect_of
@@ -326,7 +327,7 @@ def finish(
     engine: Engine,
     token: str,
     *,
-    outcome: str,
+    outcome: AttemptOutcome,
     output: Any = None,
     error: dict[str, Any] | None = None,
     retryable: bool = True,
@@ -384,7 +385,7 @@ def finish_unleased_on(
     conn: Connection,
     token: str,
     *,
-    outcome: str,
+    outcome: AttemptOutcome,
     output: Any = None,
     error: dict[str, Any] | None = None,
     retryable: bool = True,
@@ -482,7 +483,7 @@ def times_undone(engine: Engine, run_id: str, node: str) -> int:
             sa.select(sa.func.count()).where(
                 step_attempt.c.run_id == run_id,
                 step_attempt.c.node == compensation_id(base),
-                step_attempt.c.outcome == "succeeded",
+                step_attempt.c.outcome == AttemptOutcome.SUCCEEDED.value,
             )
         ).scalar_one()
     return int(found)

@@ -15,12 +15,20 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from ..coordinator.read_rows import child_snapshot
 from ..definition.spec import ChildScatterNodeSpec, SubworkflowNodeSpec, WorkflowSpec
-from ..engine import RunState
+from ..engine import RunState, RunStatus
 from ..engine.children import child_run_id, children_to_read
 from ..engine.inputs import ChildSnapshot
 from ..engine.outputs import checkpoint_of
-from ..engine.scatter import BatchAttempt, assemble, assemble_batched, child_final
+from ..engine.scatter import (
+    BatchAttempt,
+    assemble,
+    assemble_batched,
+    attempt_final,
+    batch_attempt,
+    child_final,
+)
 from ..engine.state import ScatterState
 from .schema import step_attempt, workflow_run
 
@@ -84,25 +92,9 @@ def children_of(
     if not wanted:
         return {}
     newest = child_runs(conn, list(wanted), with_state=any(wanted.values()))
-    out: dict[str, ChildSnapshot] = {}
-    for child, until in wanted.items():
-        row = newest.get(child)
-        if row is None:
-            out[child] = ChildSnapshot(run_id=child, status="missing")
-            continue
-        reached: dict[str, Any] = {}
-        if until is not None:
-            passed, context = checkpoint_of(row.state, until)
-            if passed:
-                reached[until] = context
-        out[child] = ChildSnapshot(
-            run_id=row.run_id,
-            status=row.status,
-            output=row.output if row.status == "succeeded" else None,
-            error=row.error,
-            checkpoints=reached,
-        )
-    return out
+    return {
+        child: child_snapshot(child, newest.get(child), until) for child, until in wanted.items()
+    }
 
 
 def child_runs(conn: Connection, ids: list[str], with_state: bool = False) -> dict[str, Any]:
@@ -125,7 +117,7 @@ def child_runs(conn: Connection, ids: list[str], with_state: bool = False) -> di
         follow: dict[str, str] = {}
         for r in rows:
             origin = pending[r.run_id]
-            if r.status == "continued" and r.continued_to:
+            if r.status == RunStatus.CONTINUED and r.continued_to:
                 follow[r.continued_to] = origin
             else:
                 out[origin] = r
@@ -197,7 +189,7 @@ def _gather_branches(conn: Connection, node: str, sc: ScatterState) -> list[Any]
         .subquery()
     )
     finals = {
-        r.branch: (r.outcome == "succeeded", r.output if r.outcome == "succeeded" else r.error)
+        r.branch: attempt_final(r.outcome, r.output, r.error)
         for r in conn.execute(
             sa.select(ranked.c.branch, ranked.c.outcome, ranked.c.output, ranked.c.error).where(
                 ranked.c.rank == 1
@@ -228,10 +220,5 @@ def _gather_batched(conn: Connection, node: str, sc: ScatterState) -> list[Any]:
         .order_by(step_attempt.c.branch, step_attempt.c.generation)
     )
     for r in rows:
-        # A closed attempt's output column may hold its worker's last checkpoint; the tick
-        # never counted it, so neither does the gather.
-        written = r.outcome in ("succeeded", "failed")
-        attempts.setdefault(r.branch, []).append(
-            (r.outcome == "succeeded", r.output if written else None, r.error)
-        )
+        attempts.setdefault(r.branch, []).append(batch_attempt(r.outcome, r.output, r.error))
     return assemble_batched(sc, attempts)

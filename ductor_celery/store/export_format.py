@@ -23,7 +23,7 @@ from sqlalchemy.engine import Engine
 
 from ..definition.spec import WorkflowSpec
 from ..engine.state import RunState
-from ..engine.status import RunStatus
+from ..engine.status import AttemptOutcome, RunStatus
 from ..errors import ExportError, RunNotFound
 from . import clock
 from .exports import (
@@ -223,7 +223,7 @@ _RUN_TYPES: dict[str, tuple[type, ...]] = {
 
 #: What an attempt row's ``outcome`` may hold: written by the worker (succeeded, failed,
 #: cancelled by StepCancelled) or by a tick that closed it (timed_out, cancelled).
-_ATTEMPT_OUTCOMES = frozenset({None, "succeeded", "failed", "cancelled", "timed_out"})
+_ATTEMPT_OUTCOMES: frozenset[str | None] = frozenset({None, *AttemptOutcome})
 
 
 def _type_problem(entry: dict[str, Any], types: dict[str, tuple[type, ...]]) -> str | None:

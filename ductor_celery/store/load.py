@@ -18,6 +18,7 @@ from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.engine import Connection, Engine
 
 from ..coordinator.port import LoadedRun, RunBusy
+from ..coordinator.read_rows import RESULT_COLUMNS, attempt_result
 from ..definition.blobrefs import contains_ref
 from ..definition.spec import RunConcurrencySpec, WorkflowSpec
 from ..engine import (
@@ -299,38 +300,12 @@ def _run_row_statement(postgres: bool, skip_locked: bool, with_input: bool) -> A
 def _results(conn: Connection, run_id: str) -> tuple[AttemptResult, ...]:
     """Finished attempts not folded yet, in the order they finished."""
     rows = conn.execute(_results_statement(), {"b_run": run_id})
-    return tuple(
-        AttemptResult(
-            token=r.token,
-            node=r.node,
-            outcome=r.outcome or "failed",
-            output=r.output,
-            error=r.error,
-            retryable=bool(r.retryable) if r.retryable is not None else True,
-            patch=r.patch,
-            branch=r.branch,
-            tags=r.tags,
-        )
-        for r in rows
-    )
-
-
-#: The columns of one unfolded result, as ``_results_column`` aggregates them on PostgreSQL.
-_RESULT_COLUMNS = (
-    "token",
-    "node",
-    "outcome",
-    "output",
-    "error",
-    "retryable",
-    "patch",
-    "branch",
-    "tags",
-)
+    return tuple(attempt_result(*r) for r in rows)
 
 
 def _results_column(run_id: Any, postgres: bool) -> Any:
-    """On PostgreSQL, the unfolded results themselves, as one JSON array in finish order (the
+    """On PostgreSQL, the unfolded results themselves, as one JSON array in finish order, each
+    result an array of its ``RESULT_COLUMNS`` (the
     run-row read then brings them in the same round trip); on SQLite, whether there are any
     (read next by ``_results``: SQLite is in-process, a second query costs no trip)."""
     unfolded = (
@@ -340,42 +315,19 @@ def _results_column(run_id: Any, postgres: bool) -> Any:
     )
     if not postgres:
         return exists_where(step_attempt, *unfolded).label("has_results")
-    row = sa.func.json_build_array(*(step_attempt.c[c] for c in _RESULT_COLUMNS))
+    row = sa.func.json_build_array(*(step_attempt.c[c] for c in RESULT_COLUMNS))
     ordered = aggregate_order_by(row, step_attempt.c.finished_at, step_attempt.c.token)
     return sa.select(sa.func.json_agg(ordered)).where(*unfolded).scalar_subquery().label("results")
 
 
 def _aggregated_results(rows: list[list[Any]] | None) -> tuple[AttemptResult, ...]:
-    return tuple(
-        AttemptResult(
-            token=token,
-            node=node,
-            outcome=outcome or "failed",
-            output=output,
-            error=error,
-            retryable=bool(retryable) if retryable is not None else True,
-            patch=patch,
-            branch=branch,
-            tags=tags,
-        )
-        for token, node, outcome, output, error, retryable, patch, branch, tags in rows or ()
-    )
+    return tuple(attempt_result(*r) for r in rows or ())
 
 
 @functools.cache
 def _results_statement() -> Any:
     return (
-        sa.select(
-            step_attempt.c.token,
-            step_attempt.c.node,
-            step_attempt.c.outcome,
-            step_attempt.c.output,
-            step_attempt.c.error,
-            step_attempt.c.retryable,
-            step_attempt.c.patch,
-            step_attempt.c.branch,
-            step_attempt.c.tags,
-        )
+        sa.select(*(step_attempt.c[c] for c in RESULT_COLUMNS))
         .where(
             step_attempt.c.run_id == sa.bindparam("b_run", type_=sa.String),
             step_attempt.c.finished_at.is_not(None),

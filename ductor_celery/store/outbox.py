@@ -8,6 +8,7 @@ rows left behind by a crash. A duplicate send is harmless (claims are by token).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -15,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from ..coordinator.port import OutboxRow
-from ..coordinator.rows import step_intent, wakeup_intent
+from ..coordinator.rows import OutboxIntent, outbox_row, step_intent, wakeup_intent
 from .schema import workflow_outbox
 
 __all__ = [
@@ -27,23 +28,13 @@ __all__ = [
 ]
 
 
-def insert_outbox(conn: Connection, rows: list[dict[str, Any]], now: datetime) -> list[OutboxRow]:
+def insert_outbox(conn: Connection, rows: Sequence[OutboxIntent], now: datetime) -> list[OutboxRow]:
     """Insert dispatch intents (run_id, kind, task, queue, payload) and return them with ids."""
     if not rows:
         return []
     values = [{**r, "created_at": now} for r in rows]
     result = conn.execute(_insert_statement(), values)
-    return [
-        OutboxRow(
-            id=i.id,
-            run_id=r["run_id"],
-            kind=r["kind"],
-            task=r["task"],
-            queue=r["queue"],
-            payload=r["payload"],
-        )
-        for i, r in zip(result, rows, strict=True)
-    ]
+    return [outbox_row(i.id, r) for i, r in zip(result, rows, strict=True)]
 
 
 @functools.cache

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Connection
 
+from ..coordinator.rows import OutboxIntent
 from ..engine import TickPayload
 from .schema import dumps_json
 
@@ -105,7 +106,7 @@ def commit(
     run_values: dict[str, Any],
     payload: TickPayload,
     transitions: list[dict[str, Any]],
-    outbox: list[dict[str, Any]],
+    outbox: list[OutboxIntent],
     now: datetime,
     claim: TickClaim | None = None,
     priority: int = 0,

@@ -18,8 +18,10 @@ from sqlalchemy.exc import IntegrityError
 
 from ..coordinator.port import LoadedRun, OutboxRow, TickClaim, VersionConflict, WorkflowIdTaken
 from ..coordinator.rows import (
+    OutboxIntent,
     carrier_revokes,
     outbox_intents,
+    outbox_row,
     transition_rows,
     unsent,
     wakeup_intent,
@@ -252,17 +254,7 @@ def _commit_in_one_statement(
     )
     if not matched:
         raise VersionConflict(loaded.run_id)
-    return [
-        OutboxRow(
-            id=i,
-            run_id=r["run_id"],
-            kind=r["kind"],
-            task=r["task"],
-            queue=r["queue"],
-            payload=r["payload"],
-        )
-        for i, r in zip(ids, intents, strict=True)
-    ]
+    return [outbox_row(i, r) for i, r in zip(ids, intents, strict=True)]
 
 
 def _commit_core(
@@ -325,7 +317,7 @@ def _commit_core(
             sa.insert(workflow_transition), transition_rows(loaded.run_id, loaded.now, payload)
         )
     intents = outbox_intents(payload, waiting | unsent(claim), loaded.priority)
-    outbox = insert_outbox(conn, intents + carrier_revokes(payload, carriers), now)
+    outbox = insert_outbox(conn, [*intents, *carrier_revokes(payload, carriers)], now)
     if released_keys:
         outbox.extend(leases.release(conn, closed_tokens, now))
 
@@ -446,7 +438,7 @@ def _children(
     (a recomputed tick): it is skipped. One whose workflow id is taken by an open run is not
     inserted either; the parent then reads it as missing and fails the node, saying why.
     """
-    intents: list[dict[str, Any]] = []
+    intents: list[OutboxIntent] = []
     started: list[dict[str, Any]] = []  # their audit entries (source parent)
     insert = dialect_of(conn).insert
     for child in payload.child_starts:

@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 from support import FakeStep
 
-from ductor_celery.coordinator import Coordinator, TickClaim, TickStats, VersionConflict
+from ductor_celery.coordinator import (
+    Coordinator,
+    TickClaim,
+    TickOutcome,
+    TickResult,
+    TickStats,
+    VersionConflict,
+)
 from ductor_celery.definition import RetryPolicy, Workflow
 from ductor_celery.definition.retry import ConcurrencyLimit
 from ductor_celery.definition.spec import approval_signal
@@ -78,8 +85,9 @@ def test_a_run_goes_from_start_to_its_output_through_the_real_tick_loop() -> Non
     ]
     assert store.tables.outbox == {}, "every sent row was deleted, as the janitor does"
     assert run_id not in store.tables.timers
-    assert coordinator.tick(run_id) == "noop", "a duplicate wake-up commits nothing"
-    assert str(result) == "committed" and result != "noop"
+    duplicate = coordinator.tick(run_id)
+    assert duplicate.outcome == TickOutcome.NOOP, "a duplicate wake-up commits nothing"
+    assert str(result) == "committed" and result != TickResult(TickOutcome.NOOP)
     assert store.run(run_id).record_version == 3
 
 
