@@ -138,10 +138,10 @@ def first_tick(
         return "forwarded"
     engine = rt.engine()
     chain = InlineChain.start(rt, queue, lambda: worker_identity(hostname), carrier, run_id)
-    # The task's result (Flower shows it): the tick's outcome, or "failed".
+    # The task's result (Flower shows its repr): the tick's outcome as plain text, or "failed".
     tick: str
     try:
-        tick = run_tick(rt, run_id, eager=True, keep=chain)
+        tick = run_tick(rt, run_id, eager=True, keep=chain).value
     except Exception as exc:  # noqa: BLE001 - the coordinator can always do it instead
         log.warning("first tick of run %s failed (%s); waking the coordinator", run_id, exc)
         tick = "failed"
