@@ -197,12 +197,9 @@ def _run_batch(
     what = f"step {step.name!r} batch of {len(spec['items'])} items"
     # Each item's result was checked (reserved key included) in _run before a large one was
     # replaced by its reference: the list holds ductor's own references, not forged ones.
-    output, problem = payload_of(done.output, f"{what} result", limit, refs_allowed=True)
-    patch = None
-    if problem is None:
-        patch, problem = payload_of(done.patch, f"{what} context patch", limit)
-    if problem is None:
-        problem = patch_problem(patch, f"{what} context patch", call_info.offload_bytes)
+    output, patch, problem = _storable(
+        done.output, done.patch, what, limit, call_info.offload_bytes, refs_allowed=True
+    )
     if problem is not None:
         log.error("attempt %s: %s", token, problem)
         return invalid(f"{problem} (a smaller batch_size keeps it under the limit)"), interrupt
@@ -284,16 +281,32 @@ def _call(
             # Celery's tracer treats these as failures too; the worker carries on.
             log.warning("attempt %s: step %r raised %s", token, step.name, describe(exc))
         return failed, None
-    output, problem = payload_of(value, f"step {step.name!r} result", limit)
-    patch = None
-    if problem is None:
-        patch, problem = payload_of(ctx.patch_value, f"step {step.name!r} context patch", limit)
-    if problem is None:
-        problem = patch_problem(patch, f"step {step.name!r} context patch", call.offload_bytes)
+    what = f"step {step.name!r}"
+    output, patch, problem = _storable(value, ctx.patch_value, what, limit, call.offload_bytes)
     if problem is not None:
         log.error("attempt %s: %s", token, problem)
         return invalid(problem), None
     return Outcome(AttemptOutcome.SUCCEEDED, output=output, patch=patch, tags=ctx.tags_value), None
+
+
+def _storable(
+    value: Any,
+    patch_value: Any,
+    what: str,
+    limit: int,
+    offload_bytes: int,
+    *,
+    refs_allowed: bool = False,
+) -> tuple[Any, Any, str | None]:
+    """A step's (or a batch's) result and context patch as they are stored, or the first
+    problem that keeps them from being stored (too large, not JSON, a patch over its limit)."""
+    output, problem = payload_of(value, f"{what} result", limit, refs_allowed=refs_allowed)
+    patch = None
+    if problem is None:
+        patch, problem = payload_of(patch_value, f"{what} context patch", limit)
+    if problem is None:
+        problem = patch_problem(patch, f"{what} context patch", offload_bytes)
+    return output, patch, problem
 
 
 def _with_values(
