@@ -309,7 +309,8 @@ def print_breakdowns(res: dict[str, Any]) -> None:
             heading(
                 out,
                 f"where a sequential 10-step run's time goes, eager ticks {mode} (mean of "
-                f"{bd['runs']} runs, ms; {bd['eager_ticks_per_run']} eager ticks per run):",
+                f"{bd['runs']} runs, ms; {bd['eager_ticks_per_run']} eager ticks and "
+                f"{bd.get('inline_steps_per_run', 0)} inline steps per run):",
             )
             t = table("segment", "ms")
             t.show_footer = True
