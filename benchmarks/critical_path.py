@@ -24,10 +24,12 @@ from typing import Any
 from common import STEPS, log
 
 TICK_PHASES = (
+    "tx_begin",
     "finish_in_tick",
     "load_tick",
     "compute_tick",
     "commit_tick",
+    "tx_end",
     "send",
     "delete_outbox",
 )

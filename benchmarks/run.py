@@ -190,8 +190,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--output",
-        default=str(BENCH_DIR / "results.json"),
-        help="where to write the JSON results ('-' for none)",
+        default=None,
+        help="where to write the JSON results ('-' for none; default: results.json, with\n"
+        "--repeat repeat_results.json, every round in it)",
     )
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, timers)")
     p.add_argument("--phase-timeout", type=float, default=180.0, help="per phase, seconds")
@@ -203,6 +204,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "phase budgets printed at the start, ~18 min with the default sizes)",
     )
     args = p.parse_args(argv)
+    if args.output is None:
+        args.output = str(BENCH_DIR / ("repeat_results.json" if args.repeat else "results.json"))
     if args.eager_modes is None:
         args.eager_modes = ["inline"] if args.repeat else ["off", "on", "inline"]
     if args.two_coord_modes is None or args.repeat:
