@@ -390,13 +390,18 @@ def _instrument() -> None:
         # (module, attribute, phase name). The package moves on; a phase whose function is
         # gone is skipped (the breakdown then lacks it) rather than breaking the workers.
         for owner, attr, name in (
+            # The tick's transaction: checkout, BEGIN and its SET LOCAL; then the COMMIT.
+            (getattr(tick_store, "SqlTickTransaction", object), "__enter__", "tx_begin"),
             (tick_store, "load_on", "load_tick"),
             (loop, "compute_tick", "compute_tick"),
             (tick_store, "commit_on", "commit_tick"),
+            (getattr(tick_store, "SqlTickTransaction", object), "__exit__", "tx_end"),
             (tick_task, "delete_outbox", "delete_outbox"),
             (Dispatcher, "send", "send"),
             (attempts, "claim", "claim"),
             (attempts, "finish", "finish"),
+            # An inline step's outcome, written first in the next (eager) tick's transaction.
+            (attempts, "finish_unleased_on", "finish_in_tick"),
             (runtime.Runtime, "wake", "wake"),
         ):
             if hasattr(owner, attr):
@@ -439,10 +444,43 @@ def _instrument() -> None:
         execute_attempt = timers.task(
             "step", execute_attempt, lambda _rt, _step, token, **_kw: {"token": token}
         )
+    if timers is not None:
+        _instrument_inline_steps(timers)
     # The tick runs on the coordinator queue (runtime's task) and eagerly in step workers
     # (wherever the hook imported it from): replace every module-level reference.
     _replace_everywhere(runtime.run_tick, run_tick)
     _replace_everywhere(runtime.execute_attempt, execute_attempt)
+
+
+def _instrument_inline_steps(timers: _Timers) -> None:
+    """A step record for each inline attempt (runtime/inline.py), which no message brought:
+    ``execute_attempt`` runs only for a message's attempt, and a run whose first tick ran on a
+    step worker runs every step inline, so without this its path has ticks and no steps. The
+    package has no public hook there: this wraps ``steps._run_claimed`` (run, record, tick),
+    which runs both a message's attempt (inside ``execute_attempt``'s record, the same token:
+    passed through) and each inline one (a record of its own, ``inline``). Skipped, with a
+    note, when the package no longer has it."""
+    from ductor_celery.runtime import steps
+
+    original = getattr(steps, "_run_claimed", None)
+    if original is None:
+        sys.stderr.write("bench_app: no steps._run_claimed; inline steps not timed\n")
+        return
+
+    def describe(_rt: Any, _engine: Any, _step: Any, claimed: Any, *_a: Any, **_k: Any) -> Any:
+        return {"token": claimed.token, "inline": True}
+
+    inline = timers.task("step", original, describe)
+
+    def run_claimed(*args: Any, **kwargs: Any) -> Any:
+        rec = timers.current()
+        claimed = args[3] if len(args) > 3 else kwargs["claimed"]
+        if rec is not None and rec.get("k") == "step" and rec.get("token") == claimed.token:
+            return original(*args, **kwargs)  # a message's attempt: execute_attempt's record
+        return inline(*args, **kwargs)
+
+    run_claimed.__wrapped__ = original  # type: ignore[attr-defined]
+    steps._run_claimed = run_claimed
 
 
 def _tick_stats() -> Any:

@@ -8,6 +8,7 @@ worker, PostgreSQL and Redis each spend per unit of work.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,3 +84,71 @@ def delta(
         name = label(pid, after)
         out[name] = out.get(name, 0.0) + spent
     return out
+
+
+def _stat_with_children(pid: int) -> tuple[int, float] | None:
+    """(parent pid, utime + stime + cutime + cstime in seconds): a process's own CPU and that
+    of the children it has reaped (a PostgreSQL backend that exited, a finished subprocess)."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = data[data.rfind(")") + 2 :].split()
+    # utime, stime, cutime, cstime are fields 14-17.
+    return int(fields[1]), sum(int(f) for f in fields[11:15]) / CLK_TCK
+
+
+def tree_seconds(roots: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each root's process tree, by root name, reaped children
+    included: the difference of two readings is what the tree spent between them, even when
+    processes in it started or exited meanwhile (as long as the root itself lives)."""
+    snap: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat_with_children(int(entry))
+            if st is not None:
+                snap[int(entry)] = st
+    out = dict.fromkeys(roots, 0.0)
+    for pid, (_ppid, seconds) in snap.items():
+        for name, root in roots.items():
+            if _descends(pid, root, snap):
+                out[name] += seconds
+                break
+    return out
+
+
+def busy_seconds() -> tuple[float, float]:
+    """(CPU seconds the whole machine spent busy, all cores; hypervisor steal), from the
+    first line of /proc/stat: user + nice + system + irq + softirq (guest time is inside
+    user), not idle, iowait or steal."""
+    with open("/proc/stat") as fh:
+        fields = [int(f) for f in fh.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
+    steal = fields[7] if len(fields) > 7 else 0
+    return (user + nice + system + irq + softirq) / CLK_TCK, steal / CLK_TCK
+
+
+class OtherLoad:
+    """The machine's other load during a window: CPU the whole machine spent (/proc/stat)
+    minus what the benchmark's process trees spent (``tree_seconds``), in cores. Unlike the
+    per-process "other" of a CPU phase, it also counts processes that started and exited
+    inside the window (a test run's short-lived workers)."""
+
+    def __init__(self, roots: dict[str, int]) -> None:
+        self.roots = roots
+        self.busy0, self.steal0 = busy_seconds()
+        self.ours0 = sum(tree_seconds(roots).values())
+        self.t0 = time.monotonic()
+
+    def result(self) -> dict[str, float]:
+        busy, steal = busy_seconds()
+        ours = sum(tree_seconds(self.roots).values()) - self.ours0
+        wall = max(time.monotonic() - self.t0, 1e-9)
+        total = busy - self.busy0
+        return {
+            "wall_s": round(wall, 1),
+            "machine_cores": round(total / wall, 2),
+            "benchmark_cores": round(ours / wall, 2),
+            "other_cores": round(max(total - ours, 0.0) / wall, 2),
+            "steal_cores": round((steal - self.steal0) / wall, 2),
+        }

@@ -23,7 +23,16 @@ from typing import Any
 
 from common import STEPS, log
 
-TICK_PHASES = ("load_tick", "compute_tick", "commit_tick", "send", "delete_outbox")
+TICK_PHASES = (
+    "tx_begin",
+    "finish_in_tick",
+    "load_tick",
+    "compute_tick",
+    "commit_tick",
+    "tx_end",
+    "send",
+    "delete_outbox",
+)
 STEP_PHASES = ("claim", "fn", "finish", "wake", "nested_tick")
 
 
@@ -103,6 +112,7 @@ def join_runs(
     tick_phases: dict[str, list[float]] = defaultdict(list)
     step_phases: dict[str, list[float]] = defaultdict(list)
     eager_ticks = 0
+    inline_steps = 0
     for run_id, w0, w1 in runs:
         rt = sorted(
             (t for t in ticks[run_id] if t.get("result") == "committed"),
@@ -114,6 +124,22 @@ def join_runs(
         parts["client start() -> first tick begins"].append(rt[0]["start"] - w0)
         for k in range(STEPS):
             tick, step, nxt = rt[k], rs[k], rt[k + 1]
+            if step.get("inline"):
+                # Claimed in this tick's commit and run in the same process: no message. The
+                # tick's first part writes the outcome of the step before (finish_in_tick).
+                parts["inline tick: outcome before + load + compute + commit (claims)"].append(
+                    tick["end"] - tick["start"]
+                )
+                parts["tick returns -> inline step begins (no message)"].append(
+                    step["start"] - tick["end"]
+                )
+                parts["inline step: fn + outcome kept, up to its eager tick"].append(
+                    nxt["start"] - step["start"]
+                )
+                off_path["inline step after its eager tick"].append(step["end"] - nxt["end"])
+                eager_ticks += 1
+                inline_steps += 1
+                continue
             t_pub = tick.get("first_publish_end", tick["send_end"])
             parts["tick: load + compute + commit + publish step"].append(t_pub - tick["start"])
             parts["hop: step message -> step task body starts"].append(step["start"] - t_pub)
@@ -158,6 +184,7 @@ def join_runs(
     return {
         "runs": runs_used,
         "eager_ticks_per_run": round(eager_ticks / runs_used, 2),
+        "inline_steps_per_run": round(inline_steps / runs_used, 2),
         "per_run_ms": per_run,
         "per_run_total_ms": round(sum(per_run.values()), 2),
         "off_critical_path_mean_ms": {

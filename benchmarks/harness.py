@@ -188,6 +188,15 @@ class Bench:
     def rss(self) -> dict[str, dict[str, int]]:
         return {w.name: w.rss_kb() for w in self.ductor_workers}
 
+    def roots(self) -> dict[str, int]:
+        """The benchmark's process trees, for ``cpu.OtherLoad``: the driver (its workers,
+        watchdogs and subprocesses descend from it) and the servers (started by it too)."""
+        return {
+            "postgres": self.pg._proc.pid,  # type: ignore[union-attr]
+            "redis": self.redis._proc.pid,  # type: ignore[union-attr]
+            "driver": os.getpid(),
+        }
+
     # -- what a phase cost --------------------------------------------------------------------
 
     @contextlib.contextmanager

@@ -309,7 +309,8 @@ def print_breakdowns(res: dict[str, Any]) -> None:
             heading(
                 out,
                 f"where a sequential 10-step run's time goes, eager ticks {mode} (mean of "
-                f"{bd['runs']} runs, ms; {bd['eager_ticks_per_run']} eager ticks per run):",
+                f"{bd['runs']} runs, ms; {bd['eager_ticks_per_run']} eager ticks and "
+                f"{bd.get('inline_steps_per_run', 0)} inline steps per run):",
             )
             t = table("segment", "ms")
             t.show_footer = True
@@ -442,3 +443,80 @@ def print_table(res: dict[str, Any]) -> None:
     print_cpu(res)
     print_pg_statements(res)
     print_profile(res)
+    print_other_load(res)
+
+
+# -- --repeat ----------------------------------------------------------------------------------
+
+
+def _fig(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2f}x" if unit == "x" else f"{v:.2f}"
+
+
+def print_repeat(res: dict[str, Any]) -> None:
+    """``--repeat``: each figure's median over the rounds, its spread and every round's value;
+    then each round's other load, and why a peer is missing."""
+    from repeat import QUIET_OTHER_CORES, quiet_text
+
+    rep = res["repeat"]
+    rounds = rep["rounds"]
+    out = console()
+    heading(
+        out,
+        f"{len(rounds)} rounds, ductor (eager ticks {rep['eager_ticks']}) and its baseline "
+        "interleaved in each; ratio = ductor / baseline of the same round",
+    )
+    t = table(
+        "figure",
+        "median",
+        "min..max",
+        "each round",
+        "ductor, baseline (medians)",
+        left=["figure", "each round"],
+    )
+    for f in rep["figures"]:
+        u = f["unit"]
+        base = "" if f["baseline_median"] is None else f", {_num(f['baseline_median'])}"
+        t.add_row(
+            f["figure"],
+            _fig(f["median"], u),
+            f"{_fig(f['min'], u)}..{_fig(f['max'], u)}",
+            " ".join(_fig(v, u) for v in f["rounds"]),
+            f"{_num(f['ductor_median'])}{base}",
+        )
+    show(out, t)
+    loads = [r["other_load"] for r in rounds]
+    t = table("round", "wall s", "machine cores", "benchmark cores", "other cores", "")
+    for i, load in enumerate(loads, 1):
+        t.add_row(
+            str(i),
+            f"{load['wall_s']:.0f}",
+            f"{load['machine_cores']:.2f}",
+            f"{load['benchmark_cores']:.2f}",
+            f"{load['other_cores']:.2f}",
+            quiet_text(load),
+        )
+    heading(out, "the machine's other load (whole machine from /proc/stat minus the benchmark):")
+    show(out, t)
+    busy = [x["other_cores"] for x in loads if x["other_cores"] > QUIET_OTHER_CORES]
+    if busy:
+        line(
+            out,
+            f"NOT A QUIET MACHINE in {len(busy)} of {len(loads)} rounds (up to {max(busy):.2f} "
+            f"other cores; the goal is under {QUIET_OTHER_CORES:g})",
+            "bold yellow",
+        )
+    for name in sorted({k for r in rounds for k in r.get("peers", {})}):
+        whys = {r["peers"][name].get("why") for r in rounds if not r["peers"][name]["available"]}
+        for why in sorted(w for w in whys if w):
+            line(out, f"peer {name}: not measured in some rounds ({why})")
+
+
+def print_other_load(res: dict[str, Any]) -> None:
+    from repeat import quiet_text
+
+    load = res.get("other_load")
+    if load:
+        line(console(), f"the machine's other load over the whole run: {quiet_text(load)}")

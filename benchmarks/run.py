@@ -45,7 +45,8 @@ sys.path[:0] = [str(BENCH_DIR), str(BENCH_DIR.parent / "tests")]
 from common import BenchTimeout, git_describe, log  # noqa: E402
 from harness import Bench, machine_info  # noqa: E402
 from plan import default_time_limit, phase_plan, run_phases  # noqa: E402
-from report import print_plan, print_table  # noqa: E402
+from repeat import run_rounds  # noqa: E402
+from report import print_plan, print_repeat, print_table  # noqa: E402
 from targets import summarize  # noqa: E402
 
 
@@ -83,21 +84,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrent-runs", type=int, default=200, help="ductor throughput runs")
     p.add_argument("--raw-tasks", type=int, default=2000, help="raw throughput tasks")
     p.add_argument(
+        "--repeat",
+        type=int,
+        default=0,
+        help="N rounds of the figures, ductor and raw Celery (and --peers) interleaved\n"
+        "round by round on the same servers and workers; each ratio's median over the\n"
+        "rounds, its min..max and every round's value, and each round's other load\n"
+        "(0: one run of every figure, as without it)",
+    )
+    p.add_argument(
+        "--peers",
+        nargs="*",
+        choices=["dbos"],
+        default=[],
+        help="peers measured beside raw Celery: dbos = a 10-step DBOS workflow's latency and\n"
+        "its queue's throughput on the same PostgreSQL (DBOS in benchmarks/.venv-dbos,\n"
+        "created on demand; left out with a reason when it cannot be installed)",
+    )
+    p.add_argument(
         "--eager-modes",
         nargs="+",
         choices=["off", "on", "inline"],
-        default=["off", "on", "inline"],
+        default=None,
         help="off: ductor_eager_ticks off; on: eager ticks, ductor_inline_steps=0; inline: both\n"
         "on (the package default). Measured in order (the ductor workers restart between\n"
-        "modes; the scatter phases run in the last)",
+        "modes; the scatter phases run in the last). Default: all three; with --repeat,\n"
+        "inline only (a round measures the last one given)",
     )
     p.add_argument(
         "--two-coord-modes",
         nargs="*",
         choices=["off", "on", "inline"],
-        default=["off", "inline"],
+        default=None,
         help="modes whose throughput phase also runs with a second coordinator process\n"
-        "(none given: never)",
+        "(none given: never). Default: off and inline; with --repeat: never",
     )
     p.add_argument(
         "--scatter-sizes",
@@ -170,8 +190,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--output",
-        default=str(BENCH_DIR / "results.json"),
-        help="where to write the JSON results ('-' for none)",
+        default=None,
+        help="where to write the JSON results ('-' for none; default: results.json, with\n"
+        "--repeat repeat_results.json, every round in it)",
     )
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, timers)")
     p.add_argument("--phase-timeout", type=float, default=180.0, help="per phase, seconds")
@@ -183,6 +204,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "phase budgets printed at the start, ~18 min with the default sizes)",
     )
     args = p.parse_args(argv)
+    if args.output is None:
+        args.output = str(BENCH_DIR / ("repeat_results.json" if args.repeat else "results.json"))
+    if args.eager_modes is None:
+        args.eager_modes = ["inline"] if args.repeat else ["off", "on", "inline"]
+    if args.two_coord_modes is None or args.repeat:
+        args.two_coord_modes = [] if args.repeat else ["off", "inline"]
+    if args.repeat and (args.scatter_only or args.profile or args.pg_log or args.memory_scatters):
+        p.error(
+            "--repeat measures the rounds' figures only (no --scatter-only, --profile,\n"
+            "--pg-log or --memory-scatters)"
+        )
     args.time_limit_default = args.time_limit is None
     if args.time_limit is None:
         args.time_limit = default_time_limit(args)
@@ -197,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     with signals_as_exceptions(args.time_limit), contextlib.ExitStack() as stack:
         try:
             bench = Bench(args, stack)
-            res = run_phases(bench)
+            res = run_rounds(bench) if args.repeat else run_phases(bench)
+            key = "repeat" if args.repeat else None
             res = {
                 "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
                 "git": git_describe(),
@@ -207,11 +240,15 @@ def main(argv: list[str] | None = None) -> int:
                     for k, v in vars(args).items()
                     if k not in ("output", "keep", "profile_out")
                 },
-                **res,
+                **({key: res} if key else res),
             }
-            res["summary"] = summarize(res)
+            if not args.repeat:
+                res["summary"] = summarize(res)
             res["elapsed_s"] = round(time.monotonic() - started, 1)
-            print_table(res)
+            if args.repeat:
+                print_repeat(res)
+            else:
+                print_table(res)
             if args.output != "-":
                 Path(args.output).write_text(json.dumps(res, indent=2) + "\n")
                 log(f"results written to {args.output}")

@@ -125,6 +125,31 @@ def summarize(res: dict[str, Any]) -> list[dict[str, Any]]:
                     on="ductor",
                 )
             )
+    dbos = dig(res, "peers", "dbos") or {}
+    if dbos.get("available"):
+        # The package default mode: the last measured.
+        mode, m = list(res.get("modes", {}).items())[-1] if res.get("modes") else ("", {})
+        rows.append(
+            _row(
+                f"10-step run p50 ms vs DBOS workflow of 10 steps, eager {mode}",
+                dig(m, "latency", "p50_ms"),
+                dig(dbos, "latency", "p50_ms"),
+            )
+        )
+        rows.append(
+            _row(
+                f"steps/s vs DBOS queue steps/s, eager {mode}, 1 coord",
+                dig(m, "one_coordinator", "throughput", "steps_per_s"),
+                dig(dbos, "queue", "steps_per_s"),
+            )
+        )
+        rows.append(
+            _row(
+                f"CPU ms/step vs DBOS's (its process + PostgreSQL), eager {mode}",
+                dig(cpus, cpu_name("ductor_throughput", mode), "cpu_ms_per_unit"),
+                dig(dbos, "queue", "cpu_ms_per_step"),
+            )
+        )
     sc = res.get("scatter") or {}
     raw_by_n = {g["items"]: g for g in sc.get("raw_group", [])}
     for d in sc.get("ductor", []):
