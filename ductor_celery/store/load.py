@@ -66,7 +66,8 @@ def _inputs_cache(engine: Engine) -> ImmutableCache:
 
 
 def exists_where(table: sa.Table, *where: Any) -> Any:
-    return sa.exists(sa.select(sa.literal(1)).select_from(table).where(*where))
+    # ``1`` as SQL text, not a bound literal: nothing to bind per call in the hot reads.
+    return sa.exists(sa.select(sa.literal_column("1")).select_from(table).where(*where))
 
 
 def load_on(
@@ -253,7 +254,8 @@ def _run_row_statement(postgres: bool, skip_locked: bool, with_input: bool) -> A
     megabyte; read and decoded by every tick of the run, it made a 10,000-item scatter cost
     quadratic time."""
     run_id = sa.bindparam("b_run", type_=sa.String)
-    now_col = sa.func.now() if postgres else sa.literal(None)
+    # NULL as SQL text (``sa.null()``), not a bound literal: nothing to bind per tick.
+    now_col = sa.func.now() if postgres else sa.null()
     other = workflow_run.alias("snapshot")
     query = sa.select(
         workflow_run.c.run_id,
@@ -262,7 +264,7 @@ def _run_row_statement(postgres: bool, skip_locked: bool, with_input: bool) -> A
         workflow_run.c.spec_hash,
         workflow_run.c.record_version,
         workflow_run.c.state,
-        (workflow_run.c.input if with_input else sa.literal(None)).label("input"),
+        (workflow_run.c.input if with_input else sa.null()).label("input"),
         workflow_run.c.parent_run_id,
         workflow_run.c.created_at,
         workflow_run.c.trace_context,

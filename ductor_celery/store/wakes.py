@@ -78,9 +78,13 @@ def _settled(postgres: bool) -> Any:
     the same statement (a data-modifying CTE runs whether or not it is read)."""
     run_id = sa.bindparam("b_run", type_=sa.String)
     now = sa.func.now() if postgres else sa.bindparam("b_now", type_=workflow_timer.c.fire_at.type)
-    query = sa.select(sa.literal(1)).where(
+    query: Any = sa.select(sa.literal_column("1")).where(
         workflow_run.c.run_id == run_id,
-        workflow_run.c.status.in_([s.value for s in TERMINAL_RUN_STATUSES]),
+        # The statuses as SQL literals, not an expanding parameter: the statement's text is
+        # then fixed, with no per-call rendering of the list (a duplicate wake-up is this read).
+        workflow_run.c.status.in_(
+            [sa.literal_column(f"'{s.value}'") for s in sorted(TERMINAL_RUN_STATUSES)]
+        ),
         ~exists_where(
             step_attempt,
             step_attempt.c.run_id == run_id,
