@@ -47,6 +47,24 @@ _BOUND_TICK = sa.text(
     "set_config('lock_timeout', :lock, true)"
 )
 
+#: The same in psycopg's own placeholders, for its cursor.
+_BOUND_TICK_PSYCOPG = (
+    "SELECT set_config('idle_in_transaction_session_timeout', %s, true), "
+    "set_config('lock_timeout', %s, true)"
+)
+
+
+def _bound_tick(conn: Connection) -> None:
+    """Set the tick's timeouts as its transaction begins: on psycopg's own cursor when it is
+    psycopg (a fixed statement whose result nobody reads: SQLAlchemy's execution path would
+    cost more than the statement), else through SQLAlchemy."""
+    driver: Any = conn.connection.driver_connection
+    if hasattr(driver, "pgconn"):  # psycopg 3
+        driver.execute(_BOUND_TICK_PSYCOPG, (TICK_IDLE_TIMEOUT, TICK_LOCK_TIMEOUT))
+    else:
+        conn.execute(_BOUND_TICK, {"idle": TICK_IDLE_TIMEOUT, "lock": TICK_LOCK_TIMEOUT})
+
+
 #: A pinned definition by its hash, read on the tick's connection when not cached.
 SpecFor = Callable[[str, Connection], WorkflowSpec]
 
@@ -94,9 +112,7 @@ class SqlTickTransaction:
         self.conn = self._begin.__enter__()
         if self._store.bounds_ticks:
             try:
-                self.conn.execute(
-                    _BOUND_TICK, {"idle": TICK_IDLE_TIMEOUT, "lock": TICK_LOCK_TIMEOUT}
-                )
+                _bound_tick(self.conn)
             except BaseException as exc:
                 self._begin.__exit__(type(exc), exc, exc.__traceback__)
                 raise
