@@ -328,7 +328,7 @@ def _record_and_advance(
 
 
 def _prelude(token: str, result: Outcome) -> Callable[[Any], bool]:
-    return lambda conn: attempts.finish_unleased_on(
+    return lambda conn: attempts.finish_in_tick(
         conn,
         token,
         outcome=result.outcome,
