@@ -1,0 +1,83 @@
+"""A tick's first statements go straight to psycopg's cursor (the timeouts, an eager tick's
+outcome). After PostgreSQL restarts, the connections pooled before it are dead: a tick whose
+first statement meets one must still be retried or fall back, as when SQLAlchemy sent it.
+On a private server (the session's is shared by other tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+from servers import PostgresServer
+
+from ductor_celery import Ductor, RunStatus, Workflow
+from ductor_celery.engine.status import AttemptOutcome
+from ductor_celery.runtime.outcome import Outcome
+from ductor_celery.runtime.steps import _record_and_advance
+from ductor_celery.runtime.tick_task import run_tick
+from ductor_celery.store import attempts
+from ductor_celery.store.migrate import upgrade
+from ductor_celery.store.schema import step_attempt
+
+
+@pytest.fixture
+def server() -> Iterator[PostgresServer]:
+    with PostgresServer() as pg:
+        pg.create_database("restart")
+        upgrade(pg.url("restart"))
+        yield pg
+
+
+def _ductor(url: str, name: str) -> Any:
+    app = Celery(f"restart{name}", set_as_current=False)
+    app.conf.broker_url = "memory://"
+    d = Ductor(app, database_url=url)
+    d.runtime.dispatcher.send = lambda rows: None  # type: ignore[method-assign,assignment]
+    d.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+    d.runtime.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
+    d.step(name="restart.noop")(lambda ctx: 1)
+    wf = Workflow("two")
+    wf.step("a", "restart.noop")
+    wf.step("b", "restart.noop", after=["a"])
+    d.register(wf)
+    return d
+
+
+def _open_token(d: Any, run_id: str) -> str:
+    with d.runtime.engine().connect() as conn:
+        return str(
+            conn.execute(
+                sa.select(step_attempt.c.token).where(
+                    step_attempt.c.run_id == run_id, step_attempt.c.finished_at.is_(None)
+                )
+            ).scalar_one()
+        )
+
+
+def test_coordinator_and_eager_ticks_survive_a_restart(
+    server: PostgresServer, tmp_path: Path
+) -> None:
+    d = _ductor(server.url("restart"), tmp_path.name)
+    rt, engine = d.runtime, d.runtime.engine()
+    run_id = d.start("two").run_id
+    assert run_tick(rt, run_id) == "committed"  # the pool now holds a connection
+    token = _open_token(d, run_id)
+    assert attempts.claim(engine, token, "w") is not None
+
+    server.restart()
+    # A coordinator tick: its first statement (the timeouts) meets a dead connection.
+    assert run_tick(rt, run_id) in ("noop", "committed")
+
+    server.restart()
+    # An eager tick with the outcome as its first statement, on a dead connection: the
+    # outcome is written and folded all the same (retried, or written alone and ticked).
+    step = rt.step_named("restart.noop")
+    done = Outcome(AttemptOutcome.SUCCEEDED, output=1)
+    assert _record_and_advance(rt, engine, step, token, run_id, done) == "succeeded"
+    view = d.get(run_id)
+    assert view.nodes["a"].status == "succeeded"
+    assert view.status == RunStatus.RUNNING  # b started
