@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from ductor_celery.coordinator import Coordinator, TickResult
@@ -33,6 +34,7 @@ from ductor_celery.fakes import RecordingDispatcher
 from ductor_celery.settings import Settings
 from ductor_celery.store.load import LoadedRun, load_on
 from ductor_celery.store.outbox import OutboxRow
+from ductor_celery.store.schema import step_attempt
 from ductor_celery.store.tick_store import SqlTickStore
 from ductor_celery.store.ticks import commit_on
 
@@ -208,3 +210,19 @@ def tick_once(
     """One coordinator tick of the run: the outbox rows its commit wrote (none for a no-op)."""
     coordinator, _ = sql_coordinator(engine, spec_for)
     return coordinator.tick(run_id).outbox
+
+
+def unclaimed_attempts(engine: Engine, run_id: str) -> list[tuple[str, str]]:
+    """The run's attempts no worker has claimed or finished, as (token, step), by token: what
+    a test delivers by hand in place of the broker."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(step_attempt.c.token, step_attempt.c.step)
+            .where(
+                step_attempt.c.run_id == run_id,
+                step_attempt.c.claimed_at.is_(None),
+                step_attempt.c.finished_at.is_(None),
+            )
+            .order_by(step_attempt.c.token)
+        ).all()
+    return [(r.token, r.step) for r in rows]

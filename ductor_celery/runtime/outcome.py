@@ -234,13 +234,13 @@ def _run(
     re-raise once that is written."""
     outcome, interrupt = _call(step, ctx, args, token, limit, call)
     if call.secrets.used:
-        outcome = Outcome(
-            outcome.outcome,
-            output=call.secrets.redact(outcome.output),
-            patch=call.secrets.redact(outcome.patch),
-            error=call.secrets.redact(outcome.error),
-            retryable=outcome.retryable,
-            tags=call.secrets.redact(outcome.tags),
+        redact = call.secrets.redact
+        outcome = dataclasses.replace(
+            outcome,
+            output=redact(outcome.output),
+            patch=redact(outcome.patch),
+            error=redact(outcome.error),
+            tags=redact(outcome.tags),
         )
     return outcome, interrupt
 

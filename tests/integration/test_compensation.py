@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from celery import Celery
+from support import unclaimed_attempts
 
 from ductor_celery import (
     DefinitionError,
@@ -107,17 +108,7 @@ def setup(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Ductor, Ledge
 
 
 def _open_attempts(d: Ductor, run_id: str) -> list[tuple[str, str]]:
-    with d.runtime.engine().connect() as conn:
-        rows = conn.execute(
-            sa.select(step_attempt.c.token, step_attempt.c.step)
-            .where(
-                step_attempt.c.run_id == run_id,
-                step_attempt.c.claimed_at.is_(None),
-                step_attempt.c.finished_at.is_(None),
-            )
-            .order_by(step_attempt.c.token)
-        ).all()
-    return [(r.token, r.step) for r in rows]
+    return unclaimed_attempts(d.runtime.engine(), run_id)
 
 
 def _drive(d: Ductor, run_id: str, *, skip: tuple[str, ...] = (), rounds: int = 200) -> Any:

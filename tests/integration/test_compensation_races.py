@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from celery import Celery
+from support import unclaimed_attempts
 
 from ductor_celery import Ductor, NodeStatus, RetryPolicy, RunStatus, StepContext, Workflow
 from ductor_celery.runtime.outcome import _non_retryable_of
@@ -23,7 +24,7 @@ from ductor_celery.runtime.steps import execute_attempt
 from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import sweep
 from ductor_celery.store.migrate import upgrade
-from ductor_celery.store.schema import step_attempt, workflow_outbox, workflow_run
+from ductor_celery.store.schema import workflow_outbox, workflow_run
 
 ONE = RetryPolicy(max_attempts=1)
 
@@ -84,17 +85,7 @@ def setup(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Ductor, Ledge
 
 
 def _open(d: Ductor, run_id: str) -> list[tuple[str, str]]:
-    with d.runtime.engine().connect() as conn:
-        rows = conn.execute(
-            sa.select(step_attempt.c.token, step_attempt.c.step)
-            .where(
-                step_attempt.c.run_id == run_id,
-                step_attempt.c.claimed_at.is_(None),
-                step_attempt.c.finished_at.is_(None),
-            )
-            .order_by(step_attempt.c.token)
-        ).all()
-    return [(r.token, r.step) for r in rows]
+    return unclaimed_attempts(d.runtime.engine(), run_id)
 
 
 def _run_open(d: Ductor, run_id: str, skip: tuple[str, ...] = ()) -> None:
