@@ -377,6 +377,11 @@ class Graph:
             if isinstance(n, StepNodeSpec) and n.compensate is not None
         }
 
+    def declared(self, node_id: str) -> NodeSpec | CompensationSpec | None:
+        """The node of this id, or the compensation it names (``"charge~compensate"``);
+        None when the definition has neither."""
+        return self.compensations.get(node_id) or self.nodes.get(node_id)
+
 
 def _topological_order(spec: WorkflowSpec) -> list[str]:
     """Kahn's algorithm, stable in declaration order. Nodes on a cycle are left out."""

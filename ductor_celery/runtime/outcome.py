@@ -47,8 +47,8 @@ def _non_retryable_of(
     every respect: its ``non_retryable`` replaces the step's), else the step's."""
     if claimed.spec_hash is not None:
         try:
-            graph = rt.spec_for(claimed.spec_hash).graph  # a compensation's spec is pinned too
-            node = graph.compensations.get(claimed.node) or graph.nodes.get(claimed.node)
+            # A compensation's spec is pinned too.
+            node = rt.spec_for(claimed.spec_hash).graph.declared(claimed.node)
         except Exception as exc:  # noqa: BLE001 - the step's own policy is the fallback
             log.warning("attempt %s: definition not readable (%s)", claimed.token, exc)
             node = None

@@ -246,7 +246,7 @@ def _step_problem(spec: WorkflowSpec, attempt: dict[str, Any]) -> str | None:
     node's: the file was edited (a run's definition is pinned), and replay would call the
     wrong function."""
     node = attempt["node"]
-    declared = spec.graph.compensations.get(node) or spec.graph.nodes.get(node)
+    declared = spec.graph.declared(node)
     expected = getattr(declared, "step", None)
     if expected is None:
         return f"node {node[:100]!r} is not a step node of the run's definition"
