@@ -400,8 +400,6 @@ def _instrument() -> None:
             (Dispatcher, "send", "send"),
             (attempts, "claim", "claim"),
             (attempts, "finish", "finish"),
-            # An inline step's outcome, written first in the next (eager) tick's transaction.
-            (attempts, "finish_unleased_on", "finish_in_tick"),
             (runtime.Runtime, "wake", "wake"),
         ):
             if hasattr(owner, attr):

@@ -25,7 +25,6 @@ from common import STEPS, log
 
 TICK_PHASES = (
     "tx_begin",
-    "finish_in_tick",
     "load_tick",
     "compute_tick",
     "commit_tick",
@@ -126,8 +125,8 @@ def join_runs(
             tick, step, nxt = rt[k], rs[k], rt[k + 1]
             if step.get("inline"):
                 # Claimed in this tick's commit and run in the same process: no message. The
-                # tick's first part writes the outcome of the step before (finish_in_tick).
-                parts["inline tick: outcome before + load + compute + commit (claims)"].append(
+                # tick's commit writes the outcome of the step before (it carries it).
+                parts["inline tick: load + compute + commit (outcome before, claim)"].append(
                     tick["end"] - tick["start"]
                 )
                 parts["tick returns -> inline step begins (no message)"].append(

@@ -8,6 +8,7 @@ and the Celery dispatcher; tests build it over ``fakes.InMemoryStore`` and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections import Counter
@@ -16,14 +17,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
-from ..engine import TickPayload, compute_tick
+from ..engine import AttemptResult, TickPayload, compute_tick
 from ..engine.kinds import control_rejected
 from .port import (
     Dispatcher,
     Keeper,
     LoadedRun,
     OutboxRow,
-    PreludeRefused,
     RunBusy,
     TickStore,
     TickTransaction,
@@ -155,7 +155,7 @@ class Coordinator(Generic[TxT]):
         run_id: str,
         *,
         eager: bool = False,
-        prelude: Callable[[TxT], bool] | None = None,
+        carried: AttemptResult | None = None,
         keep: Keeper | None = None,
     ) -> TickResult:
         """One tick of one run (docs/architecture.md, "One writer per run").
@@ -164,10 +164,13 @@ class Coordinator(Generic[TxT]):
         and leaves the coalesced wake-up alone (a tick message is queued whose tick has not
         started; that tick clears it).
 
-        ``prelude`` (eager ticks only): a write made first in the tick's own transaction (the
-        worker's outcome), committed with the tick; committed alone when the run is busy;
-        rolled back with a conflicting tick and written again by the recomputed one.
-        ``PreludeRefused`` when it wrote nothing: no tick is run.
+        ``carried`` (eager ticks only): the outcome of an attempt the step worker running the
+        tick holds in memory, not written yet. The tick computes with it as one more result
+        (the last: it finished last) and its commit writes it, finished and folded at once
+        (docs/one-statement-step.md). Only a committed tick wrote it: after any other
+        outcome (busy, no-op, missing, conflict) nothing of it is written, and
+        ``OutcomeNotCarried`` means its attempt was finished or closed already; either way
+        the worker writes it on its own.
 
         ``keep`` (eager ticks only): may choose one of the tick's new attempts, which the
         commit inserts claimed by that worker, with no step message (runtime/inline.py).
@@ -185,7 +188,7 @@ class Coordinator(Generic[TxT]):
         for _ in range(MAX_CONFLICT_RETRIES):
             try:
                 result = store.retrying(
-                    functools.partial(self._load_compute_commit, run_id, eager, prelude, keep),
+                    functools.partial(self._load_compute_commit, run_id, eager, carried, keep),
                     "tick",
                 )
             except VersionConflict as conflict:
@@ -200,7 +203,7 @@ class Coordinator(Generic[TxT]):
             except _Rejected:
                 continue
             stats.count(result.outcome)
-            if result.outcome != TickOutcome.COMMITTED:  # BUSY too: a prelude's write alone
+            if result.outcome != TickOutcome.COMMITTED:
                 if observer is not None:
                     observer.ended(result.outcome)
                 return result
@@ -224,25 +227,20 @@ class Coordinator(Generic[TxT]):
         self,
         run_id: str,
         eager: bool,
-        prelude: Callable[[TxT], bool] | None,
+        carried: AttemptResult | None,
         keep: Keeper | None,
     ) -> TickResult:
         payload: TickPayload | None = None
         try:
             with self.store.transaction() as tx:
-                if prelude is not None and not prelude(tx):
-                    raise PreludeRefused(run_id)
-                try:
-                    found = tx.load(run_id, wait_for_lock=not eager)
-                except RunBusy:
-                    if prelude is None:
-                        raise
-                    # Leaving the block commits the prelude's write.
-                    return TickResult(TickOutcome.BUSY)
+                found = tx.load(run_id, wait_for_lock=not eager)
                 if found is None:
                     log.warning("tick for unknown run %s ignored", run_id)
                     return _NOTHING
                 loaded, spec, inputs = found
+                if carried is not None:
+                    # Not written yet, so not read: the result the commit will write.
+                    inputs = dataclasses.replace(inputs, results=(*inputs.results, carried))
                 payload = compute_tick(spec, loaded.state, inputs, loaded.now)
                 for _ in range(MAX_VALUE_ROUNDS):
                     if not payload.needs:
@@ -260,7 +258,7 @@ class Coordinator(Generic[TxT]):
                 claim = None if keep is None else keep.choose(loaded, payload)
                 if self.observer is not None:
                     self.observer.computed(loaded, payload)
-                outbox = tx.commit(loaded, payload, claim)
+                outbox = tx.commit(loaded, payload, claim, carried)
                 return TickResult(TickOutcome.COMMITTED, payload, outbox)
         except WorkflowIdTaken:
             # A redrive reopening the run while another run of its workflow id is open (the

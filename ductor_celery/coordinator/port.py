@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
-from ..engine import RunState, TickInputs, TickPayload
+from ..engine import AttemptResult, RunState, TickInputs, TickPayload
 from ..engine.kinds import DispatchKind
 
 T = TypeVar("T")
@@ -117,9 +117,12 @@ class RunBusy(Exception):
     """Another tick holds the run's lock (only raised when asked not to wait for it)."""
 
 
-class PreludeRefused(Exception):
-    """The prelude wrote nothing (the attempt was closed or leased): no tick was run, and the
-    caller takes its ordinary path."""
+class OutcomeNotCarried(Exception):
+    """The commit could not write the outcome the tick carried (``Coordinator.tick``'s
+    ``carried``): its attempt is finished or closed already (a timeout or terminate closed
+    it, or an earlier commit whose acknowledgement was lost wrote it) or holds a lease. The
+    transaction is rolled back, nothing of the tick is written, and the worker takes its
+    ordinary path (``attempts.finish``, then a tick or a wake-up)."""
 
 
 class TickTransaction(Protocol):
@@ -131,10 +134,17 @@ class TickTransaction(Protocol):
         no such run. ``wait_for_lock=False``: raise ``RunBusy`` if another tick holds it."""
 
     def commit(
-        self, loaded: LoadedRun, payload: TickPayload, claim: TickClaim | None
+        self,
+        loaded: LoadedRun,
+        payload: TickPayload,
+        claim: TickClaim | None,
+        carried: AttemptResult | None = None,
     ) -> list[OutboxRow]:
         """Write the payload, conditional on ``loaded.record_version``: the outbox rows to send
-        after the transaction. ``VersionConflict`` and ``WorkflowIdTaken`` mean roll back."""
+        after the transaction. ``VersionConflict`` and ``WorkflowIdTaken`` mean roll back.
+        ``carried``: a step's outcome the load did not read (the worker holds it), written
+        finished and folded by this commit, conditional on its attempt being open and
+        unleased (``OutcomeNotCarried``: roll back)."""
 
     def refresh_stale_timer(self, loaded: LoadedRun, fire_at: datetime | None) -> bool:
         """A tick with nothing to commit still moves a timer row that came due early."""

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, NotRequired, TypedDict
 
-from ..engine import TickPayload
+from ..engine import AttemptResult, TickPayload
 from ..engine.inputs import Dispatch
 from ..engine.kinds import DispatchKind
 from .port import OutboxRow, TickClaim
@@ -169,3 +169,11 @@ def transition_rows(run_id: str, now: datetime, payload: TickPayload) -> list[di
         }
         for i, tr in enumerate(payload.transitions)
     ]
+
+
+def folded_by_commit(payload: TickPayload, carried: AttemptResult | None) -> list[str]:
+    """The results a commit marks folded: all the tick folded but a carried one, whose
+    attempt the commit writes finished and folded at once (``Coordinator.tick``)."""
+    if carried is None:
+        return list(payload.folded)
+    return [token for token in payload.folded if token != carried.token]

@@ -15,6 +15,7 @@ from typing import Any
 from ..coordinator.port import (
     LoadedRun,
     OutboxRow,
+    OutcomeNotCarried,
     TickClaim,
     VersionConflict,
     WorkflowIdTaken,
@@ -22,6 +23,7 @@ from ..coordinator.port import (
 from ..coordinator.rows import (
     OutboxIntent,
     carrier_revokes,
+    folded_by_commit,
     outbox_intents,
     outbox_row,
     transition_rows,
@@ -29,7 +31,7 @@ from ..coordinator.rows import (
     wakeup_intent,
 )
 from ..definition.spec import WorkflowSpec
-from ..engine import RunState, TickPayload
+from ..engine import AttemptResult, RunState, TickPayload
 from ..engine.children import child_workflow_id
 from ..engine.deadline import deadline_after
 from ..engine.kinds import CONTROL_APPLIED
@@ -38,6 +40,19 @@ from .load import newest_of_chain
 from .tables import AttemptRow, AuditRow, ControlRow, RunRow, Tables, TransitionRow, json_copy
 
 _OPEN = frozenset(s.value for s in OPEN_RUN_STATUSES)
+
+
+def _finish_carried(tables: Tables, carried: AttemptResult, now: datetime) -> None:
+    """The outcome the tick carried, finished and folded at once (``store/attempts.py``'s
+    ``CARRIED_SET``); ``OutcomeNotCarried`` when its attempt is finished or closed already."""
+    row = tables.attempts.get(carried.token)
+    if row is None or row.finished_at is not None:
+        raise OutcomeNotCarried(carried.token)
+    row.finished_at, row.finished_seq = now, tables.next_id("finish")
+    row.outcome, row.retryable = carried.outcome, carried.retryable
+    row.output, row.error = json_copy(carried.output), json_copy(carried.error)
+    row.patch, row.tags = json_copy(carried.patch), json_copy(carried.tags)
+    row.folded = True
 
 
 class NotModelled(Exception):
@@ -52,9 +67,12 @@ def commit(
     loaded: LoadedRun,
     payload: TickPayload,
     claim: TickClaim | None,
+    carried: AttemptResult | None = None,
 ) -> list[OutboxRow]:
     now = loaded.now
     state = payload.state
+    if carried is not None:
+        _finish_carried(tables, carried, now)
     run = tables.runs.get(loaded.run_id)
     if run is None or run.record_version != loaded.record_version:
         raise VersionConflict(loaded.run_id)
@@ -89,7 +107,7 @@ def commit(
         row.finished_at, row.outcome, row.error = now, closed.outcome, json_copy(closed.error)
         row.finished_seq = tables.next_id("finish")
         row.retryable, row.folded = False, True
-    for token in payload.folded:
+    for token in folded_by_commit(payload, carried):
         if token in tables.attempts:
             tables.attempts[token].folded = True
     for token in payload.cancel_requested:  # as store/ticks.py: open attempts only

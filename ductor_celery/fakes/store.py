@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from ..coordinator.port import Loaded, LoadedRun, OutboxRow, RunBusy, TickClaim
 from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
-from ..engine import EngineConfig, RunState, TickInputs, TickPayload
+from ..engine import AttemptResult, EngineConfig, RunState, TickInputs, TickPayload
 from ..engine.deadline import deadline_after
 from ..engine.kinds import ControlKind
 from ..engine.status import OPEN_RUN_STATUSES, TERMINAL_RUN_STATUSES, AttemptOutcome, RunStatus
@@ -292,11 +292,6 @@ class InMemoryTransaction:
         if exc_type is not None and self._before is not None:
             self._store.tables = self._before
 
-    @property
-    def store(self) -> InMemoryStore:
-        """For a prelude: the store it writes on, inside this transaction."""
-        return self._store
-
     def load(self, run_id: str, *, wait_for_lock: bool) -> Loaded | None:
         store = self._store
         if run_id in store._held:
@@ -306,10 +301,14 @@ class InMemoryTransaction:
         return load(store.tables, store.specs, run_id, store.now, store.config)
 
     def commit(
-        self, loaded: LoadedRun, payload: TickPayload, claim: TickClaim | None
+        self,
+        loaded: LoadedRun,
+        payload: TickPayload,
+        claim: TickClaim | None,
+        carried: AttemptResult | None = None,
     ) -> list[OutboxRow]:
         store = self._store
-        return committing.commit(store.tables, store.specs, loaded, payload, claim)
+        return committing.commit(store.tables, store.specs, loaded, payload, claim, carried)
 
     def read_values(self, inputs: TickInputs, needs: BlobNeeds) -> TickInputs:
         """The in-memory store keeps every value inline (it never offloads one), so a

@@ -5,15 +5,18 @@ the outcome that comes to: outcome.py; the Step object and StepContext: step_con
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import socket
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..coordinator import SETTLED_TICKS, TickOutcome
+from ..coordinator import SETTLED_TICKS, OutcomeNotCarried, TickOutcome
+from ..coordinator.read_rows import attempt_result
+from ..engine import AttemptResult
 from ..engine.status import AttemptOutcome
 from ..store import attempts, wakes
 from ..store.db import ValuesRefused, outages, with_retry
@@ -28,7 +31,7 @@ from .outbox_janitor import sent_outbox
 from .outcome import Outcome, call_attempt, invalid, prepare_call
 from .step_context import Step
 from .task_events import TaskEvents, as_current_task, flush_events
-from .tick_task import Keeper, PreludeRefused, run_tick
+from .tick_task import Keeper, run_tick
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -239,9 +242,7 @@ def _run_claimed(
                 outcome = _record(rt, engine, step, claimed.token, result)
                 keep.unticked = claimed.run_id
             else:
-                outcome = _record_and_advance(
-                    rt, engine, step, claimed.token, claimed.run_id, result, keep
-                )
+                outcome = _record_and_advance(rt, engine, step, claimed, result, keep)
         except Exception:
             if remember is not None:
                 remember(False)  # not written: written once the database is back
@@ -293,50 +294,59 @@ def _record_and_advance(
     rt: WorkerPort,
     engine: Engine,
     step: Step,
-    token: str,
-    run_id: str,
+    claimed: attempts.ClaimedAttempt,
     result: Outcome,
     keep: Keeper | None = None,
 ) -> str:
     """Write the outcome, then make sure a tick folds it.
 
-    With eager ticks on PostgreSQL, an unleased attempt's outcome is written first in the
-    eager tick's own transaction (one commit for both; ``run_tick``'s prelude). Anything
-    unusual (the attempt closed meanwhile, values the database refuses, a tick that fails)
-    falls back to the ordinary path: write the outcome alone, then tick or wake.
+    With eager ticks on PostgreSQL, an unleased attempt's outcome is carried by the eager
+    tick: computed with as one more result and written, finished and folded at once, by the
+    tick's commit (``run_tick``'s ``carried``; docs/one-statement-step.md). Anything else (the
+    run busy, the attempt closed meanwhile, values the database refuses, a tick that fails or
+    commits nothing) falls back to the ordinary path: write the outcome alone, then tick or
+    wake.
 
     ``keep``: handed to the eager tick (runtime/inline.py), which may claim one of the steps
     it starts for this worker to run next.
     """
+    token, run_id = claimed.token, claimed.run_id
+    tick: TickOutcome | None = None
     if rt.settings.eager_ticks and step.concurrency is None and attempts.finishes_in_tick(engine):
         try:
-            tick = run_tick(rt, run_id, eager=True, prelude=_prelude(token, result), keep=keep)
-        except PreludeRefused:
+            tick = run_tick(rt, run_id, eager=True, carried=_carried(claimed, result), keep=keep)
+        except OutcomeNotCarried:
             tick = None
         except Exception as exc:  # noqa: BLE001 - the ordinary path below still writes it
             log.warning("eager tick of run %s failed (%s); recording on its own", run_id, exc)
-            tick = None
-        # The outcome's value: the task's result, shown by Flower, is the plain string.
-        if tick in SETTLED_TICKS:
-            return result.outcome.value
-        if tick == TickOutcome.BUSY:  # the outcome is committed; the coordinator folds it
-            _wake_coordinator(rt, engine, run_id)
+        if tick == TickOutcome.COMMITTED:
+            # The outcome's value: the task's result, shown by Flower, is the plain string.
             return result.outcome.value
     outcome = _record(rt, engine, step, token, result)
-    _advance_run(rt, engine, run_id, keep)
+    if tick == TickOutcome.BUSY:  # another tick holds the run: the coordinator folds it
+        _wake_coordinator(rt, engine, run_id)
+    else:
+        _advance_run(rt, engine, run_id, keep)
     return outcome
 
 
-def _prelude(token: str, result: Outcome) -> Callable[[Any], bool]:
-    return lambda conn: attempts.finish_in_tick(
-        conn,
-        token,
-        outcome=result.outcome,
-        output=result.output,
-        error=result.error,
-        retryable=result.retryable,
-        patch=result.patch,
-        tags=result.tags,
+def _carried(claimed: attempts.ClaimedAttempt, result: Outcome) -> AttemptResult:
+    """The outcome as the tick's load would read it back from the attempt row: its values
+    through JSON (what the commit writes), so the tick computes with what is stored and shares
+    no object with the step."""
+    output, error, patch, tags = json.loads(
+        dumps_json([result.output, result.error, result.patch, result.tags])
+    )
+    return attempt_result(
+        claimed.token,
+        claimed.node,
+        result.outcome,
+        output,
+        error,
+        result.retryable,
+        patch,
+        claimed.branch,
+        tags,
     )
 
 

@@ -14,7 +14,6 @@ The same code runs in two places (docs/architecture.md, "Who runs a tick"):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..coordinator import (
@@ -22,18 +21,19 @@ from ..coordinator import (
     Coordinator,
     Keeper,
     OutboxRow,
-    PreludeRefused,
+    OutcomeNotCarried,
     TickOutcome,
     TickStats,
     VersionConflict,
 )
-from ..store.tick_store import SqlTickStore, SqlTickTransaction
+from ..store.tick_store import SqlTickStore
 from . import observe
 from .outbox_janitor import sent_outbox
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine import Connection, Engine
+    from sqlalchemy.engine import Engine
 
+    from ..engine import AttemptResult
     from .dispatch import Dispatcher
     from .ports import WorkerPort
 
@@ -42,8 +42,7 @@ __all__ = [
     "TICK_STATS",
     "Coordinator",
     "Keeper",
-    "Prelude",
-    "PreludeRefused",
+    "OutcomeNotCarried",
     "TickStats",
     "VersionConflict",
     "run_tick",
@@ -51,11 +50,6 @@ __all__ = [
 
 #: Per process (a prefork child has its own).
 TICK_STATS = TickStats()
-
-
-#: Runs first in a tick's transaction (the step worker writing its attempt's outcome); False:
-#: it had nothing to write, and the tick is not run (``PreludeRefused``).
-Prelude = Callable[["Connection"], bool]
 
 
 class _SendThenForget:
@@ -80,7 +74,7 @@ def run_tick(
     run_id: str,
     *,
     eager: bool = False,
-    prelude: Prelude | None = None,
+    carried: AttemptResult | None = None,
     keep: Keeper | None = None,
 ) -> TickOutcome:
     """One tick of one run: what it did (``TickOutcome``); ``BUSY`` when another tick holds
@@ -91,12 +85,13 @@ def run_tick(
     An eager tick leaves the coalesced wake-up row alone: a row there means a tick message is
     queued whose tick has not started, and that tick clears it (store/wakes.py).
 
-    ``prelude`` (eager ticks only): a write made first in the tick's own transaction, so the
-    step worker's outcome and the tick that folds it commit together, one transaction instead
-    of two. The prelude is the worker's write, the tick is the coordinator's code: still one
-    writer of the run row. It is committed even when the run is busy ("busy": the write alone);
-    it is rolled back with the tick on a conflict and written again by the recomputed tick;
-    "conflict" (given up) means it was not written.
+    ``carried`` (eager ticks only): the outcome of the attempt the step worker has just run,
+    not written yet: the tick computes with it and its commit writes it, finished and folded
+    at once, so an inline step costs one commit and one write of its attempt row
+    (docs/one-statement-step.md). The tick is the coordinator's code: still one writer of the
+    run row. Only ``COMMITTED`` means it was written; after any other outcome, or
+    ``OutcomeNotCarried`` (its attempt was finished or closed already), the worker writes it
+    on its own (``attempts.finish``).
 
     ``keep`` (eager ticks only): may choose one of the tick's new attempts, which the commit
     then inserts as claimed by the step worker running the tick, with no step message: that
@@ -111,9 +106,4 @@ def run_tick(
         stats=TICK_STATS,
         observer=observe.OBSERVER,
     )
-    on_tx = None if prelude is None else _on_connection(prelude)
-    return coordinator.tick(run_id, eager=eager, prelude=on_tx, keep=keep).outcome
-
-
-def _on_connection(prelude: Prelude) -> Callable[[SqlTickTransaction], bool]:
-    return lambda tx: prelude(tx.conn)
+    return coordinator.tick(run_id, eager=eager, carried=carried, keep=keep).outcome

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from ..definition.spec import compensated_node, compensation_id
+from ..engine.inputs import AttemptResult
 from ..engine.status import AttemptOutcome
 from . import leases, rates
 from .db import autocommit, aware, refusing_values
@@ -373,10 +374,9 @@ def finish(
         return True, leases.release(conn, [token], dialect_of(engine).now_on(conn))
 
 
-@refusing_values()
 def finishes_in_tick(engine: Engine) -> bool:
-    """Whether a worker can write an unleased outcome in its eager tick's transaction
-    (``finish_unleased_on``): on PostgreSQL. SQLite serializes every writer anyway."""
+    """Whether a worker's eager tick can carry its unleased outcome, written by the tick's
+    commit (``CARRIED_SET``): on PostgreSQL. SQLite serializes every writer anyway."""
     return dialect_of(engine).one_statement
 
 
@@ -420,47 +420,45 @@ def _pg_finish_unleased() -> Any:
     )
 
 
-def finish_in_tick(
-    conn: Connection,
-    token: str,
-    *,
-    outcome: AttemptOutcome,
-    output: Any = None,
-    error: dict[str, Any] | None = None,
-    retryable: bool = True,
-    patch: dict[str, Any] | None = None,
-    tags: list[list[str]] | None = None,
-) -> bool:
-    """``finish_unleased_on`` as an eager tick's first statement (``run_tick``'s prelude,
-    PostgreSQL): straight to the driver's cursor inside the tick's transaction, as the
-    one-statement commit does (``pg_commit``). The text is fixed and the values are plain, so
-    SQLAlchemy's execution path is pure cost on the first statement of every inline step.
+#: An outcome a tick carries (``Coordinator.tick``'s ``carried``: the step worker running the
+#: tick holds it), written finished and folded at once, in psycopg's placeholders: the SET
+#: and WHERE of ``finish_carried`` and of the one-statement commit's ``carried`` CTE
+#: (store/pg_commit.py). The WHERE is ``finish_unleased_on``'s: an attempt finished or closed
+#: already, or holding a lease, is left alone. The JSON columns get the text ``finish``
+#: writes (``dumps_json``; None is JSON ``null``, as SQLAlchemy's JSON type stores it):
+#: tests/integration/test_carried_outcome.py compares the rows the two paths write.
+CARRIED_SET = (
+    "finished_at = now(), outcome = %(c_outcome)s, output = %(c_output)s::jsonb, "
+    "error = %(c_error)s::jsonb, retryable = %(c_retryable)s, patch = %(c_patch)s::jsonb, "
+    "tags = %(c_tags)s::jsonb, folded = true"
+)
+CARRIED_WHERE = "token = %(c_token)s AND finished_at IS NULL AND lease_key IS NULL"
 
-    The JSON columns get the text ``finish`` writes (``dumps_json``; None is JSON ``null``,
-    as SQLAlchemy's JSON type stores it); tests/integration/test_finish_in_tick.py compares
-    the rows the two write. Any error (values the database refuses, a dropped connection)
-    fails the tick, which the worker answers by writing the outcome on its own with
-    ``finish``, where refused values become ``ValuesRefused``."""
-    params = (
-        str(outcome),
-        dumps_json(output),
-        dumps_json(error),
-        retryable,
-        dumps_json(patch),
-        dumps_json(tags),
-        token,
-    )
+
+def carried_params(carried: AttemptResult) -> dict[str, Any]:
+    """The parameters of ``CARRIED_SET`` and ``CARRIED_WHERE`` for one carried outcome."""
+    return {
+        "c_token": carried.token,
+        "c_outcome": str(carried.outcome),
+        "c_output": dumps_json(carried.output),
+        "c_error": dumps_json(carried.error),
+        "c_retryable": carried.retryable,
+        "c_patch": dumps_json(carried.patch),
+        "c_tags": dumps_json(carried.tags),
+    }
+
+
+def finish_carried(conn: Connection, carried: AttemptResult) -> bool:
+    """Write a carried outcome finished and folded, in the caller's tick transaction
+    (PostgreSQL, a commit not in one statement: ``ticks._commit_on``); False: the attempt is
+    finished or closed already, or holds a lease. Straight to the driver's cursor, as the
+    one-statement commit: the text is fixed and the values plain."""
     with conn.connection.dbapi_connection.cursor() as cursor:  # type: ignore[union-attr]
-        cursor.execute(_PG_FINISH_IN_TICK, params)
+        cursor.execute(_PG_FINISH_CARRIED, carried_params(carried))
         return bool(cursor.rowcount == 1)
 
 
-#: ``_pg_finish_unleased`` in psycopg's placeholders.
-_PG_FINISH_IN_TICK = (
-    "UPDATE eec_workflow_step_attempt SET finished_at = now(), outcome = %s, "
-    "output = %s::jsonb, error = %s::jsonb, retryable = %s, patch = %s::jsonb, "
-    "tags = %s::jsonb WHERE token = %s AND finished_at IS NULL AND lease_key IS NULL"
-)
+_PG_FINISH_CARRIED = f"UPDATE eec_workflow_step_attempt SET {CARRIED_SET} WHERE {CARRIED_WHERE}"
 
 
 def may_lose_commits(engine: Engine) -> bool:

@@ -15,6 +15,12 @@ that follow these five, as before.
 Every other write is conditional on the run update having matched (``EXISTS (SELECT 1 FROM
 run_update)``): a tick that lost a version race writes nothing, not even a row that would
 collide with the winner's, and the caller rolls back and recomputes (``VersionConflict``).
+
+A tick that carries a step's outcome (``Coordinator.tick``'s ``carried``: an inline step's
+eager tick) writes it first, in a ``carried`` CTE that finishes and folds its attempt at
+once, and the run update is conditional on that having matched too: an attempt finished or
+closed already writes nothing at all, and the caller rolls back (``OutcomeNotCarried``;
+docs/one-statement-step.md).
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Connection
 
-from ..coordinator.rows import OutboxIntent
-from ..engine import TickPayload
+from ..coordinator.rows import OutboxIntent, folded_by_commit
+from ..engine import AttemptResult, TickPayload
+from .attempts import CARRIED_SET, CARRIED_WHERE, carried_params
 from .schema import dumps_json
 
 if TYPE_CHECKING:
@@ -46,15 +53,25 @@ def eligible(payload: TickPayload) -> bool:
 
 
 @functools.cache
-def _statement(run_columns: tuple[str, ...]) -> str:
+def _statement(run_columns: tuple[str, ...], carrying: bool) -> str:
     sets = ", ".join(
         f"{c} = %(r_{c})s::jsonb" if c in _JSON_RUN_COLUMNS else f"{c} = %(r_{c})s"
         for c in run_columns
     )
+    if carrying:
+        carried = f"""carried AS (
+    UPDATE eec_workflow_step_attempt SET {CARRIED_SET}
+    WHERE {CARRIED_WHERE}
+    RETURNING 1
+), """
+        written = "EXISTS (SELECT 1 FROM carried)"
+    else:
+        carried = ""
+        written = "true"
     return f"""
-WITH run_update AS (
+WITH {carried}run_update AS (
     UPDATE eec_workflow_run SET {sets}
-    WHERE run_id = %(run_id)s AND record_version = %(version)s
+    WHERE run_id = %(run_id)s AND record_version = %(version)s AND {written}
     RETURNING 1
 ), folded AS (
     UPDATE eec_workflow_step_attempt SET folded = true
@@ -93,7 +110,7 @@ WITH run_update AS (
     ORDER BY o.n
     RETURNING id
 )
-SELECT (SELECT count(*) FROM run_update) AS updated,
+SELECT {written} AS written, (SELECT count(*) FROM run_update) AS updated,
        ARRAY(SELECT id FROM outbox ORDER BY id) AS outbox_ids
 """
 
@@ -110,17 +127,22 @@ def commit(
     now: datetime,
     claim: TickClaim | None = None,
     priority: int = 0,
-) -> tuple[bool, list[int]]:
-    """Run the five writes; (whether the run update matched, the outbox ids in row order).
-    ``claim``: that new attempt is inserted claimed by its worker (runtime/inline.py)."""
+    carried: AttemptResult | None = None,
+) -> tuple[bool, bool, list[int]]:
+    """Run the five writes (six with ``carried``); whether the carried outcome was written
+    (True when there is none), whether the run update matched, and the outbox ids in row
+    order. ``claim``: that new attempt is inserted claimed by its worker
+    (runtime/inline.py)."""
     columns = tuple(sorted(run_values))
     params: dict[str, Any] = {
         "run_id": run_id,
         "version": version,
         "now": now,
-        "folded": list(payload.folded),
+        "folded": folded_by_commit(payload, carried),
         "priority": priority,
     }
+    if carried is not None:
+        params.update(carried_params(carried))
     for column in columns:
         value = run_values[column]
         params[f"r_{column}"] = dumps_json(value) if column in _JSON_RUN_COLUMNS else value
@@ -160,6 +182,6 @@ def commit(
     # execution context and result wrapping are pure cost here (measured by
     # benchmarks/tick_cost.py).
     with conn.connection.dbapi_connection.cursor() as cursor:  # type: ignore[union-attr]
-        cursor.execute(_statement(columns), params)
-        updated, outbox_ids = cursor.fetchone()
-    return updated == 1, list(outbox_ids)
+        cursor.execute(_statement(columns, carried is not None), params)
+        written, updated, outbox_ids = cursor.fetchone()
+    return bool(written), updated == 1, list(outbox_ids)

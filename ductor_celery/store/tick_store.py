@@ -19,7 +19,7 @@ from sqlalchemy.engine import Connection, Engine
 from ..coordinator.port import Loaded, LoadedRun, OutboxRow, TickClaim
 from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
-from ..engine import EngineConfig, TickInputs, TickPayload
+from ..engine import AttemptResult, EngineConfig, TickInputs, TickPayload
 from . import blobs, wakes
 from .db import with_retry
 from .dialect import dialect_of
@@ -97,8 +97,7 @@ class SqlTickStore:
 
 
 class SqlTickTransaction:
-    """One tick's transaction (``engine.begin()``); ``conn`` is its connection, which a
-    step worker's prelude writes its outcome on."""
+    """One tick's transaction (``engine.begin()``) on its connection ``conn``."""
 
     __slots__ = ("_store", "_begin", "conn")
 
@@ -131,9 +130,13 @@ class SqlTickTransaction:
         return load_on(self.conn, run_id, store.spec_for, store.config, wait_for_lock=wait_for_lock)
 
     def commit(
-        self, loaded: LoadedRun, payload: TickPayload, claim: TickClaim | None
+        self,
+        loaded: LoadedRun,
+        payload: TickPayload,
+        claim: TickClaim | None,
+        carried: AttemptResult | None = None,
     ) -> list[OutboxRow]:
-        return commit_on(self.conn, loaded, payload, claim)
+        return commit_on(self.conn, loaded, payload, claim, carried)
 
     def refresh_stale_timer(self, loaded: LoadedRun, fire_at: datetime | None) -> bool:
         return refresh_stale_timer(self.conn, loaded, fire_at)

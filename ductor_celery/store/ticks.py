@@ -16,21 +16,29 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
-from ..coordinator.port import LoadedRun, OutboxRow, TickClaim, VersionConflict, WorkflowIdTaken
+from ..coordinator.port import (
+    LoadedRun,
+    OutboxRow,
+    OutcomeNotCarried,
+    TickClaim,
+    VersionConflict,
+    WorkflowIdTaken,
+)
 from ..coordinator.rows import (
     OutboxIntent,
     carrier_revokes,
+    folded_by_commit,
     outbox_intents,
     outbox_row,
     transition_rows,
     unsent,
     wakeup_intent,
 )
-from ..engine import RunState, TickPayload
+from ..engine import AttemptResult, RunState, TickPayload
 from ..engine.children import child_workflow_id
 from ..engine.deadline import deadline_after
 from ..engine.kinds import CONTROL_APPLIED, AuditAction, AuditSource
-from . import audit, blobs, leases, pg_commit, rates, run_slots
+from . import attempts, audit, blobs, leases, pg_commit, rates, run_slots
 from . import tags as run_tags
 from .dialect import dialect_of
 from .external import lock_workflow_signals
@@ -75,12 +83,18 @@ def offload_payload(conn: Connection, run_id: str, payload: TickPayload) -> None
 
 
 def commit_on(
-    conn: Connection, loaded: LoadedRun, payload: TickPayload, claim: TickClaim | None = None
+    conn: Connection,
+    loaded: LoadedRun,
+    payload: TickPayload,
+    claim: TickClaim | None = None,
+    carried: AttemptResult | None = None,
 ) -> list[OutboxRow]:
-    """Write the payload in the caller's transaction; ``VersionConflict`` and
-    ``WorkflowIdTaken`` mean roll it back. ``claim``: a new attempt inserted as claimed."""
+    """Write the payload in the caller's transaction; ``VersionConflict``,
+    ``WorkflowIdTaken`` and ``OutcomeNotCarried`` mean roll it back. ``claim``: a new attempt
+    inserted as claimed. ``carried``: an outcome the worker holds, written finished and
+    folded (PostgreSQL; docs/one-statement-step.md)."""
     try:
-        return _commit_on(conn, loaded, payload, claim)
+        return _commit_on(conn, loaded, payload, claim, carried)
     except IntegrityError as exc:
         if payload.reopened:
             raise WorkflowIdTaken(loaded.workflow_id) from exc
@@ -88,7 +102,11 @@ def commit_on(
 
 
 def _commit_on(
-    conn: Connection, loaded: LoadedRun, payload: TickPayload, claim: TickClaim | None
+    conn: Connection,
+    loaded: LoadedRun,
+    payload: TickPayload,
+    claim: TickClaim | None,
+    carried: AttemptResult | None,
 ) -> list[OutboxRow]:
     if payload.needs:
         # compute_tick read inside a large value its inputs lacked: never written (the loop
@@ -115,9 +133,11 @@ def _commit_on(
         run_slots.lock_for_commit(conn, loaded.run_id, loaded.concurrency_key)
     rate = claim.rate if claim is not None else None
     if dialect_of(conn).one_statement and pg_commit.eligible(payload):
-        outbox = _commit_in_one_statement(conn, loaded, payload, values, now, claim)
+        outbox = _commit_in_one_statement(conn, loaded, payload, values, now, claim, carried)
     else:
-        outbox = _commit_core(conn, loaded, payload, values, now, claim)
+        if carried is not None and not attempts.finish_carried(conn, carried):
+            raise OutcomeNotCarried(carried.token)
+        outbox = _commit_core(conn, loaded, payload, values, now, claim, carried)
 
     for applied in payload.applied_signals:
         res = conn.execute(
@@ -237,10 +257,11 @@ def _commit_in_one_statement(
     values: dict[str, Any],
     now: datetime,
     claim: TickClaim | None,
+    carried: AttemptResult | None,
 ) -> list[OutboxRow]:
     """The common tick's writes in one round trip (store/pg_commit.py)."""
     intents = outbox_intents(payload, unsent(claim), loaded.priority)
-    matched, ids = pg_commit.commit(
+    written, matched, ids = pg_commit.commit(
         conn,
         run_id=loaded.run_id,
         version=loaded.record_version,
@@ -251,7 +272,11 @@ def _commit_in_one_statement(
         now=now,
         claim=claim,
         priority=loaded.priority,
+        carried=carried,
     )
+    if not written:
+        assert carried is not None
+        raise OutcomeNotCarried(carried.token)
     if not matched:
         raise VersionConflict(loaded.run_id)
     return [outbox_row(i, r) for i, r in zip(ids, intents, strict=True)]
@@ -264,9 +289,11 @@ def _commit_core(
     values: dict[str, Any],
     now: datetime,
     claim: TickClaim | None,
+    carried: AttemptResult | None,
 ) -> list[OutboxRow]:
     """The run update and the writes that come with it, one statement each, in the order
-    the lease rules need (every key locked before an attempt row is touched)."""
+    the lease rules need (every key locked before an attempt row is touched; a carried
+    outcome's attempt, folded already by ``_commit_on``, holds no lease)."""
     updated = conn.execute(
         _update_run_statement(tuple(sorted(values))),
         {"b_run": loaded.run_id, "b_version": loaded.record_version, **values},
@@ -305,8 +332,9 @@ def _commit_core(
             raise VersionConflict(f"attempt {closed.token} finished meanwhile")
         carriers[closed.token] = found.carrier
 
-    if payload.folded:
-        conn.execute(_fold_statement(), {"b_tokens": payload.folded})
+    folded = folded_by_commit(payload, carried)
+    if folded:
+        conn.execute(_fold_statement(), {"b_tokens": folded})
 
     waiting: set[str] = set()
     if payload.new_attempts:

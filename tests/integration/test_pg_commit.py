@@ -107,7 +107,7 @@ def test_a_lost_version_race_writes_nothing(database_url: str, tmp_path: Path) -
     engine = get_engine(database_url)
     before = _rows(database_url, run_id)
     with engine.begin() as conn:
-        matched, ids = pg_commit.commit(
+        written, matched, ids = pg_commit.commit(
             conn,
             run_id=run_id,
             version=7,  # the row is at version 0
@@ -127,7 +127,7 @@ def test_a_lost_version_race_writes_nothing(database_url: str, tmp_path: Path) -
             ],
             now=_now(),
         )
-    assert (matched, ids) == (False, [])
+    assert (written, matched, ids) == (True, False, [])
     assert _rows(database_url, run_id) == before
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM eec_workflow_outbox")).scalar() == 0
@@ -152,7 +152,7 @@ def test_empty_and_unknown_row_sets_are_fine(
     payload.folded = list(folded)
     payload.new_attempts = []
     with get_engine(database_url).begin() as conn:
-        matched, ids = pg_commit.commit(
+        written, matched, ids = pg_commit.commit(
             conn,
             run_id=run_id,
             version=0,
@@ -162,4 +162,4 @@ def test_empty_and_unknown_row_sets_are_fine(
             outbox=[],
             now=_now(),
         )
-    assert (matched, ids) == (True, [])
+    assert (written, matched, ids) == (True, True, [])

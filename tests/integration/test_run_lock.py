@@ -13,7 +13,10 @@ import sqlalchemy as sa
 from celery import Celery
 
 from ductor_celery import Ductor, Workflow
-from ductor_celery.runtime import tick_task
+from ductor_celery.engine import AttemptResult
+from ductor_celery.engine.status import AttemptOutcome
+from ductor_celery.runtime import steps, tick_task
+from ductor_celery.runtime.outcome import Outcome
 from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import attempts, tick_store
 from ductor_celery.store.db import get_engine
@@ -220,7 +223,8 @@ def test_eager_and_coordinator_ticks_racing_on_one_scatter_never_recompute(
     assert unfolded == 0
 
 
-# -- the worker's outcome written in its eager tick's own transaction (run_tick's prelude) ------
+# -- the worker's outcome carried by its eager tick, written by the tick's commit --------------
+# (docs/one-statement-step.md)
 
 
 def _first_attempt(engine: Any, run_id: str) -> str:
@@ -237,95 +241,145 @@ def _attempt(engine: Any, token: str) -> Any:
     with engine.connect() as conn:
         return conn.execute(
             sa.text(
-                "SELECT outcome, output, folded FROM eec_workflow_step_attempt WHERE token = :t"
+                "SELECT outcome, output, folded, finished_at FROM eec_workflow_step_attempt "
+                "WHERE token = :t"
             ),
             {"t": token},
         ).one()
 
 
-def _prelude(token: str, value: Any) -> Any:
-    return lambda conn: attempts.finish_unleased_on(conn, token, outcome="succeeded", output=value)
+def _carried(token: str, value: Any) -> AttemptResult:
+    return AttemptResult(
+        token=token, node="each", outcome=AttemptOutcome.SUCCEEDED, output=value, branch=0
+    )
 
 
-def test_the_outcome_and_the_eager_tick_that_folds_it_commit_together(
-    ductor: Any, database_url: str
-) -> None:
+def _claimed_first_attempt(ductor: Any, database_url: str) -> tuple[str, str]:
     run_id = ductor.start("fan", input={"items": [7]}).run_id
     engine = get_engine(database_url)
     assert run_tick(ductor.runtime, run_id) == "committed"
     token = _first_attempt(engine, run_id)
     assert attempts.claim(engine, token, "w1") is not None
-    assert run_tick(ductor.runtime, run_id, eager=True, prelude=_prelude(token, 7)) == "committed"
-    row = _attempt(engine, token)
+    return run_id, token
+
+
+def test_the_carried_outcome_is_written_finished_and_folded_by_the_commit_that_applies_it(
+    ductor: Any, database_url: str
+) -> None:
+    run_id, token = _claimed_first_attempt(ductor, database_url)
+    assert run_tick(ductor.runtime, run_id, eager=True, carried=_carried(token, 7)) == "committed"
+    row = _attempt(get_engine(database_url), token)
     assert (row.outcome, row.output, row.folded) == ("succeeded", 7, True)
     assert _record_version(database_url, run_id) == 2
+    run_tick(ductor.runtime, run_id)  # the scatter gathers its branches' outputs
+    assert ductor.get(run_id).nodes["each"].status == "succeeded"
 
 
-def test_a_busy_run_commits_the_outcome_alone_for_the_coordinator_to_fold(
-    ductor: Any, database_url: str
-) -> None:
-    run_id = ductor.start("fan", input={"items": [7]}).run_id
-    engine = get_engine(database_url)
-    assert run_tick(ductor.runtime, run_id) == "committed"
-    token = _first_attempt(engine, run_id)
-    assert attempts.claim(engine, token, "w1") is not None
+def test_a_busy_run_writes_nothing_of_the_carried_outcome(ductor: Any, database_url: str) -> None:
+    run_id, token = _claimed_first_attempt(ductor, database_url)
     release, held = threading.Event(), threading.Event()
     holder = threading.Thread(target=_hold_run_lock, args=(database_url, run_id, release, held))
     holder.start()
     try:
         assert held.wait(5)
-        outcome = run_tick(ductor.runtime, run_id, eager=True, prelude=_prelude(token, 7))
+        outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_carried(token, 7))
         assert outcome == "busy"
-        row = _attempt(engine, token)
-        assert (row.outcome, row.output, row.folded) == ("succeeded", 7, False)
+        row = _attempt(get_engine(database_url), token)
+        assert (row.outcome, row.finished_at, row.folded) == (None, None, False)
     finally:
         release.set()
         holder.join()
-    assert run_tick(ductor.runtime, run_id) == "committed"
-    assert _attempt(engine, token).folded
+    assert _record_version(database_url, run_id) == 1
 
 
-def test_a_closed_attempt_refuses_the_prelude_and_no_tick_runs(
+def test_a_closed_attempt_refuses_the_carried_outcome_and_nothing_is_written(
     ductor: Any, database_url: str
 ) -> None:
-    run_id = ductor.start("fan", input={"items": [7]}).run_id
-    engine = get_engine(database_url)
-    assert run_tick(ductor.runtime, run_id) == "committed"
-    token = _first_attempt(engine, run_id)
-    assert attempts.claim(engine, token, "w1") is not None
+    run_id, token = _claimed_first_attempt(ductor, database_url)
     ductor.terminate(run_id)  # applied by the call: the terminate closes the attempt
     version = _record_version(database_url, run_id)
-    with pytest.raises(tick_task.PreludeRefused):
-        run_tick(ductor.runtime, run_id, eager=True, prelude=_prelude(token, 7))
-    assert _attempt(engine, token).outcome == "cancelled"
+    with pytest.raises(tick_task.OutcomeNotCarried):
+        run_tick(ductor.runtime, run_id, eager=True, carried=_carried(token, 7))
+    assert _attempt(get_engine(database_url), token).outcome == "cancelled"
     assert _record_version(database_url, run_id) == version
 
 
-def test_a_conflict_rolls_the_prelude_back_with_the_tick_and_the_retry_writes_it_again(
+def test_an_outcome_carried_twice_is_applied_once(ductor: Any, database_url: str) -> None:
+    """A commit whose acknowledgement was lost is retried from the load: the outcome is then
+    in the run already, and the second commit refuses it whole (the worker's ``finish`` then
+    answers "closed")."""
+    run_id, token = _claimed_first_attempt(ductor, database_url)
+    assert run_tick(ductor.runtime, run_id, eager=True, carried=_carried(token, 7)) == "committed"
+    version = _record_version(database_url, run_id)
+    with pytest.raises(tick_task.OutcomeNotCarried):
+        run_tick(ductor.runtime, run_id, eager=True, carried=_carried(token, 8))
+    assert _record_version(database_url, run_id) == version
+    row = _attempt(get_engine(database_url), token)
+    assert (row.outcome, row.output, row.folded) == ("succeeded", 7, True)
+    written, _ = attempts.finish(
+        get_engine(database_url), token, outcome=AttemptOutcome.SUCCEEDED, output=8
+    )
+    assert not written
+
+
+def test_a_conflict_rolls_the_carried_outcome_back_with_the_tick_and_the_retry_writes_it(
     ductor: Any, database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run_id = ductor.start("fan", input={"items": [7]}).run_id
-    engine = get_engine(database_url)
-    assert run_tick(ductor.runtime, run_id) == "committed"
-    token = _first_attempt(engine, run_id)
-    assert attempts.claim(engine, token, "w1") is not None
+    run_id, token = _claimed_first_attempt(ductor, database_url)
     real_commit = tick_store.commit_on
-    calls: list[int] = []
+    calls: list[Any] = []
 
-    def commit_once_conflicting(conn: Any, loaded: Any, payload: Any, claim: Any = None) -> Any:
-        calls.append(1)
-        if len(calls) == 1:
+    def commit_once_conflicting(
+        conn: Any, loaded: Any, payload: Any, claim: Any = None, carried: Any = None
+    ) -> Any:
+        calls.append(carried)
+        outbox = real_commit(conn, loaded, payload, claim, carried)
+        if len(calls) == 1:  # written, then rolled back with the tick
             raise tick_task.VersionConflict(run_id)
-        return real_commit(conn, loaded, payload, claim)
+        return outbox
 
     monkeypatch.setattr(tick_store, "commit_on", commit_once_conflicting)
-    written: list[bool] = []
-
-    def prelude(conn: Any) -> bool:
-        written.append(_prelude(token, 7)(conn))
-        return written[-1]
-
-    assert run_tick(ductor.runtime, run_id, eager=True, prelude=prelude) == "committed"
-    assert written == [True, True]  # rolled back with the conflicting tick, then written again
-    row = _attempt(engine, token)
+    assert run_tick(ductor.runtime, run_id, eager=True, carried=_carried(token, 7)) == "committed"
+    assert [c.token for c in calls] == [token, token]
+    row = _attempt(get_engine(database_url), token)
     assert (row.outcome, row.output, row.folded) == ("succeeded", 7, True)
+    assert _record_version(database_url, run_id) == 2
+
+
+def test_a_worker_whose_eager_tick_finds_the_run_busy_writes_its_outcome_and_wakes_it(
+    ductor: Any, database_url: str
+) -> None:
+    run_id, token = _claimed_first_attempt(ductor, database_url)
+    rt, engine = ductor.runtime, get_engine(database_url)
+    woken: list[str] = []
+    rt.dispatcher.wake = woken.append
+    claimed = attempts.ClaimedAttempt(
+        token=token,
+        run_id=run_id,
+        workflow_id=run_id,
+        node="each",
+        branch=0,
+        generation=0,
+        attempt=1,
+        step="t.noop",
+        args={},
+        context={},
+        spec_hash="",
+        queued_s=0.0,
+    )
+    step = rt.step_named("t.noop")
+    release, held = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_run_lock, args=(database_url, run_id, release, held))
+    holder.start()
+    try:
+        assert held.wait(5)
+        result = Outcome(AttemptOutcome.SUCCEEDED, output=7)
+        assert steps._record_and_advance(rt, engine, step, claimed, result) == "succeeded"
+        row = _attempt(engine, token)
+        assert (row.outcome, row.output, row.folded) == ("succeeded", 7, False)
+        assert woken == [run_id]
+    finally:
+        release.set()
+        holder.join()
+    assert run_tick(rt, run_id) == "committed"
+    assert _attempt(engine, token).folded

@@ -66,18 +66,19 @@ def test_coordinator_and_eager_ticks_survive_a_restart(
     run_id = d.start("two").run_id
     assert run_tick(rt, run_id) == "committed"  # the pool now holds a connection
     token = _open_token(d, run_id)
-    assert attempts.claim(engine, token, "w") is not None
+    claimed = attempts.claim(engine, token, "w")
+    assert isinstance(claimed, attempts.ClaimedAttempt)
 
     server.restart()
     # A coordinator tick: its first statement (the timeouts) meets a dead connection.
     assert run_tick(rt, run_id) in ("noop", "committed")
 
     server.restart()
-    # An eager tick with the outcome as its first statement, on a dead connection: the
-    # outcome is written and folded all the same (retried, or written alone and ticked).
+    # An eager tick carrying the outcome, on a dead connection: the outcome is written and
+    # folded all the same (retried, or written alone and ticked).
     step = rt.step_named("restart.noop")
     done = Outcome(AttemptOutcome.SUCCEEDED, output=1)
-    assert _record_and_advance(rt, engine, step, token, run_id, done) == "succeeded"
+    assert _record_and_advance(rt, engine, step, claimed, done) == "succeeded"
     view = d.get(run_id)
     assert view.nodes["a"].status == "succeeded"
     assert view.status == RunStatus.RUNNING  # b started

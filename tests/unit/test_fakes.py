@@ -12,6 +12,7 @@ from support import FakeStep
 
 from ductor_celery.coordinator import (
     Coordinator,
+    OutcomeNotCarried,
     TickClaim,
     TickOutcome,
     TickResult,
@@ -21,7 +22,7 @@ from ductor_celery.coordinator import (
 from ductor_celery.definition import RetryPolicy, Workflow
 from ductor_celery.definition.retry import ConcurrencyLimit
 from ductor_celery.definition.spec import approval_signal
-from ductor_celery.engine import RunStatus, compute_tick
+from ductor_celery.engine import AttemptOutcome, AttemptResult, RunStatus, compute_tick
 from ductor_celery.engine.kinds import DispatchKind
 from ductor_celery.fakes import (
     InMemoryStore,
@@ -185,7 +186,7 @@ def test_the_coordinator_recomputes_after_a_conflict_and_counts_it(
     assert len(store.open_attempts(run_id)) == 1
 
 
-def test_an_eager_tick_finds_a_run_held_by_another_tick_busy_and_commits_its_prelude() -> None:
+def test_an_eager_tick_carries_an_outcome_and_writes_nothing_of_it_unless_it_commits() -> None:
     store, sent, coordinator = _world()
     wf = Workflow("one")
     wf.step("a", "s.a")
@@ -193,16 +194,19 @@ def test_an_eager_tick_finds_a_run_held_by_another_tick_busy_and_commits_its_pre
     coordinator.tick(run_id)
     [token] = sent.step_tokens()
     store.claim(token)
-
-    def prelude(tx: Any) -> bool:
-        return bool(tx.store.finish(token, output=5))
+    carried = AttemptResult(token=token, node="a", outcome=AttemptOutcome.SUCCEEDED, output=5)
 
     with store.held_elsewhere(run_id):
-        assert coordinator.tick(run_id, eager=True, prelude=prelude).outcome == "busy"
-    assert store.attempt(token).outcome == "succeeded", "the outcome is committed alone"
-    assert store.run(run_id).status == "running", "and not folded: the run was busy"
-    assert coordinator.tick(run_id).outcome == "committed"
+        assert coordinator.tick(run_id, eager=True, carried=carried).outcome == "busy"
+    assert store.attempt(token).finished_at is None, "busy: nothing of it is written"
+    assert coordinator.tick(run_id, eager=True, carried=carried).outcome == "committed"
+    row = store.attempt(token)
+    assert (row.outcome, row.output, row.folded) == ("succeeded", 5, True)
     assert store.run(run_id).status == "succeeded"
+    version = store.run(run_id).record_version
+    with pytest.raises(OutcomeNotCarried):  # carried again: applied once, never twice
+        coordinator.tick(run_id, eager=True, carried=carried)
+    assert store.run(run_id).record_version == version
 
 
 def test_signals_approvals_and_controls_go_through_the_fake_as_through_the_tables() -> None:

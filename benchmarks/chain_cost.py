@@ -1,0 +1,178 @@
+"""An inline step's own cost on a real PostgreSQL, in this process: no broker, no workers.
+
+    PYTHONPATH=. python benchmarks/chain_cost.py [--rounds 5] [--runs 40] [--profile N]
+
+Starts a throwaway PostgreSQL (tests/servers.py) with ``pg_stat_statements``, then, each
+round, runs ``--runs`` runs of a 10-step chain the way a step worker runs them with eager
+ticks and inline steps on: the run's first tick, then the first step's message handled by
+``execute_attempt``, which runs all ten steps one after another (each step's outcome, the
+eager tick that folds it, the next attempt claimed in that tick's commit). Step messages are
+not sent (the dispatcher records them); the steps return a small dict.
+
+Per step, over the ``execute_attempt`` calls only (medians over rounds):
+- wall time; this process's CPU (the Python side); PostgreSQL's CPU (its backends, read from
+  ``/proc``), and the two together;
+- statements PostgreSQL executed (``pg_stat_statements``, ``BEGIN`` and ``COMMIT``
+  included) and bytes of WAL written (``pg_current_wal_lsn()`` before and after).
+
+``--profile N``: one more round under cProfile, printing the N functions with the most own
+time. A/B two checkouts side by side with ``PYTHONPATH=<checkout>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from celery import Celery  # noqa: E402
+from servers import PostgresServer  # noqa: E402
+
+from ductor_celery import Ductor, Workflow  # noqa: E402
+from ductor_celery.engine.kinds import DispatchKind  # noqa: E402
+from ductor_celery.runtime.steps import execute_attempt  # noqa: E402
+from ductor_celery.runtime.tick_task import run_tick  # noqa: E402
+from ductor_celery.store.migrate import upgrade  # noqa: E402
+
+STEPS = 10
+QUEUE = "ductor-steps"
+FIGURES = ("wall ms", "process CPU ms", "PostgreSQL CPU ms", "CPU ms", "statements", "WAL bytes")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=40)
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
+    args = parser.parse_args()
+    settings = {"shared_preload_libraries": "pg_stat_statements"}
+    with PostgresServer(settings=settings) as pg:
+        pg.create_database("chain_cost")
+        with pg.connect("chain_cost") as admin:
+            admin.execute("CREATE EXTENSION pg_stat_statements")
+        url = pg.url("chain_cost")
+        upgrade(url)
+        bench = _Bench(pg, url)
+        bench.round(args.runs)  # warm: connections, prepared statements, caches
+        rounds = [bench.round(args.runs) for _ in range(args.rounds)]
+        for name in FIGURES:
+            values = [r[name] for r in rounds]
+            sys.stdout.write(
+                f"per step, {name}: median {statistics.median(values):.3f} "
+                f"(min {min(values):.3f}, max {max(values):.3f})\n"
+            )
+        if args.profile:
+            profile = cProfile.Profile()
+            bench.round(args.runs, profile)
+            stats = pstats.Stats(profile, stream=sys.stdout)
+            stats.sort_stats(os.environ.get("CHAIN_COST_SORT", "tottime")).print_stats(args.profile)
+
+
+class _Bench:
+    """One Ductor on the server, with a 10-step chain registered."""
+
+    def __init__(self, pg: PostgresServer, url: str) -> None:
+        self.pg = pg
+        app = Celery("chain_cost", set_as_current=False)
+        app.conf.broker_url = "memory://"
+        ductor = Ductor(app, database_url=url)
+        self.sent: list[Any] = []
+        rt = ductor.runtime
+        rt.dispatcher.send = self.sent.extend  # type: ignore[method-assign,assignment]
+        rt.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+        rt.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
+        ductor.step(name="c.step")(lambda ctx: {"ok": 1})
+        chain = Workflow("chain")
+        for i in range(STEPS):
+            chain.step(f"s{i}", "c.step", after=[f"s{i - 1}"] if i else [])
+        ductor.register(chain)
+        self.ductor = ductor
+        step = rt.step_named("c.step")
+        assert step is not None
+        self.step = step
+
+    def round(self, runs: int, profile: cProfile.Profile | None = None) -> dict[str, float]:
+        """Per-step figures of ``runs`` chain runs, each run inline from its first message."""
+        ductor, rt = self.ductor, self.ductor.runtime
+        tokens = []
+        for _ in range(runs):
+            run_id = ductor.start("chain", input={}).run_id
+            self.sent.clear()
+            assert run_tick(rt, run_id) == "committed"
+            (first,) = [r.payload["token"] for r in self.sent if r.kind == DispatchKind.STEP]
+            tokens.append((run_id, first))
+        statements0, wal0 = self._server_counters()
+        pg_cpu0 = _postgres_cpu(self.pg)
+        w0, c0 = time.perf_counter(), time.process_time()
+        if profile is not None:
+            profile.enable()
+        for _, token in tokens:
+            execute_attempt(rt, self.step, token, hostname="h", queue=QUEUE, carrier=token)
+        if profile is not None:
+            profile.disable()
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        pg_cpu = _postgres_cpu(self.pg) - pg_cpu0
+        statements1, wal1 = self._server_counters()
+        for run_id, _ in tokens:
+            status = ductor.get(run_id).status
+            assert status == "succeeded", (run_id, status)
+        steps = runs * STEPS
+        return {
+            "wall ms": 1000 * wall / steps,
+            "process CPU ms": 1000 * cpu / steps,
+            "PostgreSQL CPU ms": 1000 * pg_cpu / steps,
+            "CPU ms": 1000 * (cpu + pg_cpu) / steps,
+            # Less the one statement that reads the counters.
+            "statements": (statements1 - statements0 - 1) / steps,
+            "WAL bytes": (wal1 - wal0) / steps,
+        }
+
+    def _server_counters(self) -> tuple[int, int]:
+        """Statements executed so far (all databases) and the WAL position, in bytes."""
+        with self.pg.connect("chain_cost") as conn:
+            row = conn.execute(
+                "SELECT (SELECT sum(calls) FROM pg_stat_statements), "
+                "pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')"
+            ).fetchone()
+        assert row is not None
+        return int(row[0] or 0), int(row[1])
+
+
+def _postgres_cpu(pg: PostgresServer) -> float:
+    """CPU seconds (user and system) of the server's processes so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in _children_of(_postmaster_pid(pg)):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
+def _postmaster_pid(pg: PostgresServer) -> int:
+    return int((pg.data_dir / "postmaster.pid").read_text().split()[0])
+
+
+def _children_of(parent: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == parent:
+                found.append(int(entry.name))
+    return found
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""An outcome carried by the eager tick (written by the tick's commit through psycopg's own
+cursor: ``attempts.CARRIED_SET``, in the one-statement commit or in ``finish_carried``) leaves
+exactly the row ``attempts.finish`` and a later tick leave (SQLAlchemy's JSON type), value for
+value, and the run the same state: nobody can tell them apart (PostgreSQL: carried outcomes
+are a PostgreSQL path; docs/one-statement-step.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from ductor_celery import Ductor, RetryPolicy, Workflow
+from ductor_celery.coordinator import OutcomeNotCarried
+from ductor_celery.engine import AttemptResult
+from ductor_celery.engine.status import AttemptOutcome
+from ductor_celery.runtime.tick_task import run_tick
+from ductor_celery.store import attempts
+from ductor_celery.store.schema import step_attempt
+
+_COLUMNS = (
+    "outcome",
+    "retryable",
+    "output IS NULL",
+    "output::text",
+    "error IS NULL",
+    "error::text",
+    "patch IS NULL",
+    "patch::text",
+    "tags IS NULL",
+    "tags::text",
+    "finished_at IS NOT NULL",
+    "folded",
+)
+
+
+@pytest.fixture
+def ductor(database_url: str, tmp_path: Path) -> Any:
+    app = Celery(f"fit{tmp_path.name}", set_as_current=False)
+    app.conf.broker_url = "memory://"
+    d = Ductor(app, database_url=database_url)
+    d.runtime.dispatcher.send = lambda rows: None  # type: ignore[method-assign,assignment]
+    d.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+    d.runtime.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
+    d.step(name="fit.noop")(lambda ctx: None)
+    wf = Workflow("fit")
+    wf.step("a", "fit.noop", retry=RetryPolicy(max_attempts=2, initial_interval=0.0))
+    wf.output({"a": "$.nodes.a.output", "context": "$.context"})
+    d.register(wf)
+    return d
+
+
+def _open_attempt(d: Ductor) -> str:
+    run_id = d.start("fit").run_id
+    run_tick(d.runtime, run_id)
+    return _claimed(d, run_id)
+
+
+def _claimed(d: Ductor, run_id: str) -> str:
+    with d.runtime.engine().connect() as conn:
+        token = conn.execute(
+            sa.select(step_attempt.c.token).where(step_attempt.c.run_id == run_id)
+        ).scalar_one()
+    assert attempts.claim(d.runtime.engine(), token, "w") is not None
+    return str(token)
+
+
+def _run_of(token: str) -> str:
+    return token.rsplit(":", 2)[0]
+
+
+def _carried(token: str, values: dict[str, Any]) -> AttemptResult:
+    return AttemptResult(token=token, node="a", **values)
+
+
+def _row(d: Ductor, token: str) -> tuple[Any, ...]:
+    with d.runtime.engine().connect() as conn:
+        return tuple(
+            conn.execute(
+                sa.text(
+                    f"SELECT {', '.join(_COLUMNS)} FROM eec_workflow_step_attempt WHERE token = :t"
+                ),
+                {"t": token},
+            ).one()
+        )
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"outcome": AttemptOutcome.SUCCEEDED, "output": None},
+        {"outcome": AttemptOutcome.SUCCEEDED, "output": {"n": 1, "big": 1e16, "text": "é\u2028"}},
+        {"outcome": AttemptOutcome.SUCCEEDED, "output": [1, "two", None], "patch": {"k": [1]}},
+        {"outcome": AttemptOutcome.SUCCEEDED, "output": "x", "tags": [["k", "v"], ["a", "b"]]},
+        {
+            "outcome": AttemptOutcome.FAILED,
+            "error": {"type": "E", "message": "m"},
+            "retryable": False,
+        },
+        {"outcome": AttemptOutcome.CANCELLED, "error": {"type": "StepCancelled", "message": ""}},
+    ],
+)
+def test_the_carried_outcome_and_finish_then_a_tick_leave_the_same_rows_and_run(
+    ductor: Ductor, values: dict[str, Any]
+) -> None:
+    by_finish, carried = _open_attempt(ductor), _open_attempt(ductor)
+    written, _ = attempts.finish(ductor.runtime.engine(), by_finish, **values)
+    assert written
+    assert run_tick(ductor.runtime, _run_of(by_finish)) == "committed"
+    outcome = run_tick(
+        ductor.runtime, _run_of(carried), eager=True, carried=_carried(carried, values)
+    )
+    assert outcome == "committed"
+    assert _row(ductor, carried) == _row(ductor, by_finish)
+    one, other = ductor.get(_run_of(by_finish)), ductor.get(_run_of(carried))
+    assert (one.status, one.output, one.error) == (other.status, other.output, other.error)
+
+
+def test_a_retry_commits_through_the_ordinary_commit_and_still_carries_the_outcome(
+    ductor: Ductor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure the node retries at once is a commit the one statement does not take (the
+    retry copies the failed attempt's arguments): ``finish_carried`` writes the outcome."""
+    token = _open_attempt(ductor)
+    calls: list[str] = []
+    real = attempts.finish_carried
+
+    def spy(conn: Any, carried: AttemptResult) -> bool:
+        calls.append(carried.token)
+        return real(conn, carried)
+
+    monkeypatch.setattr(attempts, "finish_carried", spy)
+    failed = {"outcome": AttemptOutcome.FAILED, "error": {"type": "E", "message": "m"}}
+    outcome = run_tick(ductor.runtime, _run_of(token), eager=True, carried=_carried(token, failed))
+    assert (outcome, calls) == ("committed", [token])
+    assert _row(ductor, token)[0] == "failed"
+    assert _row(ductor, token)[-1] is True  # folded
+    with ductor.runtime.engine().connect() as conn:
+        open_now = conn.execute(
+            sa.select(step_attempt.c.token).where(
+                step_attempt.c.run_id == _run_of(token), step_attempt.c.finished_at.is_(None)
+            )
+        ).scalars()
+        assert [t for t in open_now if t != token], "the retry's attempt is inserted"
+
+
+def test_finish_carried_writes_the_row_finish_writes(ductor: Ductor) -> None:
+    values = {"outcome": AttemptOutcome.SUCCEEDED, "output": {"n": 1}, "tags": [["k", "v"]]}
+    by_finish, carried = _open_attempt(ductor), _open_attempt(ductor)
+    attempts.finish(ductor.runtime.engine(), by_finish, **values)
+    with ductor.runtime.engine().begin() as conn:
+        assert attempts.finish_carried(conn, _carried(carried, values))
+    assert _row(ductor, carried)[:-1] == _row(ductor, by_finish)[:-1]
+    assert _row(ductor, carried)[-1] is True
+
+
+def test_an_attempt_finished_already_or_leased_is_not_written(ductor: Ductor) -> None:
+    token = _open_attempt(ductor)
+    one = _carried(token, {"outcome": AttemptOutcome.SUCCEEDED, "output": 1})
+    with ductor.runtime.engine().begin() as conn:
+        assert attempts.finish_carried(conn, one)
+    with ductor.runtime.engine().begin() as conn:
+        assert not attempts.finish_carried(conn, _carried(token, {"outcome": "failed"}))
+    assert _row(ductor, token)[:4] == ("succeeded", True, False, "1")
+    leased = _open_attempt(ductor)
+    with ductor.runtime.engine().begin() as conn:
+        conn.execute(
+            sa.update(step_attempt).where(step_attempt.c.token == leased).values(lease_key="k")
+        )
+    succeeded = _carried(leased, {"outcome": AttemptOutcome.SUCCEEDED})
+    with pytest.raises(OutcomeNotCarried):
+        run_tick(ductor.runtime, _run_of(leased), eager=True, carried=succeeded)
+    assert _row(ductor, leased)[0] is None
