@@ -240,13 +240,26 @@ def dispose_all() -> None:
             del _engines[key]
 
 
+#: Called with the URL by ``forget_engine``: this process's other connections to it go with
+#: its engine (``store/finishes.py``'s idle listeners).
+_forget_hooks: list[Callable[[str], None]] = []
+
+
+def on_forget(hook: Callable[[str], None]) -> None:
+    """Have ``forget_engine(url)`` call ``hook(url)`` too."""
+    _forget_hooks.append(hook)
+
+
 def forget_engine(url: str) -> None:
-    """Dispose of this process's engine for ``url`` and drop it (a throwaway database)."""
+    """Dispose of this process's engine for ``url`` and drop it (a throwaway database), and
+    close its other connections to ``url``."""
     with _lock:
         engines = [_engines.pop((os.getpid(), url, p), None) for p in (True, False)]
     for engine in engines:
         if engine is not None:
             engine.dispose()
+    for hook in _forget_hooks:
+        hook(url)
 
 
 def db_now(engine: Engine) -> datetime:
