@@ -25,6 +25,7 @@ from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
@@ -277,9 +278,13 @@ def aware(value: datetime | None) -> datetime | None:
 
 
 def is_transient(exc: BaseException) -> bool:
-    """A dropped connection or a restarting server: worth retrying the whole transaction."""
+    """A dropped connection or a restarting server: worth retrying the whole transaction.
+    SQLAlchemy's wrapped errors, and psycopg's own from the statements that go to its cursor
+    directly (the tick's hot statements, store/load.py and store/pg_commit.py)."""
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
+    if isinstance(exc, psycopg.OperationalError):
+        return True  # connection failures, restarts, serialization failures, deadlocks
     if not isinstance(exc, OperationalError):
         return False
     if type(exc.orig).__module__.startswith("sqlite3"):

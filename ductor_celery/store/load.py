@@ -13,8 +13,11 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
+from psycopg.rows import namedtuple_row
 from sqlalchemy.dialects.postgresql import aggregate_order_by
+from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from sqlalchemy.engine import Connection, Engine
 
 from ..coordinator.port import LoadedRun, RunBusy
@@ -224,24 +227,50 @@ def _run_row(
     # PostgreSQL's form of the read (the clock, the results aggregated, the row locked) is
     # the one-statement one; SQLite's transaction is BEGIN IMMEDIATE already.
     postgres = dialect_of(conn).one_statement
-    query = _run_row_statement(postgres, postgres and not wait_for_lock, with_input)
+    if not postgres:
+        query = _run_row_statement(False, False, with_input)
+        return conn.execute(query, {"b_run": run_id}).one_or_none()
+    text = _run_row_text(not wait_for_lock, with_input)
     try:
-        row = conn.execute(query, {"b_run": run_id}).one_or_none()
-    except sa.exc.OperationalError as exc:
-        if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+        row = _fetch_on_driver(conn, text, run_id)
+    except (sa.exc.OperationalError, psycopg.OperationalError) as exc:
+        orig = exc.orig if isinstance(exc, sa.exc.OperationalError) else exc
+        if getattr(orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
             raise
         # Another tick held the run past ``TICK_LOCK_TIMEOUT`` (a process stopped or cut off
         # mid-tick): leave the run to the sweeper's lost-wake-up scan rather than wait on
         # with this worker's whole queue behind it (store/tick_store.py).
         raise RunBusy(run_id) from exc
-    if row is not None and postgres and row.snapshot_version != row.record_version:
+    if row is not None and row.snapshot_version != row.record_version:
         # This statement waited for the run's lock while another tick committed the run.
         # Under READ COMMITTED the locked row is re-read as that tick left it, but the
         # subqueries (results, timer, inbox flags) keep the snapshot from before it: results
         # it folded, a timer it moved. Read again: we hold the lock now, so no other tick
         # can commit the run in between, and the new statement's snapshot is fresh.
-        row = conn.execute(query, {"b_run": run_id}).one_or_none()
+        row = _fetch_on_driver(conn, text, run_id)
     return row
+
+
+def _fetch_on_driver(conn: Connection, text: str, run_id: str) -> Any:
+    """The run-row read straight on psycopg's cursor, inside the tick's transaction: the
+    first read of every tick, whose text never changes, so SQLAlchemy's execution context
+    and result wrapping are pure cost (as for the one-statement commit, store/pg_commit.py).
+    The row is a named tuple (``row.state``, ``row._fields``), as SQLAlchemy's; psycopg
+    decodes the JSON and timestamp columns as SQLAlchemy's psycopg dialect does. A dropped
+    connection raises psycopg's own ``OperationalError``, which ``db.is_transient`` retries
+    like SQLAlchemy's."""
+    driver = conn.connection.dbapi_connection
+    with driver.cursor(row_factory=namedtuple_row) as cursor:  # type: ignore[union-attr]
+        cursor.execute(text, {"b_run": run_id})
+        return cursor.fetchone()
+
+
+@functools.cache
+def _run_row_text(skip_locked: bool, with_input: bool) -> str:
+    """``_run_row_statement`` on PostgreSQL as psycopg's text (``%(b_run)s``), compiled once
+    per process."""
+    query = _run_row_statement(True, skip_locked, with_input)
+    return str(query.compile(dialect=psycopg_dialect()))  # type: ignore[no-untyped-call]
 
 
 @functools.cache

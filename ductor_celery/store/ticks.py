@@ -40,7 +40,7 @@ from ..engine.deadline import deadline_after
 from ..engine.kinds import CONTROL_APPLIED, AuditAction, AuditSource
 from . import attempts, audit, blobs, leases, pg_commit, rates, run_slots
 from . import tags as run_tags
-from .dialect import dialect_of
+from .dialect import Dialect, dialect_of
 from .external import lock_workflow_signals
 from .finishes import RUN_FINISHED_CHANNEL
 from .outbox import insert_outbox
@@ -377,17 +377,30 @@ def _set_timer(conn: Connection, loaded: LoadedRun, fire_at: datetime | None) ->
     run_id, current = loaded.run_id, loaded.timer_at
     if fire_at is None:
         if current is not None:
-            conn.execute(sa.delete(workflow_timer).where(workflow_timer.c.run_id == run_id))
+            conn.execute(_delete_timer_statement(), {"b_run": run_id})
         return
     if current is not None and loaded.now < current <= fire_at:
         return
-    insert = dialect_of(conn).insert
-    stmt = insert(workflow_timer).values(run_id=run_id, fire_at=fire_at, woken_at=None)
-    conn.execute(
-        stmt.on_conflict_do_update(
-            index_elements=[workflow_timer.c.run_id],
-            set_={"fire_at": fire_at, "woken_at": None},
-        )
+    upsert = _upsert_timer_statement(dialect_of(conn))
+    conn.execute(upsert, {"run_id": run_id, "fire_at": fire_at, "woken_at": None})
+
+
+@functools.cache
+def _delete_timer_statement() -> Any:
+    return sa.delete(workflow_timer).where(
+        workflow_timer.c.run_id == sa.bindparam("b_run", type_=sa.String)
+    )
+
+
+@functools.cache
+def _upsert_timer_statement(dialect: Dialect) -> Any:
+    """The timer row's upsert (parameters ``run_id``, ``fire_at``, ``woken_at``), built once
+    per process and database kind (each has its ON CONFLICT): building it cost more than
+    sending it."""
+    stmt = dialect.insert(workflow_timer)
+    return stmt.on_conflict_do_update(
+        index_elements=[workflow_timer.c.run_id],
+        set_={"fire_at": stmt.excluded.fire_at, "woken_at": stmt.excluded.woken_at},
     )
 
 

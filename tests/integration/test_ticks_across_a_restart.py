@@ -1,5 +1,5 @@
-"""A tick's first statements go straight to psycopg's cursor (the timeouts, an eager tick's
-outcome). After PostgreSQL restarts, the connections pooled before it are dead: a tick whose
+"""A tick's hot statements go straight to psycopg's cursor (the timeouts, the run-row read, the
+commit). After PostgreSQL restarts, the connections pooled before it are dead: a tick whose
 first statement meets one must still be retried or fall back, as when SQLAlchemy sent it.
 On a private server (the session's is shared by other tests)."""
 
@@ -19,7 +19,7 @@ from ductor_celery.engine.status import AttemptOutcome
 from ductor_celery.runtime.outcome import Outcome
 from ductor_celery.runtime.steps import _record_and_advance
 from ductor_celery.runtime.tick_task import run_tick
-from ductor_celery.store import attempts
+from ductor_celery.store import attempts, load
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.schema import step_attempt
 
@@ -82,3 +82,30 @@ def test_coordinator_and_eager_ticks_survive_a_restart(
     view = d.get(run_id)
     assert view.nodes["a"].status == "succeeded"
     assert view.status == RunStatus.RUNNING  # b started
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_a_connection_lost_in_the_middle_of_a_tick_is_retried(
+    server: PostgresServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, eager: bool
+) -> None:
+    """The run-row read goes to psycopg's cursor too: its connection dropped after the tick's
+    transaction began (the pool's pre-ping cannot see that) raises psycopg's own error, and
+    the tick is retried on a new connection all the same."""
+    d = _ductor(server.url("restart"), tmp_path.name)
+    rt = d.runtime
+    run_id = d.start("two").run_id
+    real = load._fetch_on_driver
+    killed: list[int] = []
+
+    def killed_first(conn: Any, text: str, run: str) -> Any:
+        if not killed:
+            pid = conn.connection.dbapi_connection.info.backend_pid
+            with server.connect("restart") as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            killed.append(pid)
+        return real(conn, text, run)
+
+    monkeypatch.setattr(load, "_fetch_on_driver", killed_first)
+    assert run_tick(rt, run_id, eager=eager) == "committed"
+    assert len(killed) == 1
+    assert d.get(run_id).nodes["a"].status == "running"
