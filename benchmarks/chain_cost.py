@@ -15,6 +15,7 @@ Per step, over the ``execute_attempt`` calls only (medians over rounds):
 - statements PostgreSQL executed (``pg_stat_statements``, ``BEGIN`` and ``COMMIT``
   included) and bytes of WAL written (``pg_current_wal_lsn()`` before and after).
 
+``--statements N``: one more round, then the N statements PostgreSQL spent most time on.
 ``--profile N``: one more round under cProfile, printing the N functions with the most own
 time. A/B two checkouts side by side with ``PYTHONPATH=<checkout>``.
 """
@@ -53,6 +54,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--runs", type=int, default=40)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--statements",
+        type=int,
+        default=0,
+        metavar="N",
+        help="one more round, then the N statements PostgreSQL spent most time on, per step",
+    )
     args = parser.parse_args()
     settings = {"shared_preload_libraries": "pg_stat_statements"}
     with PostgresServer(settings=settings) as pg:
@@ -70,6 +78,8 @@ def main() -> None:
                 f"per step, {name}: median {statistics.median(values):.3f} "
                 f"(min {min(values):.3f}, max {max(values):.3f})\n"
             )
+        if args.statements:
+            bench.statements(args.runs, args.statements)
         if args.profile:
             profile = cProfile.Profile()
             bench.round(args.runs, profile)
@@ -135,6 +145,26 @@ class _Bench:
             "statements": (statements1 - statements0 - 1) / steps,
             "WAL bytes": (wal1 - wal0) / steps,
         }
+
+    def statements(self, runs: int, top: int) -> None:
+        """One more round with the statement statistics reset first: the ``top`` statements
+        by PostgreSQL's execution time, per step (``pg_stat_statements``)."""
+        with self.pg.connect("chain_cost") as conn:
+            conn.execute("SELECT pg_stat_statements_reset()")
+        self.round(runs)
+        with self.pg.connect("chain_cost") as conn:
+            rows = conn.execute(
+                "SELECT calls, total_exec_time, wal_bytes, left(regexp_replace(query, "
+                "'\\s+', ' ', 'g'), 90) FROM pg_stat_statements "
+                "ORDER BY total_exec_time DESC LIMIT %s",
+                (top,),
+            ).fetchall()
+        steps = runs * STEPS
+        for calls, ms, wal, query in rows:
+            sys.stdout.write(
+                f"{calls / steps:5.2f} calls/step {1000 * ms / steps:7.1f} us/step "
+                f"{int(wal) / steps:7.0f} WAL B/step  {query}\n"
+            )
 
     def _server_counters(self) -> tuple[int, int]:
         """Statements executed so far (all databases) and the WAL position, in bytes."""

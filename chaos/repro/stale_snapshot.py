@@ -76,8 +76,8 @@ def reproduce(url: str) -> dict[str, object]:
     # The tick loop's SQL adapter commits through store.tick_store.commit_on.
     original = tick_store.commit_on
 
-    def slow_commit(conn, loaded, payload, claim=None):  # type: ignore[no-untyped-def]
-        out = original(conn, loaded, payload, claim)
+    def slow_commit(conn, loaded, payload, claim=None, carried=None):  # type: ignore[no-untyped-def]
+        out = original(conn, loaded, payload, claim, carried)
         if threading.current_thread().name == "tick-A":
             time.sleep(1.5)
         return out
