@@ -879,28 +879,30 @@ class Client:
         check_target(target)
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        row = self._row(target)
+        run_id: str | None = None
         with finishes.listener(self.engine, self.settings.listen_url) as listener:
             while True:
                 # Read after the listener started, so a finish just before it is not missed.
-                row, done = self._poll(target, row.run_id)
+                # The first read finds the run (a workflow id: its newest run); later ones
+                # read that run again, whatever runs its workflow id starts meanwhile.
+                row, done = self._poll(target, run_id)
                 if done:
                     return self._view(row)
+                run_id = run_id or row.run_id
                 self._check_deadline(target, deadline, timeout)
                 remaining = 3600.0 if deadline is None else deadline - time.monotonic()
                 listener.wait_for(row.run_id, max(0.0, remaining))
 
-    def _poll(self, target: str, run_id: str) -> tuple[RunRow, bool]:
-        """The run as it is now, and whether it is finished: terminal, and not about to be
-        reopened by a redrive nobody has applied yet.
-
-        The pending redrive is looked up before the row: a redrive applied in between then
-        shows in the row (it is marked handled in the commit that reopens the run).
-        """
-        redrive_pending = self._read(
-            external.has_unhandled_control, self.engine, run_id, (ControlKind.REDRIVE,)
-        )
-        row = self._follow(target, self._row(run_id))
+    def _poll(self, target: str, run_id: str | None) -> tuple[RunRow, bool]:
+        """The run as it is now (``run_id``, or the one ``target`` names), and whether it is
+        finished: terminal, and not about to be reopened by a redrive nobody has applied yet
+        (both in one read, so in one snapshot: ``runs.find_run_for_wait``)."""
+        check_target(target)
+        found = self._read(runs.find_run_for_wait, self.engine, run_id or target)
+        if found is None:
+            raise RunNotFound(f"no run with run id or workflow id {target!r}")
+        row, redrive_pending = found
+        row = self._follow(target, row)
         return row, row.status in TERMINAL_RUN_STATUSES and not redrive_pending
 
     def _follow(self, target: str, row: RunRow) -> RunRow:

@@ -24,6 +24,7 @@ from .port import (
     Keeper,
     LoadedRun,
     OutboxRow,
+    OutcomeNotCarried,
     RunBusy,
     TickStore,
     TickTransaction,
@@ -253,6 +254,10 @@ class Coordinator(Generic[TxT]):
                     # Nothing to commit; only a timer row that came due early is moved.
                     tx.refresh_stale_timer(loaded, payload.next_wake_at)
                     return TickResult(TickOutcome.NOOP, payload)
+                if carried is not None and carried.token not in payload.folded:
+                    # A tick that stops before it folds results (a run not started yet):
+                    # folding it here would drop it; the worker writes it alone instead.
+                    raise OutcomeNotCarried(carried.token)
                 if self.failpoint is not None:
                     self.failpoint("before_commit")
                 claim = None if keep is None else keep.choose(loaded, payload)

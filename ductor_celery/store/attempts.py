@@ -17,7 +17,7 @@ from ..definition.spec import compensated_node, compensation_id
 from ..engine.inputs import AttemptResult
 from ..engine.status import AttemptOutcome
 from . import leases, rates
-from .db import autocommit, aware, refusing_values
+from .db import autocommit, aware, driver_cursor, refusing_values
 from .dialect import dialect_of
 from .inputs import current_input
 from .leases import holds_lease
@@ -453,7 +453,7 @@ def finish_carried(conn: Connection, carried: AttemptResult) -> bool:
     (PostgreSQL, a commit not in one statement: ``ticks._commit_on``); False: the attempt is
     finished or closed already, or holds a lease. Straight to the driver's cursor, as the
     one-statement commit: the text is fixed and the values plain."""
-    with conn.connection.dbapi_connection.cursor() as cursor:  # type: ignore[union-attr]
+    with driver_cursor(conn) as cursor:
         cursor.execute(_PG_FINISH_CARRIED, carried_params(carried))
         return bool(cursor.rowcount == 1)
 

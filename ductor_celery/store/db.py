@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import psycopg
 import sqlalchemy as sa
 from sqlalchemy import event
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError, StatementError
 
 from ..errors import StoreUnavailable
@@ -218,6 +218,38 @@ def _on_error(context: Any) -> None:
         _outages += 1
 
 
+#: psycopg's own errors, from a statement sent straight to its cursor, that mean "this
+#: connection is no use": lost, idle too long in its transaction (25P03), or on a server that
+#: became read-only (a demoted primary).
+_LOST_CONNECTION_SQLSTATES = _READ_ONLY_SQLSTATES | {"25P03"}
+
+
+@contextmanager
+def driver_errors(conn: Connection) -> Iterator[None]:
+    """Around a statement sent to psycopg's cursor directly (bypassing SQLAlchemy, whose
+    ``_on_error`` would see it): a lost or read-only connection is invalidated, so the pool
+    never hands it out again, and counted as an outage, as SQLAlchemy's path does; the error
+    goes on to ``with_retry``, for which it is transient (``is_transient``)."""
+    global _outages
+    try:
+        yield
+    except psycopg.Error as exc:
+        if isinstance(exc, psycopg.OperationalError) or exc.sqlstate in _LOST_CONNECTION_SQLSTATES:
+            _outages += 1
+            conn.invalidate(exc)
+        raise
+
+
+@contextmanager
+def driver_cursor(conn: Connection, **options: Any) -> Iterator[Any]:
+    """psycopg's own cursor (``options``: its row factory) on the connection of ``conn``,
+    inside the transaction SQLAlchemy opened on it, for a hot statement whose text is fixed
+    and whose values are plain (SQLAlchemy's execution path would cost more than the
+    statement); its errors as ``driver_errors`` says."""
+    with driver_errors(conn), conn.connection.dbapi_connection.cursor(**options) as cursor:  # type: ignore[union-attr]
+        yield cursor
+
+
 def server_identity(engine: Engine) -> str:
     """Which PostgreSQL server answers, since when: it changes when a failover or a restart
     put another server (or the same one, started again) behind the URL, pooler or DNS name
@@ -285,6 +317,8 @@ def is_transient(exc: BaseException) -> bool:
         return True
     if isinstance(exc, psycopg.OperationalError):
         return True  # connection failures, restarts, serialization failures, deadlocks
+    if isinstance(exc, psycopg.Error) and exc.sqlstate in _LOST_CONNECTION_SQLSTATES:
+        return True  # a read-only server (a demoted primary), a transaction timed out idle
     if not isinstance(exc, OperationalError):
         return False
     if type(exc.orig).__module__.startswith("sqlite3"):

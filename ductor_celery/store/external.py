@@ -197,17 +197,3 @@ def control_outcome(engine: Engine, control_id: int) -> tuple[bool, str | None]:
     if row is None:  # pruned with its run: it was handled
         return True, None
     return row.handled_at is not None, row.result
-
-
-def has_unhandled_control(engine: Engine, run_id: str, kinds: tuple[ControlKind, ...]) -> bool:
-    with engine.connect() as conn:
-        return (
-            conn.execute(
-                sa.select(workflow_control.c.id).where(
-                    workflow_control.c.run_id == run_id,
-                    workflow_control.c.handled_at.is_(None),
-                    workflow_control.c.kind.in_(kinds),
-                )
-            ).first()
-            is not None
-        )

@@ -45,6 +45,10 @@ class FinishListener(Protocol):
 #: process forked and authenticated: several milliseconds of both machines' CPU, on every
 #: ``Client.wait``).
 MAX_IDLE_LISTENERS = 4
+#: An idle connection older than this is closed, not reused: one kept longer may lead to a
+#: server that is gone or no longer the primary (a failover behind a multi-host URL), and a
+#: wait would first spend its time finding that out.
+IDLE_LISTENER_MAX_AGE_S = 30.0
 
 
 class _IdleListeners:
@@ -55,38 +59,63 @@ class _IdleListeners:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: dict[tuple[int, str], list[psycopg.Connection[Any]]] = {}
+        #: (pid, url) -> [(connection, when it was handed back)], newest last.
+        self._idle: dict[tuple[int, str], list[tuple[psycopg.Connection[Any], float]]] = {}
+        #: Bumped by ``forget``: a connection taken before is closed when handed back.
+        self._generation: dict[str, int] = {}
+
+    def after_fork(self) -> None:
+        """In a forked child: a lock another thread of the parent held stays held there."""
+        self._lock = threading.Lock()
+
+    def generation(self, url: str) -> int:
+        with self._lock:
+            return self._generation.get(url, 0)
 
     def take(self, url: str) -> psycopg.Connection[Any] | None:
+        """The newest idle connection to ``url`` not older than the age limit (older ones
+        are closed)."""
+        now = time.monotonic()
         with self._lock:
-            idle = self._idle.get((os.getpid(), url))
-            return idle.pop() if idle else None
+            idle = self._idle.get((os.getpid(), url), [])
+            expired = [c for c, at in idle if now - at > IDLE_LISTENER_MAX_AGE_S]
+            idle[:] = [(c, at) for c, at in idle if now - at <= IDLE_LISTENER_MAX_AGE_S]
+            taken = idle.pop()[0] if idle else None
+        _close(expired)
+        return taken
 
-    def give_back(self, url: str, conn: psycopg.Connection[Any]) -> None:
+    def give_back(self, url: str, conn: psycopg.Connection[Any], generation: int) -> None:
         try:
             conn.execute("UNLISTEN *")
         except Exception:  # noqa: BLE001 - a connection that fails here is not kept
-            with contextlib.suppress(Exception):
-                conn.close()
+            _close([conn])
             return
         with self._lock:
             idle = self._idle.setdefault((os.getpid(), url), [])
-            if len(idle) < MAX_IDLE_LISTENERS:
-                idle.append(conn)
+            if generation == self._generation.get(url, 0) and len(idle) < MAX_IDLE_LISTENERS:
+                idle.append((conn, time.monotonic()))
                 return
-        conn.close()
+        _close([conn])
 
     def forget(self, url: str) -> None:
-        """Close this process's idle connections to ``url`` (``db.forget_engine``)."""
+        """Close this process's idle connections to ``url`` (``db.forget_engine``, and a
+        wait that found one dead: the others went the same way); one in use now is closed
+        when its wait ends."""
         with self._lock:
-            conns = self._idle.pop((os.getpid(), url), [])
-        for conn in conns:
-            with contextlib.suppress(Exception):
-                conn.close()
+            self._generation[url] = self._generation.get(url, 0) + 1
+            conns = [c for c, _ in self._idle.pop((os.getpid(), url), [])]
+        _close(conns)
+
+
+def _close(conns: list[psycopg.Connection[Any]]) -> None:
+    for conn in conns:
+        with contextlib.suppress(Exception):
+            conn.close()
 
 
 IDLE_LISTENERS = _IdleListeners()
 on_forget(IDLE_LISTENERS.forget)
+os.register_at_fork(after_in_child=IDLE_LISTENERS.after_fork)
 
 
 class _Notified:
@@ -100,26 +129,30 @@ class _Notified:
     def __init__(self, connect: Callable[[], psycopg.Connection[Any]], url: str) -> None:
         self._connect = connect
         self._url = url
+        self._generation = IDLE_LISTENERS.generation(url)
         self._conn: psycopg.Connection[Any] | None = None
         self._retry_at = 0.0
         self._delay = SAFETY_POLL_S
         self.listen()
 
     def _listening(self) -> psycopg.Connection[Any]:
-        """A connection that LISTENs: an idle one if one still works, else a new one."""
-        while (idle := IDLE_LISTENERS.take(self._url)) is not None:
+        """A connection that LISTENs: an idle one if it still works, else a new one. One
+        idle connection found dead means the others are too (a restart, a failover): they
+        are all closed, and a new one is opened at once."""
+        idle = IDLE_LISTENERS.take(self._url)
+        if idle is not None:
             try:
                 idle.execute(f"LISTEN {RUN_FINISHED_CHANNEL}")
                 return idle
-            except Exception:  # noqa: BLE001 - lost while idle (a restart): the next one
-                with contextlib.suppress(Exception):
-                    idle.close()
+            except Exception:  # noqa: BLE001 - lost while idle: the others too
+                _close([idle])
+                IDLE_LISTENERS.forget(self._url)
+                self._generation = IDLE_LISTENERS.generation(self._url)
         conn = self._connect()
         try:
             conn.execute(f"LISTEN {RUN_FINISHED_CHANNEL}")
         except BaseException:
-            with contextlib.suppress(Exception):
-                conn.close()
+            _close([conn])
             raise
         return conn
 
@@ -149,9 +182,12 @@ class _Notified:
             time.sleep(timeout)
             return
         try:
-            for note in self._conn.notifies(timeout=timeout):
-                if note.payload == run_id:
-                    return
+            # Closed on the way out, also by an exception between two notifications: the
+            # generator holds the connection's lock until it is closed.
+            with contextlib.closing(self._conn.notifies(timeout=timeout)) as notes:
+                for note in notes:
+                    if note.payload == run_id:
+                        return
         except Exception as exc:  # noqa: BLE001 - a lost connection: listen again later
             log.warning("wait(): LISTEN connection lost (%s); listening again", brief(exc))
             self._drop()
@@ -159,14 +195,18 @@ class _Notified:
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
+            _close([conn])
 
-    def close(self) -> None:
-        """The wait is over: its connection goes back for the next wait."""
+    def close(self, *, reuse: bool = True) -> None:
+        """The wait is over: its connection goes back for the next wait (``reuse``), or is
+        closed (the wait ended in an error: the connection may be part of it)."""
         conn, self._conn = self._conn, None
-        if conn is not None:
-            IDLE_LISTENERS.give_back(self._url, conn)
+        if conn is None:
+            return
+        if reuse:
+            IDLE_LISTENERS.give_back(self._url, conn, self._generation)
+        else:
+            _close([conn])
 
 
 class _Polling:
@@ -198,5 +238,7 @@ def listener(engine: Engine, listen_url: str) -> Iterator[FinishListener]:
     notified = _Notified(lambda: psycopg.connect(autocommit=True, **args), listen_url)
     try:
         yield notified
-    finally:
-        notified.close()
+    except BaseException:
+        notified.close(reuse=False)
+        raise
+    notified.close()

@@ -45,7 +45,7 @@ from ..engine.tick import ACTIVE, read_nodes
 from ..engine.versions import successor_spec_hash
 from . import blobs, clock, run_slots
 from .composed import ImmutableCache, PerDatabase, cache_for, children_of, gather_any
-from .db import aware
+from .db import aware, driver_cursor
 from .dialect import dialect_of
 from .inputs import redriven_input
 from .leases import holds_lease
@@ -258,9 +258,8 @@ def _fetch_on_driver(conn: Connection, text: str, run_id: str) -> Any:
     The row is a named tuple (``row.state``, ``row._fields``), as SQLAlchemy's; psycopg
     decodes the JSON and timestamp columns as SQLAlchemy's psycopg dialect does. A dropped
     connection raises psycopg's own ``OperationalError``, which ``db.is_transient`` retries
-    like SQLAlchemy's."""
-    driver = conn.connection.dbapi_connection
-    with driver.cursor(row_factory=namedtuple_row) as cursor:  # type: ignore[union-attr]
+    like SQLAlchemy's (``db.driver_cursor`` invalidates the connection first)."""
+    with driver_cursor(conn, row_factory=namedtuple_row) as cursor:
         cursor.execute(text, {"b_run": run_id})
         return cursor.fetchone()
 

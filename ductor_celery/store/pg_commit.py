@@ -37,6 +37,7 @@ from sqlalchemy.engine import Connection
 from ..coordinator.rows import OutboxIntent, folded_by_commit
 from ..engine import AttemptResult, TickPayload
 from .attempts import CARRIED_SET, CARRIED_WHERE, carried_params
+from .db import driver_cursor
 from .schema import dumps_json
 
 if TYPE_CHECKING:
@@ -182,7 +183,7 @@ def commit(
     # connection: the text is final and the parameters are plain values, so SQLAlchemy's
     # execution context and result wrapping are pure cost here (measured by
     # benchmarks/tick_cost.py).
-    with conn.connection.dbapi_connection.cursor() as cursor:  # type: ignore[union-attr]
+    with driver_cursor(conn) as cursor:
         cursor.execute(_statement(columns, carried is not None), params)
         written, updated, outbox_ids = cursor.fetchone()
     return bool(written), updated == 1, list(outbox_ids)

@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 
 from .. import limits
 from ..definition.spec import WorkflowSpec
-from ..engine.kinds import AuditAction
+from ..engine.kinds import AuditAction, ControlKind
 from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES, RunStatus
 from . import audit, blobs, clock
@@ -27,6 +27,7 @@ from .db import aware
 from .dialect import dialect_of
 from .schema import (
     step_attempt,
+    workflow_control,
     workflow_definition,
     workflow_run,
     workflow_timer,
@@ -445,6 +446,39 @@ def find_run(engine: Engine, target: str) -> RunRow | None:
                 .limit(1)
             ).one_or_none()
     return RunRow.from_row(row) if row is not None else None
+
+
+def find_run_for_wait(engine: Engine, target: str) -> tuple[RunRow, bool] | None:
+    """``find_run`` and whether a redrive of that run is queued but not applied yet, in one
+    statement, so in one snapshot: a redrive applied meanwhile shows in the row (the commit
+    that reopens the run marks its control handled). ``Client.wait``'s look at the run after
+    each notification."""
+    pending = exists_redrive(workflow_run.c.run_id).label("redrive_pending")
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(*RUN_COLUMNS, pending).where(workflow_run.c.run_id == target)
+        ).one_or_none()
+        if row is None:
+            row = conn.execute(
+                sa.select(*RUN_COLUMNS, pending)
+                .where(workflow_run.c.workflow_id == target)
+                .order_by(workflow_run.c.created_at.desc(), workflow_run.c.run_id.desc())
+                .limit(1)
+            ).one_or_none()
+    return None if row is None else (RunRow.from_row(row), bool(row.redrive_pending))
+
+
+def exists_redrive(run_id: Any) -> Any:
+    """Whether a redrive control of ``run_id`` (a column or a value) waits to be applied."""
+    return sa.exists(
+        sa.select(sa.literal_column("1"))
+        .select_from(workflow_control)
+        .where(
+            workflow_control.c.run_id == run_id,
+            workflow_control.c.handled_at.is_(None),
+            workflow_control.c.kind == ControlKind.REDRIVE.value,
+        )
+    )
 
 
 @dataclass(frozen=True, slots=True)

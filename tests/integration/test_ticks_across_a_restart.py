@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from celery import Celery
@@ -20,6 +21,7 @@ from ductor_celery.runtime.outcome import Outcome
 from ductor_celery.runtime.steps import _record_and_advance
 from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import attempts, load
+from ductor_celery.store.db import driver_errors, forget_engine, get_engine, outages
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.schema import step_attempt
 
@@ -109,3 +111,40 @@ def test_a_connection_lost_in_the_middle_of_a_tick_is_retried(
     assert run_tick(rt, run_id, eager=eager) == "committed"
     assert len(killed) == 1
     assert d.get(run_id).nodes["a"].status == "running"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        psycopg.errors.ReadOnlySqlTransaction("cannot execute UPDATE in a read-only transaction"),
+        psycopg.OperationalError("server closed the connection unexpectedly"),
+    ],
+)
+def test_a_lost_or_read_only_connection_on_the_driver_cursor_is_never_pooled_again(
+    server: PostgresServer, error: Exception
+) -> None:
+    """``db.driver_errors``: what SQLAlchemy's own error handling does for its statements
+    (a demoted primary, a dropped connection), for the statements sent to psycopg directly."""
+    engine = get_engine(server.url("restart"))
+    before = outages()
+    with pytest.raises(type(error)), engine.begin() as conn:
+        pid = conn.connection.dbapi_connection.info.backend_pid
+        with driver_errors(conn):
+            raise error
+    assert outages() == before + 1
+    with engine.connect() as conn:
+        assert conn.connection.dbapi_connection.info.backend_pid != pid
+    forget_engine(server.url("restart"))
+
+
+def test_a_refused_value_on_the_driver_cursor_keeps_its_connection(server: PostgresServer) -> None:
+    engine = get_engine(server.url("restart"))
+    before = outages()
+    with pytest.raises(psycopg.DataError), engine.begin() as conn:
+        pid = conn.connection.dbapi_connection.info.backend_pid
+        with driver_errors(conn):
+            raise psycopg.DataError("unsupported Unicode escape sequence")
+    assert outages() == before
+    with engine.connect() as conn:
+        assert conn.connection.dbapi_connection.info.backend_pid == pid
+    forget_engine(server.url("restart"))

@@ -6,6 +6,7 @@ process never uses its parent's."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -131,5 +132,72 @@ def test_a_forked_process_never_takes_its_parents_idle_listener(
             assert _listener_pid(again) == pid, "the parent's is still there for the parent"
     finally:
         forget_engine(url)
-        for conn in finishes.IDLE_LISTENERS._idle.pop((-7, url), []):
+        for conn, _ in finishes.IDLE_LISTENERS._idle.pop((-7, url), []):
             conn.close()
+
+
+def _idle_count(url: str) -> int:
+    return len(finishes.IDLE_LISTENERS._idle.get((os.getpid(), url), []))
+
+
+def test_an_idle_listener_past_its_age_is_closed_not_reused(
+    server: PostgresServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = server.url("listen")
+    engine = get_engine(url)
+    try:
+        with finishes.listener(engine, url) as first:
+            pid = _listener_pid(first)
+        monkeypatch.setattr(finishes, "IDLE_LISTENER_MAX_AGE_S", 0.0)
+        time.sleep(0.01)
+        with finishes.listener(engine, url) as second:
+            assert _listener_pid(second) != pid
+        assert pid not in _backends(server)
+    finally:
+        forget_engine(url)
+
+
+def test_one_idle_listener_found_dead_drops_them_all(server: PostgresServer) -> None:
+    url = server.url("listen")
+    engine = get_engine(url)
+    try:
+        with finishes.listener(engine, url), finishes.listener(engine, url):
+            pass
+        assert _idle_count(url) == 2
+        server.restart()
+        engine.dispose()
+        began = time.monotonic()
+        with finishes.listener(engine, url) as fresh:
+            assert fresh._conn is not None
+            assert _idle_count(url) == 0, "the other dead one is gone too"
+        assert time.monotonic() - began < finishes.SAFETY_POLL_S
+        assert _idle_count(url) == 1
+    finally:
+        forget_engine(url)
+
+
+def test_a_wait_that_ends_in_an_error_does_not_hand_its_connection_back(
+    server: PostgresServer,
+) -> None:
+    url = server.url("listen")
+    engine = get_engine(url)
+    try:
+        with pytest.raises(RuntimeError), finishes.listener(engine, url) as listener:
+            pid = _listener_pid(listener)
+            raise RuntimeError("the wait failed")
+        assert _idle_count(url) == 0
+        assert pid not in _backends(server)
+    finally:
+        forget_engine(url)
+
+
+def test_a_listener_in_use_when_its_url_is_forgotten_is_closed_when_its_wait_ends(
+    server: PostgresServer,
+) -> None:
+    url = server.url("listen")
+    engine = get_engine(url)
+    with finishes.listener(engine, url) as listener:
+        pid = _listener_pid(listener)
+        forget_engine(url)
+    assert _idle_count(url) == 0
+    assert pid not in _backends(server)

@@ -18,6 +18,8 @@ from ductor_celery.store.db import is_transient, with_retry
         psycopg.OperationalError("consuming input failed: server closed the connection"),
         psycopg.errors.DeadlockDetected("deadlock detected"),
         psycopg.errors.SerializationFailure("could not serialize access"),
+        psycopg.errors.ReadOnlySqlTransaction("cannot execute UPDATE in a read-only transaction"),
+        psycopg.errors.IdleInTransactionSessionTimeout("terminating connection due to idle"),
     ],
 )
 def test_connection_losses_and_lost_races_are_retried(error: BaseException) -> None:
