@@ -80,6 +80,7 @@ def load_on(
     config: EngineConfig,
     *,
     wait_for_lock: bool = True,
+    bounds: tuple[str, str] | None = None,
 ) -> tuple[LoadedRun, WorkflowSpec, TickInputs] | None:
     """Read everything one tick needs, on ``conn`` (the coordinator's commit transaction).
 
@@ -92,10 +93,16 @@ def load_on(
 
     ``spec_for`` gets the connection too: a definition missing from the process cache is read
     on it, never on a second connection (on SQLite that one would wait for this one's lock).
+
+    ``bounds`` (PostgreSQL, ``wait_for_lock=False``): the transaction's idle and lock
+    timeouts (``store/tick_store.py``), set by the run-row read itself, one round trip less
+    for every eager tick. A read that skips a locked row waits for no lock, so the lock
+    timeout is in force from its end on, for every statement that could wait; a read that
+    waits for the lock must have it set before (the caller's own statement).
     """
     input_cache = _inputs_cache(conn.engine)
     cached, _ = input_cache.get_many([run_id])
-    row = _run_row(conn, run_id, wait_for_lock, with_input=run_id not in cached)
+    row = _run_row(conn, run_id, wait_for_lock, with_input=run_id not in cached, bounds=bounds)
     if row is None:
         if not wait_for_lock and _run_exists(conn, run_id):
             raise RunBusy(run_id)
@@ -222,7 +229,12 @@ LOCK_NOT_AVAILABLE = "55P03"
 
 
 def _run_row(
-    conn: Connection, run_id: str, wait_for_lock: bool = True, *, with_input: bool = True
+    conn: Connection,
+    run_id: str,
+    wait_for_lock: bool = True,
+    *,
+    with_input: bool = True,
+    bounds: tuple[str, str] | None = None,
 ) -> Any:
     # PostgreSQL's form of the read (the clock, the results aggregated, the row locked) is
     # the one-statement one; SQLite's transaction is BEGIN IMMEDIATE already.
@@ -230,9 +242,14 @@ def _run_row(
     if not postgres:
         query = _run_row_statement(False, False, with_input)
         return conn.execute(query, {"b_run": run_id}).one_or_none()
-    text = _run_row_text(not wait_for_lock, with_input)
+    if bounds is not None and wait_for_lock:
+        raise ValueError("a read that waits for the run's lock sets no timeouts of its own")
+    text = _run_row_text(not wait_for_lock, with_input, bounds is not None)
+    params = {"b_run": run_id}
+    if bounds is not None:
+        params.update(b_idle=bounds[0], b_lock=bounds[1])
     try:
-        row = _fetch_on_driver(conn, text, run_id)
+        row = _fetch_on_driver(conn, text, params)
     except (sa.exc.OperationalError, psycopg.OperationalError) as exc:
         orig = exc.orig if isinstance(exc, sa.exc.OperationalError) else exc
         if getattr(orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
@@ -247,11 +264,11 @@ def _run_row(
         # subqueries (results, timer, inbox flags) keep the snapshot from before it: results
         # it folded, a timer it moved. Read again: we hold the lock now, so no other tick
         # can commit the run in between, and the new statement's snapshot is fresh.
-        row = _fetch_on_driver(conn, text, run_id)
+        row = _fetch_on_driver(conn, text, params)
     return row
 
 
-def _fetch_on_driver(conn: Connection, text: str, run_id: str) -> Any:
+def _fetch_on_driver(conn: Connection, text: str, params: dict[str, str]) -> Any:
     """The run-row read straight on psycopg's cursor, inside the tick's transaction: the
     first read of every tick, whose text never changes, so SQLAlchemy's execution context
     and result wrapping are pure cost (as for the one-statement commit, store/pg_commit.py).
@@ -260,15 +277,29 @@ def _fetch_on_driver(conn: Connection, text: str, run_id: str) -> Any:
     connection raises psycopg's own ``OperationalError``, which ``db.is_transient`` retries
     like SQLAlchemy's (``db.driver_cursor`` invalidates the connection first)."""
     with driver_cursor(conn, row_factory=namedtuple_row) as cursor:
-        cursor.execute(text, {"b_run": run_id})
+        cursor.execute(text, params)
         return cursor.fetchone()
 
 
 @functools.cache
-def _run_row_text(skip_locked: bool, with_input: bool) -> str:
+def _run_row_text(skip_locked: bool, with_input: bool, bounds: bool = False) -> str:
     """``_run_row_statement`` on PostgreSQL as psycopg's text (``%(b_run)s``), compiled once
-    per process."""
+    per process; ``bounds``: with the transaction's timeouts set by the same statement
+    (``%(b_idle)s``, ``%(b_lock)s``; ``load_on``'s ``bounds``)."""
     query = _run_row_statement(True, skip_locked, with_input)
+    if bounds:
+        query = query.add_columns(
+            sa.func.set_config(
+                sa.literal_column("'idle_in_transaction_session_timeout'"),
+                sa.bindparam("b_idle", type_=sa.String),
+                sa.true(),
+            ).label("bound_idle"),
+            sa.func.set_config(
+                sa.literal_column("'lock_timeout'"),
+                sa.bindparam("b_lock", type_=sa.String),
+                sa.true(),
+            ).label("bound_lock"),
+        )
     return str(query.compile(dialect=psycopg_dialect()))  # type: ignore[no-untyped-call]
 
 

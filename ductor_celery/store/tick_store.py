@@ -110,12 +110,6 @@ class SqlTickTransaction:
     def __enter__(self) -> SqlTickTransaction:
         self._begin = self._store.engine.begin()
         self.conn = self._begin.__enter__()
-        if self._store.bounds_ticks:
-            try:
-                _bound_tick(self.conn)
-            except BaseException as exc:
-                self._begin.__exit__(type(exc), exc, exc.__traceback__)
-                raise
         return self
 
     def __exit__(
@@ -127,8 +121,24 @@ class SqlTickTransaction:
         self._begin.__exit__(exc_type, exc, tb)
 
     def load(self, run_id: str, *, wait_for_lock: bool) -> Loaded | None:
+        """The run, its transaction bounded first (``TICK_IDLE_TIMEOUT``,
+        ``TICK_LOCK_TIMEOUT``): by a statement of its own before a read that waits for the
+        run's lock, by the read itself when it does not wait (an eager tick)."""
         store = self._store
-        return load_on(self.conn, run_id, store.spec_for, store.config, wait_for_lock=wait_for_lock)
+        bounds = None
+        if store.bounds_ticks:
+            if wait_for_lock:
+                _bound_tick(self.conn)
+            else:
+                bounds = (TICK_IDLE_TIMEOUT, TICK_LOCK_TIMEOUT)
+        return load_on(
+            self.conn,
+            run_id,
+            store.spec_for,
+            store.config,
+            wait_for_lock=wait_for_lock,
+            bounds=bounds,
+        )
 
     def commit(
         self,

@@ -120,8 +120,9 @@ def test_a_coordinator_tick_gives_up_on_a_lock_held_by_a_stalled_tick(
     assert run_tick(ductor.runtime, run_id) == "committed"
 
 
+@pytest.mark.parametrize("wait_for_lock", [True, False], ids=["coordinator", "eager"])
 def test_the_server_ends_a_tick_that_stalls_holding_the_lock(
-    ductor: Any, database_url: str, monkeypatch: pytest.MonkeyPatch
+    ductor: Any, database_url: str, monkeypatch: pytest.MonkeyPatch, wait_for_lock: bool
 ) -> None:
     """A tick stalled between its load and its commit (a SIGSTOP, a partition: its
     transaction idle while holding the run's row lock) is ended by the server after
@@ -134,7 +135,7 @@ def test_the_server_ends_a_tick_that_stalls_holding_the_lock(
     )
     with pytest.raises(sa.exc.DBAPIError) as failed:  # noqa: PT012 - the stall is inside
         with store.transaction() as tx:
-            assert tx.load(run_id, wait_for_lock=True) is not None
+            assert tx.load(run_id, wait_for_lock=wait_for_lock) is not None
             # Another tick can take the lock once the server has ended the stalled one.
             other = sa.create_engine(database_url, poolclass=sa.pool.NullPool)
             try:
@@ -159,6 +160,33 @@ def test_the_server_ends_a_tick_that_stalls_holding_the_lock(
     assert failed.value.connection_invalidated
     assert _record_version(database_url, run_id) == 0
     assert run_tick(ductor.runtime, run_id) == "committed"
+
+
+@pytest.mark.parametrize("wait_for_lock", [True, False], ids=["coordinator", "eager"])
+def test_a_ticks_transaction_is_bounded_once_its_load_returns(
+    ductor: Any, database_url: str, wait_for_lock: bool
+) -> None:
+    """The idle and lock timeouts are in force for the rest of the tick: set by a statement of
+    their own before a read that waits for the run's lock, by the read itself in an eager
+    tick (one round trip less); and only inside the tick's transaction."""
+    run_id = ductor.start("fan", input={"items": [1]}).run_id
+    store = tick_store.SqlTickStore(
+        get_engine(database_url), ductor.runtime.spec_for, ductor.settings.engine_config()
+    )
+    settings = sa.text(
+        "SELECT current_setting('idle_in_transaction_session_timeout'), "
+        "current_setting('lock_timeout')"
+    )
+    with store.transaction() as tx:
+        assert tx.load(run_id, wait_for_lock=wait_for_lock) is not None
+        assert tuple(tx.conn.execute(settings).one()) == (
+            tick_store.TICK_IDLE_TIMEOUT,
+            tick_store.TICK_LOCK_TIMEOUT,
+        )
+        pid = tx.conn.connection.dbapi_connection.info.backend_pid
+    with get_engine(database_url).connect() as conn:
+        assert conn.connection.dbapi_connection.info.backend_pid == pid  # the same session
+        assert tuple(conn.execute(settings).one()) == ("0", "0")
 
 
 def test_eager_and_coordinator_ticks_racing_on_one_scatter_never_recompute(
