@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--runs", type=int, default=40)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--profile-out", metavar="FILE", help="--profile's whole pstats file")
     parser.add_argument(
         "--statements",
         type=int,
@@ -85,6 +86,8 @@ def main() -> None:
             bench.round(args.runs, profile)
             stats = pstats.Stats(profile, stream=sys.stdout)
             stats.sort_stats(os.environ.get("CHAIN_COST_SORT", "tottime")).print_stats(args.profile)
+            if args.profile_out:
+                profile.dump_stats(args.profile_out)
 
 
 class _Bench:

@@ -53,6 +53,10 @@ def _descends(pid: int, root: int, snap: dict[int, tuple[int, float]]) -> bool:
     return False
 
 
+#: The servers' roots: their whole process trees carry the server's name.
+SERVERS = ("postgres", "redis", "rabbitmq")
+
+
 def classify_by_roots(roots: dict[str, int]) -> Callable[[int, dict[int, tuple[int, float]]], str]:
     """Label a pid with the name of the root it descends from ("<name> main" for the root
     itself, "<name> pool" for its descendants), else "other"."""
@@ -60,9 +64,9 @@ def classify_by_roots(roots: dict[str, int]) -> Callable[[int, dict[int, tuple[i
     def label(pid: int, snap: dict[int, tuple[int, float]]) -> str:
         for name, root in roots.items():
             if pid == root:
-                return f"{name}" if name in ("postgres", "redis", "driver") else f"{name} main"
+                return name if name in (*SERVERS, "driver") else f"{name} main"
             if _descends(pid, root, snap):
-                if name in ("postgres", "redis"):
+                if name in SERVERS:
                     return name
                 return "driver helpers" if name == "driver" else f"{name} pool"
         return "other"

@@ -22,7 +22,7 @@ from typing import Any
 import cpu
 import critical_path
 from common import BENCH_DIR, log
-from servers import PostgresServer, RedisServer, default_base_dir
+from servers import PostgresServer, RabbitMQServer, RedisServer, default_base_dir
 from workers import Worker
 
 
@@ -54,9 +54,17 @@ class Bench:
         self.redis = RedisServer()
         self.redis.start()
         self.stack.callback(self.redis.stop)
+        #: ``--broker rabbitmq``: ductor's and raw Celery's messages go through a private
+        #: RabbitMQ node, a vhost each; Redis keeps raw Celery's results and its counter.
+        self.rabbitmq: RabbitMQServer | None = None
+        if self.args.broker == "rabbitmq":
+            self.rabbitmq = RabbitMQServer()
+            self.rabbitmq.start()
+            self.stack.callback(self.rabbitmq.stop)
         log(
             f"servers up in {time.monotonic() - t0:.1f}s: PostgreSQL :{self.pg.port}, "
             f"Redis :{self.redis.port}"
+            + (f", RabbitMQ :{self.rabbitmq.port}" if self.rabbitmq is not None else "")
         )
 
         from ductor_celery.store.db import dispose_all
@@ -68,11 +76,15 @@ class Bench:
         dispose_all()
 
         # db 0: ductor's broker; 1: raw broker; 2: raw results; 3: raw throughput counter.
+        self.broker_url, raw_broker_url = self.redis.url(0), self.redis.url(1)
+        if self.rabbitmq is not None:
+            self.broker_url = self.rabbitmq.url(self.rabbitmq.new_vhost())
+            raw_broker_url = self.rabbitmq.url(self.rabbitmq.new_vhost())
         self.env = {
             **os.environ,
             "DUCTOR_DATABASE_URL": self.db_url,
-            "BENCH_BROKER_URL": self.redis.url(0),
-            "BENCH_RAW_BROKER_URL": self.redis.url(1),
+            "BENCH_BROKER_URL": self.broker_url,
+            "BENCH_RAW_BROKER_URL": raw_broker_url,
             "BENCH_RAW_BACKEND_URL": self.redis.url(2),
             "BENCH_COUNTER_URL": self.redis.url(3),
             "BENCH_READY_DIR": str(self.workdir / "ready"),
@@ -191,11 +203,17 @@ class Bench:
     def roots(self) -> dict[str, int]:
         """The benchmark's process trees, for ``cpu.OtherLoad``: the driver (its workers,
         watchdogs and subprocesses descend from it) and the servers (started by it too)."""
-        return {
+        return {**self.server_roots(), "driver": os.getpid()}
+
+    def server_roots(self) -> dict[str, int]:
+        """The servers' process trees by name (``cpu.SERVERS``)."""
+        roots = {
             "postgres": self.pg._proc.pid,  # type: ignore[union-attr]
             "redis": self.redis._proc.pid,  # type: ignore[union-attr]
-            "driver": os.getpid(),
         }
+        if self.rabbitmq is not None:
+            roots["rabbitmq"] = self.rabbitmq._proc.pid  # type: ignore[union-attr]
+        return roots
 
     # -- what a phase cost --------------------------------------------------------------------
 
@@ -205,8 +223,7 @@ class Bench:
         # Workers are the driver's children: match them (and the servers) before the driver.
         roots = {
             **{w.name: w.proc.pid for w in self.workers},
-            "postgres": self.pg._proc.pid,  # type: ignore[union-attr]
-            "redis": self.redis._proc.pid,  # type: ignore[union-attr]
+            **self.server_roots(),
             "driver": os.getpid(),
         }
         before = cpu.snapshot()
@@ -246,18 +263,14 @@ class Bench:
         """Wait until the coordinator has no queued wake-ups left, so the next phase runs on
         an idle machine, and report what was still queued when the last run had finished
         (wake-ups for finished runs: each one costs a no-op tick)."""
-        import redis
-
-        client = redis.Redis.from_url(self.redis.url(0))
-        queued = int(client.llen(self.app.COORD_QUEUE))
+        queued = self.coordinator_queue()
         t0 = time.perf_counter()
         deadline = t0 + self.args.phase_timeout
-        while client.llen(self.app.COORD_QUEUE) and time.perf_counter() < deadline:
+        while self.coordinator_queue() and time.perf_counter() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)  # the last prefetched ones
         drain = time.perf_counter() - t0
-        left = int(client.llen(self.app.COORD_QUEUE))
-        client.close()
+        left = self.coordinator_queue()
         after: dict[str, int] = {}
         if self.timers_dir is not None:
             after = critical_path.tick_results_since(self.timers_dir, finished_at)
@@ -273,6 +286,24 @@ class Bench:
                 f"{drain:.1f}s; ticks after the finish: {after}"
             )
         return out
+
+    def coordinator_queue(self) -> int:
+        """Wake-ups waiting on the coordinator's queue: the Redis list's length, or the
+        RabbitMQ queue's ready messages (a passive declare, which changes nothing)."""
+        if self.rabbitmq is None:
+            import redis
+
+            with contextlib.closing(redis.Redis.from_url(self.redis.url(0))) as client:
+                return int(client.llen(self.app.COORD_QUEUE))
+        from kombu import Connection
+        from kombu.exceptions import ChannelError
+
+        with Connection(self.broker_url) as conn:
+            try:
+                declared = conn.channel().queue_declare(self.app.COORD_QUEUE, passive=True)
+            except ChannelError:  # not declared yet: nothing waits on it
+                return 0
+            return int(declared.message_count)
 
     def tick_stats(self, since: float, until: float) -> dict[str, Any] | None:
         """What the ticks that started in [since, until] did (``critical_path.tick_stats``)."""
@@ -305,4 +336,9 @@ def machine_info(bench: Bench | None) -> dict[str, Any]:
             client = bench.redis.client()
             info["redis"] = client.info("server")["redis_version"]
             client.close()
+        info["broker"] = bench.args.broker
+        if bench.rabbitmq is not None:
+            with contextlib.suppress(Exception):
+                status = bench.rabbitmq.ctl("version")
+                info["rabbitmq"] = status.strip()
     return info

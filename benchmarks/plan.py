@@ -29,7 +29,8 @@ BUDGET_RAW_ITEM_S = 0.005
 
 def phase_plan(args: argparse.Namespace) -> list[tuple[str, float]]:
     """(phase, budget in seconds), in order; printed at the start of a run."""
-    plan: list[tuple[str, float]] = [("start PostgreSQL, Redis, the raw worker", 30.0)]
+    servers = "PostgreSQL, Redis" + (", RabbitMQ" if args.broker == "rabbitmq" else "")
+    plan: list[tuple[str, float]] = [(f"start {servers}, the raw worker", 30.0)]
     if args.repeat:
         mode = args.eager_modes[-1]
         plan.append((f"start ductor workers, eager ticks {mode}", 20.0))

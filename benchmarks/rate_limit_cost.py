@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default=str(BENCH_DIR / "rate_limit_results.json"))
     args = p.parse_args(argv)
     # What harness.Bench reads of run.py's flags, at run.py's defaults.
-    args.experiment, args.no_timers, args.batch_size = [], True, 100
+    args.experiment, args.no_timers, args.batch_size, args.broker = [], True, 100, "redis"
     rounds: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         bench = Bench(args, stack)

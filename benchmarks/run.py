@@ -12,7 +12,8 @@ second coordinator), tick recomputes, CPU per unit of work of every process, inl
 against raw Celery groups, the batched scatter, and optionally memory across scatters; every
 ductor figure is printed beside raw Celery's from the same run, as a ratio against its target.
 
-One invocation starts a private PostgreSQL and Redis on 127.0.0.1 (tests/servers.py), migrates
+One invocation starts a private PostgreSQL and Redis on 127.0.0.1 (tests/servers.py; with
+``--broker rabbitmq`` a RabbitMQ node too, the broker of both sides), migrates
 a database, starts the workers with the production commands, measures, prints a table, writes
 benchmarks/results.json, and stops everything it started, also on Ctrl-C, on error, and when
 the whole run exceeds --time-limit. See benchmarks/README.md for what each figure means.
@@ -91,6 +92,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "round by round on the same servers and workers; each ratio's median over the\n"
         "rounds, its min..max and every round's value, and each round's other load\n"
         "(0: one run of every figure, as without it)",
+    )
+    p.add_argument(
+        "--broker",
+        choices=["redis", "rabbitmq"],
+        default="redis",
+        help="the broker of ductor and raw Celery alike: redis (default), or rabbitmq = a\n"
+        "private RabbitMQ node, a vhost each (raw Celery's results stay in Redis)",
     )
     p.add_argument(
         "--peers",
