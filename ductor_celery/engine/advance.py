@@ -47,7 +47,9 @@ def fold_results(t: TickContext) -> None:
             _stopped(t, result, slot, branch)
             continue
         if result.outcome == AttemptOutcome.SUCCEEDED:
-            problem = _bad_success(result, t.inputs.config.max_payload_bytes)
+            problem = (
+                None if result.checked else _bad_success(result, t.inputs.config.max_payload_bytes)
+            )
             if problem is None and batched:
                 assert ns.scatter is not None and branch is not None
                 problem = scatter.batch_shape_problem(ns.scatter, branch, result.output)

@@ -45,6 +45,10 @@ class AttemptResult:
     #: The tags the step set (``ctx.tag``): ``[[key, value], ...]`` in the order it set them,
     #: applied only if it succeeded (engine/tags.py, ``StepTags``).
     tags: list[list[str]] | None = None
+    #: Its output and context patch passed the step worker's own checks in the process that
+    #: computes with it (an outcome carried by its eager tick, not read from a row): the
+    #: guard against bad rows (``advance._bad_success``) does not check them again.
+    checked: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,10 @@ class Outcome:
     retryable: bool = True
     #: What the step set with ``ctx.tag``: applied to the run only if it succeeded.
     tags: StepTags | None = None
+    #: The output and patch are the JSON checks' own decoding of the step's values
+    #: (``_storable``), the tags a list built for them: the values as stored, sharing nothing
+    #: with the step (``steps._carried`` computes with them as they are).
+    checked: bool = False
 
 
 #: An attempt claimed after its run's cancel was requested: never run.
@@ -209,6 +213,7 @@ def _run_batch(
             output=output,
             patch=patch,
             tags=[[k, v] for k, v in tags.items()] or None,
+            checked=True,
         ), interrupt
     return (
         Outcome(
@@ -241,6 +246,7 @@ def _run(
             patch=redact(outcome.patch),
             error=redact(outcome.error),
             tags=redact(outcome.tags),
+            checked=False,  # redacted after the checks: checked again where it is folded
         )
     return outcome, interrupt
 
@@ -286,7 +292,10 @@ def _call(
     if problem is not None:
         log.error("attempt %s: %s", token, problem)
         return invalid(problem), None
-    return Outcome(AttemptOutcome.SUCCEEDED, output=output, patch=patch, tags=ctx.tags_value), None
+    succeeded = Outcome(
+        AttemptOutcome.SUCCEEDED, output=output, patch=patch, tags=ctx.tags_value, checked=True
+    )
+    return succeeded, None
 
 
 def _storable(

@@ -331,9 +331,28 @@ def _record_and_advance(
 
 
 def _carried(claimed: attempts.ClaimedAttempt, result: Outcome) -> AttemptResult:
-    """The outcome as the tick's load would read it back from the attempt row: its values
-    through JSON (what the commit writes), so the tick computes with what is stored and shares
-    no object with the step."""
+    """The outcome as the tick's load would read it back from the attempt row: its values as
+    JSON stores them (what the commit writes), so the tick computes with what is stored and
+    shares no object with the step.
+
+    A checked success's values are that already (``Outcome.checked``: the JSON checks' own
+    decoding of the step's values, tags built for it), so they go as they are, marked checked
+    (the tick's guard against bad rows does not check them again). Any other outcome goes
+    through JSON: a redacted value was changed after its checks, and an error may be a
+    constant shared by every attempt stopped the same way."""
+    if result.checked and result.outcome == AttemptOutcome.SUCCEEDED:
+        return AttemptResult(
+            token=claimed.token,
+            node=claimed.node,
+            outcome=result.outcome,
+            output=result.output,
+            error=result.error,
+            retryable=result.retryable,
+            patch=result.patch,
+            branch=claimed.branch,
+            tags=result.tags,
+            checked=True,
+        )
     output, error, patch, tags = json.loads(
         dumps_json([result.output, result.error, result.patch, result.tags])
     )

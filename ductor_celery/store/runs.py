@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import weakref
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -116,16 +117,35 @@ def definition_exists(spec_hash: str) -> sa.Select[Any]:
     )
 
 
+#: The definitions this process found stored, by engine (its database): a second save of one
+#: reads nothing. Ductor never deletes a definition (every run pins its own by a foreign key);
+#: one deleted by hand meanwhile is stored again by the next start that needs it
+#: (``insert_run_requested``, on the foreign key's violation).
+_saved: weakref.WeakKeyDictionary[Engine, set[str]] = weakref.WeakKeyDictionary()
+
+
 def save_definition(engine: Engine, spec: WorkflowSpec) -> None:
-    """Store a spec under its hash; a second save of the same spec is a no-op."""
+    """Store a spec under its hash; a second save of the same spec is a no-op, and in the
+    process that saved or found it, one with no statement (a transaction less per start)."""
+    saved = _saved.get(engine)
+    if saved is not None and spec.spec_hash in saved:
+        return
     with engine.begin() as conn:
-        if conn.execute(definition_exists(spec.spec_hash)).first():
-            return
-        try:
-            with conn.begin_nested():
-                conn.execute(definition_insert(spec))
-        except IntegrityError:
-            pass  # saved concurrently by another client: same hash, same spec
+        if not conn.execute(definition_exists(spec.spec_hash)).first():
+            try:
+                with conn.begin_nested():
+                    conn.execute(definition_insert(spec))
+            except IntegrityError:
+                pass  # saved concurrently by another client: same hash, same spec
+    _saved.setdefault(engine, set()).add(spec.spec_hash)
+
+
+def _forget_saved(engine: Engine, spec_hash: str) -> None:
+    _saved.get(engine, set()).discard(spec_hash)
+
+
+#: The run row's foreign key to its definition (``schema.workflow_run``).
+_SPEC_FOREIGN_KEY = "eec_workflow_run_spec_fk"
 
 
 def load_definition(engine: Engine | Connection, spec_hash: str) -> WorkflowSpec | None:
@@ -358,6 +378,13 @@ def insert_run_requested(
             return Requested(run_id=run_id, workflow_id=workflow_id), True
         except IntegrityError as exc:
             conflict = exc
+            diag = getattr(exc.orig, "diag", None)
+            if getattr(diag, "constraint_name", None) == _SPEC_FOREIGN_KEY:
+                # The definition this process had stored is gone (deleted by hand): store it
+                # again and insert again.
+                _forget_saved(engine, spec.spec_hash)
+                save_definition(engine, spec)
+                continue
         found = _existing(engine, run_id, workflow_id, request)
         if found is not None:
             return found

@@ -174,3 +174,34 @@ def test_an_attempt_finished_already_or_leased_is_not_written(ductor: Ductor) ->
     with pytest.raises(OutcomeNotCarried):
         run_tick(ductor.runtime, _run_of(leased), eager=True, carried=succeeded)
     assert _row(ductor, leased)[0] is None
+
+
+def test_a_checked_success_is_carried_as_it_is_anything_else_through_json() -> None:
+    """``steps._carried``: a success whose values are the JSON checks' own (``Outcome.checked``)
+    goes to the tick as it is, marked checked; a redacted or failed outcome is read back
+    through JSON, unmarked, so the tick's guard checks it and shares nothing with it."""
+    from ductor_celery.runtime.outcome import Outcome
+    from ductor_celery.runtime.steps import _carried
+    from ductor_celery.store.attempts import ClaimedAttempt
+
+    claimed = ClaimedAttempt(
+        token="r:a:1",
+        run_id="r",
+        workflow_id="r",
+        node="a",
+        branch=None,
+        generation=0,
+        attempt=1,
+        step="s",
+        args={},
+        context={},
+    )
+    output = {"n": [1, 2]}
+    checked = _carried(claimed, Outcome(AttemptOutcome.SUCCEEDED, output=output, checked=True))
+    assert checked.checked and checked.output is output
+    redacted = _carried(claimed, Outcome(AttemptOutcome.SUCCEEDED, output=output))
+    assert not redacted.checked
+    assert redacted.output == output and redacted.output is not output
+    error = {"type": "X", "message": "m"}
+    failed = _carried(claimed, Outcome(AttemptOutcome.FAILED, error=error, checked=True))
+    assert not failed.checked and failed.error == error and failed.error is not error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
@@ -831,6 +832,20 @@ def test_bad_success_result_fails_the_attempt_without_retry(
     assert p.transitions[0].reason.startswith("attempt 1 failed (not retryable): ")
     assert p.state.context == {}
     assert token_of(p.state.nodes["a"]) is None
+
+
+def test_a_result_checked_where_it_was_produced_is_not_checked_again() -> None:
+    """``AttemptResult.checked`` (an outcome its step worker checked and carries into its
+    eager tick): the guard against bad rows trusts it; an unmarked one is checked."""
+    spec = one_node(attempts=5)
+    config = EngineConfig(max_payload_bytes=100)
+    s = tick(spec, RunState(), config=config).state
+    big = "x" * 200  # over this config's limit: what the guard would refuse in a row
+    trusted = dataclasses.replace(ok("r1:a:1", big), checked=True)
+    p = tick(spec, s, now=at(1), results=[trusted], config=config)
+    assert describe(p)["status"] == "succeeded" and p.error is None
+    unmarked = tick(spec, s, now=at(1), results=[ok("r1:a:1", big)], config=config)
+    assert describe(unmarked)["status"] == "failed"
 
 
 def test_arguments_over_the_payload_limit_fail_the_node_and_the_run_at_once() -> None:

@@ -1,0 +1,86 @@
+"""A start stores its definition once per process (``runs.save_definition`` remembers what it
+found stored): later starts send no statement for it, and one deleted by hand meanwhile is
+stored again by the start that finds it gone (the run row's foreign key), not lost."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from ductor_celery import Ductor, Workflow
+from ductor_celery.store.db import get_engine
+from ductor_celery.store.schema import workflow_definition, workflow_run
+
+
+@pytest.fixture
+def ductor(database_url: str, tmp_path: Path) -> Ductor:
+    app = Celery(f"defs{tmp_path.name}", set_as_current=False)
+    app.conf.broker_url = "memory://"
+    d = Ductor(app, database_url=database_url)
+    d.runtime.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
+    d.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+    d.step(name="defs.noop")(lambda ctx: None)
+    wf = Workflow("defs")
+    wf.step("a", "defs.noop")
+    d.register(wf)
+    return d
+
+
+@pytest.fixture
+def statements(database_url: str) -> Iterator[list[str]]:
+    """Every statement the engine sends from now on."""
+    engine = get_engine(database_url)
+    sent: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        sent.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    yield sent
+    sa.event.remove(engine, "before_cursor_execute", record)
+
+
+def _definition_statements(sent: list[str]) -> list[str]:
+    return [s for s in sent if "eec_workflow_definition" in s]
+
+
+def test_a_second_start_sends_nothing_for_its_definition(
+    ductor: Ductor, statements: list[str]
+) -> None:
+    ductor.start("defs")
+    assert _definition_statements(statements), "the first start stores or finds it"
+    statements.clear()
+    for _ in range(3):
+        ductor.start("defs")
+    assert _definition_statements(statements) == []
+    assert sum("INSERT INTO eec_workflow_run" in s for s in statements) == 3
+
+
+def test_a_definition_deleted_by_hand_is_stored_again_by_the_next_start(
+    ductor: Ductor, database_url: str
+) -> None:
+    first = ductor.start("defs").run_id
+    engine = get_engine(database_url)
+    with engine.begin() as conn:
+        conn.execute(sa.delete(workflow_run).where(workflow_run.c.run_id == first))
+        deleted = conn.execute(
+            sa.delete(workflow_definition).where(workflow_definition.c.name == "defs")
+        ).rowcount
+    assert deleted == 1
+
+    run_id = ductor.start("defs").run_id
+
+    with engine.connect() as conn:
+        stored = conn.execute(
+            sa.select(workflow_definition.c.spec_hash).where(workflow_definition.c.name == "defs")
+        ).scalar_one()
+        pinned = conn.execute(
+            sa.select(workflow_run.c.spec_hash).where(workflow_run.c.run_id == run_id)
+        ).scalar_one()
+    assert pinned == stored
+    assert ductor.get(run_id).status == "pending"
