@@ -271,9 +271,10 @@ class Client:
         start_at, due_now = self._start_time(engine, delay, start_at)
         deadline_at = self._deadline_at(spec, deadline, start_at)
         for needed in self._with_children(spec):
-            with_retry(
-                functools.partial(runs.save_definition, engine, needed), what="save definition"
-            )
+            # The run's own definition is remembered once stored (its insert's foreign key
+            # checks it); those its children pin are looked up every time.
+            save = functools.partial(runs.save_definition, engine, needed, remember=needed is spec)
+            with_retry(save, what="save definition")
         traceparent = tracing.start_run(run_id, spec.name)
         found, created = with_retry(
             lambda: runs.insert_run_requested(

@@ -60,8 +60,13 @@ def _copier(cls: type) -> Callable[[Any], Any]:
     """A function copying the fields of ``cls`` one by one, written out as ``dataclasses``
     writes ``__init__`` (about seven times faster than a loop of ``getattr``/``setattr`` over
     the names). Field names are Python identifiers from the class itself, never data."""
-    frozen = cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
-    assign = "_set(twin, {0!r}, obj.{0})" if frozen else "twin.{0} = obj.{0}"
+    # Plain assignment only where it is plain: a frozen class (or one with its own
+    # ``__setattr__``) gets ``object.__setattr__``, as the loop it replaces did.
+    plain = (
+        not cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
+        and cls.__setattr__ is object.__setattr__  # type: ignore[comparison-overlap]
+    )
+    assign = "twin.{0} = obj.{0}" if plain else "_set(twin, {0!r}, obj.{0})"
     lines = [f"    {assign.format(name)}\n" for name in _field_names(cls)]
     source = f"def copy(obj):\n    twin = _new(_cls)\n{''.join(lines)}    return twin\n"
     namespace: dict[str, Any] = {"_new": cls.__new__, "_cls": cls, "_set": object.__setattr__}

@@ -117,17 +117,23 @@ def definition_exists(spec_hash: str) -> sa.Select[Any]:
     )
 
 
-#: The definitions this process found stored, by engine (its database): a second save of one
-#: reads nothing. Ductor never deletes a definition (every run pins its own by a foreign key);
-#: one deleted by hand meanwhile is stored again by the next start that needs it
-#: (``insert_run_requested``, on the foreign key's violation).
+#: A run's own definition this process found stored, by engine (its database): the next start
+#: of the same definition reads nothing for it (``save_definition(..., remember=True)``). Only
+#: a run's own: its insert checks it again for free (the run row's foreign key), and one found
+#: gone (deleted by hand, or lost with a failover to a standby that missed its commit) is
+#: stored again and the insert retried (``insert_run_requested``). The definitions a run's
+#: children pin have no such check at the start, so they are looked up every time, as on
+#: SQLite, which enforces no foreign key.
 _saved: weakref.WeakKeyDictionary[Engine, set[str]] = weakref.WeakKeyDictionary()
 
 
-def save_definition(engine: Engine, spec: WorkflowSpec) -> None:
-    """Store a spec under its hash; a second save of the same spec is a no-op, and in the
-    process that saved or found it, one with no statement (a transaction less per start)."""
-    saved = _saved.get(engine)
+def save_definition(engine: Engine, spec: WorkflowSpec, *, remember: bool = False) -> None:
+    """Store a spec under its hash; a second save of the same spec is a no-op. ``remember``
+    (a run's own definition, at its start, on PostgreSQL): once found stored, the process's
+    next saves of it send no statement (a transaction less per start)."""
+    # SQLite enforces no foreign key here: nothing would find a remembered one gone.
+    remember = remember and engine.dialect.name == "postgresql"
+    saved = _saved.get(engine) if remember else None
     if saved is not None and spec.spec_hash in saved:
         return
     with engine.begin() as conn:
@@ -137,7 +143,8 @@ def save_definition(engine: Engine, spec: WorkflowSpec) -> None:
                     conn.execute(definition_insert(spec))
             except IntegrityError:
                 pass  # saved concurrently by another client: same hash, same spec
-    _saved.setdefault(engine, set()).add(spec.spec_hash)
+    if remember:
+        _saved.setdefault(engine, set()).add(spec.spec_hash)
 
 
 def _forget_saved(engine: Engine, spec_hash: str) -> None:
@@ -383,7 +390,7 @@ def insert_run_requested(
                 # The definition this process had stored is gone (deleted by hand): store it
                 # again and insert again.
                 _forget_saved(engine, spec.spec_hash)
-                save_definition(engine, spec)
+                save_definition(engine, spec, remember=True)
                 continue
         found = _existing(engine, run_id, workflow_id, request)
         if found is not None:

@@ -205,3 +205,48 @@ def test_a_checked_success_is_carried_as_it_is_anything_else_through_json() -> N
     error = {"type": "X", "message": "m"}
     failed = _carried(claimed, Outcome(AttemptOutcome.FAILED, error=error, checked=True))
     assert not failed.checked and failed.error == error and failed.error is not error
+
+
+def test_a_success_redacted_after_its_checks_is_carried_unchecked(
+    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that used a secret has its values redacted after the JSON checks: what is
+    carried is read back through JSON and checked again by the tick; a plain step's checked
+    values go as they are. Both runs succeed with the values as stored."""
+    from ductor_celery.engine.kinds import DispatchKind
+    from ductor_celery.runtime import steps
+
+    secret = "s3cret-value-for-the-test"
+    app = Celery(f"red{tmp_path.name}", set_as_current=False)
+    app.conf.update(broker_url="memory://", ductor_secret_provider={"k": secret}.__getitem__)
+    d = Ductor(app, database_url=database_url)
+    sent: list[Any] = []
+    d.runtime.dispatcher.send = sent.extend  # type: ignore[method-assign,assignment]
+    d.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+    d.runtime.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
+    d.step(name="red.plain")(lambda ctx: {"said": "hello"})
+    d.step(name="red.secret")(lambda ctx: {"said": ctx.secret("k")})
+    for name in ("plain", "secret"):
+        wf = Workflow(f"red_{name}")
+        wf.step("a", f"red.{name}")
+        wf.output("$.nodes.a.output")
+        d.register(wf)
+    carried: list[AttemptResult] = []
+    original = steps._carried
+    monkeypatch.setattr(steps, "_carried", lambda *a: carried.append(original(*a)) or carried[-1])
+    outputs = []
+    for name in ("plain", "secret"):
+        run_id = d.start(f"red_{name}").run_id
+        sent.clear()
+        assert run_tick(d.runtime, run_id) == "committed"
+        (token,) = [r.payload["token"] for r in sent if r.kind == DispatchKind.STEP]
+        step = d.runtime.step_named(f"red.{name}")
+        assert step is not None
+        steps.execute_attempt(d.runtime, step, token, hostname="h", queue="q", carrier=token)
+        view = d.get(run_id)
+        assert view.status == "succeeded"
+        outputs.append(view.output)
+    plain, redacted = carried
+    assert plain.checked and plain.output == {"said": "hello"}
+    assert not redacted.checked and redacted.output == {"said": "***"}
+    assert outputs == [{"said": "hello"}, {"said": "***"}]

@@ -28,6 +28,12 @@ def ductor(database_url: str, tmp_path: Path) -> Ductor:
     wf = Workflow("defs")
     wf.step("a", "defs.noop")
     d.register(wf)
+    kid = Workflow("defs_kid")
+    kid.step("k", "defs.noop")
+    d.register(kid)
+    parent = Workflow("defs_parent")
+    parent.subworkflow("sub", workflow="defs_kid")
+    d.register(parent)
     return d
 
 
@@ -84,3 +90,24 @@ def test_a_definition_deleted_by_hand_is_stored_again_by_the_next_start(
         ).scalar_one()
     assert pinned == stored
     assert ductor.get(run_id).status == "pending"
+
+
+def test_the_definitions_a_run_s_children_pin_are_looked_up_at_every_start(
+    ductor: Ductor, database_url: str, statements: list[str]
+) -> None:
+    """Only a run's own definition is remembered (its insert's foreign key would find it
+    gone): one its children pin, deleted by hand, is stored again by the next start."""
+    ductor.start("defs_parent")
+    engine = get_engine(database_url)
+    with engine.begin() as conn:
+        conn.execute(sa.delete(workflow_definition).where(workflow_definition.c.name == "defs_kid"))
+    statements.clear()
+
+    ductor.start("defs_parent")
+
+    assert len(_definition_statements(statements)) >= 2, "the child's looked up and stored"
+    with engine.connect() as conn:
+        stored = conn.execute(
+            sa.select(sa.func.count()).where(workflow_definition.c.name == "defs_kid")
+        ).scalar_one()
+    assert stored == 1

@@ -848,6 +848,22 @@ def test_a_result_checked_where_it_was_produced_is_not_checked_again() -> None:
     assert describe(unmarked)["status"] == "failed"
 
 
+def test_a_tick_leaves_a_carried_result_s_values_as_they_were() -> None:
+    """A carried result's output and patch are the step worker's own objects (the ones its
+    fallback write and lost-outcome keeper would write if the tick does not commit): the
+    tick reads them and never changes them, nested values included."""
+    spec = one_node(attempts=5)
+    s = tick(spec, RunState()).state
+    output = {"n": [1, {"x": 2}]}
+    patch = {"p": {"q": [1]}, "r": [{"s": 1}]}
+    result = dataclasses.replace(ok("r1:a:1", output, patch=patch), checked=True)
+    before = copy.deepcopy((output, patch))
+    p = tick(spec, s, now=at(1), results=[result])
+    assert describe(p)["status"] == "succeeded"
+    p.state.to_json()
+    assert (result.output, result.patch) == before
+
+
 def test_arguments_over_the_payload_limit_fail_the_node_and_the_run_at_once() -> None:
     spec = (
         Workflow("w")
