@@ -25,7 +25,7 @@ What differs, grouped:
   announces finished runs (``NOTIFY``); SQLite sends every wake-up and its waiters poll.
   ``dedupes_wakes``, ``notify``, ``notifies``.
 - **Transactions**: a consistent multi-statement read (``snapshot_options``), per-transaction
-  timeouts (``bounds_transactions``).
+  timeouts (``bounds_transactions``), foreign keys enforced (``enforces_foreign_keys``).
 
 The lookup is a dictionary read per call (the dialect's name is on the engine already): no
 query, nothing per engine to keep.
@@ -63,6 +63,9 @@ class Dialect(ABC):
     bounds_transactions: ClassVar[bool]
     #: A commit it acknowledged can still be lost (a failover to an asynchronous standby).
     may_lose_commits: ClassVar[bool]
+    #: Foreign keys are enforced: a row naming a missing one is refused (a run's insert then
+    #: finds its definition gone, ``store/runs.save_definition``).
+    enforces_foreign_keys: ClassVar[bool]
     #: Execution options for a read whose statements must all see one snapshot.
     snapshot_options: ClassVar[Mapping[str, Any]]
 
@@ -145,6 +148,7 @@ class PostgresDialect(Dialect):
     notifies = True
     bounds_transactions = True
     may_lose_commits = True
+    enforces_foreign_keys = True
     #: Every statement of the read sees the snapshot of its first.
     snapshot_options: ClassVar[Mapping[str, Any]] = {"isolation_level": "REPEATABLE READ"}
 
@@ -222,6 +226,7 @@ class SqliteDialect(Dialect):
     notifies = False
     bounds_transactions = False
     may_lose_commits = False  # a file on this machine
+    enforces_foreign_keys = False  # PRAGMA foreign_keys is off, SQLite's default
     #: One connection's transaction is one snapshot already.
     snapshot_options: ClassVar[Mapping[str, Any]] = {}
 

@@ -131,8 +131,8 @@ def save_definition(engine: Engine, spec: WorkflowSpec, *, remember: bool = Fals
     """Store a spec under its hash; a second save of the same spec is a no-op. ``remember``
     (a run's own definition, at its start, on PostgreSQL): once found stored, the process's
     next saves of it send no statement (a transaction less per start)."""
-    # SQLite enforces no foreign key here: nothing would find a remembered one gone.
-    remember = remember and engine.dialect.name == "postgresql"
+    # Without foreign keys (SQLite) nothing would find a remembered one gone.
+    remember = remember and dialect_of(engine).enforces_foreign_keys
     saved = _saved.get(engine) if remember else None
     if saved is not None and spec.spec_hash in saved:
         return
