@@ -38,10 +38,13 @@ def attempt_result(
     patch: dict[str, Any] | None,
     branch: int | None,
     tags: list[list[str]] | None,
+    *,
+    checked: bool = False,
 ) -> AttemptResult:
     """A finished attempt not folded yet (its columns in ``RESULT_COLUMNS`` order). An
     outcome this version does not know (or none, which no writer leaves on a finished row)
-    is read as failed: the node retries or fails, never waits on it forever."""
+    is read as failed: the node retries or fails, never waits on it forever. ``checked``:
+    ``AttemptResult.checked`` (a carried outcome the step worker checked)."""
     return AttemptResult(
         token=token,
         node=node,
@@ -52,6 +55,7 @@ def attempt_result(
         patch=patch,
         branch=branch,
         tags=tags,
+        checked=checked,
     )
 
 

@@ -340,22 +340,9 @@ def _carried(claimed: attempts.ClaimedAttempt, result: Outcome) -> AttemptResult
     (the tick's guard against bad rows does not check them again). Any other outcome goes
     through JSON: a redacted value was changed after its checks, and an error may be a
     constant shared by every attempt stopped the same way."""
-    if result.checked and result.outcome == AttemptOutcome.SUCCEEDED:
-        return AttemptResult(
-            token=claimed.token,
-            node=claimed.node,
-            outcome=result.outcome,
-            output=result.output,
-            error=result.error,
-            retryable=result.retryable,
-            patch=result.patch,
-            branch=claimed.branch,
-            tags=result.tags,
-            checked=True,
-        )
-    output, error, patch, tags = json.loads(
-        dumps_json([result.output, result.error, result.patch, result.tags])
-    )
+    checked = result.checked and result.outcome == AttemptOutcome.SUCCEEDED
+    values = [result.output, result.error, result.patch, result.tags]
+    output, error, patch, tags = values if checked else json.loads(dumps_json(values))
     return attempt_result(
         claimed.token,
         claimed.node,
@@ -366,6 +353,7 @@ def _carried(claimed: attempts.ClaimedAttempt, result: Outcome) -> AttemptResult
         patch,
         claimed.branch,
         tags,
+        checked=checked,
     )
 
 
