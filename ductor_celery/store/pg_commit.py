@@ -79,7 +79,10 @@ WITH {carried}run_update AS (
     RETURNING 1
 ), folded AS (
     UPDATE eec_workflow_step_attempt SET folded = true
-    WHERE token = ANY(ARRAY(SELECT jsonb_array_elements_text(%(folded)s::jsonb)))
+    -- Nothing else to fold (an inline step's outcome folds itself, in carried): a gate on
+    -- the parameter alone, so no scan at all; the generic plan of a small table scans it.
+    WHERE %(folded)s::jsonb <> '[]'::jsonb
+      AND token = ANY(ARRAY(SELECT jsonb_array_elements_text(%(folded)s::jsonb)))
       AND EXISTS (SELECT 1 FROM run_update)
 ), attempts AS (
     INSERT INTO eec_workflow_step_attempt

@@ -3,9 +3,11 @@ statement-by-statement commit writes, and nothing when it loses a version race."
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from celery import Celery
@@ -163,3 +165,76 @@ def test_empty_and_unknown_row_sets_are_fine(
             now=_now(),
         )
     assert (written, matched, ids) == (True, True, [])
+
+
+def _scanned(plan: dict[str, Any]) -> list[str]:
+    """The tables a plan node and the nodes under it read."""
+    found = (
+        [plan["Relation Name"]] if "Relation Name" in plan and "Scan" in plan["Node Type"] else []
+    )
+    for child in plan.get("Plans", []):
+        found += _scanned(child)
+    return found
+
+
+@pytest.mark.parametrize("folded", [[], ["t1", "t2"]])
+def test_a_commit_with_nothing_to_fold_reads_no_attempt_rows_for_it(
+    database_url: str, tmp_path: Path, monkeypatch: Any, folded: list[str]
+) -> None:
+    """An inline step's eager tick folds its own outcome (the carried CTE), so its commit
+    has nothing else to fold: the folded CTE must not look at the attempts table then (a
+    small table's generic plan scans it whole, every tick), and must when there is."""
+    from ductor_celery.engine import RunState, TickInputs, compute_tick
+
+    d = _app(database_url, tmp_path)
+    run_id = d.start("pgc", input={"a": 1, "c": False, "items": []}).run_id
+    spec = d.client.find_definition("pgc")
+    payload = compute_tick(spec, RunState(), TickInputs(run_id=run_id, input={"a": 1}), _now())
+    payload.folded = list(folded)
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    class Recording:
+        def __init__(self, cursor: Any) -> None:
+            self.cursor = cursor
+
+        def execute(self, text: str, params: dict[str, Any]) -> None:
+            sent.append((text, params))
+            self.cursor.execute(text, params)
+
+        def fetchone(self) -> Any:
+            return self.cursor.fetchone()
+
+    real = pg_commit.driver_cursor
+
+    @contextlib.contextmanager
+    def recording(conn: Any) -> Any:
+        with real(conn) as cursor:
+            yield Recording(cursor)
+
+    monkeypatch.setattr(pg_commit, "driver_cursor", recording)
+    engine = get_engine(database_url)
+    with engine.begin() as conn:
+        pg_commit.commit(
+            conn,
+            run_id=run_id,
+            version=0,
+            run_values={"record_version": 1},
+            payload=payload,
+            transitions=[],
+            outbox=[],
+            now=_now(),
+        )
+    ((text, params),) = sent
+    with engine.connect() as conn:
+        driver = conn.connection.dbapi_connection
+        assert driver is not None
+        # Bound on the client: the plan of these very values (EXPLAIN runs nothing).
+        with psycopg.ClientCursor(driver) as cursor:
+            cursor.execute("EXPLAIN (FORMAT JSON) " + text, params)
+            (plan,) = cursor.fetchone()[0]
+        conn.rollback()
+    top = plan["Plan"]
+    folded_cte = [p for p in top.get("Plans", []) if p.get("Subplan Name") == "CTE folded"]
+    assert len(folded_cte) == 1
+    read = _scanned(folded_cte[0])
+    assert read == (["eec_workflow_step_attempt"] if folded else []), read
