@@ -172,7 +172,12 @@ def take_for_claim(
     creates claimed (an inline chain's next step), if the bucket has one and no attempt of the
     key is ahead of it in line. One statement on PostgreSQL, in the tick's transaction (no
     commit of its own), the commit's last: the bucket's lock is held until the tick commits,
-    a round trip later."""
+    a round trip later.
+
+    A token taken stamps the attempt's ``claimed_at`` with the take's own time, as a worker's
+    claim does (``attempts.claim_limited``): the commit inserted it claimed at the tick's
+    time (its transaction's start), milliseconds earlier, and the bucket admits claims by the
+    times it takes them at."""
     bucket = Bucket(key, created_at, created_at, limit, period)
     if dialect_of(conn).one_statement:
         return bool(
@@ -192,6 +197,9 @@ def take_for_claim(
     if bucket.tokens() == 0 or older_waiter(conn, key, created_at, token, priority):
         return False
     take(conn, bucket)
+    conn.execute(
+        sa.update(step_attempt).where(step_attempt.c.token == token).values(claimed_at=bucket.now)
+    )
     return True
 
 
@@ -218,6 +226,9 @@ WITH taken AS (
                      OR (w.priority = :b_priority
                          AND (w.created_at, w.token) < (:b_created, :b_token))))
     RETURNING 1
+), stamped AS (
+    UPDATE eec_workflow_step_attempt SET claimed_at = statement_timestamp()
+    WHERE token = :b_token AND EXISTS (SELECT 1 FROM taken)
 )
 SELECT count(*) FROM taken
 """

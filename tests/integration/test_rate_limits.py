@@ -9,6 +9,7 @@ back on its own during a test; a test that needs one moves the bucket's ``tat`` 
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,11 @@ from ductor_celery.definition import Workflow
 from ductor_celery.engine import compute_tick
 from ductor_celery.runtime.step_context import Step
 from ductor_celery.store import attempts, external, rates, runs
-from ductor_celery.store.db import get_engine
+from ductor_celery.store.db import aware, get_engine
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.outbox import OutboxRow
 from ductor_celery.store.rates import RateHeld
+from ductor_celery.store.schema import rate_bucket, step_attempt
 from ductor_celery.store.ticks import VersionConflict, commit_on
 
 LIMIT = 3
@@ -289,6 +291,39 @@ def test_an_inline_claim_takes_its_token_in_the_commit_or_waits_in_line_unclaime
     assert _tick_claiming(engine, spec, "r6", "w6") is False
     assert _released(engine) == ["r4"]  # served in line, by a message
     assert isinstance(_claim(engine, "r4"), attempts.ClaimedAttempt)
+
+
+def test_an_inline_claim_that_takes_a_token_is_stamped_with_the_takes_time(
+    engine: Any,
+) -> None:
+    """The bucket admits claims by the times it takes their tokens at; an attempt an inline
+    tick's commit claims is inserted at the tick's time (its transaction's start, or its
+    load on SQLite), so the take stamps it again, as a worker's own claim is stamped: a window
+    of ``claimed_at`` times is then never shorter than the bucket's own."""
+    spec = _spec()
+    runs.save_definition(engine, spec)
+    runs.insert_run(engine, run_id="t1", workflow_id="t1", spec=spec, input={"customer": "acme"})
+    loaded, spec2, inputs = load_tick(engine, "t1", lambda _h: spec, CONFIG)  # type: ignore[misc]
+    payload = compute_tick(spec2, loaded.state, inputs, loaded.now)
+    rate = RateTake("rate.work|acme", LIMIT, PERIOD)
+    claim = TickClaim(payload.new_attempts[0].token, "w1", rate=rate)
+    time.sleep(0.05)  # the take comes later than the tick's clock, as on a loaded machine
+    with engine.begin() as conn:
+        commit_on(conn, loaded, payload, claim)
+    assert rate.taken
+    with engine.connect() as conn:
+        claimed_at, claimed_by = conn.execute(
+            sa.select(step_attempt.c.claimed_at, step_attempt.c.claimed_by).where(
+                step_attempt.c.token == claim.token
+            )
+        ).one()
+        took_at = conn.execute(
+            sa.select(rate_bucket.c.updated_at).where(rate_bucket.c.key == "rate.work|acme")
+        ).scalar_one()
+    claimed_at, took_at = aware(claimed_at), aware(took_at)
+    assert claimed_by == "w1"
+    assert claimed_at == took_at
+    assert (claimed_at - loaded.now).total_seconds() >= 0.04
 
 
 def test_waiters_of_a_higher_priority_run_are_released_first(engine: Any) -> None:
