@@ -55,8 +55,6 @@ def _claims(cluster: Any, customer: str) -> list[float]:
         return [float(t) for t in rows]
 
 
-
-
 def _over_the_bucket(claims: list[float]) -> list[tuple[int, int, float]]:
     """Every window [claims[i], claims[j]] holding more claims than the bucket allows. Every
     claim is stamped with the time its bucket took its token at (a worker's claim, and an
