@@ -367,6 +367,9 @@ def insert_run_requested(
     )
     # The tags' rows in the run's own transaction: a run is never seen without them.
     tag_rows = run_tags.tags_insert(run_id, tags or {})
+    # A large input is stored by reference (docs/large-values.md), in the run's transaction:
+    # a start that loses to an open run leaves no blob behind. Its JSON is made once, here.
+    large = blobs.large_text(input, blobs.threshold(engine))
     # Most starts write the run row and its audit entry and nothing else: on PostgreSQL one
     # statement does both (the run's insert a data-modifying WITH of the entry's), committed
     # by itself: one round trip instead of four (BEGIN, two inserts, COMMIT) on the path from
@@ -376,7 +379,7 @@ def insert_run_requested(
         and start_at is None
         and tag_rows is None
         and request is None
-        and blobs.large_text(input, blobs.threshold(engine)) is None
+        and large is None
     )
     for _ in range(INSERT_ROUNDS):
         try:
@@ -393,10 +396,11 @@ def insert_run_requested(
             with engine.begin() as conn:
                 if start_at is not None:
                     conn.execute(timer_insert(run_id, start_at))
-                # A large input is stored by reference (docs/large-values.md), in this
-                # transaction: a start that loses to an open run leaves no blob behind.
-                stored = blobs.offloaded_on(conn, run_id, input)
-                conn.execute(statement if stored is input else statement.values(input=stored))
+                if large is None:
+                    conn.execute(statement)
+                else:
+                    stored = blobs.write(conn, run_id, input, large).to_json()
+                    conn.execute(statement.values(input=stored))
                 if tag_rows is not None:
                     conn.execute(tag_rows)
                 if request is not None:
@@ -487,10 +491,18 @@ def open_run_id(engine: Engine, workflow_id: str) -> str | None:
         return conn.execute(open_run_of(workflow_id)).scalar_one_or_none()
 
 
+def _reading(engine: Engine) -> Any:
+    """A connection for reads that are one statement each: on PostgreSQL in autocommit (no
+    ``BEGIN``/``ROLLBACK`` round trips around the statement); on SQLite an ordinary one
+    (in-process: nothing to save, and its connections keep the isolation they were made
+    with)."""
+    return autocommit(engine) if dialect_of(engine).one_statement else engine.connect()
+
+
 def find_run(engine: Engine, target: str) -> RunRow | None:
     """A run by run id, else the newest run of that workflow id. Each read is one statement
-    on its own (``autocommit``: no ``BEGIN`` and ``ROLLBACK`` round trips around it)."""
-    with autocommit(engine) as conn:
+    on its own (``_reading``)."""
+    with _reading(engine) as conn:
         row = conn.execute(
             sa.select(*RUN_COLUMNS).where(workflow_run.c.run_id == target)
         ).one_or_none()
@@ -509,9 +521,9 @@ def find_run_for_wait(engine: Engine, target: str) -> tuple[RunRow, bool] | None
     statement, so in one snapshot: a redrive applied meanwhile shows in the row (the commit
     that reopens the run marks its control handled). ``Client.wait``'s look at the run after
     each notification, on the path from a run's finishing commit to ``wait()`` returning:
-    ``autocommit``, so one round trip, not three."""
+    one round trip, not three (``_reading``)."""
     pending = exists_redrive(workflow_run.c.run_id).label("redrive_pending")
-    with autocommit(engine) as conn:
+    with _reading(engine) as conn:
         row = conn.execute(
             sa.select(*RUN_COLUMNS, pending).where(workflow_run.c.run_id == target)
         ).one_or_none()

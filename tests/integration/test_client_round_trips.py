@@ -16,6 +16,7 @@ from celery import Celery
 from ductor_celery import Ductor, Workflow
 from ductor_celery.store.db import get_engine
 from ductor_celery.store.schema import audit, workflow_run
+from ductor_celery.store.start_requests import RequestKey
 
 
 @pytest.fixture
@@ -92,17 +93,34 @@ def test_a_start_refused_for_an_open_run_writes_nothing(
     assert (runs, entries) == (1, 1), "the refused start's entry went with its run row"
 
 
+@pytest.mark.parametrize("extra", ["tags", "delay", "request", "large input"])
 def test_a_start_with_more_rows_keeps_its_transaction(
-    ductor: Ductor, database_url: str, sent: list[tuple[str, bool]]
+    ductor: Ductor, database_url: str, sent: list[tuple[str, bool]], extra: str
 ) -> None:
+    """Tags, a delayed start's timer, a start request and a large input's blob are rows of
+    their own: such a start writes them and its run in one transaction, as before."""
     ductor.start("trips")
     sent.clear()
-    run_id = ductor.start("trips", tags={"team": "ops"}).run_id
-    inserts = [(s, alone) for s, alone in sent if s.startswith("INSERT")]
-    assert len(inserts) == 3, [s for s, _ in inserts]  # run, tags, entry
-    assert not any(alone for _, alone in inserts), "one transaction around the three"
+    if extra == "tags":
+        run_id = ductor.start("trips", tags={"team": "ops"}).run_id
+    elif extra == "delay":
+        run_id = ductor.start("trips", delay=3600).run_id
+    elif extra == "request":
+        handle, created = ductor.client.start_request(RequestKey.api("trips", "k-1"), "trips")
+        assert created
+        run_id = handle.run_id
+    else:
+        run_id = ductor.start("trips", input={"blob": "x" * 300_000}).run_id  # over 256 KiB
+    writes = [(s, alone) for s, alone in sent if s.startswith("INSERT")]
+    assert len(writes) >= 3, [s for s, _ in writes]  # the run, the extra row(s), the entry
+    assert not any(alone for _, alone in writes), "one transaction around them all"
     assert _entries(database_url, run_id) == ["start"]
-    assert ductor.get(run_id).tags == {"team": "ops"}
+    view = ductor.get(run_id)
+    assert view.status == "pending"
+    if extra == "tags":
+        assert view.tags == {"team": "ops"}
+    if extra == "large input":
+        assert view.input == {"blob": "x" * 300_000}
 
 
 def test_get_and_a_finished_wait_read_the_run_alone(
