@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from psycopg.rows import namedtuple_row
+from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from sqlalchemy.engine import Connection, Engine
 
 from ..definition.spec import compensated_node, compensation_id
@@ -284,6 +286,17 @@ def _pg_claim_statement(check_step: bool) -> Any:
     )
 
 
+@functools.cache
+def _pg_claim_text(check_step: bool) -> tuple[str, dict[str, Any]]:
+    """``_pg_claim_statement`` as psycopg's text (``%(b_token)s``...), compiled once per
+    process, with the values of the literals it binds (the JSON key ``context``, an EXISTS
+    probe's ``1``). Its rows are named tuples with the statement's labels, JSON and
+    timestamps decoded by psycopg as SQLAlchemy's psycopg dialect leaves them."""
+    compiled = _pg_claim_statement(check_step).compile(dialect=psycopg_dialect())  # type: ignore[no-untyped-call]
+    fixed = {k: v for k, v in compiled.params.items() if not k.startswith("b_")}
+    return str(compiled), fixed
+
+
 def _claim_postgres(
     engine: Engine, token: str, worker: str, step: str | None, carrier: str | None
 ) -> ClaimedAttempt | WrongStep | rates.RateHeld | None:
@@ -292,8 +305,13 @@ def _claim_postgres(
     params: dict[str, str | None] = {"b_token": token, "b_worker": worker, "b_carrier": carrier}
     if step is not None:
         params["b_step"] = step
-    with autocommit(engine) as conn:
-        found = conn.execute(_pg_claim_statement(step is not None), params).one_or_none()
+    # Straight to psycopg's cursor, as the tick's hot statements (store/load.py): the text
+    # never changes, and SQLAlchemy's execution context and result wrapping cost more than
+    # the statement. Every step message and every held branch makes one claim.
+    text, fixed = _pg_claim_text(step is not None)
+    with autocommit(engine) as conn, driver_cursor(conn, row_factory=namedtuple_row) as cursor:
+        cursor.execute(text, {**fixed, **params})
+        found = cursor.fetchone()
     if found is None:
         return None
     if found.run_id is None and found.attempt_rate_key is not None:
