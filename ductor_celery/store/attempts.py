@@ -19,7 +19,7 @@ from ..definition.spec import compensated_node, compensation_id
 from ..engine.inputs import AttemptResult
 from ..engine.status import AttemptOutcome
 from . import leases, rates
-from .db import autocommit, aware, driver_cursor, refusing_values
+from .db import ValuesRefused, autocommit, aware, driver_cursor, refusing_values
 from .dialect import dialect_of
 from .inputs import current_input
 from .leases import holds_lease
@@ -411,31 +411,27 @@ def finish_unleased_on(
     tags: list[list[str]] | None = None,
 ) -> bool:
     """Write the outcome of an attempt that holds no lease, on ``conn`` (PostgreSQL): False if
-    it is finished or closed already, or has a lease (then ``finish`` must release it)."""
-    values = {
-        "outcome": outcome,
-        "output": output,
-        "error": error,
-        "retryable": retryable,
-        "patch": patch,
-        "tags": tags,
-    }
-    return bool(conn.execute(_pg_finish_unleased(), {"b_token": token, **values}).rowcount == 1)
+    it is finished or closed already, or has a lease (then ``finish`` must release it).
 
-
-@functools.cache
-def _pg_finish_unleased() -> Any:
-    """The outcome of an attempt that holds no lease (bind parameter ``b_token`` and the
-    outcome columns), built once per process."""
-    return (
-        sa.update(step_attempt)
-        .where(
-            step_attempt.c.token == sa.bindparam("b_token", type_=sa.String),
-            step_attempt.c.finished_at.is_(None),
-            step_attempt.c.lease_key.is_(None),
-        )
-        .values(finished_at=sa.func.now())
-    )
+    Straight to psycopg's cursor, as a carried outcome is (``finish_carried``): the same SET
+    but ``folded``, the same WHERE, the JSON columns as ``dumps_json`` makes them. Values it
+    cannot encode, or that PostgreSQL refuses, are ``ValuesRefused`` as on SQLAlchemy's
+    path (``db.refusing_values``)."""
+    try:
+        params = {
+            "c_token": token,
+            "c_outcome": str(outcome),
+            "c_output": dumps_json(output),
+            "c_error": dumps_json(error),
+            "c_retryable": retryable,
+            "c_patch": dumps_json(patch),
+            "c_tags": dumps_json(tags),
+        }
+    except (TypeError, ValueError) as exc:  # what the JSON encoder refuses
+        raise ValuesRefused(f"{type(exc).__name__}: {exc}"[:500]) from exc
+    with driver_cursor(conn) as cursor:
+        cursor.execute(_PG_FINISH_UNLEASED, params)
+        return bool(cursor.rowcount == 1)
 
 
 #: An outcome a tick carries (``Coordinator.tick``'s ``carried``: the step worker running the
@@ -477,6 +473,8 @@ def finish_carried(conn: Connection, carried: AttemptResult) -> bool:
 
 
 _PG_FINISH_CARRIED = f"UPDATE eec_workflow_step_attempt SET {CARRIED_SET} WHERE {CARRIED_WHERE}"
+#: ``finish_unleased_on``: the carried outcome's write without ``folded`` (a tick folds it).
+_PG_FINISH_UNLEASED = _PG_FINISH_CARRIED.replace(", folded = true", "")
 
 
 def may_lose_commits(engine: Engine) -> bool:

@@ -69,10 +69,14 @@ def refusing_values() -> Iterator[None]:
         if isinstance(exc, DataError) or not isinstance(exc, DBAPIError):
             raise ValuesRefused(_one_line_cause(exc)) from exc
         raise
+    except psycopg.DataError as exc:  # a statement sent to psycopg's cursor directly
+        raise ValuesRefused(_one_line_cause(exc)) from exc
 
 
-def _one_line_cause(exc: StatementError) -> str:
-    orig = exc.orig if isinstance(exc.orig, BaseException) else exc
+def _one_line_cause(exc: StatementError | psycopg.Error) -> str:
+    orig = (
+        exc.orig if isinstance(exc, StatementError) and isinstance(exc.orig, BaseException) else exc
+    )
     try:
         text = " ".join(str(orig).split())
     except Exception:  # noqa: BLE001 - a driver message that cannot be printed

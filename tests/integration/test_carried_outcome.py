@@ -19,6 +19,7 @@ from ductor_celery.engine import AttemptResult
 from ductor_celery.engine.status import AttemptOutcome
 from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import attempts
+from ductor_celery.store.db import ValuesRefused
 from ductor_celery.store.schema import step_attempt
 
 _COLUMNS = (
@@ -250,3 +251,27 @@ def test_a_success_redacted_after_its_checks_is_carried_unchecked(
     assert plain.checked and plain.output == {"said": "hello"}
     assert not redacted.checked and redacted.output == {"said": "***"}
     assert outputs == [{"said": "hello"}, {"said": "***"}]
+
+
+@pytest.mark.parametrize(
+    ("output", "cause"),
+    [
+        ({"text": "a\u0000b"}, "UntranslatableCharacter"),  # PostgreSQL's jsonb refuses it
+        ({"n": float("nan")}, "InvalidTextRepresentation"),  # so does its json
+        ({"s": {1, 2}}, "ValueNotEncodable"),  # the JSON encoder refuses it
+    ],
+)
+def test_an_outcome_whose_values_are_refused_is_values_refused_and_writes_nothing(
+    ductor: Any, output: Any, cause: str
+) -> None:
+    """An outcome written alone goes to psycopg's cursor: values the encoder or PostgreSQL
+    refuses are ``ValuesRefused`` naming why (the worker then writes a failure without them),
+    as on SQLAlchemy's path, and the attempt stays open."""
+    token = _open_attempt(ductor)
+    engine = ductor.runtime.engine()
+    with pytest.raises(ValuesRefused) as refused:
+        attempts.finish(engine, token, outcome=AttemptOutcome.SUCCEEDED, output=output)
+    assert refused.value.cause.startswith(cause), refused.value.cause
+    assert _row(ductor, token)[0] is None, "still open: nothing written"
+    written, _ = attempts.finish(engine, token, outcome=AttemptOutcome.SUCCEEDED, output={"ok": 1})
+    assert written
