@@ -127,7 +127,7 @@ def cluster_factory(
 
     yield make
     for cluster in made:
-        cluster.stop()
+        cluster.discard()
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def shared_cluster(
         cluster.start_coordinator()
         yield cluster
     finally:
-        cluster.stop()
+        cluster.discard()
 
 
 @pytest.fixture
