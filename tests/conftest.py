@@ -73,6 +73,23 @@ def template_db(pg_server: PostgresServer) -> str:
     return "ductor_template"
 
 
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite database file migrated to head once per session, for tests to copy into a
+    path of their own (``shutil.copyfile``): the very file ``upgrade()`` makes, without
+    replaying every migration for each of a file's hundreds of tests."""
+    from ductor_celery.store.db import forget_engine
+    from ductor_celery.store.migrate import upgrade
+
+    path = tmp_path_factory.mktemp("sqlite-template") / "template.sqlite3"
+    url = f"sqlite:///{path}"
+    upgrade(url)
+    forget_engine(url)  # its last connection closed: the WAL checkpointed into the file
+    leftovers = [p.name for p in path.parent.iterdir() if p != path]
+    assert not leftovers, leftovers  # the file alone is the whole database
+    return path
+
+
 def _fresh_db(pg_server: PostgresServer, template: str) -> str:
     name = f"t_{uuid.uuid4().hex[:12]}"
     pg_server.create_database(name, template=template)

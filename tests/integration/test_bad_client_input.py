@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta, timezone
@@ -30,7 +31,6 @@ from ductor_celery.cli import ductor as ductor_cli
 from ductor_celery.limits import MAX_DURATION_S
 from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store.db import forget_engine
-from ductor_celery.store.migrate import upgrade
 
 #: ductor_max_payload_bytes in these tests: small, so "too large" is cheap to build.
 MAX_BYTES = 1000
@@ -47,9 +47,9 @@ def nested(depth: int) -> Any:
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path}/bad.sqlite3"
-        upgrade(url)
-        return url
+        # A copy of the session's migrated file (conftest.py): what upgrade() makes, at once.
+        shutil.copyfile(request.getfixturevalue("sqlite_template"), tmp_path / "bad.sqlite3")
+        return f"sqlite:///{tmp_path}/bad.sqlite3"
     found: str = request.getfixturevalue("database_url")
     return found
 
