@@ -43,6 +43,7 @@ def pgbouncer(pg_server: PostgresServer) -> Iterator[PgBouncer]:
 # --- databases, clients and workers ---------------------------------------------------------
 
 import itertools  # noqa: E402
+import os  # noqa: E402
 import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -219,3 +220,43 @@ def rabbitmq_server() -> Iterator[RabbitMQServer]:
 
 
 # --- end RabbitMQ -----------------------------------------------------------------------------
+
+
+# --- the order files start in under xdist ------------------------------------------------------
+# scripts/test runs files on two processes (``--dist loadfile --no-loadscope-reorder``): each
+# takes the next file in collection order when it is almost done with its current one. Files
+# start longest first, so that the last minutes are many short files on both processes rather
+# than one long e2e file on one while the other has finished. The longest, in test-seconds of a
+# CI run (the rest keep their order, e2e first: a file missing here is slower only if it is long).
+LONGEST_FIRST = (
+    "e2e/test_pools.py",
+    "e2e/test_fleet_chaos.py",
+    "e2e/test_faults.py",
+    "integration/test_controls_property.py",
+    "e2e/test_eager_ticks.py",
+    "integration/test_tags_explain.py",
+    "e2e/test_cli.py",
+    "e2e/test_chaos.py",
+    "integration/test_bad_client_input.py",
+    "e2e/test_rabbitmq_e2e.py",
+    "e2e/test_web_console.py",
+    "integration/test_large_values_review.py",
+    "e2e/test_failover_e2e.py",
+    "e2e/test_cancel_terminate.py",
+    "integration/test_large_values.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process: the usual order
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def key(item: pytest.Item) -> int:
+        try:
+            relative = item.path.relative_to(TESTS_DIR).as_posix()
+        except ValueError:  # a file outside tests/
+            return len(rank)
+        return rank.get(relative, len(rank))
+
+    items.sort(key=key)  # stable: a file's tests, and the other files, keep their order
