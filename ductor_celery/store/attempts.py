@@ -19,7 +19,14 @@ from ..definition.spec import compensated_node, compensation_id
 from ..engine.inputs import AttemptResult
 from ..engine.status import AttemptOutcome
 from . import leases, rates
-from .db import ValuesRefused, autocommit, aware, driver_cursor, refusing_values
+from .db import (
+    ValuesRefused,
+    autocommit,
+    aware,
+    driver_cursor,
+    one_line_cause,
+    refusing_values,
+)
 from .dialect import dialect_of
 from .inputs import current_input
 from .leases import holds_lease
@@ -286,6 +293,10 @@ def _pg_claim_statement(check_step: bool) -> Any:
     )
 
 
+#: The claim's parameters given per call; its compiled text binds a few literals besides.
+_CLAIM_PARAMS = frozenset({"b_token", "b_worker", "b_carrier", "b_step"})
+
+
 @functools.cache
 def _pg_claim_text(check_step: bool) -> tuple[str, dict[str, Any]]:
     """``_pg_claim_statement`` as psycopg's text (``%(b_token)s``...), compiled once per
@@ -293,7 +304,7 @@ def _pg_claim_text(check_step: bool) -> tuple[str, dict[str, Any]]:
     probe's ``1``). Its rows are named tuples with the statement's labels, JSON and
     timestamps decoded by psycopg as SQLAlchemy's psycopg dialect leaves them."""
     compiled = _pg_claim_statement(check_step).compile(dialect=psycopg_dialect())  # type: ignore[no-untyped-call]
-    fixed = {k: v for k, v in compiled.params.items() if not k.startswith("b_")}
+    fixed = {k: v for k, v in compiled.params.items() if k not in _CLAIM_PARAMS}
     return str(compiled), fixed
 
 
@@ -377,6 +388,9 @@ def finish(
         with autocommit(engine) as conn:
             if finish_unleased_on(conn, token, **outcome_values):
                 return True, []
+    # What the JSON encoder refuses is ValuesRefused here too (SQLAlchemy would pass the
+    # encoder's own error through from inside the driver's binding).
+    _outcome_json(output, error, patch, tags)
     with engine.begin() as conn:
         if leased:
             leases.lock_keys(conn, leases.keys_held_by(conn, [token]))
@@ -398,6 +412,15 @@ def finishes_in_tick(engine: Engine) -> bool:
     return dialect_of(engine).one_statement
 
 
+def _outcome_json(*values: Any) -> tuple[str, ...]:
+    """An outcome's JSON columns as ``dumps_json`` writes them; what the encoder refuses is
+    ``ValuesRefused`` (the driver's own binding of them would raise it bare)."""
+    try:
+        return tuple(dumps_json(v) for v in values)
+    except (TypeError, ValueError) as exc:
+        raise ValuesRefused(one_line_cause(exc)) from exc
+
+
 @refusing_values()
 def finish_unleased_on(
     conn: Connection,
@@ -417,18 +440,16 @@ def finish_unleased_on(
     but ``folded``, the same WHERE, the JSON columns as ``dumps_json`` makes them. Values it
     cannot encode, or that PostgreSQL refuses, are ``ValuesRefused`` as on SQLAlchemy's
     path (``db.refusing_values``)."""
-    try:
-        params = {
-            "c_token": token,
-            "c_outcome": str(outcome),
-            "c_output": dumps_json(output),
-            "c_error": dumps_json(error),
-            "c_retryable": retryable,
-            "c_patch": dumps_json(patch),
-            "c_tags": dumps_json(tags),
-        }
-    except (TypeError, ValueError) as exc:  # what the JSON encoder refuses
-        raise ValuesRefused(f"{type(exc).__name__}: {exc}"[:500]) from exc
+    output_text, error_text, patch_text, tags_text = _outcome_json(output, error, patch, tags)
+    params = {
+        "c_token": token,
+        "c_outcome": str(outcome),
+        "c_output": output_text,
+        "c_error": error_text,
+        "c_retryable": retryable,
+        "c_patch": patch_text,
+        "c_tags": tags_text,
+    }
     with driver_cursor(conn) as cursor:
         cursor.execute(_PG_FINISH_UNLEASED, params)
         return bool(cursor.rowcount == 1)
@@ -441,11 +462,12 @@ def finish_unleased_on(
 #: already, or holding a lease, is left alone. The JSON columns get the text ``finish``
 #: writes (``dumps_json``; None is JSON ``null``, as SQLAlchemy's JSON type stores it):
 #: tests/integration/test_carried_outcome.py compares the rows the two paths write.
-CARRIED_SET = (
+OUTCOME_SET = (
     "finished_at = now(), outcome = %(c_outcome)s, output = %(c_output)s::jsonb, "
     "error = %(c_error)s::jsonb, retryable = %(c_retryable)s, patch = %(c_patch)s::jsonb, "
-    "tags = %(c_tags)s::jsonb, folded = true"
+    "tags = %(c_tags)s::jsonb"
 )
+CARRIED_SET = OUTCOME_SET + ", folded = true"
 CARRIED_WHERE = "token = %(c_token)s AND finished_at IS NULL AND lease_key IS NULL"
 
 
@@ -473,8 +495,8 @@ def finish_carried(conn: Connection, carried: AttemptResult) -> bool:
 
 
 _PG_FINISH_CARRIED = f"UPDATE eec_workflow_step_attempt SET {CARRIED_SET} WHERE {CARRIED_WHERE}"
-#: ``finish_unleased_on``: the carried outcome's write without ``folded`` (a tick folds it).
-_PG_FINISH_UNLEASED = _PG_FINISH_CARRIED.replace(", folded = true", "")
+#: ``finish_unleased_on``: the carried outcome's write but ``folded`` (a tick folds it).
+_PG_FINISH_UNLEASED = f"UPDATE eec_workflow_step_attempt SET {OUTCOME_SET} WHERE {CARRIED_WHERE}"
 
 
 def may_lose_commits(engine: Engine) -> bool:

@@ -67,13 +67,15 @@ def refusing_values() -> Iterator[None]:
         yield
     except StatementError as exc:
         if isinstance(exc, DataError) or not isinstance(exc, DBAPIError):
-            raise ValuesRefused(_one_line_cause(exc)) from exc
+            raise ValuesRefused(one_line_cause(exc)) from exc
         raise
     except psycopg.DataError as exc:  # a statement sent to psycopg's cursor directly
-        raise ValuesRefused(_one_line_cause(exc)) from exc
+        raise ValuesRefused(one_line_cause(exc)) from exc
 
 
-def _one_line_cause(exc: StatementError | psycopg.Error) -> str:
+def one_line_cause(exc: BaseException) -> str:
+    """What refused a value, as one storable line (it goes into the step's error), without
+    the statement or its parameters."""
     orig = (
         exc.orig if isinstance(exc, StatementError) and isinstance(exc.orig, BaseException) else exc
     )

@@ -20,7 +20,9 @@ Lock order: attempt rows, then the bucket row. A worker's claim locks its attemp
 (``FOR UPDATE``) before the bucket; a tick's commit closes or inserts attempt rows before it
 takes an inline step's token. The sweeper's release locks a bucket and then only the attempt
 rows nobody holds (``SKIP LOCKED``), so it never waits on a row. Outcome writes never touch a
-bucket. No two of them wait on each other in a cycle.
+bucket. No two of them wait on each other in a cycle. (A tick's take also stamps its claimed
+attempt's ``claimed_at`` after locking the bucket: that row is the commit's own insert, which
+nobody else can see, let alone lock.)
 """
 
 from __future__ import annotations

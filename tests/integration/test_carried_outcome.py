@@ -104,11 +104,14 @@ def _row(d: Ductor, token: str) -> tuple[Any, ...]:
         {"outcome": AttemptOutcome.CANCELLED, "error": {"type": "StepCancelled", "message": ""}},
     ],
 )
+@pytest.mark.parametrize("leased", [False, True], ids=["on psycopg's cursor", "SQLAlchemy's"])
 def test_the_carried_outcome_and_finish_then_a_tick_leave_the_same_rows_and_run(
-    ductor: Ductor, values: dict[str, Any]
+    ductor: Ductor, values: dict[str, Any], leased: bool
 ) -> None:
+    """``finish`` writes an unleased outcome on psycopg's cursor, a leased one through
+    SQLAlchemy (here an attempt without a lease after all): both as a carried outcome."""
     by_finish, carried = _open_attempt(ductor), _open_attempt(ductor)
-    written, _ = attempts.finish(ductor.runtime.engine(), by_finish, **values)
+    written, _ = attempts.finish(ductor.runtime.engine(), by_finish, leased=leased, **values)
     assert written
     assert run_tick(ductor.runtime, _run_of(by_finish)) == "committed"
     outcome = run_tick(
@@ -261,16 +264,19 @@ def test_a_success_redacted_after_its_checks_is_carried_unchecked(
         ({"s": {1, 2}}, "ValueNotEncodable"),  # the JSON encoder refuses it
     ],
 )
+@pytest.mark.parametrize("leased", [False, True], ids=["on psycopg's cursor", "SQLAlchemy's"])
 def test_an_outcome_whose_values_are_refused_is_values_refused_and_writes_nothing(
-    ductor: Any, output: Any, cause: str
+    ductor: Any, output: Any, cause: str, leased: bool
 ) -> None:
-    """An outcome written alone goes to psycopg's cursor: values the encoder or PostgreSQL
-    refuses are ``ValuesRefused`` naming why (the worker then writes a failure without them),
-    as on SQLAlchemy's path, and the attempt stays open."""
+    """Values the JSON encoder or PostgreSQL refuses are ``ValuesRefused`` naming why (the
+    worker then writes a failure without them), on either of ``finish``'s paths, and the
+    attempt stays open."""
     token = _open_attempt(ductor)
     engine = ductor.runtime.engine()
     with pytest.raises(ValuesRefused) as refused:
-        attempts.finish(engine, token, outcome=AttemptOutcome.SUCCEEDED, output=output)
+        attempts.finish(
+            engine, token, outcome=AttemptOutcome.SUCCEEDED, output=output, leased=leased
+        )
     assert refused.value.cause.startswith(cause), refused.value.cause
     assert _row(ductor, token)[0] is None, "still open: nothing written"
     written, _ = attempts.finish(engine, token, outcome=AttemptOutcome.SUCCEEDED, output={"ok": 1})
