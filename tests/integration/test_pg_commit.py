@@ -143,6 +143,21 @@ def _now() -> Any:
     return datetime.now(UTC)
 
 
+def _first_commit(conn: Any, run_id: str, payload: Any) -> tuple[bool, bool, list[int]]:
+    """The one-statement commit of ``payload`` on a run at version 0, with no transitions or
+    outbox rows."""
+    return pg_commit.commit(
+        conn,
+        run_id=run_id,
+        version=0,
+        run_values={"record_version": 1},
+        payload=payload,
+        transitions=[],
+        outbox=[],
+        now=_now(),
+    )
+
+
 @pytest.mark.parametrize("folded", [[], ["nope"]])
 def test_empty_and_unknown_row_sets_are_fine(
     database_url: str, tmp_path: Path, folded: list[str]
@@ -156,16 +171,7 @@ def test_empty_and_unknown_row_sets_are_fine(
     payload.folded = list(folded)
     payload.new_attempts = []
     with get_engine(database_url).begin() as conn:
-        written, matched, ids = pg_commit.commit(
-            conn,
-            run_id=run_id,
-            version=0,
-            run_values={"record_version": 1},
-            payload=payload,
-            transitions=[],
-            outbox=[],
-            now=_now(),
-        )
+        written, matched, ids = _first_commit(conn, run_id, payload)
     assert (written, matched, ids) == (True, True, [])
 
 
@@ -234,16 +240,7 @@ def test_a_commit_with_nothing_to_fold_reads_no_attempt_rows_for_it(
     monkeypatch.setattr(pg_commit, "driver_cursor", recording)
     engine = get_engine(database_url)
     with engine.begin() as conn:
-        pg_commit.commit(
-            conn,
-            run_id=run_id,
-            version=0,
-            run_values={"record_version": 1},
-            payload=payload,
-            transitions=[],
-            outbox=[],
-            now=_now(),
-        )
+        _first_commit(conn, run_id, payload)
     ((text, params),) = sent
     with engine.begin() as conn:
         plan = _generic_plan(conn, text, params)
