@@ -390,11 +390,14 @@ def _instrument() -> None:
         # (module, attribute, phase name). The package moves on; a phase whose function is
         # gone is skipped (the breakdown then lacks it) rather than breaking the workers.
         for owner, attr, name in (
-            # The tick's transaction: checkout, BEGIN and its SET LOCAL; then the COMMIT.
+            # The tick's transaction: checkout, BEGIN and its SET LOCAL; then the COMMIT
+            # (a carried tick's checkout is in its load, in autocommit, with no BEGIN).
             (getattr(tick_store, "SqlTickTransaction", object), "__enter__", "tx_begin"),
             (tick_store, "load_on", "load_tick"),
             (loop, "compute_tick", "compute_tick"),
             (tick_store, "commit_on", "commit_tick"),
+            # A carried tick's commit alone, in autocommit (docs/tick-without-transaction.md).
+            (tick_store, "commit_alone", "commit_tick"),
             (getattr(tick_store, "SqlTickTransaction", object), "__exit__", "tx_end"),
             (tick_task, "delete_outbox", "delete_outbox"),
             (Dispatcher, "send", "send"),

@@ -234,7 +234,7 @@ class Coordinator(Generic[TxT]):
         payload: TickPayload | None = None
         try:
             with self.store.transaction() as tx:
-                found = tx.load(run_id, wait_for_lock=not eager)
+                found = tx.load(run_id, wait_for_lock=not eager, carrying=carried is not None)
                 if found is None:
                     log.warning("tick for unknown run %s ignored", run_id)
                     return _NOTHING

@@ -81,6 +81,7 @@ def load_on(
     *,
     wait_for_lock: bool = True,
     bounds: tuple[str, str] | None = None,
+    in_transaction: bool = True,
 ) -> tuple[LoadedRun, WorkflowSpec, TickInputs] | None:
     """Read everything one tick needs, on ``conn`` (the coordinator's commit transaction).
 
@@ -99,6 +100,11 @@ def load_on(
     for every eager tick. A read that skips a locked row waits for no lock, so the lock
     timeout is in force from its end on, for every statement that could wait; a read that
     waits for the lock must have it set before (the caller's own statement).
+
+    ``in_transaction=False`` (PostgreSQL, ``wait_for_lock=False``): ``conn`` is in autocommit
+    (docs/tick-without-transaction.md); the row lock is then held for the read only, and a
+    run whose load would write (a concurrency key's admission) raises ``NeedsTransaction``
+    before any write.
     """
     input_cache = _inputs_cache(conn.engine)
     cached, _ = input_cache.get_many([run_id])
@@ -140,6 +146,8 @@ def load_on(
         run_input = _remember(input_cache, run_id, row.input)
     admission = run_slots.Admission(True)
     if spec.concurrency is not None:
+        if not in_transaction:
+            raise NeedsTransaction(run_id)
         # A redrive with a new input is admitted under the key that input gives.
         key_input = run_input
         if control is not None and control.kind == ControlKind.REDRIVE and control.has_input:
@@ -179,6 +187,10 @@ def load_on(
         successor_spec=_successor_spec(conn, spec_for, successor_spec_hash(state, control)),
     )
     return loaded, spec, inputs
+
+
+class NeedsTransaction(Exception):
+    """A load in autocommit found it has to write (``load_on``'s ``in_transaction``)."""
 
 
 def _admission(

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy.engine import Connection
 
@@ -47,6 +47,20 @@ if TYPE_CHECKING:
 _JSON_RUN_COLUMNS = frozenset({"state", "output", "error"})
 
 
+class Committed(NamedTuple):
+    """What the statement did."""
+
+    #: ``alone``: the run was locked at the tick's version (else nothing was written: another
+    #: tick holds the run or committed it since). Always True otherwise.
+    locked: bool
+    #: The carried outcome was written (True when there is none).
+    written: bool
+    #: The run update matched.
+    matched: bool
+    #: The outbox rows' ids, in row order.
+    outbox_ids: list[int]
+
+
 def eligible(payload: TickPayload) -> bool:
     return (
         not payload.closed
@@ -57,23 +71,38 @@ def eligible(payload: TickPayload) -> bool:
 
 
 @functools.cache
-def _statement(run_columns: tuple[str, ...], carrying: bool) -> str:
+def _statement(run_columns: tuple[str, ...], carrying: bool, alone: bool = False) -> str:
     sets = ", ".join(
         f"{c} = %(r_{c})s::jsonb" if c in _JSON_RUN_COLUMNS else f"{c} = %(r_{c})s"
         for c in run_columns
     )
+    # ``alone``: the statement is the whole tick, in autocommit (docs/tick-without-
+    # transaction.md); it takes the run's lock itself, at the version the tick read, before
+    # any write, and writes nothing if another tick holds the run or committed it since.
+    # Its lock timeout is set as the run is locked, before the carried CTE (one-time filter
+    # on run_locked) may wait for the attempt row's lock: as in a tick's transaction.
+    locked = (
+        """run_locked AS (
+    SELECT set_config('lock_timeout', %(lock_timeout)s, true) FROM eec_workflow_run
+    WHERE run_id = %(run_id)s AND record_version = %(version)s
+    FOR UPDATE SKIP LOCKED
+), """
+        if alone
+        else ""
+    )
+    gate = "EXISTS (SELECT 1 FROM run_locked)" if alone else "true"
     if carrying:
         carried = f"""carried AS (
     UPDATE eec_workflow_step_attempt SET {CARRIED_SET}
-    WHERE {CARRIED_WHERE}
+    WHERE {CARRIED_WHERE} AND {gate}
     RETURNING 1
 ), """
         written = "EXISTS (SELECT 1 FROM carried)"
     else:
         carried = ""
-        written = "true"
+        written = gate
     return f"""
-WITH {carried}run_update AS (
+WITH {locked}{carried}run_update AS (
     UPDATE eec_workflow_run SET {sets}
     WHERE run_id = %(run_id)s AND record_version = %(version)s AND {written}
     RETURNING 1
@@ -113,7 +142,7 @@ WITH {carried}run_update AS (
     RETURNING id
 )
 SELECT {written} AS written, (SELECT count(*) FROM run_update) AS updated,
-       ARRAY(SELECT id FROM outbox ORDER BY id) AS outbox_ids
+       ARRAY(SELECT id FROM outbox ORDER BY id) AS outbox_ids, {gate} AS locked
 """
 
 
@@ -130,11 +159,13 @@ def commit(
     claim: TickClaim | None = None,
     priority: int = 0,
     carried: AttemptResult | None = None,
-) -> tuple[bool, bool, list[int]]:
-    """Run the five writes (six with ``carried``); whether the carried outcome was written
-    (True when there is none), whether the run update matched, and the outbox ids in row
-    order. ``claim``: that new attempt is inserted claimed by its worker
-    (runtime/inline.py)."""
+    alone: bool = False,
+    lock_timeout: str | None = None,
+) -> Committed:
+    """Run the five writes (six with ``carried``). ``claim``: that new attempt is inserted
+    claimed by its worker (runtime/inline.py). ``alone``: the statement is the whole tick
+    (autocommit) and takes the run's lock itself, at ``version``, waiting at most
+    ``lock_timeout`` for any other lock."""
     columns = tuple(sorted(run_values))
     params: dict[str, Any] = {
         "run_id": run_id,
@@ -143,6 +174,10 @@ def commit(
         "folded": dumps_json(folded_by_commit(payload, carried)),
         "priority": priority,
     }
+    if alone:
+        if lock_timeout is None:
+            raise ValueError("a commit alone sets its own lock timeout")
+        params["lock_timeout"] = lock_timeout
     if carried is not None:
         params.update(carried_params(carried))
     for column in columns:
@@ -187,6 +222,6 @@ def commit(
     # execution context and result wrapping are pure cost here (measured by
     # benchmarks/tick_cost.py).
     with driver_cursor(conn) as cursor:
-        cursor.execute(_statement(columns, carried is not None), params)
-        written, updated, outbox_ids = cursor.fetchone()
-    return bool(written), updated == 1, list(outbox_ids)
+        cursor.execute(_statement(columns, carried is not None, alone), params)
+        written, updated, outbox_ids, locked = cursor.fetchone()
+    return Committed(bool(locked), bool(written), updated == 1, list(outbox_ids))

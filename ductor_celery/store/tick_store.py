@@ -23,8 +23,16 @@ from ..engine import AttemptResult, EngineConfig, TickInputs, TickPayload
 from . import blobs, wakes
 from .db import driver_errors, with_retry
 from .dialect import dialect_of
-from .load import load_on
-from .ticks import commit_on, refresh_stale_timer, reject_control
+from .load import NeedsTransaction, load_on
+from .ticks import (
+    commit_alone,
+    commit_on,
+    commits_alone,
+    lock_at_version,
+    refresh_stale_timer,
+    reject_control,
+    timer_is_stale,
+)
 
 T = TypeVar("T")
 
@@ -98,19 +106,30 @@ class SqlTickStore:
 
 
 class SqlTickTransaction:
-    """One tick's transaction (``engine.begin()``) on its connection ``conn``."""
+    """One tick's transaction on its connection ``conn``.
 
-    __slots__ = ("_store", "_begin", "conn")
+    A tick that carries an outcome on PostgreSQL begins without one
+    (docs/tick-without-transaction.md): its read is in autocommit, and so is its commit when
+    that is the one statement alone (``ticks.commits_alone``), which takes the run's lock
+    itself. Any other write first begins a transaction on a second connection and locks the
+    run at the version read (``_begin_at_version``), which is then ``conn``.
+    """
+
+    __slots__ = ("_store", "_begin", "_reader", "_loaded", "conn")
 
     def __init__(self, store: SqlTickStore) -> None:
         self._store = store
-        self._begin: Any = None
+        self._begin: Any = None  # the transaction, once begun (``engine.begin()``)
+        self._reader: Connection | None = None  # the autocommit connection, if any
+        self._loaded: LoadedRun | None = None  # what the autocommit read loaded
         self.conn: Connection
 
     def __enter__(self) -> SqlTickTransaction:
+        return self
+
+    def _begin_transaction(self) -> None:
         self._begin = self._store.engine.begin()
         self.conn = self._begin.__enter__()
-        return self
 
     def __exit__(
         self,
@@ -118,13 +137,41 @@ class SqlTickTransaction:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._begin.__exit__(exc_type, exc, tb)
+        try:
+            if self._begin is not None:
+                self._begin.__exit__(exc_type, exc, tb)
+        finally:
+            if self._reader is not None:
+                self._reader.close()
 
-    def load(self, run_id: str, *, wait_for_lock: bool) -> Loaded | None:
+    def load(self, run_id: str, *, wait_for_lock: bool, carrying: bool = False) -> Loaded | None:
         """The run, its transaction bounded first (``TICK_IDLE_TIMEOUT``,
         ``TICK_LOCK_TIMEOUT``): by a statement of its own before a read that waits for the
-        run's lock, by the read itself when it does not wait (an eager tick)."""
+        run's lock, by the read itself when it does not wait (an eager tick). ``carrying`` (an
+        eager tick that carries an outcome, PostgreSQL): read in autocommit."""
         store = self._store
+        if carrying and not wait_for_lock and store.bounds_ticks:
+            reader = store.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            self._reader = self.conn = reader
+            try:
+                found = load_on(
+                    reader,
+                    run_id,
+                    store.spec_for,
+                    store.config,
+                    wait_for_lock=False,
+                    in_transaction=False,
+                )
+            except NeedsTransaction:
+                found = None
+            else:
+                if found is not None:
+                    self._loaded = found[0]
+                return found
+            # The load would write: read again, in a transaction, as any other tick.
+            self._reader = None
+            reader.close()
+        self._begin_transaction()
         bounds = None
         if store.bounds_ticks:
             if wait_for_lock:
@@ -140,6 +187,20 @@ class SqlTickTransaction:
             bounds=bounds,
         )
 
+    def _begin_at_version(self) -> None:
+        """Read in autocommit, about to write more than one statement: begin the transaction
+        on a connection of its own and lock the run at the version read (``RunBusy`` if
+        another tick holds it or committed it since)."""
+        loaded, reader = self._loaded, self._reader
+        assert loaded is not None and reader is not None and self._begin is None
+        # Nothing reads on it after this point: one connection per tick, never two at once
+        # (a pool full of readers each waiting for a second connection would stall).
+        self._reader = None
+        reader.close()
+        self._begin_transaction()
+        lock_at_version(self.conn, loaded, TICK_IDLE_TIMEOUT, TICK_LOCK_TIMEOUT)
+        self._loaded = None
+
     def commit(
         self,
         loaded: LoadedRun,
@@ -147,9 +208,17 @@ class SqlTickTransaction:
         claim: TickClaim | None,
         carried: AttemptResult | None = None,
     ) -> list[OutboxRow]:
+        if self._loaded is not None:
+            if commits_alone(self.conn, loaded, payload, claim):
+                return commit_alone(self.conn, loaded, payload, claim, carried, TICK_LOCK_TIMEOUT)
+            self._begin_at_version()
         return commit_on(self.conn, loaded, payload, claim, carried)
 
     def refresh_stale_timer(self, loaded: LoadedRun, fire_at: datetime | None) -> bool:
+        if self._loaded is not None:
+            if not timer_is_stale(loaded, fire_at):
+                return False
+            self._begin_at_version()
         return refresh_stale_timer(self.conn, loaded, fire_at)
 
     def read_values(self, inputs: TickInputs, needs: BlobNeeds) -> TickInputs:

@@ -20,6 +20,7 @@ from ..coordinator.port import (
     LoadedRun,
     OutboxRow,
     OutcomeNotCarried,
+    RunBusy,
     TickClaim,
     VersionConflict,
     WorkflowIdTaken,
@@ -40,6 +41,7 @@ from ..engine.deadline import deadline_after
 from ..engine.kinds import CONTROL_APPLIED, AuditAction, AuditSource
 from . import attempts, audit, blobs, leases, pg_commit, rates, run_slots
 from . import tags as run_tags
+from .db import driver_cursor
 from .dialect import Dialect, dialect_of
 from .external import lock_workflow_signals
 from .finishes import RUN_FINISHED_CHANNEL
@@ -114,20 +116,7 @@ def _commit_on(
         raise RuntimeError(f"run {loaded.run_id}: a tick computed without its large values")
     offload_payload(conn, loaded.run_id, payload)
     now = loaded.now
-    state = payload.state
-    values: dict[str, Any] = {
-        "status": state.status.value,
-        "state": state.to_json(),
-        "record_version": loaded.record_version + 1,
-        "transition_count": state.transitions,
-        "updated_at": now,
-    }
-    if payload.finished:
-        values.update(output=payload.output, error=payload.error, finished_at=now)
-    elif payload.reopened:
-        values.update(output=None, error=None, finished_at=None)
-    if payload.successor is not None:
-        values["continued_to"] = payload.successor.run_id
+    values = _run_values(loaded, payload)
     slots = _changes_run_slots(loaded, payload)
     if slots:  # before lease locks, as in every writer of run slots
         run_slots.lock_for_commit(conn, loaded.run_id, loaded.concurrency_key)
@@ -201,6 +190,25 @@ def _commit_on(
     return outbox
 
 
+def _run_values(loaded: LoadedRun, payload: TickPayload) -> dict[str, Any]:
+    """The run row's new values (its versioned update)."""
+    now, state = loaded.now, payload.state
+    values: dict[str, Any] = {
+        "status": state.status.value,
+        "state": state.to_json(),
+        "record_version": loaded.record_version + 1,
+        "transition_count": state.transitions,
+        "updated_at": now,
+    }
+    if payload.finished:
+        values.update(output=payload.output, error=payload.error, finished_at=now)
+    elif payload.reopened:
+        values.update(output=None, error=None, finished_at=None)
+    if payload.successor is not None:
+        values["continued_to"] = payload.successor.run_id
+    return values
+
+
 def _run_slot_changes(
     conn: Connection, loaded: LoadedRun, payload: TickPayload, now: datetime
 ) -> list[OutboxRow]:
@@ -258,10 +266,13 @@ def _commit_in_one_statement(
     now: datetime,
     claim: TickClaim | None,
     carried: AttemptResult | None,
+    *,
+    lock_timeout: str | None = None,
 ) -> list[OutboxRow]:
-    """The common tick's writes in one round trip (store/pg_commit.py)."""
+    """The common tick's writes in one round trip (store/pg_commit.py); ``lock_timeout``
+    given: the whole tick, in autocommit (``commit_alone``)."""
     intents = outbox_intents(payload, unsent(claim), loaded.priority)
-    written, matched, ids = pg_commit.commit(
+    done = pg_commit.commit(
         conn,
         run_id=loaded.run_id,
         version=loaded.record_version,
@@ -273,13 +284,90 @@ def _commit_in_one_statement(
         claim=claim,
         priority=loaded.priority,
         carried=carried,
+        alone=lock_timeout is not None,
+        lock_timeout=lock_timeout,
     )
-    if not written:
+    if not done.locked:
+        # Alone: another tick holds the run, or committed it after our read. Nothing written.
+        raise RunBusy(loaded.run_id)
+    if not done.written:
         assert carried is not None
         raise OutcomeNotCarried(carried.token)
-    if not matched:
+    if not done.matched:
         raise VersionConflict(loaded.run_id)
-    return [outbox_row(i, r) for i, r in zip(ids, intents, strict=True)]
+    return [outbox_row(i, r) for i, r in zip(done.outbox_ids, intents, strict=True)]
+
+
+def commits_alone(
+    conn: Connection, loaded: LoadedRun, payload: TickPayload, claim: TickClaim | None
+) -> bool:
+    """Whether this commit is the one statement and nothing else (PostgreSQL): no value to
+    offload and none of the writes ``_commit_on`` makes after the statement. Such a commit
+    needs no transaction of its own (``commit_alone``; docs/tick-without-transaction.md).
+    Keep in step with ``_commit_on``: each condition below is one of its writes."""
+    if not (dialect_of(conn).one_statement and pg_commit.eligible(payload)) or payload.needs:
+        return False
+    if (
+        payload.finished  # its NOTIFY, a parent's wake-up, a run slot released
+        or payload.checkpoint_reached  # a parent's wake-up
+        or payload.successor is not None
+        or payload.applied_signals
+        or payload.handled_control is not None
+        or payload.tags_set
+        or payload.child_starts
+        or payload.child_controls
+        or payload.cancel_requested
+        or _changes_run_slots(loaded, payload)
+        or (claim is not None and claim.rate is not None)  # a rate-limit token taken
+        or _timer_write(loaded, payload.next_wake_at) is not None
+    ):
+        return False
+    limit = blobs.threshold(conn.engine)
+    return all(
+        a.args_from is not None or blobs.large_text(a.args, limit) is None
+        for a in payload.new_attempts
+    )
+
+
+def commit_alone(
+    conn: Connection,
+    loaded: LoadedRun,
+    payload: TickPayload,
+    claim: TickClaim | None,
+    carried: AttemptResult | None,
+    lock_timeout: str,
+) -> list[OutboxRow]:
+    """A commit ``commits_alone`` approved, as one statement in autocommit on ``conn``: it
+    takes the run's lock at the tick's version itself (and waits at most ``lock_timeout``
+    for any other lock). ``RunBusy`` (another tick holds the
+    run or committed it since the read) and ``OutcomeNotCarried``: nothing was written."""
+    values = _run_values(loaded, payload)
+    return _commit_in_one_statement(
+        conn, loaded, payload, values, loaded.now, claim, carried, lock_timeout=lock_timeout
+    )
+
+
+#: The run row locked at the version a tick read, with the tick's timeouts set by the same
+#: statement (it waits for no lock): what a tick read without a transaction takes before it
+#: writes in one (``lock_at_version``).
+_LOCK_AT_VERSION = (
+    "SELECT set_config('idle_in_transaction_session_timeout', %(idle)s, true), "
+    "set_config('lock_timeout', %(lock)s, true), "
+    "EXISTS (SELECT 1 FROM eec_workflow_run WHERE run_id = %(run_id)s "
+    "AND record_version = %(version)s FOR UPDATE SKIP LOCKED)"
+)
+
+
+def lock_at_version(conn: Connection, loaded: LoadedRun, idle: str, lock: str) -> None:
+    """In a transaction begun after the tick's read (PostgreSQL): lock the run row at the
+    version the tick read, so every write that follows is made as if the lock had been held
+    since the read; ``RunBusy`` if another tick holds it or committed it since."""
+    params = {"idle": idle, "lock": lock, "run_id": loaded.run_id, "version": loaded.record_version}
+    with driver_cursor(conn) as cursor:
+        cursor.execute(_LOCK_AT_VERSION, params)
+        row = cursor.fetchone()
+    if not row[2]:
+        raise RunBusy(loaded.run_id)
 
 
 def _commit_core(
@@ -360,11 +448,17 @@ def refresh_stale_timer(conn: Connection, loaded: LoadedRun, fire_at: datetime |
     sweeper would wake the run every few seconds until the real deadline. Writes only then;
     True if it wrote.
     """
-    current = loaded.timer_at
-    if current is None or current > loaded.now or current == fire_at:
+    if not timer_is_stale(loaded, fire_at):
         return False
     _set_timer(conn, loaded, fire_at)
     return True
+
+
+def timer_is_stale(loaded: LoadedRun, fire_at: datetime | None) -> bool:
+    """Whether ``refresh_stale_timer`` writes: the run's timer row came due and is not at
+    ``fire_at``."""
+    current = loaded.timer_at
+    return current is not None and current <= loaded.now and current != fire_at
 
 
 def _set_timer(conn: Connection, loaded: LoadedRun, fire_at: datetime | None) -> None:
@@ -374,15 +468,22 @@ def _set_timer(conn: Connection, loaded: LoadedRun, fire_at: datetime | None) ->
     early, a no-op tick that moves it (and most runs finish first). That saves a write in
     almost every tick of a busy run, whose next check moves a little later each time.
     """
-    run_id, current = loaded.run_id, loaded.timer_at
+    write = _timer_write(loaded, fire_at)
+    if write == "delete":
+        conn.execute(_delete_timer_statement(), {"b_run": loaded.run_id})
+    elif write == "set":
+        upsert = _upsert_timer_statement(dialect_of(conn))
+        conn.execute(upsert, {"run_id": loaded.run_id, "fire_at": fire_at, "woken_at": None})
+
+
+def _timer_write(loaded: LoadedRun, fire_at: datetime | None) -> str | None:
+    """What ``_set_timer`` writes: "delete", "set" (the row at ``fire_at``), or None."""
+    current = loaded.timer_at
     if fire_at is None:
-        if current is not None:
-            conn.execute(_delete_timer_statement(), {"b_run": run_id})
-        return
+        return None if current is None else "delete"
     if current is not None and loaded.now < current <= fire_at:
-        return
-    upsert = _upsert_timer_statement(dialect_of(conn))
-    conn.execute(upsert, {"run_id": run_id, "fire_at": fire_at, "woken_at": None})
+        return None
+    return "set"
 
 
 @functools.cache

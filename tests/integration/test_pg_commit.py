@@ -111,7 +111,7 @@ def test_a_lost_version_race_writes_nothing(database_url: str, tmp_path: Path) -
     engine = get_engine(database_url)
     before = _rows(database_url, run_id)
     with engine.begin() as conn:
-        written, matched, ids = pg_commit.commit(
+        done = pg_commit.commit(
             conn,
             run_id=run_id,
             version=7,  # the row is at version 0
@@ -131,7 +131,7 @@ def test_a_lost_version_race_writes_nothing(database_url: str, tmp_path: Path) -
             ],
             now=_now(),
         )
-    assert (written, matched, ids) == (True, False, [])
+    assert done == (True, True, False, [])
     assert _rows(database_url, run_id) == before
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM eec_workflow_outbox")).scalar() == 0
@@ -143,7 +143,7 @@ def _now() -> Any:
     return datetime.now(UTC)
 
 
-def _first_commit(conn: Any, run_id: str, payload: Any) -> tuple[bool, bool, list[int]]:
+def _first_commit(conn: Any, run_id: str, payload: Any) -> pg_commit.Committed:
     """The one-statement commit of ``payload`` on a run at version 0, with no transitions or
     outbox rows."""
     return pg_commit.commit(
@@ -171,8 +171,8 @@ def test_empty_and_unknown_row_sets_are_fine(
     payload.folded = list(folded)
     payload.new_attempts = []
     with get_engine(database_url).begin() as conn:
-        written, matched, ids = _first_commit(conn, run_id, payload)
-    assert (written, matched, ids) == (True, True, [])
+        done = _first_commit(conn, run_id, payload)
+    assert done == (True, True, True, [])
 
 
 _PG_TYPES = {bool: "boolean", int: "bigint", float: "double precision", str: "text"}
@@ -231,7 +231,7 @@ def test_a_commit_with_nothing_to_fold_reads_no_attempt_rows_for_it(
             sent.append((text, params))
 
         def fetchone(self) -> Any:
-            return True, 1, []
+            return True, 1, [], True
 
     @contextlib.contextmanager
     def recording(conn: Any) -> Any:

@@ -171,8 +171,10 @@ def test_the_coordinator_recomputes_after_a_conflict_and_counts_it(
     real_load = InMemoryTransaction.load
     raced: list[int] = []
 
-    def load_then_race(self: InMemoryTransaction, rid: str, *, wait_for_lock: bool) -> Any:
-        found = real_load(self, rid, wait_for_lock=wait_for_lock)
+    def load_then_race(
+        self: InMemoryTransaction, rid: str, *, wait_for_lock: bool, carrying: bool = False
+    ) -> Any:
+        found = real_load(self, rid, wait_for_lock=wait_for_lock, carrying=carrying)
         if not raced:  # another writer commits the run between this load and its commit
             store.run(rid).record_version += 1
             raced.append(1)

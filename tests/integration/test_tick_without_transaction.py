@@ -1,0 +1,266 @@
+"""A tick that carries an outcome reads and commits in autocommit when its commit is the one
+statement alone, and takes the run's lock inside that statement, at the version it read
+(PostgreSQL; docs/tick-without-transaction.md): no ``BEGIN`` or ``COMMIT`` round trip, and
+another tick at the run between the read and the commit makes it write nothing at all (busy),
+the carried outcome included."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from ductor_celery import Ductor, Workflow
+from ductor_celery.coordinator import RunBusy
+from ductor_celery.coordinator.loop import TickOutcome
+from ductor_celery.engine import AttemptResult
+from ductor_celery.engine.status import AttemptOutcome
+from ductor_celery.runtime.tick_task import run_tick
+from ductor_celery.store import attempts
+from ductor_celery.store.schema import step_attempt, workflow_run
+
+
+@pytest.fixture
+def ductor(database_url: str, tmp_path: Path) -> Any:
+    app = Celery(f"twt{tmp_path.name}", set_as_current=False)
+    app.conf.broker_url = "memory://"
+    d = Ductor(app, database_url=database_url)
+    d.runtime.dispatcher.send = lambda rows: None  # type: ignore[method-assign,assignment]
+    d.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+    d.runtime.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
+    d.step(name="twt.noop")(lambda ctx: None)
+    d.step(name="twt.tag")(lambda ctx: ctx.tag("seen", "yes"))
+    wf = Workflow("twt")
+    wf.step("a", "twt.noop")
+    wf.step("b", "twt.noop", after=["a"])
+    d.register(wf)
+    return d
+
+
+@pytest.fixture
+def sent_commands(monkeypatch: Any) -> list[bytes]:
+    """The commands psycopg sends by themselves (``BEGIN ...``, ``COMMIT``, ``ROLLBACK``)."""
+    sent: list[bytes] = []
+    real = psycopg.Connection._exec_command
+
+    def recording(self: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(bytes(command) if isinstance(command, bytes | bytearray) else b"?")
+        return real(self, command, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Connection, "_exec_command", recording)
+    return sent
+
+
+def _open_attempt(d: Ductor) -> tuple[str, str]:
+    """A run whose first step's attempt is claimed by worker "w": (run id, token)."""
+    run_id = d.start("twt").run_id
+    run_tick(d.runtime, run_id)
+    with d.runtime.engine().connect() as conn:
+        token = conn.execute(
+            sa.select(step_attempt.c.token).where(step_attempt.c.run_id == run_id)
+        ).scalar_one()
+    assert attempts.claim(d.runtime.engine(), token, "w") is not None
+    return run_id, str(token)
+
+
+def _succeeded(token: str) -> AttemptResult:
+    return AttemptResult(token=token, node="a", outcome=AttemptOutcome.SUCCEEDED, output=None)
+
+
+def _attempt(d: Ductor, token: str) -> tuple[Any, ...]:
+    with d.runtime.engine().connect() as conn:
+        return tuple(
+            conn.execute(
+                sa.select(step_attempt.c.finished_at, step_attempt.c.folded).where(
+                    step_attempt.c.token == token
+                )
+            ).one()
+        )
+
+
+def _version(d: Ductor, run_id: str) -> int:
+    with d.runtime.engine().connect() as conn:
+        return int(
+            conn.execute(
+                sa.select(workflow_run.c.record_version).where(workflow_run.c.run_id == run_id)
+            ).scalar_one()
+        )
+
+
+def test_a_carried_tick_whose_commit_is_one_statement_sends_no_begin_or_commit(
+    ductor: Ductor, sent_commands: list[bytes]
+) -> None:
+    run_id, token = _open_attempt(ductor)
+    version = _version(ductor, run_id)
+    sent_commands.clear()
+    outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
+    assert outcome == TickOutcome.COMMITTED
+    assert not [c for c in sent_commands if c.startswith((b"BEGIN", b"COMMIT"))], sent_commands
+    finished_at, folded = _attempt(ductor, token)
+    assert finished_at is not None and folded
+    assert _version(ductor, run_id) == version + 1
+    assert ductor.get(run_id).nodes["a"].status == "succeeded"
+
+
+def test_a_tick_without_an_outcome_keeps_its_transaction(
+    ductor: Ductor, sent_commands: list[bytes]
+) -> None:
+    run_id, token = _open_attempt(ductor)
+    attempts.finish(ductor.runtime.engine(), token, outcome=AttemptOutcome.SUCCEEDED)
+    sent_commands.clear()
+    assert run_tick(ductor.runtime, run_id, eager=True) == TickOutcome.COMMITTED
+    assert any(c.startswith(b"BEGIN") for c in sent_commands), sent_commands
+    assert b"COMMIT" in sent_commands
+
+
+def test_another_commit_between_the_read_and_the_commit_makes_it_busy_writing_nothing(
+    ductor: Ductor,
+) -> None:
+    """The read locks nothing past itself: a tick that commits the run in between (here, a
+    version bump) leaves the carried tick's statement with no run to lock at its version."""
+    run_id, token = _open_attempt(ductor)
+    engine = ductor.runtime.engine()
+
+    def another_tick(point: str) -> None:
+        if point == "before_commit":
+            with engine.begin() as conn:
+                conn.execute(
+                    sa.update(workflow_run)
+                    .where(workflow_run.c.run_id == run_id)
+                    .values(record_version=workflow_run.c.record_version + 1)
+                )
+
+    ductor.runtime.failpoint = another_tick
+    version = _version(ductor, run_id)
+    outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
+    assert outcome == TickOutcome.BUSY
+    assert _attempt(ductor, token) == (None, False), "the carried outcome was not written"
+    assert _version(ductor, run_id) == version + 1, "only the other commit's bump"
+    assert ductor.get(run_id).nodes["a"].status == "running"
+
+
+def test_a_run_locked_by_another_tick_at_the_commit_makes_it_busy_without_waiting(
+    ductor: Ductor,
+) -> None:
+    run_id, token = _open_attempt(ductor)
+    engine = ductor.runtime.engine()
+    locked = threading.Event()
+    release = threading.Event()
+
+    def hold_the_run() -> None:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.select(workflow_run.c.run_id)
+                .where(workflow_run.c.run_id == run_id)
+                .with_for_update()
+            ).one()
+            locked.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold_the_run)
+
+    def lock_before_commit(point: str) -> None:
+        if point == "before_commit":
+            holder.start()
+            assert locked.wait(10)
+
+    ductor.runtime.failpoint = lock_before_commit
+    try:
+        outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
+    finally:
+        release.set()
+        holder.join(10)
+    assert outcome == TickOutcome.BUSY
+    assert _attempt(ductor, token) == (None, False)
+
+
+def test_a_commit_that_is_more_than_one_statement_locks_the_run_at_the_version_read(
+    ductor: Ductor, sent_commands: list[bytes], monkeypatch: Any
+) -> None:
+    """A write besides the one statement (a timer row, a tag, a finished run's NOTIFY, ...;
+    here every commit is taken for one) takes a transaction after the read, which locks the
+    run at the version read: the same race as above is busy too, and nothing of it is
+    written."""
+    from ductor_celery.store import tick_store
+
+    monkeypatch.setattr(tick_store, "commits_alone", lambda *args: False)
+    run_id, token = _open_attempt(ductor)
+    sent_commands.clear()
+    assert (
+        run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
+        == TickOutcome.COMMITTED
+    )
+    assert sum(c.startswith(b"BEGIN") for c in sent_commands) == 1, sent_commands
+    assert _attempt(ductor, token)[1] is True
+
+    run_id, token = _open_attempt(ductor)
+    engine = ductor.runtime.engine()
+
+    def another_tick(point: str) -> None:
+        if point == "before_commit":
+            with engine.begin() as conn:
+                conn.execute(
+                    sa.update(workflow_run)
+                    .where(workflow_run.c.run_id == run_id)
+                    .values(record_version=workflow_run.c.record_version + 1)
+                )
+
+    ductor.runtime.failpoint = another_tick
+    assert (
+        run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token)) == TickOutcome.BUSY
+    )
+    assert _attempt(ductor, token) == (None, False)
+
+
+def test_lock_at_version_is_busy_for_a_run_at_another_version(ductor: Ductor) -> None:
+    from ductor_celery.store.load import load_on
+    from ductor_celery.store.ticks import lock_at_version
+
+    run_id, _token = _open_attempt(ductor)
+    engine = ductor.runtime.engine()
+    rt = ductor.runtime
+    with engine.connect() as conn:
+        found = load_on(conn, run_id, rt.spec_for, rt.settings.engine_config())
+        conn.rollback()
+    assert found is not None
+    loaded = found[0]
+    with engine.begin() as conn:
+        lock_at_version(conn, loaded, "20s", "5s")  # the version read: locked, until the end
+        with engine.begin() as other:
+            skipped = other.execute(
+                sa.select(workflow_run.c.run_id)
+                .where(workflow_run.c.run_id == run_id)
+                .with_for_update(skip_locked=True)
+            ).first()
+        assert skipped is None, "another tick finds the run locked"
+    loaded.record_version += 1
+    with engine.begin() as conn, pytest.raises(RunBusy):
+        lock_at_version(conn, loaded, "20s", "5s")
+
+
+def test_the_whole_chain_runs_to_the_end_with_its_last_tick_in_a_transaction(
+    ductor: Ductor,
+) -> None:
+    """Step a's tick commits alone; step b's, which finishes the run (its NOTIFY), takes the
+    transaction: the run succeeds with both outcomes folded."""
+    run_id, token = _open_attempt(ductor)
+    assert (
+        run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
+        == TickOutcome.COMMITTED
+    )
+    with ductor.runtime.engine().connect() as conn:
+        second = conn.execute(
+            sa.select(step_attempt.c.token).where(
+                step_attempt.c.run_id == run_id, step_attempt.c.node == "b"
+            )
+        ).scalar_one()
+    assert attempts.claim(ductor.runtime.engine(), second, "w") is not None
+    last = AttemptResult(token=second, node="b", outcome=AttemptOutcome.SUCCEEDED, output=None)
+    assert run_tick(ductor.runtime, run_id, eager=True, carried=last) == TickOutcome.COMMITTED
+    assert ductor.get(run_id).status == "succeeded"
+    assert _attempt(ductor, second)[1] is True
