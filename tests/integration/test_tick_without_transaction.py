@@ -44,12 +44,15 @@ def ductor(database_url: str, tmp_path: Path) -> Any:
 
 @pytest.fixture
 def sent_commands(monkeypatch: Any) -> list[bytes]:
-    """The commands psycopg sends by themselves (``BEGIN ...``, ``COMMIT``, ``ROLLBACK``)."""
+    """The commands psycopg sends by themselves (``BEGIN ...``, ``COMMIT``, ``ROLLBACK``) from
+    this thread (not the outbox janitor's, which deletes sent rows in the background)."""
     sent: list[bytes] = []
     real = psycopg.Connection._exec_command
+    me = threading.get_ident()
 
     def recording(self: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
-        sent.append(bytes(command) if isinstance(command, bytes | bytearray) else b"?")
+        if threading.get_ident() == me:
+            sent.append(bytes(command) if isinstance(command, bytes | bytearray) else b"?")
         return real(self, command, *args, **kwargs)
 
     monkeypatch.setattr(psycopg.Connection, "_exec_command", recording)
@@ -66,6 +69,14 @@ def _open_attempt(d: Ductor) -> tuple[str, str]:
         ).scalar_one()
     assert attempts.claim(d.runtime.engine(), token, "w") is not None
     return run_id, str(token)
+
+
+def _warm_pool(d: Ductor) -> None:
+    """Connections opened before the tick: a new one's first use (SQLAlchemy reading the
+    server's version) sends a BEGIN of its own."""
+    engine = d.runtime.engine()
+    with engine.connect(), engine.connect(), engine.connect():
+        pass
 
 
 def _succeeded(token: str) -> AttemptResult:
@@ -97,6 +108,7 @@ def test_a_carried_tick_whose_commit_is_one_statement_sends_no_begin_or_commit(
 ) -> None:
     run_id, token = _open_attempt(ductor)
     version = _version(ductor, run_id)
+    _warm_pool(ductor)
     sent_commands.clear()
     outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
     assert outcome == TickOutcome.COMMITTED
@@ -112,6 +124,7 @@ def test_a_tick_without_an_outcome_keeps_its_transaction(
 ) -> None:
     run_id, token = _open_attempt(ductor)
     attempts.finish(ductor.runtime.engine(), token, outcome=AttemptOutcome.SUCCEEDED)
+    _warm_pool(ductor)
     sent_commands.clear()
     assert run_tick(ductor.runtime, run_id, eager=True) == TickOutcome.COMMITTED
     assert any(c.startswith(b"BEGIN") for c in sent_commands), sent_commands
@@ -190,6 +203,7 @@ def test_a_commit_that_is_more_than_one_statement_locks_the_run_at_the_version_r
 
     monkeypatch.setattr(tick_store, "commits_alone", lambda *args: False)
     run_id, token = _open_attempt(ductor)
+    _warm_pool(ductor)
     sent_commands.clear()
     assert (
         run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
