@@ -234,7 +234,11 @@ class Coordinator(Generic[TxT]):
         payload: TickPayload | None = None
         try:
             with self.store.transaction() as tx:
-                found = tx.load(run_id, wait_for_lock=not eager, carrying=carried is not None)
+                # A plain step's outcome: its tick rarely meets another one (a scatter's
+                # branches, finishing together, do), so it may lock the run at its commit
+                # only (docs/tick-without-transaction.md).
+                lock_late = carried is not None and carried.branch is None
+                found = tx.load(run_id, wait_for_lock=not eager, lock_late=lock_late)
                 if found is None:
                     log.warning("tick for unknown run %s ignored", run_id)
                     return _NOTHING

@@ -129,15 +129,15 @@ class TickTransaction(Protocol):
     """One tick's transaction: the load holds the run's lock until it ends. Leaving its
     context normally commits everything written in it; an exception rolls it all back.
 
-    A store may instead lock the run from its first write to the end, at the version the
-    load read, for a tick ``carrying`` an outcome (docs/tick-without-transaction.md):
-    its commit then raises ``RunBusy``, writing nothing, if another tick holds the run or
-    committed it since the load."""
+    Given ``lock_late``, a store may instead lock the run from its first write to the end, at
+    the version the load read (docs/tick-without-transaction.md): its commit then raises
+    ``RunBusy``, writing nothing, if another tick holds the run or committed it since the
+    load."""
 
-    def load(self, run_id: str, *, wait_for_lock: bool, carrying: bool = False) -> Loaded | None:
+    def load(self, run_id: str, *, wait_for_lock: bool, lock_late: bool = False) -> Loaded | None:
         """The run and everything its tick reads, the run locked for this transaction. None:
         no such run. ``wait_for_lock=False``: raise ``RunBusy`` if another tick holds it.
-        ``carrying``: the tick carries an outcome (the class's note)."""
+        ``lock_late``: the lock may be taken at the commit instead (the class's note)."""
 
     def commit(
         self,

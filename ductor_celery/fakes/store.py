@@ -292,8 +292,8 @@ class InMemoryTransaction:
         if exc_type is not None and self._before is not None:
             self._store.tables = self._before
 
-    def load(self, run_id: str, *, wait_for_lock: bool, carrying: bool = False) -> Loaded | None:
-        del carrying  # held from the load on: what every tick may assume
+    def load(self, run_id: str, *, wait_for_lock: bool, lock_late: bool = False) -> Loaded | None:
+        del lock_late  # held from the load on: what every tick may assume
         store = self._store
         if run_id in store._held:
             if not wait_for_lock:

@@ -144,13 +144,13 @@ class SqlTickTransaction:
             if self._reader is not None:
                 self._reader.close()
 
-    def load(self, run_id: str, *, wait_for_lock: bool, carrying: bool = False) -> Loaded | None:
+    def load(self, run_id: str, *, wait_for_lock: bool, lock_late: bool = False) -> Loaded | None:
         """The run, its transaction bounded first (``TICK_IDLE_TIMEOUT``,
         ``TICK_LOCK_TIMEOUT``): by a statement of its own before a read that waits for the
-        run's lock, by the read itself when it does not wait (an eager tick). ``carrying`` (an
-        eager tick that carries an outcome, PostgreSQL): read in autocommit."""
+        run's lock, by the read itself when it does not wait (an eager tick). ``lock_late`` (an
+        eager tick that carries a plain step's outcome, PostgreSQL): read in autocommit."""
         store = self._store
-        if carrying and not wait_for_lock and store.bounds_ticks:
+        if lock_late and not wait_for_lock and store.bounds_ticks:
             reader = store.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
             self._reader = self.conn = reader
             try:

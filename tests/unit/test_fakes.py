@@ -172,9 +172,9 @@ def test_the_coordinator_recomputes_after_a_conflict_and_counts_it(
     raced: list[int] = []
 
     def load_then_race(
-        self: InMemoryTransaction, rid: str, *, wait_for_lock: bool, carrying: bool = False
+        self: InMemoryTransaction, rid: str, *, wait_for_lock: bool, lock_late: bool = False
     ) -> Any:
-        found = real_load(self, rid, wait_for_lock=wait_for_lock, carrying=carrying)
+        found = real_load(self, rid, wait_for_lock=wait_for_lock, lock_late=lock_late)
         if not raced:  # another writer commits the run between this load and its commit
             store.run(rid).record_version += 1
             raced.append(1)
@@ -425,3 +425,38 @@ def test_the_fake_keeps_deadlines_and_the_cooperative_cancel_as_the_tables_do() 
     coordinator.tick(asked)
     assert store.run(asked).status == "cancelled"
     assert store.attempt(token).outcome == "cancelled"
+
+
+@pytest.mark.parametrize(
+    ("branch", "lock_late"),
+    [(None, True), (3, False)],
+    ids=["a plain step's outcome", "a scatter branch's"],
+)
+def test_only_a_plain_steps_carried_outcome_lets_the_tick_lock_the_run_late(
+    monkeypatch: Any, branch: int | None, lock_late: bool
+) -> None:
+    """docs/tick-without-transaction.md: a scatter's branches finish together, and a tick
+    that locks only at its commit computes for nothing when another wins; theirs lock at the
+    load, as a tick that carries nothing does."""
+    store = InMemoryStore()
+    coordinator = Coordinator(store, RecordingDispatcher(store))
+    wf = Workflow("one")
+    wf.step("a", "s.a")
+    run_id = store.start(wf.build())
+    real_load = InMemoryTransaction.load
+    asked: list[bool] = []
+
+    def recording(self: InMemoryTransaction, rid: str, **kwargs: Any) -> Any:
+        asked.append(kwargs.get("lock_late", False))
+        return real_load(self, rid, **kwargs)
+
+    monkeypatch.setattr(InMemoryTransaction, "load", recording)
+    coordinator.tick(run_id)
+    carried = AttemptResult(
+        token="t", node="a", outcome=AttemptOutcome.SUCCEEDED, output=None, branch=branch
+    )
+    try:
+        coordinator.tick(run_id, eager=True, carried=carried)
+    except OutcomeNotCarried:
+        pass  # the token is made up: what matters is how the load was asked
+    assert asked == [False, lock_late]
