@@ -71,7 +71,13 @@ def eligible(payload: TickPayload) -> bool:
 
 
 @functools.cache
-def _statement(run_columns: tuple[str, ...], carrying: bool, alone: bool = False) -> str:
+def _statement(
+    run_columns: tuple[str, ...],
+    carrying: bool,
+    alone: bool = False,
+    notify: bool = False,
+    timer: str | None = None,
+) -> str:
     sets = ", ".join(
         f"{c} = %(r_{c})s::jsonb" if c in _JSON_RUN_COLUMNS else f"{c} = %(r_{c})s"
         for c in run_columns
@@ -91,6 +97,26 @@ def _statement(run_columns: tuple[str, ...], carrying: bool, alone: bool = False
         else ""
     )
     gate = "EXISTS (SELECT 1 FROM run_locked)" if alone else "true"
+    # ``notify``: the run finishes; its waiters hear it when the statement's commit lands.
+    notified = (
+        "CASE WHEN EXISTS (SELECT 1 FROM run_update) THEN pg_notify(%(channel)s, %(run_id)s) END"
+        if notify
+        else "NULL"
+    )
+    # ``timer``: the run's timer row is set at %(timer_at)s, or deleted (ticks._timer_write).
+    timer_write = {
+        None: "",
+        "set": """, timer AS (
+    INSERT INTO eec_workflow_timer (run_id, fire_at, woken_at)
+    SELECT %(run_id)s, %(timer_at)s, NULL
+    WHERE EXISTS (SELECT 1 FROM run_update)
+    ON CONFLICT (run_id) DO UPDATE SET fire_at = excluded.fire_at, woken_at = excluded.woken_at
+)""",
+        "delete": """, timer AS (
+    DELETE FROM eec_workflow_timer
+    WHERE run_id = %(run_id)s AND EXISTS (SELECT 1 FROM run_update)
+)""",
+    }[timer]
     if carrying:
         carried = f"""carried AS (
     UPDATE eec_workflow_step_attempt SET {CARRIED_SET}
@@ -140,9 +166,10 @@ WITH {locked}{carried}run_update AS (
     WHERE EXISTS (SELECT 1 FROM run_update)
     ORDER BY o.n
     RETURNING id
-)
+){timer_write}
 SELECT {written} AS written, (SELECT count(*) FROM run_update) AS updated,
-       ARRAY(SELECT id FROM outbox ORDER BY id) AS outbox_ids, {gate} AS locked
+       ARRAY(SELECT id FROM outbox ORDER BY id) AS outbox_ids, {gate} AS locked,
+       {notified} AS notified
 """
 
 
@@ -161,11 +188,15 @@ def commit(
     carried: AttemptResult | None = None,
     alone: bool = False,
     lock_timeout: str | None = None,
+    notify: str | None = None,
+    timer: tuple[str, datetime | None] | None = None,
 ) -> Committed:
     """Run the five writes (six with ``carried``). ``claim``: that new attempt is inserted
     claimed by its worker (runtime/inline.py). ``alone``: the statement is the whole tick
     (autocommit) and takes the run's lock itself, at ``version``, waiting at most
-    ``lock_timeout`` for any other lock."""
+    ``lock_timeout`` for any other lock. ``notify``: the channel to announce the run on (it
+    finishes), if the run update matched. ``timer``: the run's timer row written too (``("set",
+    fire_at)`` or ``("delete", None)``)."""
     columns = tuple(sorted(run_values))
     params: dict[str, Any] = {
         "run_id": run_id,
@@ -174,6 +205,10 @@ def commit(
         "folded": dumps_json(folded_by_commit(payload, carried)),
         "priority": priority,
     }
+    if notify is not None:
+        params["channel"] = notify
+    if timer is not None:
+        params["timer_at"] = timer[1]
     if alone:
         if lock_timeout is None:
             raise ValueError("a commit alone sets its own lock timeout")
@@ -222,6 +257,13 @@ def commit(
     # execution context and result wrapping are pure cost here (measured by
     # benchmarks/tick_cost.py).
     with driver_cursor(conn) as cursor:
-        cursor.execute(_statement(columns, carried is not None, alone), params)
-        written, updated, outbox_ids, locked = cursor.fetchone()
+        statement = _statement(
+            columns,
+            carried is not None,
+            alone,
+            notify is not None,
+            None if timer is None else timer[0],
+        )
+        cursor.execute(statement, params)
+        written, updated, outbox_ids, locked, _notified = cursor.fetchone()
     return Committed(bool(locked), bool(written), updated == 1, list(outbox_ids))

@@ -123,7 +123,9 @@ def _commit_on(
     rate = claim.rate if claim is not None else None
     if dialect_of(conn).one_statement and pg_commit.eligible(payload):
         outbox = _commit_in_one_statement(conn, loaded, payload, values, now, claim, carried)
+        in_statement = True  # the run's NOTIFY and timer row, by the statement
     else:
+        in_statement = False
         if carried is not None and not attempts.finish_carried(conn, carried):
             raise OutcomeNotCarried(carried.token)
         outbox = _commit_core(conn, loaded, payload, values, now, claim, carried)
@@ -183,9 +185,10 @@ def _commit_on(
             )
             .values(cancel_requested_at=now)
         )
-    _set_timer(conn, loaded, payload.next_wake_at)
+    if not in_statement:
+        _set_timer(conn, loaded, payload.next_wake_at)
 
-    if payload.finished:
+    if payload.finished and not in_statement:
         dialect_of(conn).notify(conn, RUN_FINISHED_CHANNEL, loaded.run_id)
     return outbox
 
@@ -286,6 +289,8 @@ def _commit_in_one_statement(
         carried=carried,
         alone=lock_timeout is not None,
         lock_timeout=lock_timeout,
+        notify=RUN_FINISHED_CHANNEL if payload.finished else None,
+        timer=_timer_change(loaded, payload.next_wake_at),
     )
     if not done.locked:
         # Alone: another tick holds the run, or committed it after our read. Nothing written.
@@ -307,9 +312,9 @@ def commits_alone(
     Keep in step with ``_commit_on``: each condition below is one of its writes."""
     if not (dialect_of(conn).one_statement and pg_commit.eligible(payload)) or payload.needs:
         return False
+    wakes_parent = payload.checkpoint_reached or payload.finished
     if (
-        payload.finished  # its NOTIFY, a parent's wake-up, a run slot released
-        or payload.checkpoint_reached  # a parent's wake-up
+        (loaded.parent_run_id is not None and wakes_parent)  # the parent's wake-up
         or payload.successor is not None
         or payload.applied_signals
         or payload.handled_control is not None
@@ -319,10 +324,11 @@ def commits_alone(
         or payload.cancel_requested
         or _changes_run_slots(loaded, payload)
         or (claim is not None and claim.rate is not None)  # a rate-limit token taken
-        or _timer_write(loaded, payload.next_wake_at) is not None
     ):
         return False
     limit = blobs.threshold(conn.engine)
+    if payload.finished and blobs.large_text(payload.output, limit) is not None:
+        return False
     return all(
         a.args_from is not None or blobs.large_text(a.args, limit) is None
         for a in payload.new_attempts
@@ -474,6 +480,14 @@ def _set_timer(conn: Connection, loaded: LoadedRun, fire_at: datetime | None) ->
     elif write == "set":
         upsert = _upsert_timer_statement(dialect_of(conn))
         conn.execute(upsert, {"run_id": loaded.run_id, "fire_at": fire_at, "woken_at": None})
+
+
+def _timer_change(
+    loaded: LoadedRun, fire_at: datetime | None
+) -> tuple[str, datetime | None] | None:
+    """``_timer_write`` with the time to set, for the one-statement commit."""
+    write = _timer_write(loaded, fire_at)
+    return None if write is None else (write, fire_at if write == "set" else None)
 
 
 def _timer_write(loaded: LoadedRun, fire_at: datetime | None) -> str | None:

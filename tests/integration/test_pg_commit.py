@@ -231,7 +231,7 @@ def test_a_commit_with_nothing_to_fold_reads_no_attempt_rows_for_it(
             sent.append((text, params))
 
         def fetchone(self) -> Any:
-            return True, 1, [], True
+            return True, 1, [], True, None
 
     @contextlib.contextmanager
     def recording(conn: Any) -> Any:
@@ -250,3 +250,62 @@ def test_a_commit_with_nothing_to_fold_reads_no_attempt_rows_for_it(
     assert plan["Plan"]["Plans"][0]["Actual Rows"] == 1, "the run update matched"
     scans = _loops(ctes[0], "eec_workflow_step_attempt")
     assert (scans > 0) == bool(folded), scans
+
+
+def test_the_statement_sets_and_deletes_the_timer_row_only_when_the_run_update_matched(
+    database_url: str, tmp_path: Path
+) -> None:
+    """The run's timer row, written by the statement itself (``timer=``), as ``_set_timer``
+    writes it after: set (an upsert that clears ``woken_at``), deleted, and neither when the
+    run update lost its version race."""
+    from datetime import timedelta
+
+    from ductor_celery.engine import RunState, TickInputs, compute_tick
+
+    d = _app(database_url, tmp_path)
+    run_id = d.start("pgc", input={"a": 1, "c": False, "items": []}).run_id
+    spec = d.client.find_definition("pgc")
+    payload = compute_tick(spec, RunState(), TickInputs(run_id=run_id, input={"a": 1}), _now())
+    payload.new_attempts = []
+    engine = get_engine(database_url)
+    fire_at = _now().replace(microsecond=0) + timedelta(minutes=5)
+
+    def timer() -> list[tuple[Any, ...]]:
+        with engine.connect() as conn:
+            return [
+                tuple(r)
+                for r in conn.execute(
+                    sa.text("SELECT fire_at, woken_at FROM eec_workflow_timer WHERE run_id = :r"),
+                    {"r": run_id},
+                )
+            ]
+
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO eec_workflow_timer (run_id, fire_at, woken_at) VALUES "
+                "(:r, now(), now()) ON CONFLICT (run_id) DO UPDATE SET woken_at = now()"
+            ),
+            {"r": run_id},
+        )
+
+    def commit(version: int, change: Any) -> pg_commit.Committed:
+        with engine.begin() as conn:
+            return pg_commit.commit(
+                conn,
+                run_id=run_id,
+                version=version,
+                run_values={"record_version": version + 1},
+                payload=payload,
+                transitions=[],
+                outbox=[],
+                now=_now(),
+                timer=change,
+            )
+
+    assert commit(7, ("set", fire_at)).matched is False  # at version 0: nothing written
+    assert timer()[0][1] is not None
+    assert commit(0, ("set", fire_at)).matched
+    assert timer() == [(fire_at, None)]
+    assert commit(1, ("delete", None)).matched
+    assert timer() == []

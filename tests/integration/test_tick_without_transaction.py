@@ -257,11 +257,14 @@ def test_lock_at_version_is_busy_for_a_run_at_another_version(ductor: Ductor) ->
         lock_at_version(conn, loaded, "20s", "5s")
 
 
-def test_the_whole_chain_runs_to_the_end_with_its_last_tick_in_a_transaction(
-    ductor: Ductor,
+def test_the_tick_that_finishes_the_run_commits_alone_and_notifies_its_waiters(
+    ductor: Ductor, database_url: str, sent_commands: list[bytes]
 ) -> None:
-    """Step a's tick commits alone; step b's, which finishes the run (its NOTIFY), takes the
-    transaction: the run succeeds with both outcomes folded."""
+    """Step b's tick finishes the run: its NOTIFY is part of the one statement, so it too
+    commits alone, and a waiter listening on the channel hears the run once it lands."""
+    from ductor_celery.store.db import psycopg_connect_args
+    from ductor_celery.store.finishes import RUN_FINISHED_CHANNEL
+
     run_id, token = _open_attempt(ductor)
     assert (
         run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
@@ -275,6 +278,18 @@ def test_the_whole_chain_runs_to_the_end_with_its_last_tick_in_a_transaction(
         ).scalar_one()
     assert attempts.claim(ductor.runtime.engine(), second, "w") is not None
     last = AttemptResult(token=second, node="b", outcome=AttemptOutcome.SUCCEEDED, output=None)
-    assert run_tick(ductor.runtime, run_id, eager=True, carried=last) == TickOutcome.COMMITTED
+    with psycopg.connect(**psycopg_connect_args(database_url), autocommit=True) as listener:
+        listener.execute(f"LISTEN {RUN_FINISHED_CHANNEL}")
+        _warm_pool(ductor)
+        sent_commands.clear()
+        assert run_tick(ductor.runtime, run_id, eager=True, carried=last) == TickOutcome.COMMITTED
+        assert not [c for c in sent_commands if c.startswith((b"BEGIN", b"COMMIT"))]
+        heard = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
+    assert heard == [run_id]
     assert ductor.get(run_id).status == "succeeded"
+    with ductor.runtime.engine().connect() as conn:
+        timers = conn.execute(
+            sa.text("SELECT count(*) FROM eec_workflow_timer WHERE run_id = :r"), {"r": run_id}
+        ).scalar_one()
+    assert timers == 0, "the finished run's timer row deleted by the same statement"
     assert _attempt(ductor, second)[1] is True
