@@ -79,6 +79,23 @@ def _warm_pool(d: Ductor) -> None:
         pass
 
 
+def _another_commit_before_the_commit(d: Ductor, run_id: str) -> None:
+    """Between the tick's read and its commit (its ``before_commit`` point), another writer
+    commits the run: its version moves on, as another tick's commit moves it."""
+    engine = d.runtime.engine()
+
+    def another_tick(point: str) -> None:
+        if point == "before_commit":
+            with engine.begin() as conn:
+                conn.execute(
+                    sa.update(workflow_run)
+                    .where(workflow_run.c.run_id == run_id)
+                    .values(record_version=workflow_run.c.record_version + 1)
+                )
+
+    d.runtime.failpoint = another_tick
+
+
 def _succeeded(token: str) -> AttemptResult:
     return AttemptResult(token=token, node="a", outcome=AttemptOutcome.SUCCEEDED, output=None)
 
@@ -137,18 +154,7 @@ def test_another_commit_between_the_read_and_the_commit_makes_it_busy_writing_no
     """The read locks nothing past itself: a tick that commits the run in between (here, a
     version bump) leaves the carried tick's statement with no run to lock at its version."""
     run_id, token = _open_attempt(ductor)
-    engine = ductor.runtime.engine()
-
-    def another_tick(point: str) -> None:
-        if point == "before_commit":
-            with engine.begin() as conn:
-                conn.execute(
-                    sa.update(workflow_run)
-                    .where(workflow_run.c.run_id == run_id)
-                    .values(record_version=workflow_run.c.record_version + 1)
-                )
-
-    ductor.runtime.failpoint = another_tick
+    _another_commit_before_the_commit(ductor, run_id)
     version = _version(ductor, run_id)
     outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
     assert outcome == TickOutcome.BUSY
@@ -213,18 +219,7 @@ def test_a_commit_that_is_more_than_one_statement_locks_the_run_at_the_version_r
     assert _attempt(ductor, token)[1] is True
 
     run_id, token = _open_attempt(ductor)
-    engine = ductor.runtime.engine()
-
-    def another_tick(point: str) -> None:
-        if point == "before_commit":
-            with engine.begin() as conn:
-                conn.execute(
-                    sa.update(workflow_run)
-                    .where(workflow_run.c.run_id == run_id)
-                    .values(record_version=workflow_run.c.record_version + 1)
-                )
-
-    ductor.runtime.failpoint = another_tick
+    _another_commit_before_the_commit(ductor, run_id)
     assert (
         run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token)) == TickOutcome.BUSY
     )
