@@ -102,13 +102,21 @@ def load_on(
     waits for the lock must have it set before (the caller's own statement).
 
     ``in_transaction=False`` (PostgreSQL, ``wait_for_lock=False``): ``conn`` is in autocommit
-    (docs/tick-without-transaction.md); the row lock is then held for the read only, and a
-    run whose load would write (a concurrency key's admission) raises ``NeedsTransaction``
-    before any write.
+    (docs/tick-without-transaction.md); the run row is read without a lock (the commit takes
+    it: a lock taken by a read in autocommit would be released at once, and would cost its
+    own commit record and WAL flush), and a run whose load would write (a concurrency key's
+    admission) raises ``NeedsTransaction`` before any write.
     """
     input_cache = _inputs_cache(conn.engine)
     cached, _ = input_cache.get_many([run_id])
-    row = _run_row(conn, run_id, wait_for_lock, with_input=run_id not in cached, bounds=bounds)
+    row = _run_row(
+        conn,
+        run_id,
+        wait_for_lock,
+        with_input=run_id not in cached,
+        bounds=bounds,
+        lock=in_transaction,
+    )
     if row is None:
         if not wait_for_lock and _run_exists(conn, run_id):
             raise RunBusy(run_id)
@@ -247,6 +255,7 @@ def _run_row(
     *,
     with_input: bool = True,
     bounds: tuple[str, str] | None = None,
+    lock: bool = True,
 ) -> Any:
     # PostgreSQL's form of the read (the clock, the results aggregated, the row locked) is
     # the one-statement one; SQLite's transaction is BEGIN IMMEDIATE already.
@@ -256,7 +265,7 @@ def _run_row(
         return conn.execute(query, {"b_run": run_id}).one_or_none()
     if bounds is not None and wait_for_lock:
         raise ValueError("a read that waits for the run's lock sets no timeouts of its own")
-    text = _run_row_text(not wait_for_lock, with_input, bounds is not None)
+    text = _run_row_text(not wait_for_lock, with_input, bounds is not None, lock)
     params = {"b_run": run_id}
     if bounds is not None:
         params.update(b_idle=bounds[0], b_lock=bounds[1])
@@ -294,11 +303,13 @@ def _fetch_on_driver(conn: Connection, text: str, params: dict[str, str]) -> Any
 
 
 @functools.cache
-def _run_row_text(skip_locked: bool, with_input: bool, bounds: bool = False) -> str:
+def _run_row_text(
+    skip_locked: bool, with_input: bool, bounds: bool = False, lock: bool = True
+) -> str:
     """``_run_row_statement`` on PostgreSQL as psycopg's text (``%(b_run)s``), compiled once
     per process; ``bounds``: with the transaction's timeouts set by the same statement
     (``%(b_idle)s``, ``%(b_lock)s``; ``load_on``'s ``bounds``)."""
-    query = _run_row_statement(True, skip_locked, with_input)
+    query = _run_row_statement(True, skip_locked, with_input, lock)
     if bounds:
         query = query.add_columns(
             sa.func.set_config(
@@ -316,7 +327,9 @@ def _run_row_text(skip_locked: bool, with_input: bool, bounds: bool = False) -> 
 
 
 @functools.cache
-def _run_row_statement(postgres: bool, skip_locked: bool, with_input: bool) -> Any:
+def _run_row_statement(
+    postgres: bool, skip_locked: bool, with_input: bool, lock: bool = True
+) -> Any:
     """The tick's first read (bind parameter ``b_run``), built once per process: the run row,
     the database clock, its timer, and whether each inbox holds anything.
 
@@ -364,7 +377,7 @@ def _run_row_statement(postgres: bool, skip_locked: bool, with_input: bool) -> A
             workflow_signal.c.applied_at.is_(None),
         ).label("has_signals"),
     ).where(workflow_run.c.run_id == run_id)
-    if postgres:
+    if postgres and lock:
         # Lock the run row only (the EXISTS subqueries read the inbox tables without locks).
         query = query.with_for_update(of=workflow_run, skip_locked=skip_locked)
     return query

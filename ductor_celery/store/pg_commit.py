@@ -13,7 +13,9 @@ element).
 Only for ticks with none of the writes that need an order of their own: no attempt closed,
 no lease taken or released, no retry copying an earlier attempt's arguments, no redrive or
 continue-as-new (``eligible``). ``ticks.commit_on`` does everything else, and the writes
-that follow these five, as before.
+that follow these five, as before. Two more ride along when the tick makes them: the run's
+timer row (the ``timer`` CTE: ``ticks._set_timer``'s upsert or delete) and a finishing run's
+notification (``pg_notify`` in the last ``SELECT``), both conditional on the run update.
 
 Every other write is conditional on the run update having matched (``EXISTS (SELECT 1 FROM
 run_update)``): a tick that lost a version race writes nothing, not even a row that would
@@ -24,6 +26,9 @@ eager tick) writes it first, in a ``carried`` CTE that finishes and folds its at
 once, and the run update is conditional on that having matched too: an attempt finished or
 closed already writes nothing at all, and the caller rolls back (``OutcomeNotCarried``;
 docs/one-statement-step.md).
+
+``alone``: the statement is the whole tick, in autocommit, and locks the run itself first
+(``run_locked``; docs/tick-without-transaction.md).
 """
 
 from __future__ import annotations
@@ -61,6 +66,17 @@ class Committed(NamedTuple):
     outbox_ids: list[int]
 
 
+#: The run row as the tick read it (a WHERE on ``eec_workflow_run``; parameters ``run_id``,
+#: ``version``, ``timer_read``): at its version, and with its timer row where it was. A tick
+#: with nothing to commit moves a stale timer row without a new version
+#: (``ticks.refresh_stale_timer``); a tick that locks the run only at its commit must not
+#: keep an earlier row it read that another tick has moved meanwhile (docs/tick-without-
+#: transaction.md).
+RUN_AS_READ = """run_id = %(run_id)s AND record_version = %(version)s
+      AND (SELECT t.fire_at FROM eec_workflow_timer t WHERE t.run_id = %(run_id)s)
+          IS NOT DISTINCT FROM %(timer_read)s::timestamptz"""
+
+
 def eligible(payload: TickPayload) -> bool:
     return (
         not payload.closed
@@ -88,9 +104,9 @@ def _statement(
     # Its lock timeout is set as the run is locked, before the carried CTE (one-time filter
     # on run_locked) may wait for the attempt row's lock: as in a tick's transaction.
     locked = (
-        """run_locked AS (
+        f"""run_locked AS (
     SELECT set_config('lock_timeout', %(lock_timeout)s, true) FROM eec_workflow_run
-    WHERE run_id = %(run_id)s AND record_version = %(version)s
+    WHERE {RUN_AS_READ}
     FOR UPDATE SKIP LOCKED
 ), """
         if alone
@@ -188,13 +204,15 @@ def commit(
     carried: AttemptResult | None = None,
     alone: bool = False,
     lock_timeout: str | None = None,
+    timer_read: datetime | None = None,
     notify: str | None = None,
     timer: tuple[str, datetime | None] | None = None,
 ) -> Committed:
     """Run the five writes (six with ``carried``). ``claim``: that new attempt is inserted
     claimed by its worker (runtime/inline.py). ``alone``: the statement is the whole tick
     (autocommit) and takes the run's lock itself, at ``version``, waiting at most
-    ``lock_timeout`` for any other lock. ``notify``: the channel to announce the run on (it
+    ``lock_timeout`` for any other lock, and only if the run's timer row is still at
+    ``timer_read`` (``RUN_AS_READ``). ``notify``: the channel to announce the run on (it
     finishes), if the run update matched. ``timer``: the run's timer row written too (``("set",
     fire_at)`` or ``("delete", None)``)."""
     columns = tuple(sorted(run_values))
@@ -212,7 +230,7 @@ def commit(
     if alone:
         if lock_timeout is None:
             raise ValueError("a commit alone sets its own lock timeout")
-        params["lock_timeout"] = lock_timeout
+        params.update(lock_timeout=lock_timeout, timer_read=timer_read)
     if carried is not None:
         params.update(carried_params(carried))
     for column in columns:

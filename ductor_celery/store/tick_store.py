@@ -148,7 +148,8 @@ class SqlTickTransaction:
         """The run, its transaction bounded first (``TICK_IDLE_TIMEOUT``,
         ``TICK_LOCK_TIMEOUT``): by a statement of its own before a read that waits for the
         run's lock, by the read itself when it does not wait (an eager tick). ``lock_late`` (an
-        eager tick that carries a plain step's outcome, PostgreSQL): read in autocommit."""
+        eager tick that carries a plain step's outcome, PostgreSQL): read in autocommit, with
+        no lock (the commit takes it)."""
         store = self._store
         if lock_late and not wait_for_lock and store.bounds_ticks:
             reader = store.engine.connect().execution_options(isolation_level="AUTOCOMMIT")

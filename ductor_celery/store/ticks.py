@@ -289,6 +289,7 @@ def _commit_in_one_statement(
         carried=carried,
         alone=lock_timeout is not None,
         lock_timeout=lock_timeout,
+        timer_read=loaded.timer_at,
         notify=RUN_FINISHED_CHANNEL if payload.finished else None,
         timer=_timer_change(loaded, payload.next_wake_at),
     )
@@ -353,22 +354,29 @@ def commit_alone(
     )
 
 
-#: The run row locked at the version a tick read, with the tick's timeouts set by the same
-#: statement (it waits for no lock): what a tick read without a transaction takes before it
-#: writes in one (``lock_at_version``).
+#: The run row locked as a tick read it (``pg_commit.RUN_AS_READ``), with the tick's
+#: timeouts set by the same statement (it waits for no lock): what a tick read without a
+#: transaction takes before it writes in one (``lock_at_version``).
 _LOCK_AT_VERSION = (
     "SELECT set_config('idle_in_transaction_session_timeout', %(idle)s, true), "
     "set_config('lock_timeout', %(lock)s, true), "
-    "EXISTS (SELECT 1 FROM eec_workflow_run WHERE run_id = %(run_id)s "
-    "AND record_version = %(version)s FOR UPDATE SKIP LOCKED)"
+    f"EXISTS (SELECT 1 FROM eec_workflow_run WHERE {pg_commit.RUN_AS_READ} "
+    "FOR UPDATE SKIP LOCKED)"
 )
 
 
 def lock_at_version(conn: Connection, loaded: LoadedRun, idle: str, lock: str) -> None:
-    """In a transaction begun after the tick's read (PostgreSQL): lock the run row at the
-    version the tick read, so every write that follows is made as if the lock had been held
-    since the read; ``RunBusy`` if another tick holds it or committed it since."""
-    params = {"idle": idle, "lock": lock, "run_id": loaded.run_id, "version": loaded.record_version}
+    """In a transaction begun after the tick's read (PostgreSQL): lock the run row as the
+    tick read it (its version, its timer row), so every write that follows is made as if
+    the lock had been held since the read; ``RunBusy`` if another tick holds it or wrote it
+    since."""
+    params = {
+        "idle": idle,
+        "lock": lock,
+        "run_id": loaded.run_id,
+        "version": loaded.record_version,
+        "timer_read": loaded.timer_at,
+    }
     with driver_cursor(conn) as cursor:
         cursor.execute(_LOCK_AT_VERSION, params)
         row = cursor.fetchone()

@@ -16,7 +16,8 @@ from celery import Celery
 
 from ductor_celery import Ductor, RetryPolicy, RunStatus, StepContext, Workflow
 from ductor_celery.store import pg_commit
-from ductor_celery.store.db import get_engine
+from ductor_celery.store.db import get_engine, psycopg_connect_args
+from ductor_celery.store.finishes import RUN_FINISHED_CHANNEL
 
 
 def _app(url: str, tmp_path: Path) -> Ductor:
@@ -111,6 +112,16 @@ def test_a_lost_version_race_writes_nothing(database_url: str, tmp_path: Path) -
     engine = get_engine(database_url)
     before = _rows(database_url, run_id)
     with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO eec_workflow_timer (run_id, fire_at) VALUES (:r, now()) "
+                "ON CONFLICT (run_id) DO NOTHING"
+            ),
+            {"r": run_id},
+        )
+    listener = psycopg.connect(**psycopg_connect_args(database_url), autocommit=True)
+    listener.execute(f"LISTEN {RUN_FINISHED_CHANNEL}")
+    with engine.begin() as conn:
         done = pg_commit.commit(
             conn,
             run_id=run_id,
@@ -130,9 +141,18 @@ def test_a_lost_version_race_writes_nothing(database_url: str, tmp_path: Path) -
                 }
             ],
             now=_now(),
+            notify=RUN_FINISHED_CHANNEL,
+            timer=("delete", None),
         )
     assert done == (True, True, False, [])
     assert _rows(database_url, run_id) == before
+    with listener:
+        assert not list(listener.notifies(timeout=0.5)), "no notification for a lost race"
+    with engine.connect() as conn:
+        timers = conn.execute(
+            sa.text("SELECT count(*) FROM eec_workflow_timer WHERE run_id = :r"), {"r": run_id}
+        ).scalar_one()
+    assert timers == 1, "the timer row not deleted by a lost race"
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM eec_workflow_outbox")).scalar() == 0
 

@@ -96,6 +96,16 @@ def _another_commit_before_the_commit(d: Ductor, run_id: str) -> None:
     d.runtime.failpoint = another_tick
 
 
+def _timer_rows(d: Ductor, run_id: str) -> int:
+    with d.runtime.engine().connect() as conn:
+        return int(
+            conn.execute(
+                sa.text("SELECT count(*) FROM eec_workflow_timer WHERE run_id = :r"),
+                {"r": run_id},
+            ).scalar_one()
+        )
+
+
 def _succeeded(token: str) -> AttemptResult:
     return AttemptResult(token=token, node="a", outcome=AttemptOutcome.SUCCEEDED, output=None)
 
@@ -273,6 +283,7 @@ def test_the_tick_that_finishes_the_run_commits_alone_and_notifies_its_waiters(
         ).scalar_one()
     assert attempts.claim(ductor.runtime.engine(), second, "w") is not None
     last = AttemptResult(token=second, node="b", outcome=AttemptOutcome.SUCCEEDED, output=None)
+    assert _timer_rows(ductor, run_id) == 1, "a timer row for the last tick to delete"
     with psycopg.connect(**psycopg_connect_args(database_url), autocommit=True) as listener:
         listener.execute(f"LISTEN {RUN_FINISHED_CHANNEL}")
         _warm_pool(ductor)
@@ -282,9 +293,63 @@ def test_the_tick_that_finishes_the_run_commits_alone_and_notifies_its_waiters(
         heard = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
     assert heard == [run_id]
     assert ductor.get(run_id).status == "succeeded"
-    with ductor.runtime.engine().connect() as conn:
-        timers = conn.execute(
-            sa.text("SELECT count(*) FROM eec_workflow_timer WHERE run_id = :r"), {"r": run_id}
-        ).scalar_one()
-    assert timers == 0, "the finished run's timer row deleted by the same statement"
+    assert _timer_rows(ductor, run_id) == 0, "the finished run's timer row deleted by it"
     assert _attempt(ductor, second)[1] is True
+
+
+def test_the_read_takes_no_lock_so_a_run_held_elsewhere_is_busy_at_the_commit(
+    ductor: Ductor,
+) -> None:
+    """The read in autocommit locks nothing (a lock there would end with the statement, and
+    cost it a commit record and a WAL flush): with the run held by another transaction for
+    the whole tick, the tick reads and computes, then its commit finds the run locked and
+    writes nothing."""
+    run_id, token = _open_attempt(ductor)
+    engine = ductor.runtime.engine()
+    reached: list[str] = []
+    ductor.runtime.failpoint = reached.append
+    with engine.begin() as holder:
+        holder.execute(
+            sa.select(workflow_run.c.run_id)
+            .where(workflow_run.c.run_id == run_id)
+            .with_for_update()
+        ).one()
+        outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
+    assert outcome == TickOutcome.BUSY
+    assert "before_commit" in reached, "the tick read and computed: its read took no lock"
+    assert _attempt(ductor, token) == (None, False)
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["commit alone", "in a transaction"])
+def test_a_timer_row_moved_since_the_read_makes_it_busy_writing_nothing(
+    ductor: Ductor, monkeypatch: Any, alone: bool
+) -> None:
+    """A tick with nothing to commit moves a stale timer row without a new version
+    (``refresh_stale_timer``). A tick that read the row before and locks the run only at its
+    commit would keep the earlier row it read, and the run would wake late: the run is
+    locked only as it was read, timer row included."""
+    from ductor_celery.store import tick_store
+
+    if not alone:
+        monkeypatch.setattr(tick_store, "commits_alone", lambda *args: False)
+    run_id, token = _open_attempt(ductor)
+    assert _timer_rows(ductor, run_id) == 1
+    engine = ductor.runtime.engine()
+
+    def timer_moved(point: str) -> None:
+        if point == "before_commit":
+            with engine.begin() as conn:
+                conn.execute(
+                    sa.text(
+                        "UPDATE eec_workflow_timer SET fire_at = fire_at + interval '1 hour' "
+                        "WHERE run_id = :r"
+                    ),
+                    {"r": run_id},
+                )
+
+    ductor.runtime.failpoint = timer_moved
+    version = _version(ductor, run_id)
+    outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
+    assert outcome == TickOutcome.BUSY
+    assert _attempt(ductor, token) == (None, False)
+    assert _version(ductor, run_id) == version
