@@ -15,7 +15,9 @@ Per step, over the ``execute_attempt`` calls only (medians over rounds):
 - statements PostgreSQL executed (``pg_stat_statements``, ``BEGIN`` and ``COMMIT``
   included) and bytes of WAL written (``pg_current_wal_lsn()`` before and after).
 
-``--statements N``: one more round, then the N statements PostgreSQL spent most time on.
+``--statements N``: one more round, then the N statements PostgreSQL spent most time on
+(executing and planning them). ``--extra-attempts N``: N more attempt rows in the table
+before the measured rounds, as a scatter of N items leaves them.
 ``--profile N``: one more round under cProfile, printing the N functions with the most own
 time. A/B two checkouts side by side with ``PYTHONPATH=<checkout>``.
 """
@@ -62,8 +64,21 @@ def main() -> None:
         metavar="N",
         help="one more round, then the N statements PostgreSQL spent most time on, per step",
     )
+    parser.add_argument(
+        "--extra-attempts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the warm-up round, N finished attempt rows of one run, as a scatter of N "
+        "items leaves them (how the tick's statements fare on a grown table)",
+    )
     args = parser.parse_args()
-    settings = {"shared_preload_libraries": "pg_stat_statements"}
+    # Planning too: a prepared statement PostgreSQL plans anew at every call (its custom
+    # plans looking cheaper than the generic one) costs its planning every time.
+    settings = {
+        "shared_preload_libraries": "pg_stat_statements",
+        "pg_stat_statements.track_planning": "on",
+    }
     with PostgresServer(settings=settings) as pg:
         pg.create_database("chain_cost")
         with pg.connect("chain_cost") as admin:
@@ -72,6 +87,8 @@ def main() -> None:
         upgrade(url)
         bench = _Bench(pg, url)
         bench.round(args.runs)  # warm: connections, prepared statements, caches
+        if args.extra_attempts:
+            bench.scatter_leftovers(args.extra_attempts)
         rounds = [bench.round(args.runs) for _ in range(args.rounds)]
         for name in FIGURES:
             values = [r[name] for r in rounds]
@@ -149,6 +166,20 @@ class _Bench:
             "WAL bytes": (wal1 - wal0) / steps,
         }
 
+    def scatter_leftovers(self, items: int) -> None:
+        """``items`` finished, folded attempt rows of one (made-up) run, as a scatter of that
+        many items leaves them."""
+        with self.pg.connect("chain_cost") as conn:
+            conn.execute(
+                "INSERT INTO eec_workflow_step_attempt (token, run_id, node, branch, "
+                "generation, attempt, step, queue, args, timeout, created_at, folded, "
+                "finished_at, outcome, output, priority) "
+                "SELECT 'leftover:s:' || g, 'leftover', 's', g, 1, 1, 'c.step', %s, "
+                "'{}'::jsonb, 60, now(), true, now(), 'succeeded', '{\"ok\": 1}'::jsonb, 0 "
+                "FROM generate_series(1, %s) AS g",
+                (QUEUE, items),
+            )
+
     def statements(self, runs: int, top: int) -> None:
         """One more round with the statement statistics reset first: the ``top`` statements
         by PostgreSQL's execution time, per step (``pg_stat_statements``)."""
@@ -157,15 +188,16 @@ class _Bench:
         self.round(runs)
         with self.pg.connect("chain_cost") as conn:
             rows = conn.execute(
-                "SELECT calls, total_exec_time, wal_bytes, left(regexp_replace(query, "
-                "'\\s+', ' ', 'g'), 90) FROM pg_stat_statements "
-                "ORDER BY total_exec_time DESC LIMIT %s",
+                "SELECT calls, total_exec_time, plans, total_plan_time, wal_bytes, "
+                "left(regexp_replace(query, '\\s+', ' ', 'g'), 80) FROM pg_stat_statements "
+                "ORDER BY total_exec_time + total_plan_time DESC LIMIT %s",
                 (top,),
             ).fetchall()
         steps = runs * STEPS
-        for calls, ms, wal, query in rows:
+        for calls, ms, plans, plan_ms, wal, query in rows:
             sys.stdout.write(
                 f"{calls / steps:5.2f} calls/step {1000 * ms / steps:7.1f} us/step "
+                f"{plans / steps:5.2f} plans/step {1000 * plan_ms / steps:6.1f} us planning/step "
                 f"{int(wal) / steps:7.0f} WAL B/step  {query}\n"
             )
 

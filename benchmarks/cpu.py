@@ -57,15 +57,41 @@ def _descends(pid: int, root: int, snap: dict[int, tuple[int, float]]) -> bool:
 SERVERS = ("postgres", "redis", "rabbitmq")
 
 
+#: PostgreSQL's background processes by their titles (``postgres: checkpointer``, ...).
+_POSTGRES_ROLES = (
+    (b"autovacuum", "postgres autovacuum"),
+    (b"checkpointer", "postgres checkpointer"),
+    (b"background writer", "postgres bgwriter"),
+    (b"walwriter", "postgres walwriter"),
+)
+
+
+def _postgres_role(pid: int) -> str:
+    """A PostgreSQL child's label: its background processes apart from the backends that run
+    the benchmark's statements ("postgres"), by the process title."""
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "postgres"
+    for mark, role in _POSTGRES_ROLES:
+        if mark in title:
+            return role
+    return "postgres"
+
+
 def classify_by_roots(roots: dict[str, int]) -> Callable[[int, dict[int, tuple[int, float]]], str]:
     """Label a pid with the name of the root it descends from ("<name> main" for the root
-    itself, "<name> pool" for its descendants), else "other"."""
+    itself, "<name> pool" for its descendants), else "other". PostgreSQL's autovacuum
+    processes are "postgres autovacuum" (those alive at the phase's end: one that ran and
+    exited inside the phase is not counted by ``delta``)."""
 
     def label(pid: int, snap: dict[int, tuple[int, float]]) -> str:
         for name, root in roots.items():
             if pid == root:
                 return name if name in (*SERVERS, "driver") else f"{name} main"
             if _descends(pid, root, snap):
+                if name == "postgres":
+                    return _postgres_role(pid)
                 if name in SERVERS:
                     return name
                 return "driver helpers" if name == "driver" else f"{name} pool"
