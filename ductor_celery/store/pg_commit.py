@@ -150,10 +150,12 @@ WITH {locked}{carried}run_update AS (
     RETURNING 1
 ), folded AS (
     UPDATE eec_workflow_step_attempt SET folded = true
-    -- Nothing else to fold (an inline step's outcome folds itself, in carried): a gate on
-    -- the parameter alone, so no scan at all; the generic plan of a small table scans it.
-    WHERE %(folded)s::jsonb <> '[]'::jsonb
-      AND token = ANY(ARRAY(SELECT jsonb_array_elements_text(%(folded)s::jsonb)))
+    -- Joined to the list (nothing else to fold, for an inline step's tick, whose outcome
+    -- folds itself in carried: an empty list, so the join reads no attempt row), and with
+    -- no condition a custom plan could fold away: a generic plan that costs what a custom
+    -- one costs, so PostgreSQL keeps it instead of planning the statement at every call.
+    FROM jsonb_array_elements_text(%(folded)s::jsonb) AS f(token)
+    WHERE eec_workflow_step_attempt.token = f.token
       AND EXISTS (SELECT 1 FROM run_update)
 ), attempts AS (
     INSERT INTO eec_workflow_step_attempt

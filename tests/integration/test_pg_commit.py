@@ -329,3 +329,52 @@ def test_the_statement_sets_and_deletes_the_timer_row_only_when_the_run_update_m
     assert timer() == [(fire_at, None)]
     assert commit(1, ("delete", None)).matched
     assert timer() == []
+
+
+def test_on_a_grown_attempts_table_postgresql_keeps_the_commits_generic_plan(
+    database_url: str, tmp_path: Path
+) -> None:
+    """A prepared statement is planned anew at every call when its custom plans look
+    cheaper than its generic one: a condition on a parameter that a custom plan folds away
+    (an empty list of results to fold) made the commit's generic plan look dearer once the
+    attempts table had grown (a scatter's rows), and planning it cost more than running it.
+    The list is joined instead: the same cost either way, so the generic plan is kept."""
+    from ductor_celery.engine import RunState, TickInputs, compute_tick
+
+    d = _app(database_url, tmp_path)
+    run_id = d.start("pgc", input={"a": 1, "c": False, "items": []}).run_id
+    spec = d.client.find_definition("pgc")
+    payload = compute_tick(spec, RunState(), TickInputs(run_id=run_id, input={"a": 1}), _now())
+    payload.new_attempts, payload.folded = [], []
+    engine = get_engine(database_url)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO eec_workflow_step_attempt (token, run_id, node, branch, "
+                "generation, attempt, step, queue, args, timeout, created_at, folded, "
+                "finished_at, outcome) SELECT 'grown:s:' || g, 'grown', 's', g, 1, 1, 'c', "
+                "'q', '{}'::jsonb, 60, now(), true, now(), 'succeeded' "
+                "FROM generate_series(1, 25000) AS g"
+            )
+        )
+    with engine.connect() as conn:
+        conn.exec_driver_sql("ANALYZE eec_workflow_step_attempt")
+        conn.commit()
+        for _ in range(20):  # psycopg prepares it after 5 calls; PostgreSQL plans 5 custom first
+            done = pg_commit.commit(
+                conn,
+                run_id=run_id,
+                version=999,  # no such version: nothing written
+                run_values={"record_version": 1000},
+                payload=payload,
+                transitions=[],
+                outbox=[],
+                now=_now(),
+            )
+            conn.rollback()
+            assert not done.matched
+        generic, custom = conn.exec_driver_sql(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+            "WHERE statement LIKE '%%run_update AS%%'"
+        ).one()
+    assert generic >= 5 and custom <= 5, (generic, custom)
