@@ -96,6 +96,13 @@ def _another_commit_before_the_commit(d: Ductor, run_id: str) -> None:
     d.runtime.failpoint = another_tick
 
 
+def _lock_run(conn: Any, run_id: str) -> None:
+    """The run row locked in ``conn``'s transaction, as a tick's load locks it."""
+    conn.execute(
+        sa.select(workflow_run.c.run_id).where(workflow_run.c.run_id == run_id).with_for_update()
+    ).one()
+
+
 def _timer_rows(d: Ductor, run_id: str) -> int:
     with d.runtime.engine().connect() as conn:
         return int(
@@ -183,11 +190,7 @@ def test_a_run_locked_by_another_tick_at_the_commit_makes_it_busy_without_waitin
 
     def hold_the_run() -> None:
         with engine.begin() as conn:
-            conn.execute(
-                sa.select(workflow_run.c.run_id)
-                .where(workflow_run.c.run_id == run_id)
-                .with_for_update()
-            ).one()
+            _lock_run(conn, run_id)
             locked.set()
             release.wait(30)
 
@@ -309,11 +312,7 @@ def test_the_read_takes_no_lock_so_a_run_held_elsewhere_is_busy_at_the_commit(
     reached: list[str] = []
     ductor.runtime.failpoint = reached.append
     with engine.begin() as holder:
-        holder.execute(
-            sa.select(workflow_run.c.run_id)
-            .where(workflow_run.c.run_id == run_id)
-            .with_for_update()
-        ).one()
+        _lock_run(holder, run_id)
         outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
     assert outcome == TickOutcome.BUSY
     assert "before_commit" in reached, "the tick read and computed: its read took no lock"
