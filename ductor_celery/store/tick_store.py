@@ -108,11 +108,12 @@ class SqlTickStore:
 class SqlTickTransaction:
     """One tick's transaction on its connection ``conn``.
 
-    A tick that carries an outcome on PostgreSQL begins without one
-    (docs/tick-without-transaction.md): its read is in autocommit, and so is its commit when
-    that is the one statement alone (``ticks.commits_alone``), which takes the run's lock
-    itself. Any other write first begins a transaction on a second connection and locks the
-    run at the version read (``_begin_at_version``), which is then ``conn``.
+    A tick asked to lock late (``load(lock_late=True)``: one carrying a plain step's outcome)
+    on PostgreSQL begins without one (docs/tick-without-transaction.md): its read is in
+    autocommit, with no lock, and so is its commit when that is the one statement alone
+    (``ticks.commits_alone``), which takes the run's lock itself. Any other write first gives
+    the read's connection back, begins a transaction on another and locks the run as it was
+    read (``_begin_at_version``); that one is then ``conn``.
     """
 
     __slots__ = ("_store", "_begin", "_reader", "_loaded", "conn")

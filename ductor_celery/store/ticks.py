@@ -345,9 +345,9 @@ def commit_alone(
     lock_timeout: str,
 ) -> list[OutboxRow]:
     """A commit ``commits_alone`` approved, as one statement in autocommit on ``conn``: it
-    takes the run's lock at the tick's version itself (and waits at most ``lock_timeout``
-    for any other lock). ``RunBusy`` (another tick holds the
-    run or committed it since the read) and ``OutcomeNotCarried``: nothing was written."""
+    takes the run's lock as the tick read it itself (and waits at most ``lock_timeout`` for
+    any other lock). ``RunBusy`` (another tick holds the run or wrote it since the read) and
+    ``OutcomeNotCarried``: nothing was written."""
     values = _run_values(loaded, payload)
     return _commit_in_one_statement(
         conn, loaded, payload, values, loaded.now, claim, carried, lock_timeout=lock_timeout
