@@ -82,6 +82,7 @@ def load_on(
     wait_for_lock: bool = True,
     bounds: tuple[str, str] | None = None,
     in_transaction: bool = True,
+    kept: Any = None,
 ) -> tuple[LoadedRun, WorkflowSpec, TickInputs] | None:
     """Read everything one tick needs, on ``conn`` (the coordinator's commit transaction).
 
@@ -106,17 +107,24 @@ def load_on(
     it: a lock taken by a read in autocommit would be released at once, and would cost its
     own commit record and WAL flush), and a run whose load would write (a concurrency key's
     admission) raises ``NeedsTransaction`` before any write.
+
+    ``kept``: the run row as this thread's last commit returned it (``next_read.take``;
+    docs/next-read-from-commit.md), read instead of the run row while the run's input is
+    cached.
     """
     input_cache = _inputs_cache(conn.engine)
     cached, _ = input_cache.get_many([run_id])
-    row = _run_row(
-        conn,
-        run_id,
-        wait_for_lock,
-        with_input=run_id not in cached,
-        bounds=bounds,
-        lock=in_transaction,
-    )
+    if kept is not None and run_id in cached:
+        row = kept
+    else:
+        row = _run_row(
+            conn,
+            run_id,
+            wait_for_lock,
+            with_input=run_id not in cached,
+            bounds=bounds,
+            lock=in_transaction,
+        )
     if row is None:
         if not wait_for_lock and _run_exists(conn, run_id):
             raise RunBusy(run_id)

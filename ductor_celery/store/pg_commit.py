@@ -64,6 +64,9 @@ class Committed(NamedTuple):
     matched: bool
     #: The outbox rows' ids, in row order.
     outbox_ids: list[int]
+    #: ``next_read`` and the run update matched: what the run's next read would return
+    #: (``NEXT_READ_COLUMNS``), else None.
+    next_read: tuple[Any, ...] | None = None
 
 
 #: The run row as the tick read it (a WHERE on ``eec_workflow_run``; parameters ``run_id``,
@@ -75,6 +78,22 @@ class Committed(NamedTuple):
 RUN_AS_READ = """run_id = %(run_id)s AND record_version = %(version)s
       AND (SELECT t.fire_at FROM eec_workflow_timer t WHERE t.run_id = %(run_id)s)
           IS NOT DISTINCT FROM %(timer_read)s::timestamptz"""
+
+
+#: ``next_read``: what the run's next read would find, read by the statement itself
+#: (docs/next-read-from-commit.md): the state it stored, the database's clock, and whether its
+#: snapshot holds anything else to apply (the read's own tests, ``load._run_row_statement``;
+#: an attempt this statement folds still counts as unfolded in its snapshot: conservative).
+NEXT_READ_COLUMNS = ("next_state", "db_now", "has_control", "has_signals", "has_results")
+_NEXT_READ = """,
+       (SELECT state FROM run_update) AS next_state, now() AS db_now,
+       EXISTS (SELECT 1 FROM eec_workflow_control c
+               WHERE c.run_id = %(run_id)s AND c.handled_at IS NULL) AS has_control,
+       EXISTS (SELECT 1 FROM eec_workflow_signal s
+               WHERE s.run_id = %(run_id)s AND s.applied_at IS NULL) AS has_signals,
+       EXISTS (SELECT 1 FROM eec_workflow_step_attempt r
+               WHERE r.run_id = %(run_id)s AND r.finished_at IS NOT NULL
+                 AND NOT r.folded) AS has_results"""
 
 
 def eligible(payload: TickPayload) -> bool:
@@ -93,6 +112,7 @@ def _statement(
     alone: bool = False,
     notify: bool = False,
     timer: str | None = None,
+    next_read: bool = False,
 ) -> str:
     sets = ", ".join(
         f"{c} = %(r_{c})s::jsonb" if c in _JSON_RUN_COLUMNS else f"{c} = %(r_{c})s"
@@ -147,7 +167,7 @@ def _statement(
 WITH {locked}{carried}run_update AS (
     UPDATE eec_workflow_run SET {sets}
     WHERE run_id = %(run_id)s AND record_version = %(version)s AND {written}
-    RETURNING 1
+    RETURNING {"state" if next_read else "1"}
 ), folded AS (
     UPDATE eec_workflow_step_attempt SET folded = true
     -- Joined to the list (nothing else to fold, for an inline step's tick, whose outcome
@@ -187,7 +207,7 @@ WITH {locked}{carried}run_update AS (
 ){timer_write}
 SELECT {written} AS written, (SELECT count(*) FROM run_update) AS updated,
        ARRAY(SELECT id FROM outbox ORDER BY id) AS outbox_ids, {gate} AS locked,
-       {notified} AS notified
+       {notified} AS notified{_NEXT_READ if next_read else ""}
 """
 
 
@@ -209,14 +229,16 @@ def commit(
     timer_read: datetime | None = None,
     notify: str | None = None,
     timer: tuple[str, datetime | None] | None = None,
+    next_read: bool = False,
 ) -> Committed:
     """Run the five writes (six with ``carried``). ``claim``: that new attempt is inserted
-    claimed by its worker (runtime/inline.py). ``alone``: the statement is the whole tick
-    (autocommit) and takes the run's lock itself, at ``version``, waiting at most
-    ``lock_timeout`` for any other lock, and only if the run's timer row is still at
-    ``timer_read`` (``RUN_AS_READ``). ``notify``: the channel to announce the run on (it
-    finishes), if the run update matched. ``timer``: the run's timer row written too (``("set",
-    fire_at)`` or ``("delete", None)``)."""
+        claimed by its worker (runtime/inline.py). ``alone``: the statement is the whole tick
+        (autocommit) and takes the run's lock itself, at ``version``, waiting at most
+        ``lock_timeout`` for any other lock, and only if the run's timer row is still at
+        ``timer_read`` (``RUN_AS_READ``). ``notify``: the channel to announce the run on (it
+        finishes), if the run update matched. ``timer``: the run's timer row written too (``("set",
+        fire_at)`` or ``("delete", None)``). ``next_read``: return what the run's next read would
+    find (``Committed.next_read``; docs/next-read-from-commit.md)."""
     columns = tuple(sorted(run_values))
     params: dict[str, Any] = {
         "run_id": run_id,
@@ -283,7 +305,15 @@ def commit(
             alone,
             notify is not None,
             None if timer is None else timer[0],
+            next_read,
         )
         cursor.execute(statement, params)
-        written, updated, outbox_ids, locked, _notified = cursor.fetchone()
-    return Committed(bool(locked), bool(written), updated == 1, list(outbox_ids))
+        written, updated, outbox_ids, locked, _notified, *read = cursor.fetchone()
+    matched = updated == 1
+    return Committed(
+        bool(locked),
+        bool(written),
+        matched,
+        list(outbox_ids),
+        tuple(read) if next_read and matched else None,
+    )

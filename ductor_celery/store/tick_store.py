@@ -20,7 +20,7 @@ from ..coordinator.port import Loaded, LoadedRun, OutboxRow, TickClaim
 from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
 from ..engine import AttemptResult, EngineConfig, TickInputs, TickPayload
-from . import blobs, wakes
+from . import blobs, next_read, wakes
 from .db import driver_errors, with_retry
 from .dialect import dialect_of
 from .load import NeedsTransaction, load_on
@@ -150,8 +150,12 @@ class SqlTickTransaction:
         ``TICK_LOCK_TIMEOUT``): by a statement of its own before a read that waits for the
         run's lock, by the read itself when it does not wait (an eager tick). ``lock_late`` (an
         eager tick that carries a plain step's outcome, PostgreSQL): read in autocommit, with
-        no lock (the commit takes it)."""
+        no lock (the commit takes it), or not at all when this thread's last commit returned
+        the read (``store/next_read.py``)."""
         store = self._store
+        # What this thread's last commit said the run's next read would find: for this tick
+        # only, and only if it locks late (docs/next-read-from-commit.md).
+        kept = next_read.take(store.engine, run_id)
         if lock_late and not wait_for_lock and store.bounds_ticks:
             reader = store.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
             self._reader = self.conn = reader
@@ -163,6 +167,7 @@ class SqlTickTransaction:
                     store.config,
                     wait_for_lock=False,
                     in_transaction=False,
+                    kept=kept,
                 )
             except NeedsTransaction:
                 found = None

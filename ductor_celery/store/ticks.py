@@ -45,6 +45,7 @@ from .db import driver_cursor
 from .dialect import Dialect, dialect_of
 from .external import lock_workflow_signals
 from .finishes import RUN_FINISHED_CHANNEL
+from .next_read import keep as next_read_kept
 from .outbox import insert_outbox
 from .runs import pending_run, run_exists
 from .schema import (
@@ -271,10 +272,13 @@ def _commit_in_one_statement(
     carried: AttemptResult | None,
     *,
     lock_timeout: str | None = None,
+    next_read: bool = False,
 ) -> list[OutboxRow]:
     """The common tick's writes in one round trip (store/pg_commit.py); ``lock_timeout``
-    given: the whole tick, in autocommit (``commit_alone``)."""
+    given: the whole tick, in autocommit (``commit_alone``). ``next_read``: keep what the
+    run's next read would find for this thread's next tick (``store/next_read.py``)."""
     intents = outbox_intents(payload, unsent(claim), loaded.priority)
+    timer = _timer_change(loaded, payload.next_wake_at)
     done = pg_commit.commit(
         conn,
         run_id=loaded.run_id,
@@ -291,7 +295,8 @@ def _commit_in_one_statement(
         lock_timeout=lock_timeout,
         timer_read=loaded.timer_at,
         notify=RUN_FINISHED_CHANNEL if payload.finished else None,
-        timer=_timer_change(loaded, payload.next_wake_at),
+        timer=timer,
+        next_read=next_read,
     )
     if not done.locked:
         # Alone: another tick holds the run, or committed it after our read. Nothing written.
@@ -301,6 +306,9 @@ def _commit_in_one_statement(
         raise OutcomeNotCarried(carried.token)
     if not done.matched:
         raise VersionConflict(loaded.run_id)
+    if done.next_read is not None:
+        timer_at = loaded.timer_at if timer is None else timer[1]
+        next_read_kept(conn.engine, loaded, timer_at, done.next_read)
     return [outbox_row(i, r) for i, r in zip(done.outbox_ids, intents, strict=True)]
 
 
@@ -350,7 +358,17 @@ def commit_alone(
     ``OutcomeNotCarried``: nothing was written."""
     values = _run_values(loaded, payload)
     return _commit_in_one_statement(
-        conn, loaded, payload, values, loaded.now, claim, carried, lock_timeout=lock_timeout
+        conn,
+        loaded,
+        payload,
+        values,
+        loaded.now,
+        claim,
+        carried,
+        lock_timeout=lock_timeout,
+        # The chain runs its next step in this thread, whose tick would read the row this
+        # statement writes: the statement returns that read (docs/next-read-from-commit.md).
+        next_read=claim is not None and not payload.finished,
     )
 
 

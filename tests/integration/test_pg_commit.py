@@ -144,7 +144,7 @@ def test_a_lost_version_race_writes_nothing(database_url: str, tmp_path: Path) -
             notify=RUN_FINISHED_CHANNEL,
             timer=("delete", None),
         )
-    assert done == (True, True, False, [])
+    assert done == (True, True, False, [], None)
     assert _rows(database_url, run_id) == before
     with listener:
         assert not list(listener.notifies(timeout=0.5)), "no notification for a lost race"
@@ -192,7 +192,7 @@ def test_empty_and_unknown_row_sets_are_fine(
     payload.new_attempts = []
     with get_engine(database_url).begin() as conn:
         done = _first_commit(conn, run_id, payload)
-    assert done == (True, True, True, [])
+    assert done == (True, True, True, [], None)
 
 
 _PG_TYPES = {bool: "boolean", int: "bigint", float: "double precision", str: "text"}
