@@ -18,7 +18,7 @@ from ..coordinator import SETTLED_TICKS, OutcomeNotCarried, TickOutcome
 from ..coordinator.read_rows import attempt_result
 from ..engine import AttemptResult
 from ..engine.status import AttemptOutcome
-from ..store import attempts, wakes
+from ..store import attempts, next_read, wakes
 from ..store.db import ValuesRefused, outages, with_retry
 from ..store.outbox import OutboxRow
 from ..store.rates import RateHeld
@@ -172,6 +172,7 @@ def _run_inline(
     finally:
         flush_events(rt.app, hostname)
         chain.release()
+        next_read.forget()
 
 
 def _claim(

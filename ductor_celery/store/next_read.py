@@ -11,6 +11,7 @@ busy.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from datetime import datetime, timedelta
@@ -98,4 +99,9 @@ def take(engine: Any, run_id: str) -> RunRow | None:
 
 
 def forget() -> None:
+    """Drop this thread's kept read (a chain's end: nothing holds on to its run and engine)."""
     _local.kept = None
+
+
+# A forked child starts with its parent's memory: it never takes the parent's read.
+os.register_at_fork(after_in_child=forget)

@@ -81,12 +81,14 @@ RUN_AS_READ = """run_id = %(run_id)s AND record_version = %(version)s
 
 
 #: ``next_read``: what the run's next read would find, read by the statement itself
-#: (docs/next-read-from-commit.md): the state it stored, the database's clock, and whether its
-#: snapshot holds anything else to apply (the read's own tests, ``load._run_row_statement``;
-#: an attempt this statement folds still counts as unfolded in its snapshot: conservative).
+#: (docs/next-read-from-commit.md): the state it stored, the database's clock as the statement
+#: ends (``clock_timestamp()``, not its start: the next tick's clock runs on from there, and
+#: must not lag by a lock the statement waited for), and whether its snapshot holds anything
+#: else to apply (the read's own tests, ``load._run_row_statement``; an attempt this
+#: statement folds still counts as unfolded in its snapshot: conservative).
 NEXT_READ_COLUMNS = ("next_state", "db_now", "has_control", "has_signals", "has_results")
 _NEXT_READ = """,
-       (SELECT state FROM run_update) AS next_state, now() AS db_now,
+       (SELECT state FROM run_update) AS next_state, clock_timestamp() AS db_now,
        EXISTS (SELECT 1 FROM eec_workflow_control c
                WHERE c.run_id = %(run_id)s AND c.handled_at IS NULL) AS has_control,
        EXISTS (SELECT 1 FROM eec_workflow_signal s

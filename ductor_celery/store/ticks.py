@@ -366,10 +366,18 @@ def commit_alone(
         claim,
         carried,
         lock_timeout=lock_timeout,
-        # The chain runs its next step in this thread, whose tick would read the row this
-        # statement writes: the statement returns that read (docs/next-read-from-commit.md).
-        next_read=claim is not None and not payload.finished,
+        next_read=_next_tick_here_locks_late(payload, claim),
     )
+
+
+def _next_tick_here_locks_late(payload: TickPayload, claim: TickClaim | None) -> bool:
+    """Whether the next tick of this run in this thread will lock late and read the row this
+    commit writes: the chain runs a plain step it claimed here next, and nothing held before
+    it (docs/next-read-from-commit.md). Then the commit returns that read; a scatter branch's
+    tick reads in its transaction, and would not take it."""
+    if claim is None or claim.held or payload.finished:
+        return False
+    return any(a.token == claim.token and a.branch is None for a in payload.new_attempts)
 
 
 #: The run row locked as a tick read it (``pg_commit.RUN_AS_READ``), with the tick's

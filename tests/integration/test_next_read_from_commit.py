@@ -7,7 +7,6 @@ as that read describes it. Each test plays the run's first message by hand
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -23,15 +22,20 @@ from ductor_celery.store.schema import workflow_run
 
 @pytest.fixture
 def reads(monkeypatch: Any) -> list[str]:
-    """Each run-row read a tick makes (``load._run_row``), by run id."""
+    """Each run-row read a tick makes in this thread (``load._run_row``), by run id. A kept
+    read stays fresh for a minute here: the counts do not depend on how loaded the machine is
+    (``test_a_read_kept_past_its_freshness_is_not_taken`` checks the bound)."""
     seen: list[str] = []
     real = load._run_row
+    me = threading.get_ident()
 
     def counting(conn: Any, run_id: str, *args: Any, **kwargs: Any) -> Any:
-        seen.append(run_id)
+        if threading.get_ident() == me:
+            seen.append(run_id)
         return real(conn, run_id, *args, **kwargs)
 
     monkeypatch.setattr(load, "_run_row", counting)
+    monkeypatch.setattr(next_read, "NEXT_READ_FRESH_FOR_S", 60.0)
     return seen
 
 
@@ -92,7 +96,7 @@ def test_a_chain_reads_its_run_once_and_every_later_tick_takes_the_commits_read(
 
 
 def test_a_commit_by_another_tick_in_between_makes_the_next_tick_busy_and_loses_nothing(
-    database_url: str,
+    database_url: str, reads: list[str]
 ) -> None:
     ductor, recorder = make_ductor(database_url)
     holder: dict[str, str] = {}
@@ -126,7 +130,7 @@ def _in_another_thread(fn: Any) -> None:
 
 
 def test_a_cancel_applied_while_a_step_runs_makes_its_tick_busy_and_starts_nothing_more(
-    database_url: str,
+    database_url: str, reads: list[str]
 ) -> None:
     ductor, recorder = make_ductor(database_url)
     holder: dict[str, str] = {}
@@ -134,30 +138,201 @@ def test_a_cancel_applied_while_a_step_runs_makes_its_tick_busy_and_starts_nothi
     _chain(ductor, 6, {1: cancel})
     run_id, first = start_run(ductor, "nrc", recorder)
     holder["run"] = run_id
+    reads.clear()
 
     deliver(ductor, first)
 
     # The client applied the cancel with a tick of its own (a new version) while s1 ran: s1's
-    # tick, taking the read s0's commit returned, was busy at its commit and wrote its outcome
-    # alone; nothing after s1 started.
+    # tick took the read s0's commit returned (this thread read the run once, for s0) and was
+    # busy at its commit, so s1's outcome was written alone and the coordinator woken, whose
+    # tick folds it and ends the run. Nothing after s1 started.
+    assert reads == [run_id]
+    assert recorder.wakes == [run_id]
+    assert run_row(ductor, run_id).status == "running"  # the cancel waits for s1's outcome
+    assert run_tick(ductor.runtime, run_id) == "committed"
     assert run_row(ductor, run_id).status == "cancelled"
     assert [r.node for r in attempt_rows(ductor, run_id)] == ["s0", "s1"]
     assert recorder.steps() == []
 
 
-def test_a_read_kept_longer_than_its_freshness_is_not_taken(
+def test_a_control_waiting_at_a_commit_sends_the_next_tick_to_read_and_apply_it(
     database_url: str, reads: list[str]
 ) -> None:
     ductor, recorder = make_ductor(database_url)
-    _chain(ductor, 3, {1: lambda ctx: time.sleep(next_read.NEXT_READ_FRESH_FOR_S * 3)})
+    holder: dict[str, str] = {}
+
+    def queue_cancel(ctx: StepContext) -> None:
+        # A client that cannot tick leaves the control queued (and wakes the run).
+        def cancel() -> None:
+            ductor.client._tick_here = None
+            ductor.cancel(holder["run"], reason="queued")
+
+        _in_another_thread(cancel)
+
+    _chain(ductor, 6, {1: queue_cancel})
     run_id, first = start_run(ductor, "nrc", recorder)
+    holder["run"] = run_id
+    reads.clear()
+
+    deliver(ductor, first)
+
+    # s1's tick took s0's read (the control came after it) and committed; its commit saw the
+    # control waiting, so s2's tick read the run and applied the cancel.
+    assert reads == [run_id, run_id]
+    assert run_row(ductor, run_id).status == "cancelled"
+    assert [r.node for r in attempt_rows(ductor, run_id)] == ["s0", "s1", "s2"]
+
+
+def test_a_signal_waiting_at_a_commit_sends_each_next_tick_to_read(
+    database_url: str, reads: list[str]
+) -> None:
+    ductor, recorder = make_ductor(database_url)
+    holder: dict[str, str] = {}
+    signal = lambda ctx: _in_another_thread(lambda: ductor.signal(holder["run"], "later", 1))  # noqa: E731
+    _chain(ductor, 4, {1: signal})
+    run_id, first = start_run(ductor, "nrc", recorder)
+    holder["run"] = run_id
     reads.clear()
 
     assert deliver(ductor, first) == "succeeded"
 
-    # s0's tick reads; s1 ran longer than the kept read stays fresh: its tick reads too.
-    assert reads == [run_id, run_id]
+    # s0's tick read; s1's took s0's read; the signal (no node waits for it: it stays
+    # unapplied) was there at s1's commit and at s2's, so s2's and s3's ticks read.
+    assert reads == [run_id, run_id, run_id]
+    assert run_row(ductor, run_id).output == 4
+
+
+def test_an_outcome_waiting_at_a_commit_sends_the_next_tick_to_read_and_fold_it(
+    database_url: str, reads: list[str]
+) -> None:
+    ductor, recorder = make_ductor(database_url)
+    holder: dict[str, str] = {}
+
+    def stray_outcome(ctx: StepContext) -> None:
+        # A finished attempt not folded yet, as an outcome written alone leaves it (here of
+        # an old generation: the tick that folds it ignores it as stale).
+        with ductor.runtime.engine().begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO eec_workflow_step_attempt (token, run_id, node, generation, "
+                    "attempt, step, args, timeout, finished_at, outcome, folded) VALUES "
+                    "('stray', :r, 's0', 99, 1, 'nrc.add', '{}', 10, now(), 'succeeded', false)"
+                ),
+                {"r": holder["run"]},
+            )
+
+    _chain(ductor, 6, {1: stray_outcome})
+    run_id, first = start_run(ductor, "nrc", recorder)
+    holder["run"] = run_id
+    reads.clear()
+
+    assert deliver(ductor, first) == "succeeded"
+
+    # s1's tick took s0's read; its commit saw the unfolded outcome, so s2's tick read the run
+    # and folded it. s2's commit, which folded it, still saw it unfolded in its snapshot (a
+    # statement does not see its own writes): s3's tick read too; the ticks after it took
+    # their reads again.
+    assert reads == [run_id, run_id, run_id]
+    with ductor.runtime.engine().connect() as conn:
+        folded = conn.execute(
+            sa.text("SELECT folded FROM eec_workflow_step_attempt WHERE token = 'stray'")
+        ).scalar_one()
+    assert folded is True
+    assert run_row(ductor, run_id).output == 6
+
+
+def test_a_read_kept_past_its_freshness_is_not_taken(
+    database_url: str, reads: list[str], monkeypatch: Any
+) -> None:
+    ductor, recorder = make_ductor(database_url)
+    _chain(ductor, 3)
+    run_id, first = start_run(ductor, "nrc", recorder)
+    reads.clear()
+    monkeypatch.setattr(next_read, "NEXT_READ_FRESH_FOR_S", 0.0)  # every kept read stale
+
+    assert deliver(ductor, first) == "succeeded"
+
+    assert reads == [run_id, run_id, run_id]
     assert run_row(ductor, run_id).output == 3
+
+
+def test_the_kept_read_is_what_a_read_finds_timer_row_included(
+    database_url: str, monkeypatch: Any
+) -> None:
+    """Each kept read, taken, matches a fresh read of the run at that moment: version, state,
+    timer row (the chain's steps have timeouts: each commit sets or keeps the timer row)."""
+    ductor, recorder = make_ductor(database_url)
+    monkeypatch.setattr(next_read, "NEXT_READ_FRESH_FOR_S", 60.0)
+    compared: list[str] = []
+    real_take = next_read.take
+
+    def take_and_compare(engine: Any, run_id: str) -> Any:
+        row = real_take(engine, run_id)
+        if row is not None:
+            with engine.connect() as conn:
+                fresh = load._run_row(conn, run_id, False, with_input=False, lock=False)
+            assert (row.record_version, row.state, row.timer_at) == (
+                fresh.record_version,
+                fresh.state,
+                fresh.timer_at,
+            )
+            assert row.has_control is fresh.has_control is False
+            assert row.has_signals is fresh.has_signals is False
+            assert fresh.results is None
+            compared.append(run_id)
+        return row
+
+    monkeypatch.setattr(next_read, "take", take_and_compare)
+    _chain(ductor, 5)
+    run_id, first = start_run(ductor, "nrc", recorder)
+
+    assert deliver(ductor, first) == "succeeded"
+    assert compared == [run_id] * 4
+
+
+def test_a_chain_into_a_scatter_and_out_of_it_folds_every_branch_once(
+    database_url: str, reads: list[str]
+) -> None:
+    """A claimed scatter branch asks for no next read (its tick reads in its transaction);
+    the chain after the scatter takes them again."""
+    ductor, recorder = make_ductor(database_url)
+
+    def add_one(ctx: StepContext, value: int = 0, index: int = 0) -> int:
+        return value + 1
+
+    step = ductor.step(name="nrc.add")(add_one)
+    wf = Workflow("nrc_scatter")
+    wf.step("s0", step, args={"value": 0})
+    wf.scatter("fan", step, over="$.input.items", item_arg="value", after=["s0"])
+    wf.step("s1", step, args={"value": 10}, after=["fan"])
+    wf.step("s2", step, args={"value": "$.nodes.s1.output"}, after=["s1"])
+    wf.output({"fan": "$.nodes.fan.output", "s2": "$.nodes.s2.output"})
+    ductor.register(wf)
+    handle = ductor.start("nrc_scatter", input={"items": [1, 2, 3, 4, 5]})
+    assert run_tick(ductor.runtime, handle.run_id) == "committed"
+    [first] = [r for r in recorder.rows if r.kind == "step"]
+    recorder.rows.clear()
+
+    deliver(ductor, first)
+    for _ in range(10):  # branches the chain sent as messages, if any, and the ticks after
+        sent = [r for r in recorder.rows if r.kind == "step"]
+        recorder.rows.clear()
+        for row in sent:
+            deliver(ductor, row)
+        for run_id in set(recorder.wakes):
+            recorder.wakes.remove(run_id)
+            run_tick(ductor.runtime, run_id)
+        if run_row(ductor, handle.run_id).status == "succeeded":
+            break
+
+    run = run_row(ductor, handle.run_id)
+    assert run.status == "succeeded"
+    assert run.output == {"fan": [2, 3, 4, 5, 6], "s2": 12}
+    rows = attempt_rows(ductor, handle.run_id)
+    assert sorted((r.node, r.branch) for r in rows) == sorted(
+        [("s0", None), ("s1", None), ("s2", None)] + [("fan", i) for i in range(5)]
+    )
+    assert all(r.folded for r in rows)
 
 
 def test_a_kept_read_is_taken_once_and_only_for_its_run_and_engine() -> None:
@@ -196,3 +371,7 @@ def test_a_kept_read_is_taken_once_and_only_for_its_run_and_engine() -> None:
     for flags in [(True, False, False), (False, True, False), (False, False, True)]:
         next_read.keep(engine, loaded, None, ({}, now, *flags))
         assert next_read.take(engine, "r1") is None  # something else to apply: read
+
+    next_read.keep(engine, loaded, None, read)
+    next_read.forget()
+    assert next_read.take(engine, "r1") is None
