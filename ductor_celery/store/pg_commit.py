@@ -115,6 +115,8 @@ def _statement(
     notify: bool = False,
     timer: str | None = None,
     next_read: bool = False,
+    folds: bool = True,
+    sends: bool = True,
 ) -> str:
     sets = ", ".join(
         f"{c} = %(r_{c})s::jsonb" if c in _JSON_RUN_COLUMNS else f"{c} = %(r_{c})s"
@@ -155,6 +157,36 @@ def _statement(
     WHERE run_id = %(run_id)s AND EXISTS (SELECT 1 FROM run_update)
 )""",
     }[timer]
+    # A part with no rows is left out of the statement (its own prepared variant): an inline
+    # step's tick folds nothing but its own outcome (the carried CTE) and sends no message,
+    # and PostgreSQL would set up and run each part's plan for nothing at every call.
+    folded = (
+        """, folded AS (
+    UPDATE eec_workflow_step_attempt SET folded = true
+    -- Joined to the list, with no condition a custom plan could fold away: a generic plan
+    -- that costs what a custom one costs, so PostgreSQL keeps it instead of planning the
+    -- statement at every call.
+    FROM jsonb_array_elements_text(%(folded)s::jsonb) AS f(token)
+    WHERE eec_workflow_step_attempt.token = f.token
+      AND EXISTS (SELECT 1 FROM run_update)
+)"""
+        if folds
+        else ""
+    )
+    outbox = (
+        """, outbox AS (
+    INSERT INTO eec_workflow_outbox (run_id, kind, task, queue, payload, created_at)
+    SELECT o.row->>'run_id', o.row->>'kind', o.row->>'task', o.row->>'queue',
+           o.row->'payload', %(now)s
+    FROM jsonb_array_elements(%(outbox)s::jsonb) WITH ORDINALITY AS o(row, n)
+    WHERE EXISTS (SELECT 1 FROM run_update)
+    ORDER BY o.n
+    RETURNING id
+)"""
+        if sends
+        else ""
+    )
+    outbox_ids = "ARRAY(SELECT id FROM outbox ORDER BY id)" if sends else "'{}'::bigint[]"
     if carrying:
         carried = f"""carried AS (
     UPDATE eec_workflow_step_attempt SET {CARRIED_SET}
@@ -170,16 +202,7 @@ WITH {locked}{carried}run_update AS (
     UPDATE eec_workflow_run SET {sets}
     WHERE run_id = %(run_id)s AND record_version = %(version)s AND {written}
     RETURNING {"state" if next_read else "1"}
-), folded AS (
-    UPDATE eec_workflow_step_attempt SET folded = true
-    -- Joined to the list (nothing else to fold, for an inline step's tick, whose outcome
-    -- folds itself in carried: an empty list, so the join reads no attempt row), and with
-    -- no condition a custom plan could fold away: a generic plan that costs what a custom
-    -- one costs, so PostgreSQL keeps it instead of planning the statement at every call.
-    FROM jsonb_array_elements_text(%(folded)s::jsonb) AS f(token)
-    WHERE eec_workflow_step_attempt.token = f.token
-      AND EXISTS (SELECT 1 FROM run_update)
-), attempts AS (
+){folded}, attempts AS (
     INSERT INTO eec_workflow_step_attempt
         (token, run_id, node, branch, generation, attempt, step, queue, args, timeout,
          created_at, folded, claimed_at, claimed_by, carrier, rate_key, rate_limit,
@@ -198,17 +221,9 @@ WITH {locked}{carried}run_update AS (
            t->>'reason', %(now)s
     FROM jsonb_array_elements(%(transitions)s::jsonb) AS t
     WHERE EXISTS (SELECT 1 FROM run_update)
-), outbox AS (
-    INSERT INTO eec_workflow_outbox (run_id, kind, task, queue, payload, created_at)
-    SELECT o.row->>'run_id', o.row->>'kind', o.row->>'task', o.row->>'queue',
-           o.row->'payload', %(now)s
-    FROM jsonb_array_elements(%(outbox)s::jsonb) WITH ORDINALITY AS o(row, n)
-    WHERE EXISTS (SELECT 1 FROM run_update)
-    ORDER BY o.n
-    RETURNING id
-){timer_write}
+){outbox}{timer_write}
 SELECT {written} AS written, (SELECT count(*) FROM run_update) AS updated,
-       ARRAY(SELECT id FROM outbox ORDER BY id) AS outbox_ids, {gate} AS locked,
+       {outbox_ids} AS outbox_ids, {gate} AS locked,
        {notified} AS notified{_NEXT_READ if next_read else ""}
 """
 
@@ -242,13 +257,19 @@ def commit(
         fire_at)`` or ``("delete", None)``). ``next_read``: return what the run's next read would
     find (``Committed.next_read``; docs/next-read-from-commit.md)."""
     columns = tuple(sorted(run_values))
+    folded = folded_by_commit(payload, carried)
     params: dict[str, Any] = {
         "run_id": run_id,
         "version": version,
         "now": now,
-        "folded": dumps_json(folded_by_commit(payload, carried)),
         "priority": priority,
     }
+    if folded:
+        params["folded"] = dumps_json(folded)
+    if outbox:
+        params["outbox"] = dumps_json(
+            [{k: o[k] for k in ("run_id", "kind", "task", "queue", "payload")} for o in outbox]
+        )
     if notify is not None:
         params["channel"] = notify
     if timer is not None:
@@ -292,9 +313,6 @@ def commit(
                 for t in transitions
             ]
         ),
-        outbox=dumps_json(
-            [{k: o[k] for k in ("run_id", "kind", "task", "queue", "payload")} for o in outbox]
-        ),
     )
     # Straight to the driver's cursor, inside the transaction SQLAlchemy opened on this very
     # connection: the text is final and the parameters are plain values, so SQLAlchemy's
@@ -308,6 +326,8 @@ def commit(
             notify is not None,
             None if timer is None else timer[0],
             next_read,
+            bool(folded),
+            bool(outbox),
         )
         cursor.execute(statement, params)
         written, updated, outbox_ids, locked, _notified, *read = cursor.fetchone()
