@@ -5,6 +5,7 @@ pause/resume, trigger, and bad definitions writing nothing."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,11 @@ def test_catch_up_after_downtime_fires_only_within_the_window(ductor: Ductor) ->
     ductor.schedule("catch", workflow="report", every=60, overlap="allow", catchup_window=300)
     engine = ductor.runtime.engine()
     before = db_now(engine)
+    if before.second >= 58:
+        # The test's few milliseconds must not cross a minute: its next fire time would then
+        # be due before ``after`` (a fire time exactly at the boundary, seen failing in CI).
+        time.sleep(60.2 - before.second - before.microsecond / 1e6)
+        before = db_now(engine)
     minute = datetime.fromtimestamp(before.timestamp() // 60 * 60, UTC)
     _set_next(ductor, "catch", minute - timedelta(hours=1))  # the coordinators were down
     result = schedules.fire_due(engine)
