@@ -7,17 +7,29 @@ as that read describes it. Each test plays the run's first message by hand
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from inline_support import attempt_rows, deliver, make_ductor, run_row, start_run
+from inline_support import (
+    RecordingDispatcher,
+    attempt_rows,
+    deliver,
+    make_ductor,
+    run_row,
+    start_run,
+)
 
 from ductor_celery import Ductor, StepContext
 from ductor_celery.definition import Workflow
 from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import load, next_read
+from ductor_celery.store.outbox import OutboxRow
 from ductor_celery.store.schema import workflow_run
+
+#: What a chain's step ``i`` does besides adding one (``_chain``'s ``during``).
+During = Callable[[Ductor, StepContext], None]
 
 
 @pytest.fixture
@@ -39,13 +51,13 @@ def reads(monkeypatch: Any) -> list[str]:
     return seen
 
 
-def _chain(ductor: Ductor, length: int, during: dict[int, Any] | None = None) -> None:
+def _chain(ductor: Ductor, length: int, during: dict[int, During] | None = None) -> None:
     """A chain of ``length`` steps adding one; ``during[i]``: called inside step ``i``."""
     during = during or {}
 
     def add_one(ctx: StepContext, value: int = 0, index: int = 0) -> int:
         if index in during:
-            during[index](ctx)
+            during[index](ductor, ctx)
         return value + 1
 
     step = ductor.step(name="nrc.add")(add_one)
@@ -62,6 +74,17 @@ def _chain(ductor: Ductor, length: int, during: dict[int, Any] | None = None) ->
     ductor.register(wf)
 
 
+def _started(
+    database_url: str, length: int, during: dict[int, During] | None = None
+) -> tuple[Ductor, RecordingDispatcher, str, OutboxRow]:
+    """A chain started and ticked once by the coordinator: the ductor, what it would have
+    published since, the run id and the run's first step message (not delivered yet)."""
+    ductor, recorder = make_ductor(database_url)
+    _chain(ductor, length, during)
+    run_id, first = start_run(ductor, "nrc", recorder)
+    return ductor, recorder, run_id, first
+
+
 def _bump_version(ductor: Ductor, run_id: str) -> None:
     """Another tick's commit, as far as the run row shows it: a new version."""
     with ductor.runtime.engine().begin() as conn:
@@ -75,9 +98,7 @@ def _bump_version(ductor: Ductor, run_id: str) -> None:
 def test_a_chain_reads_its_run_once_and_every_later_tick_takes_the_commits_read(
     database_url: str, reads: list[str]
 ) -> None:
-    ductor, recorder = make_ductor(database_url)
-    _chain(ductor, 6)
-    run_id, first = start_run(ductor, "nrc", recorder)
+    ductor, recorder, run_id, first = _started(database_url, 6)
     reads.clear()
 
     assert deliver(ductor, first) == "succeeded"
@@ -98,11 +119,9 @@ def test_a_chain_reads_its_run_once_and_every_later_tick_takes_the_commits_read(
 def test_a_commit_by_another_tick_in_between_makes_the_next_tick_busy_and_loses_nothing(
     database_url: str, reads: list[str]
 ) -> None:
-    ductor, recorder = make_ductor(database_url)
-    holder: dict[str, str] = {}
-    _chain(ductor, 4, {2: lambda ctx: _bump_version(ductor, holder["run"])})
-    run_id, first = start_run(ductor, "nrc", recorder)
-    holder["run"] = run_id
+    ductor, recorder, run_id, first = _started(
+        database_url, 4, {2: lambda d, ctx: _bump_version(d, ctx.run_id)}
+    )
 
     assert deliver(ductor, first) == "succeeded"
 
@@ -132,12 +151,10 @@ def _in_another_thread(fn: Any) -> None:
 def test_a_cancel_applied_while_a_step_runs_makes_its_tick_busy_and_starts_nothing_more(
     database_url: str, reads: list[str]
 ) -> None:
-    ductor, recorder = make_ductor(database_url)
-    holder: dict[str, str] = {}
-    cancel = lambda ctx: _in_another_thread(lambda: ductor.cancel(holder["run"], reason="x"))  # noqa: E731
-    _chain(ductor, 6, {1: cancel})
-    run_id, first = start_run(ductor, "nrc", recorder)
-    holder["run"] = run_id
+    def cancel(d: Ductor, ctx: StepContext) -> None:
+        _in_another_thread(lambda: d.cancel(ctx.run_id, reason="x"))
+
+    ductor, recorder, run_id, first = _started(database_url, 6, {1: cancel})
     reads.clear()
 
     deliver(ductor, first)
@@ -158,20 +175,15 @@ def test_a_cancel_applied_while_a_step_runs_makes_its_tick_busy_and_starts_nothi
 def test_a_control_waiting_at_a_commit_sends_the_next_tick_to_read_and_apply_it(
     database_url: str, reads: list[str]
 ) -> None:
-    ductor, recorder = make_ductor(database_url)
-    holder: dict[str, str] = {}
-
-    def queue_cancel(ctx: StepContext) -> None:
+    def queue_cancel(d: Ductor, ctx: StepContext) -> None:
         # A client that cannot tick leaves the control queued (and wakes the run).
         def cancel() -> None:
-            ductor.client._tick_here = None
-            ductor.cancel(holder["run"], reason="queued")
+            d.client._tick_here = None
+            d.cancel(ctx.run_id, reason="queued")
 
         _in_another_thread(cancel)
 
-    _chain(ductor, 6, {1: queue_cancel})
-    run_id, first = start_run(ductor, "nrc", recorder)
-    holder["run"] = run_id
+    ductor, recorder, run_id, first = _started(database_url, 6, {1: queue_cancel})
     reads.clear()
 
     deliver(ductor, first)
@@ -186,12 +198,10 @@ def test_a_control_waiting_at_a_commit_sends_the_next_tick_to_read_and_apply_it(
 def test_a_signal_waiting_at_a_commit_sends_each_next_tick_to_read(
     database_url: str, reads: list[str]
 ) -> None:
-    ductor, recorder = make_ductor(database_url)
-    holder: dict[str, str] = {}
-    signal = lambda ctx: _in_another_thread(lambda: ductor.signal(holder["run"], "later", 1))  # noqa: E731
-    _chain(ductor, 4, {1: signal})
-    run_id, first = start_run(ductor, "nrc", recorder)
-    holder["run"] = run_id
+    def signal(d: Ductor, ctx: StepContext) -> None:
+        _in_another_thread(lambda: d.signal(ctx.run_id, "later", 1))
+
+    ductor, recorder, run_id, first = _started(database_url, 4, {1: signal})
     reads.clear()
 
     assert deliver(ductor, first) == "succeeded"
@@ -205,25 +215,20 @@ def test_a_signal_waiting_at_a_commit_sends_each_next_tick_to_read(
 def test_an_outcome_waiting_at_a_commit_sends_the_next_tick_to_read_and_fold_it(
     database_url: str, reads: list[str]
 ) -> None:
-    ductor, recorder = make_ductor(database_url)
-    holder: dict[str, str] = {}
-
-    def stray_outcome(ctx: StepContext) -> None:
+    def stray_outcome(d: Ductor, ctx: StepContext) -> None:
         # A finished attempt not folded yet, as an outcome written alone leaves it (here of
         # an old generation: the tick that folds it ignores it as stale).
-        with ductor.runtime.engine().begin() as conn:
+        with d.runtime.engine().begin() as conn:
             conn.execute(
                 sa.text(
                     "INSERT INTO eec_workflow_step_attempt (token, run_id, node, generation, "
                     "attempt, step, args, timeout, finished_at, outcome, folded) VALUES "
                     "('stray', :r, 's0', 99, 1, 'nrc.add', '{}', 10, now(), 'succeeded', false)"
                 ),
-                {"r": holder["run"]},
+                {"r": ctx.run_id},
             )
 
-    _chain(ductor, 6, {1: stray_outcome})
-    run_id, first = start_run(ductor, "nrc", recorder)
-    holder["run"] = run_id
+    ductor, recorder, run_id, first = _started(database_url, 6, {1: stray_outcome})
     reads.clear()
 
     assert deliver(ductor, first) == "succeeded"
@@ -244,9 +249,7 @@ def test_an_outcome_waiting_at_a_commit_sends_the_next_tick_to_read_and_fold_it(
 def test_a_read_kept_past_its_freshness_is_not_taken(
     database_url: str, reads: list[str], monkeypatch: Any
 ) -> None:
-    ductor, recorder = make_ductor(database_url)
-    _chain(ductor, 3)
-    run_id, first = start_run(ductor, "nrc", recorder)
+    ductor, recorder, run_id, first = _started(database_url, 3)
     reads.clear()
     monkeypatch.setattr(next_read, "NEXT_READ_FRESH_FOR_S", 0.0)  # every kept read stale
 
@@ -261,7 +264,6 @@ def test_the_kept_read_is_what_a_read_finds_timer_row_included(
 ) -> None:
     """Each kept read, taken, matches a fresh read of the run at that moment: version, state,
     timer row (the chain's steps have timeouts: each commit sets or keeps the timer row)."""
-    ductor, recorder = make_ductor(database_url)
     monkeypatch.setattr(next_read, "NEXT_READ_FRESH_FOR_S", 60.0)
     compared: list[str] = []
     real_take = next_read.take
@@ -283,8 +285,7 @@ def test_the_kept_read_is_what_a_read_finds_timer_row_included(
         return row
 
     monkeypatch.setattr(next_read, "take", take_and_compare)
-    _chain(ductor, 5)
-    run_id, first = start_run(ductor, "nrc", recorder)
+    ductor, recorder, run_id, first = _started(database_url, 5)
 
     assert deliver(ductor, first) == "succeeded"
     assert compared == [run_id] * 4
