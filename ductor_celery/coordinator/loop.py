@@ -158,6 +158,7 @@ class Coordinator(Generic[TxT]):
         eager: bool = False,
         carried: AttemptResult | None = None,
         keep: Keeper | None = None,
+        first: bool = False,
     ) -> TickResult:
         """One tick of one run (docs/architecture.md, "One writer per run").
 
@@ -175,6 +176,11 @@ class Coordinator(Generic[TxT]):
 
         ``keep`` (eager ticks only): may choose one of the tick's new attempts, which the
         commit inserts claimed by that worker, with no step message (runtime/inline.py).
+
+        ``first`` (eager ticks only): the first tick of a run just started, on the step worker
+        its start message reached. It locks the run at its commit only, as a plain step's
+        outcome's tick does (docs/tick-without-transaction.md): nothing else ticks a run
+        that new but a coordinator woken for it, which then finds it busy or moved on.
         """
         store, stats, observer = self.store, self.stats, self.observer
         if observer is not None:
@@ -189,7 +195,9 @@ class Coordinator(Generic[TxT]):
         for _ in range(MAX_CONFLICT_RETRIES):
             try:
                 result = store.retrying(
-                    functools.partial(self._load_compute_commit, run_id, eager, carried, keep),
+                    functools.partial(
+                        self._load_compute_commit, run_id, eager, carried, keep, first
+                    ),
                     "tick",
                 )
             except VersionConflict as conflict:
@@ -230,14 +238,15 @@ class Coordinator(Generic[TxT]):
         eager: bool,
         carried: AttemptResult | None,
         keep: Keeper | None,
+        first: bool = False,
     ) -> TickResult:
         payload: TickPayload | None = None
         try:
             with self.store.transaction() as tx:
-                # A plain step's outcome: its tick rarely meets another one (a scatter's
-                # branches, finishing together, do), so it may lock the run at its commit
-                # only (docs/tick-without-transaction.md).
-                lock_late = carried is not None and carried.branch is None
+                # A plain step's outcome, or a run's first tick: such a tick rarely meets
+                # another one (a scatter's branches, finishing together, do), so it may lock
+                # the run at its commit only (docs/tick-without-transaction.md).
+                lock_late = first or (carried is not None and carried.branch is None)
                 found = tx.load(run_id, wait_for_lock=not eager, lock_late=lock_late)
                 if found is None:
                     log.warning("tick for unknown run %s ignored", run_id)

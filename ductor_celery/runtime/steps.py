@@ -144,7 +144,7 @@ def first_tick(
     # The task's result (Flower shows its repr): the tick's outcome as plain text, or "failed".
     tick: str
     try:
-        tick = run_tick(rt, run_id, eager=True, keep=chain).value
+        tick = run_tick(rt, run_id, eager=True, keep=chain, first=True).value
     except Exception as exc:  # noqa: BLE001 - the coordinator can always do it instead
         log.warning("first tick of run %s failed (%s); waking the coordinator", run_id, exc)
         tick = "failed"

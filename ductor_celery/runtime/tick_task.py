@@ -76,6 +76,7 @@ def run_tick(
     eager: bool = False,
     carried: AttemptResult | None = None,
     keep: Keeper | None = None,
+    first: bool = False,
 ) -> TickOutcome:
     """One tick of one run: what it did (``TickOutcome``); ``BUSY`` when another tick holds
     the run's lock: with ``eager`` at once (the caller then wakes the
@@ -97,6 +98,10 @@ def run_tick(
     then inserts as claimed by the step worker running the tick, with no step message: that
     worker runs it next (``ductor_inline_steps``, runtime/inline.py). If it dies first, the
     claimed attempt is retried by its step timeout, as after any worker lost mid-step.
+
+    ``first`` (eager ticks only): the first tick of a run just started, on the step worker its
+    start message reached (``steps.first_tick``): it reads and commits without a transaction
+    of its own, as a plain step's tick does (``Coordinator.tick``'s ``first``).
     """
     engine = rt.engine()
     coordinator = Coordinator(
@@ -106,4 +111,4 @@ def run_tick(
         stats=TICK_STATS,
         observer=observe.OBSERVER,
     )
-    return coordinator.tick(run_id, eager=eager, carried=carried, keep=keep).outcome
+    return coordinator.tick(run_id, eager=eager, carried=carried, keep=keep, first=first).outcome

@@ -108,7 +108,8 @@ class SqlTickStore:
 class SqlTickTransaction:
     """One tick's transaction on its connection ``conn``.
 
-    A tick asked to lock late (``load(lock_late=True)``: one carrying a plain step's outcome)
+    A tick asked to lock late (``load(lock_late=True)``: one carrying a plain step's outcome,
+    or a run's first tick on a step worker)
     on PostgreSQL begins without one (docs/tick-without-transaction.md): its read is in
     autocommit, with no lock, and so is its commit when that is the one statement alone
     (``ticks.commits_alone``), which takes the run's lock itself. Any other write first gives
@@ -149,9 +150,9 @@ class SqlTickTransaction:
         """The run, its transaction bounded first (``TICK_IDLE_TIMEOUT``,
         ``TICK_LOCK_TIMEOUT``): by a statement of its own before a read that waits for the
         run's lock, by the read itself when it does not wait (an eager tick). ``lock_late`` (an
-        eager tick that carries a plain step's outcome, PostgreSQL): read in autocommit, with
-        no lock (the commit takes it), or not at all when this thread's last commit returned
-        the read (``store/next_read.py``)."""
+        eager tick that carries a plain step's outcome, or a run's first, PostgreSQL): read in
+        autocommit, with no lock (the commit takes it), or not at all when this thread's last
+        commit returned the read (``store/next_read.py``)."""
         store = self._store
         # What this thread's last commit said the run's next read would find: for this tick
         # only, and only if it locks late (docs/next-read-from-commit.md).

@@ -10,9 +10,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from inline_support import (
+    QUEUE,
     RecordingDispatcher,
     attempt_rows,
     deliver,
@@ -23,6 +25,7 @@ from inline_support import (
 
 from ductor_celery import Ductor, StepContext
 from ductor_celery.definition import Workflow
+from ductor_celery.runtime.steps import first_tick
 from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import load, next_read
 from ductor_celery.store.outbox import OutboxRow
@@ -113,6 +116,38 @@ def test_a_chain_reads_its_run_once_and_every_later_tick_takes_the_commits_read(
     assert all(r.outcome == "succeeded" and r.folded for r in rows)
     # Every tick committed (the timer row and version each kept read carried were right): no
     # outcome written alone, no wake-up, no step message.
+    assert recorder.wakes == [] and recorder.steps() == []
+
+
+def test_a_run_started_on_a_step_worker_reads_its_run_once_and_begins_no_transaction(
+    database_url: str, reads: list[str], monkeypatch: Any
+) -> None:
+    """The first tick, on the step worker the start message reached, reads in autocommit
+    and commits alone (docs/tick-without-transaction.md), and its commit returns the first
+    step's read: a 4-step run reads its run once, with no ``BEGIN`` from this thread."""
+    ductor, recorder = make_ductor(database_url)
+    _chain(ductor, 4)
+    run_id = ductor.start("nrc", input={}).run_id
+    assert recorder.first_ticks == [run_id]
+    reads.clear()
+    begun: list[bytes] = []
+    real = psycopg.Connection._exec_command
+    me = threading.get_ident()
+
+    def recording(self: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == me and bytes(command).startswith(b"BEGIN"):
+            begun.append(bytes(command))
+        return real(self, command, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Connection, "_exec_command", recording)
+
+    assert first_tick(ductor.runtime, run_id, "w1@host", QUEUE, f"{run_id}:first_tick") == (
+        "committed"
+    )
+
+    assert reads == [run_id] and begun == []
+    run = run_row(ductor, run_id)
+    assert run.status == "succeeded" and run.output == 4
     assert recorder.wakes == [] and recorder.steps() == []
 
 

@@ -460,3 +460,26 @@ def test_only_a_plain_steps_carried_outcome_lets_the_tick_lock_the_run_late(
     except OutcomeNotCarried:
         pass  # the token is made up: what matters is how the load was asked
     assert asked == [False, lock_late]
+
+
+def test_a_runs_first_tick_lets_the_tick_lock_the_run_late(monkeypatch: Any) -> None:
+    """The first tick of a run just started (``first``, on a step worker) meets no other
+    tick but a coordinator woken for the run: it locks the run at its commit only; an eager
+    tick that carries nothing and is not a first tick locks at its load."""
+    store = InMemoryStore()
+    coordinator = Coordinator(store, RecordingDispatcher(store))
+    wf = Workflow("one")
+    wf.step("a", "s.a")
+    wf.step("b", "s.b", after=["a"])
+    run_id = store.start(wf.build())
+    real_load = InMemoryTransaction.load
+    asked: list[bool] = []
+
+    def recording(self: InMemoryTransaction, rid: str, **kwargs: Any) -> Any:
+        asked.append(kwargs.get("lock_late", False))
+        return real_load(self, rid, **kwargs)
+
+    monkeypatch.setattr(InMemoryTransaction, "load", recording)
+    assert coordinator.tick(run_id, eager=True, first=True).outcome == "committed"
+    coordinator.tick(run_id, eager=True)
+    assert asked == [True, False]
