@@ -89,7 +89,8 @@ def take(engine: Any, run_id: str) -> RunRow | None:
         created_at=loaded.created_at,
         trace_context=loaded.trace_context,
         priority=loaded.priority,
-        # The database's clock at the commit, moved on by this process's monotonic one.
+        # The database's clock as the commit's statement ended, moved on by this process's
+        # monotonic one from when the statement returned: behind the database's, never ahead.
         now=db_now + timedelta(seconds=elapsed),
         timer_at=kept.timer_at,
         results=None,
