@@ -1,7 +1,7 @@
 """A chain's next read, returned by its commit (docs/next-read-from-commit.md).
 
 A commit alone that claims the chain's next attempt for this worker returns, in the same
-statement, what the run's next read would find (``pg_commit.NEXT_READ_COLUMNS``). This thread
+statement, what the run's next read would find (``pg_commit.NextRead``). This thread
 keeps it (``keep``) for the next tick of the same run in the same thread, which takes it
 (``take``) instead of reading the run row again, when it is still fresh. The next commit is
 conditional on the run being as the kept read describes it (its version and its timer row,
@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from ..coordinator.port import LoadedRun
+from .pg_commit import NextRead
 
 #: A kept read older than this is dropped and the tick reads: a control, a signal or an
 #: outcome written alone after the commit is then left to the wake-up it sends for at most
@@ -50,7 +51,7 @@ class _Kept(NamedTuple):
     engine: Any
     loaded: LoadedRun
     timer_at: datetime | None
-    read: tuple[Any, ...]
+    read: NextRead
     at: float
 
 
@@ -60,7 +61,7 @@ _local = threading.local()
 def keep(engine: Any, loaded: LoadedRun, timer_at: datetime | None, read: tuple[Any, ...]) -> None:
     """Keep what the commit of ``loaded``'s run returned (``Committed.next_read``), with the
     timer row as the commit left it."""
-    _local.kept = _Kept(engine, loaded, timer_at, read, time.monotonic())
+    _local.kept = _Kept(engine, loaded, timer_at, NextRead(*read), time.monotonic())
 
 
 def take(engine: Any, run_id: str) -> RunRow | None:
@@ -74,8 +75,8 @@ def take(engine: Any, run_id: str) -> RunRow | None:
     loaded = kept.loaded
     if kept.engine is not engine or loaded.run_id != run_id or elapsed > NEXT_READ_FRESH_FOR_S:
         return None
-    state, db_now, has_control, has_signals, has_results = kept.read
-    if has_results or has_control or has_signals or state is None:
+    read = kept.read
+    if read.has_results or read.has_control or read.has_signals or read.state is None:
         return None
     return RunRow(
         run_id=loaded.run_id,
@@ -83,7 +84,7 @@ def take(engine: Any, run_id: str) -> RunRow | None:
         workflow=loaded.workflow,
         spec_hash=loaded.spec_hash,
         record_version=loaded.record_version + 1,
-        state=state,
+        state=read.state,
         input=None,
         parent_run_id=loaded.parent_run_id,
         created_at=loaded.created_at,
@@ -91,7 +92,7 @@ def take(engine: Any, run_id: str) -> RunRow | None:
         priority=loaded.priority,
         # The database's clock as the commit's statement ended, moved on by this process's
         # monotonic one from when the statement returned: behind the database's, never ahead.
-        now=db_now + timedelta(seconds=elapsed),
+        now=read.db_now + timedelta(seconds=elapsed),
         timer_at=kept.timer_at,
         results=None,
         has_control=False,

@@ -64,9 +64,9 @@ class Committed(NamedTuple):
     matched: bool
     #: The outbox rows' ids, in row order.
     outbox_ids: list[int]
-    #: ``next_read`` and the run update matched: what the run's next read would return
-    #: (``NEXT_READ_COLUMNS``), else None.
-    next_read: tuple[Any, ...] | None = None
+    #: ``next_read`` and the run update matched: what the run's next read would return,
+    #: else None.
+    next_read: NextRead | None = None
 
 
 #: The run row as the tick read it (a WHERE on ``eec_workflow_run``; parameters ``run_id``,
@@ -80,13 +80,24 @@ RUN_AS_READ = """run_id = %(run_id)s AND record_version = %(version)s
           IS NOT DISTINCT FROM %(timer_read)s::timestamptz"""
 
 
-#: ``next_read``: what the run's next read would find, read by the statement itself
-#: (docs/next-read-from-commit.md): the state it stored, the database's clock as the statement
-#: ends (``clock_timestamp()``, not its start: the next tick's clock runs on from there, and
-#: must not lag by a lock the statement waited for), and whether its snapshot holds anything
-#: else to apply (the read's own tests, ``load._run_row_statement``; an attempt this
-#: statement folds still counts as unfolded in its snapshot: conservative).
-NEXT_READ_COLUMNS = ("next_state", "db_now", "has_control", "has_signals", "has_results")
+class NextRead(NamedTuple):
+    """``next_read``: what the run's next read would find, read by the statement itself
+    (docs/next-read-from-commit.md), in the order of ``_NEXT_READ``'s columns."""
+
+    #: The state the statement stored, as PostgreSQL returns it (``RETURNING state``).
+    state: Any
+    #: The database's clock as the statement ends (``clock_timestamp()``, not its start: the
+    #: next tick's clock runs on from there, and must not lag by a lock the statement waited
+    #: for).
+    db_now: datetime
+    #: Whether its snapshot holds anything else to apply (the read's own tests,
+    #: ``load._run_row_statement``; an attempt this statement folds still counts as unfolded
+    #: in its snapshot: conservative).
+    has_control: bool
+    has_signals: bool
+    has_results: bool
+
+
 _NEXT_READ = """,
        (SELECT state FROM run_update) AS next_state, clock_timestamp() AS db_now,
        EXISTS (SELECT 1 FROM eec_workflow_control c
@@ -249,13 +260,13 @@ def commit(
     next_read: bool = False,
 ) -> Committed:
     """Run the five writes (six with ``carried``). ``claim``: that new attempt is inserted
-        claimed by its worker (runtime/inline.py). ``alone``: the statement is the whole tick
-        (autocommit) and takes the run's lock itself, at ``version``, waiting at most
-        ``lock_timeout`` for any other lock, and only if the run's timer row is still at
-        ``timer_read`` (``RUN_AS_READ``). ``notify``: the channel to announce the run on (it
-        finishes), if the run update matched. ``timer``: the run's timer row written too (``("set",
-        fire_at)`` or ``("delete", None)``). ``next_read``: return what the run's next read would
-    find (``Committed.next_read``; docs/next-read-from-commit.md)."""
+    claimed by its worker (runtime/inline.py). ``alone``: the statement is the whole tick
+    (autocommit) and takes the run's lock itself, at ``version``, waiting at most
+    ``lock_timeout`` for any other lock, and only if the run's timer row is still at
+    ``timer_read`` (``RUN_AS_READ``). ``notify``: the channel to announce the run on (it
+    finishes), if the run update matched. ``timer``: the run's timer row written too
+    (``("set", fire_at)`` or ``("delete", None)``). ``next_read``: return what the run's next
+    read would find (``Committed.next_read``; docs/next-read-from-commit.md)."""
     columns = tuple(sorted(run_values))
     folded = folded_by_commit(payload, carried)
     params: dict[str, Any] = {
@@ -337,5 +348,5 @@ def commit(
         bool(written),
         matched,
         list(outbox_ids),
-        tuple(read) if next_read and matched else None,
+        NextRead(*read) if next_read and matched else None,
     )

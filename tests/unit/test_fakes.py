@@ -427,6 +427,19 @@ def test_the_fake_keeps_deadlines_and_the_cooperative_cancel_as_the_tables_do() 
     assert store.attempt(token).outcome == "cancelled"
 
 
+def _lock_late_asked(monkeypatch: Any) -> list[bool]:
+    """Each load's ``lock_late``, in order, as the coordinator asks the in-memory store."""
+    real_load = InMemoryTransaction.load
+    asked: list[bool] = []
+
+    def recording(self: InMemoryTransaction, rid: str, **kwargs: Any) -> Any:
+        asked.append(kwargs.get("lock_late", False))
+        return real_load(self, rid, **kwargs)
+
+    monkeypatch.setattr(InMemoryTransaction, "load", recording)
+    return asked
+
+
 @pytest.mark.parametrize(
     ("branch", "lock_late"),
     [(None, True), (3, False)],
@@ -443,14 +456,7 @@ def test_only_a_plain_steps_carried_outcome_lets_the_tick_lock_the_run_late(
     wf = Workflow("one")
     wf.step("a", "s.a")
     run_id = store.start(wf.build())
-    real_load = InMemoryTransaction.load
-    asked: list[bool] = []
-
-    def recording(self: InMemoryTransaction, rid: str, **kwargs: Any) -> Any:
-        asked.append(kwargs.get("lock_late", False))
-        return real_load(self, rid, **kwargs)
-
-    monkeypatch.setattr(InMemoryTransaction, "load", recording)
+    asked = _lock_late_asked(monkeypatch)
     coordinator.tick(run_id)
     carried = AttemptResult(
         token="t", node="a", outcome=AttemptOutcome.SUCCEEDED, output=None, branch=branch
@@ -472,14 +478,7 @@ def test_a_runs_first_tick_lets_the_tick_lock_the_run_late(monkeypatch: Any) -> 
     wf.step("a", "s.a")
     wf.step("b", "s.b", after=["a"])
     run_id = store.start(wf.build())
-    real_load = InMemoryTransaction.load
-    asked: list[bool] = []
-
-    def recording(self: InMemoryTransaction, rid: str, **kwargs: Any) -> Any:
-        asked.append(kwargs.get("lock_late", False))
-        return real_load(self, rid, **kwargs)
-
-    monkeypatch.setattr(InMemoryTransaction, "load", recording)
+    asked = _lock_late_asked(monkeypatch)
     assert coordinator.tick(run_id, eager=True, first=True).outcome == "committed"
     coordinator.tick(run_id, eager=True)
     assert asked == [True, False]
