@@ -21,9 +21,10 @@ from .. import limits
 from ..definition.spec import WorkflowSpec
 from ..engine.kinds import AuditAction, ControlKind
 from ..engine.state import RunState
-from ..engine.status import OPEN_RUN_STATUSES, RunStatus
+from ..engine.status import OPEN_RUN_STATUSES, TERMINAL_RUN_STATUSES, RunStatus
 from . import audit, blobs, clock
 from . import tags as run_tags
+from .composed import outputs_cache
 from .db import autocommit, aware
 from .dialect import dialect_of
 from .schema import (
@@ -521,20 +522,60 @@ def find_run_for_wait(engine: Engine, target: str) -> tuple[RunRow, bool] | None
     statement, so in one snapshot: a redrive applied meanwhile shows in the row (the commit
     that reopens the run marks its control handled). ``Client.wait``'s look at the run after
     each notification, on the path from a run's finishing commit to ``wait()`` returning:
-    one round trip, not three (``_reading``)."""
-    pending = exists_redrive(workflow_run.c.run_id).label("redrive_pending")
+    one round trip, not three (``_reading``).
+
+    On PostgreSQL the same statement reads, for a finished run, the outputs of the attempts
+    its nodes name (``output_token``) and keeps them in the outputs cache, where the run's
+    view looks first (``store/outputs.attempt_outputs``): the view ``wait()`` returns then
+    needs no read of its own (on a run read from another process, a transaction of three
+    round trips)."""
+    one_statement = dialect_of(engine).one_statement
     with _reading(engine) as conn:
-        row = conn.execute(
-            sa.select(*RUN_COLUMNS, pending).where(workflow_run.c.run_id == target)
-        ).one_or_none()
+        row = conn.execute(_WAIT_READS[one_statement, False], {"target": target}).one_or_none()
         if row is None:
-            row = conn.execute(
-                sa.select(*RUN_COLUMNS, pending)
-                .where(workflow_run.c.workflow_id == target)
-                .order_by(workflow_run.c.created_at.desc(), workflow_run.c.run_id.desc())
-                .limit(1)
-            ).one_or_none()
-    return None if row is None else (RunRow.from_row(row), bool(row.redrive_pending))
+            row = conn.execute(_WAIT_READS[one_statement, True], {"target": target}).one_or_none()
+    if row is None:
+        return None
+    if one_statement and row.outputs:
+        cache = outputs_cache(engine)
+        for token, output in row.outputs.items():
+            cache.put(token, output)
+    return RunRow.from_row(row), bool(row.redrive_pending)
+
+
+def _finished_outputs() -> Any:
+    """The outputs of the finished attempts a finished run's nodes name, as one JSON object
+    (token -> output), or NULL (an open run, or none): PostgreSQL's ``jsonb`` functions read
+    the tokens out of the state (``engine/state.output_to_json`` writes ``output_token``)."""
+    node = sa.func.jsonb_each(workflow_run.c.state["nodes"]).table_valued("value").alias("node")
+    named = sa.select(node.c.value.op("->>")("output_token")).scalar_subquery()
+    outputs = (
+        sa.select(
+            sa.func.jsonb_object_agg(
+                step_attempt.c.token, step_attempt.c.output, type_=step_attempt.c.output.type
+            )
+        )
+        .where(step_attempt.c.token.in_(named), step_attempt.c.finished_at.is_not(None))
+        .scalar_subquery()
+    )
+    terminal = workflow_run.c.status.in_([s.value for s in TERMINAL_RUN_STATUSES])
+    return sa.case((terminal, outputs), else_=None).label("outputs")
+
+
+def _wait_read(one_statement: bool, by_workflow_id: bool) -> Any:
+    """``find_run_for_wait``'s statement, built once: by run id, or the newest run of a
+    workflow id; with the finished run's outputs on PostgreSQL."""
+    pending = exists_redrive(workflow_run.c.run_id).label("redrive_pending")
+    columns = [*RUN_COLUMNS, pending, *([_finished_outputs()] if one_statement else [])]
+    target = sa.bindparam("target", type_=sa.String)
+    if not by_workflow_id:
+        return sa.select(*columns).where(workflow_run.c.run_id == target)
+    return (
+        sa.select(*columns)
+        .where(workflow_run.c.workflow_id == target)
+        .order_by(workflow_run.c.created_at.desc(), workflow_run.c.run_id.desc())
+        .limit(1)
+    )
 
 
 def exists_redrive(run_id: Any) -> Any:
@@ -548,6 +589,13 @@ def exists_redrive(run_id: Any) -> Any:
             workflow_control.c.kind == ControlKind.REDRIVE.value,
         )
     )
+
+
+_WAIT_READS = {
+    (one_statement, by_workflow_id): _wait_read(one_statement, by_workflow_id)
+    for one_statement in (False, True)
+    for by_workflow_id in (False, True)
+}
 
 
 @dataclass(frozen=True, slots=True)
