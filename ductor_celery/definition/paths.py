@@ -17,6 +17,7 @@ environment variable's name upper-cased, and ``"ß".upper() == "SS"`` would alia
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -80,8 +81,11 @@ def _keys(rest: str) -> tuple[list[str | int], str | None]:
     return keys, None
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_path(text: str) -> Path:
-    """Parse ``text`` or raise DefinitionError naming it."""
+    """Parse ``text`` or raise DefinitionError naming it. Kept per text (a ``Path`` is
+    immutable): a tick resolves the same few templates for every step it starts and every
+    item of a scatter, and a malformed text, refused here, is not kept."""
     body = text[1:] if text.startswith("!") else text
     if not body.startswith("$"):
         raise DefinitionError(f"malformed path {text!r}: a path starts with '$.'")

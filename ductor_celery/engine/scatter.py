@@ -249,10 +249,11 @@ def _start_batch(
 ) -> None:
     """Start the next batch: one attempt whose arguments are each item's resolved arguments.
 
-    Each item's arguments are checked alone against the payload limit (as an unbatched
-    branch's are); an item refused there fails alone, and its place in the batch is ``None``
-    (the worker skips it). The retry copies these arguments, ``base`` included, so every
-    attempt of the batch finds the earlier ones' recorded outputs.
+    Each item's arguments are held to the payload limit as an unbatched branch's are: the
+    batch's list is checked once, and only a list refused is checked item by item; an item
+    refused there fails alone, and its place in the batch is ``None`` (the worker skips it).
+    The retry copies these arguments, ``base`` included, so every attempt of the batch finds
+    the earlier ones' recorded outputs.
     """
     ns = t.nodes[node_id]
     sc = ns.scatter
@@ -261,10 +262,18 @@ def _start_batch(
     branch = sc.next // sc.batch
     span = sc.batch_items(branch)
     sc.next = span.stop
+    template = spec.branch_args()
+    resolved = [resolve(template, _item_scope(scope, items[index])) for index in span]
+    # The batch's arguments checked as one value first: each item's text is a part of the
+    # list's, so a list within the limit (and storable) has every item within it. Only a
+    # refused list is checked item by item, to find and name the items refused.
+    whole, problem = refusal(resolved, f"batch {branch} arguments", limit)
+    if problem is None:
+        _start_batch_attempt(t, node_id, spec, scope, items, span, whole)
+        return
     per_item: list[dict[str, Any] | None] = []
-    for index in span:
-        args = resolve(spec.branch_args(), _item_scope(scope, items[index]))
-        error = refusal(args, f"item {index} arguments", limit)[1]
+    for index, args in zip(span, resolved, strict=True):
+        args, error = refusal(args, f"item {index} arguments", limit)
         if error is None:
             per_item.append(args)
             continue
@@ -275,6 +284,22 @@ def _start_batch(
             return
     if all(a is None for a in per_item):
         return
+    _start_batch_attempt(t, node_id, spec, scope, items, span, per_item)
+
+
+def _start_batch_attempt(
+    t: TickContext,
+    node_id: str,
+    spec: ScatterNodeSpec,
+    scope: Scope,
+    items: Items,
+    span: range,
+    per_item: list[dict[str, Any] | None],
+) -> None:
+    """The batch's attempt, with each item's checked arguments (``None``: refused)."""
+    sc = t.nodes[node_id].scatter
+    assert sc is not None
+    branch = span.start // sc.batch
     slot = BranchState()
     sc.branches[branch] = slot
     batch_args = {BATCH_ARG: {"base": sc.base, "first": span.start, "items": per_item}}

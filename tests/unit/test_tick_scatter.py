@@ -20,9 +20,10 @@ from support import FakeStep, token_of
 from ductor_celery.definition import RetryPolicy, Workflow
 from ductor_celery.definition.spec import BATCH_ARG
 from ductor_celery.engine import AttemptResult, RunState, RunStatus, TickInputs, compute_tick
-from ductor_celery.engine.inputs import ControlIn, NewAttempt
+from ductor_celery.engine.inputs import ControlIn, EngineConfig, NewAttempt
 from ductor_celery.engine.scatter import assemble, assemble_batched
 from ductor_celery.errors import DefinitionError
+from ductor_celery.payloads import refusal
 from ductor_celery.runtime.batch import ItemOutcome, run_batch
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -54,8 +55,11 @@ Outcome = Callable[[int, int], bool]  # (item index, attempt) -> succeeds?
 
 
 class _Sim:
-    def __init__(self, spec: Any, items: list[Any], outcome: Outcome) -> None:
+    def __init__(
+        self, spec: Any, items: list[Any], outcome: Outcome, config: EngineConfig | None = None
+    ) -> None:
         self.spec = spec
+        self.config = config or EngineConfig()
         self.items = items
         self.outcome = outcome
         self.state = RunState()
@@ -123,6 +127,7 @@ class _Sim:
             outputs=outputs,
             gathered=self._gathered(),
             control=control,
+            config=self.config,
         )
         p = compute_tick(self.spec, self.state, inputs, self.now)
         self.ticks += 1
@@ -534,6 +539,58 @@ def test_an_item_that_fails_for_good_is_not_retried_with_its_flaky_neighbour() -
     assert runs == {0: [1], 1: [1], 2: [1, 2], 3: [1]}
     assert p.output["parts"][0]["error"]["message"] == "item 0"
     assert [part for part in p.output["parts"][1:]] == [{"item": i, "x": 10} for i in (1, 2, 3)]
+
+
+def _refused_alone(item: str, limit: int) -> bool:
+    """Whether an unbatched branch of ``item`` would have its arguments refused."""
+    return refusal({"scale": 10, "item": item}, "branch arguments", limit)[1] is not None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(min_value=0, max_value=60), min_size=1, max_size=12),
+    limit=st.integers(min_value=20, max_value=90),
+)
+def test_a_batch_refuses_exactly_its_items_over_the_payload_limit(
+    sizes: list[int], limit: int
+) -> None:
+    """Each item's arguments are held to the limit alone, whatever the batch's whole size: an
+    item over it fails alone (its error names it), every other item of its batch is sent
+    (also when the batch's items together are over the limit, as most here are)."""
+    items = ["x" * n for n in sizes]
+    wf = Workflow("fan")
+    wf.scatter(
+        "each",
+        _step("s.each"),
+        over="$.input.items",
+        args={"scale": "$.input.scale"},
+        max_parallel=3,  # every batch starts in the first tick
+        batch_size=4,
+        tolerated_failures=len(items),
+    )
+    inputs = TickInputs(
+        run_id="r",
+        input={"items": items, "scale": 10},
+        config=EngineConfig(max_payload_bytes=limit),
+    )
+    p = compute_tick(wf.build(), RunState(), inputs, T0)
+    over = {i for i, item in enumerate(items) if _refused_alone(item, limit)}
+    sent = {
+        a.args[BATCH_ARG]["first"] + k: args
+        for a in p.new_attempts
+        if a.node == "each"
+        for k, args in enumerate(a.args[BATCH_ARG]["items"])
+    }
+    for i, item in enumerate(items):
+        if i in over:
+            assert sent.get(i) is None, "a refused item is not sent"
+        else:
+            assert sent[i] == {"scale": 10, "item": item}
+    sc = p.state.nodes["each"].scatter
+    errors = sc.errors if sc is not None else {}
+    assert set(errors) == over
+    for i, error in errors.items():
+        assert error["type"] == "PayloadTooLarge" and f"item {i} arguments" in error["message"]
 
 
 def test_a_batch_result_of_the_wrong_shape_fails_the_batch_without_retry() -> None:
