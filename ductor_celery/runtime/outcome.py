@@ -311,7 +311,8 @@ def _storable(
     problem that keeps them from being stored (too large, not JSON, a patch over its limit)."""
     output, problem = payload_of(value, f"{what} result", limit, refs_allowed=refs_allowed)
     patch = None
-    if problem is None:
+    # Most steps set no context patch: nothing to check (None is stored as it is).
+    if problem is None and patch_value is not None:
         patch, problem = payload_of(patch_value, f"{what} context patch", limit)
     if problem is None:
         problem = patch_problem(patch, f"{what} context patch", offload_bytes)
