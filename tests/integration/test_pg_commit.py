@@ -381,3 +381,66 @@ def test_on_a_grown_attempts_table_postgresql_keeps_the_commits_generic_plan(
             "WHERE statement LIKE '%%run_update AS%%'"
         ).one()
     assert generic >= 5 and custom <= 5, (generic, custom)
+
+
+def test_a_commits_fold_finds_each_result_by_its_key_on_a_grown_table(
+    database_url: str, tmp_path: Path
+) -> None:
+    """The results a commit marks folded are looked up by the primary key, whatever the
+    plan PostgreSQL keeps for the statement: on a grown, analyzed attempts table, a commit
+    that folds three results reads three rows, not the table (a join to the list was
+    planned as a hash join against a scan of every attempt row, at every scatter tick). The
+    generic plan is kept (no planning at every call), and the three rows are folded."""
+    from ductor_celery.engine import RunState, TickInputs, compute_tick
+
+    d = _app(database_url, tmp_path)
+    run_id = d.start("pgc", input={"a": 1, "c": False, "items": []}).run_id
+    spec = d.client.find_definition("pgc")
+    payload = compute_tick(spec, RunState(), TickInputs(run_id=run_id, input={"a": 1}), _now())
+    payload.new_attempts = []
+    engine = get_engine(database_url)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO eec_workflow_step_attempt (token, run_id, node, branch, "
+                "generation, attempt, step, queue, args, timeout, created_at, folded, "
+                "finished_at, outcome) SELECT 'grown:s:' || g, 'grown', 's', g, 1, 1, 'c', "
+                "'q', '{}'::jsonb, 60, now(), false, now(), 'succeeded' "
+                "FROM generate_series(1, 11000) AS g"
+            )
+        )
+    read: list[int] = []
+    with engine.connect() as conn:
+        conn.exec_driver_sql("ANALYZE eec_workflow_step_attempt")
+        conn.commit()
+        for version in range(20):  # psycopg prepares it after 5 calls; 5 custom plans first
+            payload.folded = [f"grown:s:{3 * version + k}" for k in (1, 2, 3)]
+            done = pg_commit.commit(
+                conn,
+                run_id=run_id,
+                version=version,
+                run_values={"record_version": version + 1},
+                payload=payload,
+                transitions=[],
+                outbox=[],
+                now=_now(),
+            )
+            assert done.matched
+            # This transaction's own counters (not yet flushed to the shared ones).
+            read.append(
+                conn.exec_driver_sql(
+                    "SELECT coalesce(seq_tup_read, 0) FROM pg_stat_xact_user_tables "
+                    "WHERE relname = 'eec_workflow_step_attempt'"
+                ).scalar_one()
+            )
+            conn.commit()
+        generic, _custom = conn.exec_driver_sql(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+            "WHERE statement LIKE '%%folded AS%%'"
+        ).one()
+        still = conn.exec_driver_sql(
+            "SELECT count(*) FROM eec_workflow_step_attempt WHERE run_id = 'grown' AND NOT folded"
+        ).scalar_one()
+    assert read == [0] * 20, read
+    assert generic >= 5, generic
+    assert still == 11000 - 60, "each commit folded its three results"
