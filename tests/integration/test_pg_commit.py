@@ -333,6 +333,24 @@ def test_the_statement_sets_and_deletes_the_timer_row_only_when_the_run_update_m
     assert timer() == []
 
 
+def _grown_attempts(database_url: str, rows: int, *, folded: bool) -> Any:
+    """The attempts table grown by ``rows`` finished attempts of another run (as a scatter
+    leaves them), ``grown:s:1``...; the database's engine."""
+    engine = get_engine(database_url)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO eec_workflow_step_attempt (token, run_id, node, branch, "
+                "generation, attempt, step, queue, args, timeout, created_at, folded, "
+                "finished_at, outcome) SELECT 'grown:s:' || g, 'grown', 's', g, 1, 1, 'c', "
+                "'q', '{}'::jsonb, 60, now(), :folded, now(), 'succeeded' "
+                "FROM generate_series(1, :rows) AS g"
+            ),
+            {"folded": folded, "rows": rows},
+        )
+    return engine
+
+
 def test_on_a_grown_attempts_table_postgresql_keeps_the_commits_generic_plan(
     database_url: str, tmp_path: Path
 ) -> None:
@@ -349,17 +367,7 @@ def test_on_a_grown_attempts_table_postgresql_keeps_the_commits_generic_plan(
     spec = d.client.find_definition("pgc")
     payload = compute_tick(spec, RunState(), TickInputs(run_id=run_id, input={"a": 1}), _now())
     payload.new_attempts, payload.folded = [], []
-    engine = get_engine(database_url)
-    with engine.begin() as conn:
-        conn.execute(
-            sa.text(
-                "INSERT INTO eec_workflow_step_attempt (token, run_id, node, branch, "
-                "generation, attempt, step, queue, args, timeout, created_at, folded, "
-                "finished_at, outcome) SELECT 'grown:s:' || g, 'grown', 's', g, 1, 1, 'c', "
-                "'q', '{}'::jsonb, 60, now(), true, now(), 'succeeded' "
-                "FROM generate_series(1, 25000) AS g"
-            )
-        )
+    engine = _grown_attempts(database_url, 25000, folded=True)
     with engine.connect() as conn:
         conn.exec_driver_sql("ANALYZE eec_workflow_step_attempt")
         conn.commit()
@@ -398,17 +406,7 @@ def test_a_commits_fold_finds_each_result_by_its_key_on_a_grown_table(
     spec = d.client.find_definition("pgc")
     payload = compute_tick(spec, RunState(), TickInputs(run_id=run_id, input={"a": 1}), _now())
     payload.new_attempts = []
-    engine = get_engine(database_url)
-    with engine.begin() as conn:
-        conn.execute(
-            sa.text(
-                "INSERT INTO eec_workflow_step_attempt (token, run_id, node, branch, "
-                "generation, attempt, step, queue, args, timeout, created_at, folded, "
-                "finished_at, outcome) SELECT 'grown:s:' || g, 'grown', 's', g, 1, 1, 'c', "
-                "'q', '{}'::jsonb, 60, now(), false, now(), 'succeeded' "
-                "FROM generate_series(1, 11000) AS g"
-            )
-        )
+    engine = _grown_attempts(database_url, 11000, folded=False)
     read: list[int] = []
     with engine.connect() as conn:
         conn.exec_driver_sql("ANALYZE eec_workflow_step_attempt")
