@@ -391,6 +391,18 @@ def test_on_a_grown_attempts_table_postgresql_keeps_the_commits_generic_plan(
     assert generic >= 5 and custom <= 5, (generic, custom)
 
 
+def _rows_scanned(conn: Any) -> int:
+    """The attempt rows this backend has read by scanning the whole table so far, including
+    what it has not reported to the shared statistics yet (it reports between transactions:
+    two reads in one transaction give what happened between them)."""
+    return int(
+        conn.exec_driver_sql(
+            "SELECT coalesce(seq_tup_read, 0) FROM pg_stat_xact_user_tables "
+            "WHERE relname = 'eec_workflow_step_attempt'"
+        ).scalar_one()
+    )
+
+
 def test_a_commits_fold_finds_each_result_by_its_key_on_a_grown_table(
     database_url: str, tmp_path: Path
 ) -> None:
@@ -413,6 +425,7 @@ def test_a_commits_fold_finds_each_result_by_its_key_on_a_grown_table(
         conn.commit()
         for version in range(20):  # psycopg prepares it after 5 calls; 5 custom plans first
             payload.folded = [f"grown:s:{3 * version + k}" for k in (1, 2, 3)]
+            before = _rows_scanned(conn)
             done = pg_commit.commit(
                 conn,
                 run_id=run_id,
@@ -424,13 +437,7 @@ def test_a_commits_fold_finds_each_result_by_its_key_on_a_grown_table(
                 now=_now(),
             )
             assert done.matched
-            # This transaction's own counters (not yet flushed to the shared ones).
-            read.append(
-                conn.exec_driver_sql(
-                    "SELECT coalesce(seq_tup_read, 0) FROM pg_stat_xact_user_tables "
-                    "WHERE relname = 'eec_workflow_step_attempt'"
-                ).scalar_one()
-            )
+            read.append(_rows_scanned(conn) - before)
             conn.commit()
         generic, _custom = conn.exec_driver_sql(
             "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
@@ -442,3 +449,94 @@ def test_a_commits_fold_finds_each_result_by_its_key_on_a_grown_table(
     assert read == [0] * 20, read
     assert generic >= 5, generic
     assert still == 11000 - 60, "each commit folded its three results"
+
+
+def test_a_plan_made_on_a_small_table_is_made_again_on_a_later_checkout(
+    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prepared statement's plan is kept until its tables are analyzed again: made while
+    the attempts table was small, the fold's plan scans the table, and kept scanning it as it
+    grew. A pooled connection checked out ``PLANS_REFRESHED_EVERY_S`` after its plans were
+    made has them made again (``DISCARD PLANS``), from the table as it is now."""
+    from ductor_celery.engine import RunState, TickInputs, compute_tick
+    from ductor_celery.store import db
+
+    d = _app(database_url, tmp_path)
+    run_id = d.start("pgc", input={"a": 1, "c": False, "items": []}).run_id
+    spec = d.client.find_definition("pgc")
+    payload = compute_tick(spec, RunState(), TickInputs(run_id=run_id, input={"a": 1}), _now())
+    payload.new_attempts = []
+    engine = _grown_attempts(database_url, 30, folded=False)
+    with engine.begin() as conn:
+        # This test says when the table is analyzed, not autovacuum.
+        conn.exec_driver_sql(
+            "ALTER TABLE eec_workflow_step_attempt SET (autovacuum_enabled = false)"
+        )
+        conn.exec_driver_sql("ANALYZE eec_workflow_step_attempt")
+    monkeypatch.setattr(db, "PLANS_REFRESHED_EVERY_S", 3600.0)
+    version = 0
+
+    def fold(tokens: list[str]) -> int:
+        """One commit folding ``tokens`` on a connection checked out for it: the rows its
+        transaction read by scanning the attempts table."""
+        nonlocal version
+        payload.folded = tokens
+        with engine.connect() as conn:
+            # Read in the same transaction before and after: the backend's counters include
+            # what it has not reported yet, which it reports only between transactions.
+            before = _rows_scanned(conn)
+            done = pg_commit.commit(
+                conn,
+                run_id=run_id,
+                version=version,
+                run_values={"record_version": version + 1},
+                payload=payload,
+                transitions=[],
+                outbox=[],
+                now=_now(),
+            )
+            assert done.matched
+            scanned = _rows_scanned(conn) - before
+            conn.commit()
+        version += 1
+        return scanned
+
+    for i in range(12):  # prepared after 5 calls, 5 custom plans, then the generic one
+        fold([f"grown:s:{1 + i % 30}"])
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO eec_workflow_step_attempt (token, run_id, node, branch, "
+                "generation, attempt, step, queue, args, timeout, created_at, folded) "
+                "SELECT 'more:s:' || g, 'more', 's', g, 1, 1, 'c', 'q', '{}'::jsonb, 60, "
+                "now(), false FROM generate_series(1, 11000) AS g"
+            )
+        )
+    assert fold(["more:s:1"]) >= 11000, "the plan kept from the small table scans it"
+    monkeypatch.setattr(db, "PLANS_REFRESHED_EVERY_S", 0.0)
+    assert fold(["more:s:2"]) == 0, "made again at this checkout: found by the key"
+    assert fold(["more:s:3", "grown:s:5"]) == 0
+    with engine.connect() as conn:
+        folded = conn.exec_driver_sql(
+            "SELECT token FROM eec_workflow_step_attempt WHERE folded AND run_id = 'more'"
+        ).scalars()
+        assert sorted(folded) == ["more:s:1", "more:s:2", "more:s:3"]
+
+
+def test_a_connection_lost_while_idle_is_replaced_when_its_plans_are_made_again(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refresh at checkout is a round trip: on a connection the server dropped while it
+    sat in the pool, it fails, and the pool hands out a new connection instead (the caller
+    never sees the lost one)."""
+    from ductor_celery.store import db
+
+    engine = get_engine(database_url)
+    with engine.connect() as conn:
+        lost = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+    with psycopg.connect(**psycopg_connect_args(database_url), autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (lost,))
+    monkeypatch.setattr(db, "PLANS_REFRESHED_EVERY_S", 0.0)
+    with engine.connect() as conn:
+        now = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+    assert now != lost
