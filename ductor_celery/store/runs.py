@@ -543,19 +543,40 @@ def find_run_for_wait(engine: Engine, target: str) -> tuple[RunRow, bool] | None
     return RunRow.from_row(row), bool(row.redrive_pending)
 
 
+#: At most this many bytes of outputs (their JSON text) ride with a finished run's
+#: read, by token order; the view reads any others itself, as before. One ``jsonb`` value is
+#: capped at 255 MB, and a run of many nodes with large inline outputs must not fail its read.
+WAIT_READ_OUTPUTS_MAX_BYTES = 1 << 20
+
+
 def _finished_outputs() -> Any:
     """The outputs of the finished attempts a finished run's nodes name, as one JSON object
-    (token -> output), or NULL (an open run, or none): PostgreSQL's ``jsonb`` functions read
-    the tokens out of the state (``engine/state.output_to_json`` writes ``output_token``)."""
+    (token -> output), or NULL (an open run, or none), up to ``WAIT_READ_OUTPUTS_MAX_BYTES``:
+    PostgreSQL's ``jsonb`` functions read the tokens out of the state
+    (``engine/state.output_to_json`` writes ``output_token``)."""
     node = sa.func.jsonb_each(workflow_run.c.state["nodes"]).table_valued("value").alias("node")
-    named = sa.select(node.c.value.op("->>")("output_token")).scalar_subquery()
+    named = (
+        sa.select(node.c.value.op("->>")("output_token")).correlate(workflow_run).scalar_subquery()
+    )
+    # As text: the size the aggregate holds (``pg_column_size`` would give the compressed one).
+    size = sa.func.octet_length(sa.cast(step_attempt.c.output, sa.Text))
+    attempt = (
+        sa.select(
+            step_attempt.c.token,
+            step_attempt.c.output,
+            sa.func.sum(size).over(order_by=step_attempt.c.token).label("running"),
+        )
+        .where(step_attempt.c.token.in_(named), step_attempt.c.finished_at.is_not(None))
+        .correlate(workflow_run)
+        .subquery("named_attempt")
+    )
     outputs = (
         sa.select(
             sa.func.jsonb_object_agg(
-                step_attempt.c.token, step_attempt.c.output, type_=step_attempt.c.output.type
+                attempt.c.token, attempt.c.output, type_=step_attempt.c.output.type
             )
         )
-        .where(step_attempt.c.token.in_(named), step_attempt.c.finished_at.is_not(None))
+        .where(sa.func.coalesce(attempt.c.running, 0) <= WAIT_READ_OUTPUTS_MAX_BYTES)
         .scalar_subquery()
     )
     terminal = workflow_run.c.status.in_([s.value for s in TERMINAL_RUN_STATUSES])

@@ -10,6 +10,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -541,23 +542,41 @@ def test_an_item_that_fails_for_good_is_not_retried_with_its_flaky_neighbour() -
     assert [part for part in p.output["parts"][1:]] == [{"item": i, "x": 10} for i in (1, 2, 3)]
 
 
-def _refused_alone(item: str, limit: int) -> bool:
-    """Whether an unbatched branch of ``item`` would have its arguments refused."""
-    return refusal({"scale": 10, "item": item}, "branch arguments", limit)[1] is not None
+def _alone(item: Any, limit: int) -> tuple[Any, dict[str, Any] | None]:
+    """An unbatched branch of ``item``: its arguments as checked, or its refusal."""
+    return refusal({"scale": 10, "item": item}, "branch arguments", limit)
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    sizes=st.lists(st.integers(min_value=0, max_value=60), min_size=1, max_size=12),
-    limit=st.integers(min_value=20, max_value=90),
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+_BATCH_ITEMS = st.one_of(
+    st.integers(min_value=0, max_value=150).map(lambda n: "x" * n),
+    st.just("a\x00b"),  # NUL: refused
+    st.just({1, 2}),  # not JSON
+    st.integers(min_value=97, max_value=101).map(_nested),  # around the depth limit
+    st.just(Decimal("1e999999")),  # a decimal past its bounds
+    st.just(Decimal("12.5")),  # one within them (stored as an envelope)
 )
-def test_a_batch_refuses_exactly_its_items_over_the_payload_limit(
-    sizes: list[int], limit: int
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    items=st.lists(_BATCH_ITEMS, min_size=1, max_size=12),
+    limit=st.integers(min_value=20, max_value=700),
+)
+def test_a_batch_refuses_exactly_the_items_a_branch_would_refuse(
+    items: list[Any], limit: int
 ) -> None:
-    """Each item's arguments are held to the limit alone, whatever the batch's whole size: an
-    item over it fails alone (its error names it), every other item of its batch is sent
-    (also when the batch's items together are over the limit, as most here are)."""
-    items = ["x" * n for n in sizes]
+    """Each item's arguments are held to the checks alone, whatever the batch's whole size:
+    an item refused (too large, NUL, not JSON, too deep, a decimal out of bounds) fails alone
+    with the error its own branch would get, every other item of its batch is sent as its
+    branch's arguments would be (with the batch checked as one value when it passes, item by
+    item when it does not)."""
     wf = Workflow("fan")
     wf.scatter(
         "each",
@@ -574,23 +593,23 @@ def test_a_batch_refuses_exactly_its_items_over_the_payload_limit(
         config=EngineConfig(max_payload_bytes=limit),
     )
     p = compute_tick(wf.build(), RunState(), inputs, T0)
-    over = {i for i, item in enumerate(items) if _refused_alone(item, limit)}
+    alone = [_alone(item, limit) for item in items]
     sent = {
         a.args[BATCH_ARG]["first"] + k: args
         for a in p.new_attempts
         if a.node == "each"
         for k, args in enumerate(a.args[BATCH_ARG]["items"])
     }
-    for i, item in enumerate(items):
-        if i in over:
-            assert sent.get(i) is None, "a refused item is not sent"
-        else:
-            assert sent[i] == {"scale": 10, "item": item}
     sc = p.state.nodes["each"].scatter
     errors = sc.errors if sc is not None else {}
-    assert set(errors) == over
-    for i, error in errors.items():
-        assert error["type"] == "PayloadTooLarge" and f"item {i} arguments" in error["message"]
+    for i, (args, refused) in enumerate(alone):
+        if refused is not None:
+            assert sent.get(i) is None, "a refused item is not sent"
+            assert errors[i]["type"] == refused["type"]
+            assert f"item {i} arguments" in errors[i]["message"]
+        else:
+            assert sent[i] == args
+            assert i not in errors
 
 
 def test_a_batch_result_of_the_wrong_shape_fails_the_batch_without_retry() -> None:
