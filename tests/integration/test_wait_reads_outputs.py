@@ -7,6 +7,7 @@ them as before: the same view."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -70,12 +71,15 @@ def _check_view(view: Any) -> None:
 
 
 def _statements(database_url: str, call: Callable[[], T]) -> tuple[T, list[str]]:
-    """What ``call`` returns, and the statements the database's engine sent meanwhile."""
+    """What ``call`` returns, and the statements the database's engine sent for it meanwhile
+    (from this thread: the outbox janitor's thread uses the engine too)."""
     engine = get_engine(database_url)
     seen: list[str] = []
+    me = threading.get_ident()
 
     def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        seen.append(statement)
+        if threading.get_ident() == me:
+            seen.append(statement)
 
     sa.event.listen(engine, "before_cursor_execute", record)
     try:
