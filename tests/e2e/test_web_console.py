@@ -193,7 +193,10 @@ def test_nodes_turn_from_running_to_succeeded_on_an_open_page(
     assert page.evaluate("window.__not_reloaded") is True  # updated in place
     # The panels followed too: the nodes table and the attempts of each node.
     assert "succeeded" in page.inner_text('[data-row-node="after"]')
-    page.wait_for_function("document.querySelectorAll('[data-attempt]').length === 3")
+    # Playwright's own polling: a string predicate is re-evaluated with eval() in the page,
+    # which the console's Content-Security-Policy refuses (the test failed whenever the
+    # third attempt was not on the page at its first look).
+    sync_api.expect(page.locator("[data-attempt]")).to_have_count(3)
 
 
 def test_approving_from_the_page_lets_the_run_finish(
