@@ -333,22 +333,55 @@ def test_the_statement_sets_and_deletes_the_timer_row_only_when_the_run_update_m
     assert timer() == []
 
 
-def _grown_attempts(database_url: str, rows: int, *, folded: bool) -> Any:
+def _grown_attempts(database_url: str, rows: int, *, folded: bool, run: str = "grown") -> Any:
     """The attempts table grown by ``rows`` finished attempts of another run (as a scatter
-    leaves them), ``grown:s:1``...; the database's engine."""
+    leaves them), ``<run>:s:1``...; the database's engine."""
     engine = get_engine(database_url)
     with engine.begin() as conn:
         conn.execute(
             sa.text(
                 "INSERT INTO eec_workflow_step_attempt (token, run_id, node, branch, "
                 "generation, attempt, step, queue, args, timeout, created_at, folded, "
-                "finished_at, outcome) SELECT 'grown:s:' || g, 'grown', 's', g, 1, 1, 'c', "
+                "finished_at, outcome) SELECT :run || ':s:' || g, :run, 's', g, 1, 1, 'c', "
                 "'q', '{}'::jsonb, 60, now(), :folded, now(), 'succeeded' "
                 "FROM generate_series(1, :rows) AS g"
             ),
-            {"folded": folded, "rows": rows},
+            {"folded": folded, "rows": rows, "run": run},
         )
     return engine
+
+
+def _a_run_to_commit(database_url: str, tmp_path: Path) -> tuple[str, Any]:
+    """A run just started, and its first tick's payload with no new attempt: a commit of it
+    writes the run row and whatever a test folds."""
+    from ductor_celery.engine import RunState, TickInputs, compute_tick
+
+    d = _app(database_url, tmp_path)
+    run_id = d.start("pgc", input={"a": 1, "c": False, "items": []}).run_id
+    spec = d.client.find_definition("pgc")
+    payload = compute_tick(spec, RunState(), TickInputs(run_id=run_id, input={"a": 1}), _now())
+    payload.new_attempts = []
+    return run_id, payload
+
+
+def _fold(conn: Any, run_id: str, version: int, payload: Any, tokens: list[str]) -> int:
+    """A commit of the run at ``version`` that folds ``tokens``, in ``conn``'s transaction:
+    the attempt rows it read by scanning the whole table (counted before and after in that
+    transaction: a backend reports its counters only between transactions)."""
+    payload.folded = tokens
+    before = _rows_scanned(conn)
+    done = pg_commit.commit(
+        conn,
+        run_id=run_id,
+        version=version,
+        run_values={"record_version": version + 1},
+        payload=payload,
+        transitions=[],
+        outbox=[],
+        now=_now(),
+    )
+    assert done.matched
+    return _rows_scanned(conn) - before
 
 
 def test_on_a_grown_attempts_table_postgresql_keeps_the_commits_generic_plan(
@@ -358,15 +391,10 @@ def test_on_a_grown_attempts_table_postgresql_keeps_the_commits_generic_plan(
     cheaper than its generic one: a condition on a parameter that a custom plan folds away
     (an empty list of results to fold) made the commit's generic plan look dearer once the
     attempts table had grown (a scatter's rows), and planning it cost more than running it.
-    The list is joined instead: the same cost either way, so the generic plan is kept; and a
-    commit with nothing to fold (this one) has no such part at all."""
-    from ductor_celery.engine import RunState, TickInputs, compute_tick
-
-    d = _app(database_url, tmp_path)
-    run_id = d.start("pgc", input={"a": 1, "c": False, "items": []}).run_id
-    spec = d.client.find_definition("pgc")
-    payload = compute_tick(spec, RunState(), TickInputs(run_id=run_id, input={"a": 1}), _now())
-    payload.new_attempts, payload.folded = [], []
+    The list is an array the statement builds (no custom plan can see its length), so the
+    generic plan is kept; and a commit with nothing to fold (this one) has no such part."""
+    run_id, payload = _a_run_to_commit(database_url, tmp_path)
+    payload.folded = []
     engine = _grown_attempts(database_url, 25000, folded=True)
     with engine.connect() as conn:
         conn.exec_driver_sql("ANALYZE eec_workflow_step_attempt")
@@ -411,33 +439,15 @@ def test_a_commits_fold_finds_each_result_by_its_key_on_a_grown_table(
     that folds three results reads three rows, not the table (a join to the list was
     planned as a hash join against a scan of every attempt row, at every scatter tick). The
     generic plan is kept (no planning at every call), and the three rows are folded."""
-    from ductor_celery.engine import RunState, TickInputs, compute_tick
-
-    d = _app(database_url, tmp_path)
-    run_id = d.start("pgc", input={"a": 1, "c": False, "items": []}).run_id
-    spec = d.client.find_definition("pgc")
-    payload = compute_tick(spec, RunState(), TickInputs(run_id=run_id, input={"a": 1}), _now())
-    payload.new_attempts = []
+    run_id, payload = _a_run_to_commit(database_url, tmp_path)
     engine = _grown_attempts(database_url, 11000, folded=False)
     read: list[int] = []
     with engine.connect() as conn:
         conn.exec_driver_sql("ANALYZE eec_workflow_step_attempt")
         conn.commit()
         for version in range(20):  # psycopg prepares it after 5 calls; 5 custom plans first
-            payload.folded = [f"grown:s:{3 * version + k}" for k in (1, 2, 3)]
-            before = _rows_scanned(conn)
-            done = pg_commit.commit(
-                conn,
-                run_id=run_id,
-                version=version,
-                run_values={"record_version": version + 1},
-                payload=payload,
-                transitions=[],
-                outbox=[],
-                now=_now(),
-            )
-            assert done.matched
-            read.append(_rows_scanned(conn) - before)
+            tokens = [f"grown:s:{3 * version + k}" for k in (1, 2, 3)]
+            read.append(_fold(conn, run_id, version, payload, tokens))
             conn.commit()
         generic, _custom = conn.exec_driver_sql(
             "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
@@ -458,14 +468,9 @@ def test_a_plan_made_on_a_small_table_is_made_again_on_a_later_checkout(
     the attempts table was small, the fold's plan scans the table, and kept scanning it as it
     grew. A pooled connection checked out ``PLANS_REFRESHED_EVERY_S`` after its plans were
     made has them made again (``DISCARD PLANS``), from the table as it is now."""
-    from ductor_celery.engine import RunState, TickInputs, compute_tick
     from ductor_celery.store import db
 
-    d = _app(database_url, tmp_path)
-    run_id = d.start("pgc", input={"a": 1, "c": False, "items": []}).run_id
-    spec = d.client.find_definition("pgc")
-    payload = compute_tick(spec, RunState(), TickInputs(run_id=run_id, input={"a": 1}), _now())
-    payload.new_attempts = []
+    run_id, payload = _a_run_to_commit(database_url, tmp_path)
     engine = _grown_attempts(database_url, 30, folded=False)
     with engine.begin() as conn:
         # This test says when the table is analyzed, not autovacuum.
@@ -480,38 +485,15 @@ def test_a_plan_made_on_a_small_table_is_made_again_on_a_later_checkout(
         """One commit folding ``tokens`` on a connection checked out for it: the rows its
         transaction read by scanning the attempts table."""
         nonlocal version
-        payload.folded = tokens
         with engine.connect() as conn:
-            # Read in the same transaction before and after: the backend's counters include
-            # what it has not reported yet, which it reports only between transactions.
-            before = _rows_scanned(conn)
-            done = pg_commit.commit(
-                conn,
-                run_id=run_id,
-                version=version,
-                run_values={"record_version": version + 1},
-                payload=payload,
-                transitions=[],
-                outbox=[],
-                now=_now(),
-            )
-            assert done.matched
-            scanned = _rows_scanned(conn) - before
+            scanned = _fold(conn, run_id, version, payload, tokens)
             conn.commit()
         version += 1
         return scanned
 
     for i in range(12):  # prepared after 5 calls, 5 custom plans, then the generic one
         fold([f"grown:s:{1 + i % 30}"])
-    with engine.begin() as conn:
-        conn.execute(
-            sa.text(
-                "INSERT INTO eec_workflow_step_attempt (token, run_id, node, branch, "
-                "generation, attempt, step, queue, args, timeout, created_at, folded) "
-                "SELECT 'more:s:' || g, 'more', 's', g, 1, 1, 'c', 'q', '{}'::jsonb, 60, "
-                "now(), false FROM generate_series(1, 11000) AS g"
-            )
-        )
+    _grown_attempts(database_url, 11000, folded=False, run="more")
     assert fold(["more:s:1"]) >= 11000, "the plan kept from the small table scans it"
     monkeypatch.setattr(db, "PLANS_REFRESHED_EVERY_S", 0.0)
     assert fold(["more:s:2"]) == 0, "made again at this checkout: found by the key"
