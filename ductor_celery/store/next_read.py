@@ -58,10 +58,10 @@ class _Kept(NamedTuple):
 _local = threading.local()
 
 
-def keep(engine: Any, loaded: LoadedRun, timer_at: datetime | None, read: tuple[Any, ...]) -> None:
+def keep(engine: Any, loaded: LoadedRun, timer_at: datetime | None, read: NextRead) -> None:
     """Keep what the commit of ``loaded``'s run returned (``Committed.next_read``), with the
     timer row as the commit left it."""
-    _local.kept = _Kept(engine, loaded, timer_at, NextRead(*read), time.monotonic())
+    _local.kept = _Kept(engine, loaded, timer_at, read, time.monotonic())
 
 
 def take(engine: Any, run_id: str) -> RunRow | None:

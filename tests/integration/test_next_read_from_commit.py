@@ -376,6 +376,7 @@ def test_a_kept_read_is_taken_once_and_only_for_its_run_and_engine() -> None:
 
     from ductor_celery.coordinator.port import LoadedRun
     from ductor_celery.engine import RunState
+    from ductor_celery.store.pg_commit import NextRead
 
     loaded = LoadedRun(
         run_id="r1",
@@ -388,7 +389,7 @@ def test_a_kept_read_is_taken_once_and_only_for_its_run_and_engine() -> None:
     )
     engine, other = object(), object()
     now = datetime.now(UTC)
-    read = ({"status": "running"}, now, False, False, False)
+    read = NextRead({"status": "running"}, now, False, False, False)
 
     next_read.keep(engine, loaded, None, read)
     assert next_read.take(other, "r1") is None  # another database: dropped
@@ -405,7 +406,7 @@ def test_a_kept_read_is_taken_once_and_only_for_its_run_and_engine() -> None:
     assert next_read.take(engine, "r1") is None  # one tick at most
 
     for flags in [(True, False, False), (False, True, False), (False, False, True)]:
-        next_read.keep(engine, loaded, None, ({}, now, *flags))
+        next_read.keep(engine, loaded, None, NextRead({}, now, *flags))
         assert next_read.take(engine, "r1") is None  # something else to apply: read
 
     next_read.keep(engine, loaded, None, read)
