@@ -131,7 +131,8 @@ def load_on(
         return None
     now = aware(row.now) if row.now is not None else clock.now(conn.engine)
     assert now is not None
-    state = RunState.from_json(row.state)
+    # A kept read's state is decoded already (``next_read.take``).
+    state = row.state if isinstance(row.state, RunState) else RunState.from_json(row.state)
     loaded = LoadedRun(
         run_id=row.run_id,
         workflow_id=row.workflow_id,

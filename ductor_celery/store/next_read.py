@@ -7,18 +7,34 @@ keeps it (``keep``) for the next tick of the same run in the same thread, which 
 conditional on the run being as the kept read describes it (its version and its timer row,
 ``pg_commit.RUN_AS_READ``), exactly as on a read: a tick that committed in between makes it
 busy.
+
+The state's nodes are not sent back by PostgreSQL: they are the nodes the tick committed,
+as a read would decode them (``nodes_as_read``), which spares the next tick the decoding of
+every node (docs/next-read-from-commit.md, "The nodes kept").
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from ..coordinator.port import LoadedRun
+from ..engine.state import (
+    AttemptOutput,
+    ChildWork,
+    NodeState,
+    ParkedWork,
+    RunState,
+    SignalOutput,
+    StepWork,
+)
 from .pg_commit import NextRead
+from .schema import dumps_json
 
 #: A kept read older than this is dropped and the tick reads: a control, a signal or an
 #: outcome written alone after the commit is then left to the wake-up it sends for at most
@@ -52,16 +68,24 @@ class _Kept(NamedTuple):
     loaded: LoadedRun
     timer_at: datetime | None
     read: NextRead
+    nodes: dict[str, NodeState]
     at: float
 
 
 _local = threading.local()
 
 
-def keep(engine: Any, loaded: LoadedRun, timer_at: datetime | None, read: NextRead) -> None:
+def keep(
+    engine: Any,
+    loaded: LoadedRun,
+    timer_at: datetime | None,
+    read: NextRead,
+    nodes: dict[str, NodeState],
+) -> None:
     """Keep what the commit of ``loaded``'s run returned (``Committed.next_read``), with the
-    timer row as the commit left it."""
-    _local.kept = _Kept(engine, loaded, timer_at, read, time.monotonic())
+    timer row as the commit left it and the nodes it stored (the tick's state's: nothing
+    changes them after the commit, and the next tick's computation copies them first)."""
+    _local.kept = _Kept(engine, loaded, timer_at, read, nodes, time.monotonic())
 
 
 def take(engine: Any, run_id: str) -> RunRow | None:
@@ -78,13 +102,15 @@ def take(engine: Any, run_id: str) -> RunRow | None:
     read = kept.read
     if read.has_results or read.has_control or read.has_signals or read.state is None:
         return None
+    state = RunState.from_json(read.state)
+    state.nodes = nodes_as_read(kept.nodes)
     return RunRow(
         run_id=loaded.run_id,
         workflow_id=loaded.workflow_id,
         workflow=loaded.workflow,
         spec_hash=loaded.spec_hash,
         record_version=loaded.record_version + 1,
-        state=read.state,
+        state=state,
         input=None,
         parent_run_id=loaded.parent_run_id,
         created_at=loaded.created_at,
@@ -98,6 +124,49 @@ def take(engine: Any, run_id: str) -> RunRow | None:
         has_control=False,
         has_signals=False,
     )
+
+
+def nodes_as_read(nodes: Mapping[str, NodeState]) -> dict[str, NodeState]:
+    """The nodes a tick committed, as the run's next read would decode them from the
+    ``jsonb`` PostgreSQL stored: in ``jsonb``'s order of keys (shorter first, then by
+    bytes), and a node holding values a step could see (an error, a literal output, an
+    event set's, a scatter's errors) decoded again from what a read returns for it. Every
+    other node holds only the engine's own fields, which the ``jsonb`` keeps as they are:
+    it is taken as it is, not copied (``compute_tick`` copies its input before changing it).
+    """
+    return {name: _node_as_read(nodes[name]) for name in sorted(nodes, key=_jsonb_key_order)}
+
+
+def _jsonb_key_order(key: str) -> tuple[int, bytes]:
+    """``jsonb``'s order of an object's keys: by length in bytes, then bytewise."""
+    encoded = key.encode()
+    return len(encoded), encoded
+
+
+_OWN_FIELDS_ONLY = (StepWork, ChildWork, ParkedWork)
+
+
+def _node_as_read(node: NodeState) -> NodeState:
+    output, work = node.output, node.work
+    if (
+        node.error is None
+        and (output is None or isinstance(output, AttemptOutput | SignalOutput))
+        and (work is None or isinstance(work, _OWN_FIELDS_ONLY))
+    ):
+        return node
+    return NodeState.from_json(_as_jsonb(json.loads(dumps_json(node.to_json()))))
+
+
+def _as_jsonb(value: Any) -> Any:
+    """A decoded JSON value as ``jsonb`` gives it back: objects' keys in its order, and no
+    negative zero (a ``numeric`` zero has no sign)."""
+    if isinstance(value, dict):
+        return {k: _as_jsonb(value[k]) for k in sorted(value, key=_jsonb_key_order)}
+    if isinstance(value, list):
+        return [_as_jsonb(v) for v in value]
+    if isinstance(value, float) and value == 0.0:
+        return 0.0
+    return value
 
 
 def forget() -> None:

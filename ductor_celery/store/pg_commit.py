@@ -84,7 +84,10 @@ class NextRead(NamedTuple):
     """``next_read``: what the run's next read would find, read by the statement itself
     (docs/next-read-from-commit.md), in the order of ``_NEXT_READ``'s columns."""
 
-    #: The state the statement stored, as PostgreSQL returns it (``RETURNING state``).
+    #: The state the statement stored without its nodes, as PostgreSQL returns it
+    #: (``RETURNING state - 'nodes'``): the run's own fields, its context and every other
+    #: value a step could see, exactly as a read decodes them. The nodes are the ones the
+    #: tick committed, as a read would order them (``next_read.nodes_as_read``).
     state: Any
     #: The database's clock as the statement ends (``clock_timestamp()``, not its start: the
     #: next tick's clock runs on from there, and must not lag by a lock the statement waited
@@ -99,7 +102,7 @@ class NextRead(NamedTuple):
 
 
 _NEXT_READ = """,
-       (SELECT state FROM run_update) AS next_state, clock_timestamp() AS db_now,
+       (SELECT rest FROM run_update) AS next_state, clock_timestamp() AS db_now,
        EXISTS (SELECT 1 FROM eec_workflow_control c
                WHERE c.run_id = %(run_id)s AND c.handled_at IS NULL) AS has_control,
        EXISTS (SELECT 1 FROM eec_workflow_signal s
@@ -215,7 +218,7 @@ def _statement(
 WITH {locked}{carried}run_update AS (
     UPDATE eec_workflow_run SET {sets}
     WHERE run_id = %(run_id)s AND record_version = %(version)s AND {written}
-    RETURNING {"state" if next_read else "1"}
+    RETURNING {"state - 'nodes' AS rest" if next_read else "1"}
 ){folded}, attempts AS (
     INSERT INTO eec_workflow_step_attempt
         (token, run_id, node, branch, generation, attempt, step, queue, args, timeout,

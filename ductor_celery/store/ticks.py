@@ -308,7 +308,7 @@ def _commit_in_one_statement(
         raise VersionConflict(loaded.run_id)
     if done.next_read is not None:
         timer_at = loaded.timer_at if timer is None else timer[1]
-        next_read_kept(conn.engine, loaded, timer_at, done.next_read)
+        next_read_kept(conn.engine, loaded, timer_at, done.next_read, payload.state.nodes)
     return [outbox_row(i, r) for i, r in zip(done.outbox_ids, intents, strict=True)]
 
 

@@ -23,13 +23,14 @@ from inline_support import (
     start_run,
 )
 
-from ductor_celery import Ductor, StepContext
+from ductor_celery import Ductor, RetryPolicy, StepContext
 from ductor_celery.definition import Workflow
+from ductor_celery.engine import RunState
 from ductor_celery.runtime.steps import first_tick
 from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import load, next_read
 from ductor_celery.store.outbox import OutboxRow
-from ductor_celery.store.schema import workflow_run
+from ductor_celery.store.schema import dumps_json, workflow_run
 
 #: What a chain's step ``i`` does besides adding one (``_chain``'s ``during``).
 During = Callable[[Ductor, StepContext], None]
@@ -294,11 +295,54 @@ def test_a_read_kept_past_its_freshness_is_not_taken(
     assert run_row(ductor, run_id).output == 3
 
 
+def _with_values_in_nodes(ductor: Ductor) -> None:
+    """A chain whose later nodes hold values a step could see in the run's state: a context
+    patch of nested objects whose keys ``jsonb`` orders otherwise (and a negative zero), a
+    checkpoint reached with it (its output is that context), a node failed with
+    ``continue_on_failure`` (its error)."""
+
+    def patches(ctx: StepContext) -> int:
+        ctx.patch({"zz": {"b": [{"y": 1, "x": -0.0}], "a": -0.0}, "é": 1, "bb": 2})
+        return 1
+
+    def fails(ctx: StepContext, value: int) -> int:
+        raise ValueError({"zz": 1, "a": -0.0, "é": [value]})
+
+    def add_one(ctx: StepContext, value: int = 0) -> int:
+        return value + 1
+
+    wf = Workflow("nrv")
+    wf.step("first", ductor.step(name="nrv.patches")(patches))
+    wf.step(
+        "broken",
+        ductor.step(name="nrv.fails", retry=RetryPolicy(max_attempts=1))(fails),
+        after=["first"],
+        args={"value": "$.nodes.first.output"},
+        continue_on_failure=True,
+    )
+    # Reached by the tick that folds the patch: its output is the context as that tick
+    # computed it, not as a read decodes it.
+    wf.checkpoint("cp", after=["first"])
+    previous = "first"
+    for name in ("s1", "s2", "s3"):
+        wf.step(
+            name,
+            ductor.step(name="nrv.add")(add_one),
+            after=["cp", "broken", previous],
+            args={"value": f"$.nodes.{previous}.output"},
+        )
+        previous = name
+    wf.output("$.nodes.s3.output")
+    ductor.register(wf)
+
+
+@pytest.mark.parametrize("workflow", ["nrc", "nrv"])
 def test_the_kept_read_is_what_a_read_finds_timer_row_included(
-    database_url: str, monkeypatch: Any
+    database_url: str, monkeypatch: Any, workflow: str
 ) -> None:
-    """Each kept read, taken, matches a fresh read of the run at that moment: version, state,
-    timer row (the chain's steps have timeouts: each commit sets or keeps the timer row)."""
+    """Each kept read, taken, matches a fresh read of the run at that moment: version,
+    state (as stored, in the order a read decodes it: nodes, keys, numbers), timer row (the
+    chain's steps have timeouts: each commit sets or keeps the timer row)."""
     monkeypatch.setattr(next_read, "NEXT_READ_FRESH_FOR_S", 60.0)
     compared: list[str] = []
     real_take = next_read.take
@@ -308,22 +352,44 @@ def test_the_kept_read_is_what_a_read_finds_timer_row_included(
         if row is not None:
             with engine.connect() as conn:
                 fresh = load._run_row(conn, run_id, False, with_input=False, lock=False)
+            read = RunState.from_json(fresh.state)
             assert (row.record_version, row.state, row.timer_at) == (
                 fresh.record_version,
-                fresh.state,
+                read,
                 fresh.timer_at,
             )
+            # Equal as values is not enough: the engine iterates nodes in their order, and
+            # a step sees the order of keys and the sign of a zero.
+            assert dumps_json(row.state.to_json()) == dumps_json(read.to_json())
             assert row.has_control is fresh.has_control is False
             assert row.has_signals is fresh.has_signals is False
             assert fresh.results is None
             compared.append(run_id)
+            last[:] = [row.state]
         return row
 
+    last: list[RunState] = []
     monkeypatch.setattr(next_read, "take", take_and_compare)
-    ductor, recorder, run_id, first = _started(database_url, 5)
+    if workflow == "nrc":
+        ductor, recorder, run_id, first = _started(database_url, 5)
+        taken = 4
+    else:
+        ductor, recorder = make_ductor(database_url)
+        _with_values_in_nodes(ductor)
+        run_id, first = start_run(ductor, "nrv", recorder)
+        taken = 4  # the failed step's tick, s1's, s2's, s3's: "first" is the message's
 
     assert deliver(ductor, first) == "succeeded"
-    assert compared == [run_id] * 4
+    assert compared == [run_id] * taken
+    run = run_row(ductor, run_id)
+    assert run.status == "succeeded"
+    if workflow == "nrv":
+        assert run.output == 4
+        # The last kept read compared held every kind of value: the failed node's error,
+        # the checkpoint's output (the context), the context itself.
+        assert last[0].nodes["broken"].error is not None
+        assert last[0].nodes["cp"].output is not None
+        assert last[0].context["zz"]["a"] == 0.0
 
 
 def test_a_chain_into_a_scatter_and_out_of_it_folds_every_branch_once(
@@ -376,6 +442,8 @@ def test_a_kept_read_is_taken_once_and_only_for_its_run_and_engine() -> None:
 
     from ductor_celery.coordinator.port import LoadedRun
     from ductor_celery.engine import RunState
+    from ductor_celery.engine.state import NodeState
+    from ductor_celery.engine.status import NodeStatus, RunStatus
     from ductor_celery.store.pg_commit import NextRead
 
     loaded = LoadedRun(
@@ -389,26 +457,30 @@ def test_a_kept_read_is_taken_once_and_only_for_its_run_and_engine() -> None:
     )
     engine, other = object(), object()
     now = datetime.now(UTC)
-    read = NextRead({"status": "running"}, now, False, False, False)
+    read = NextRead({"status": "running", "context": {"k": 1}}, now, False, False, False)
+    nodes = {"s1": NodeState(status=NodeStatus.RUNNING), "s0": NodeState()}
 
-    next_read.keep(engine, loaded, None, read)
+    next_read.keep(engine, loaded, None, read, nodes)
     assert next_read.take(other, "r1") is None  # another database: dropped
     assert next_read.take(engine, "r1") is None  # dropped by the take before
 
-    next_read.keep(engine, loaded, None, read)
+    next_read.keep(engine, loaded, None, read, nodes)
     assert next_read.take(engine, "r2") is None  # another run: dropped
 
-    next_read.keep(engine, loaded, now, read)
+    next_read.keep(engine, loaded, now, read, nodes)
     row = next_read.take(engine, "r1")
     assert row is not None
-    assert row.record_version == 8 and row.timer_at == now and row.state == {"status": "running"}
-    assert row.now >= now
+    assert row.record_version == 8 and row.timer_at == now and row.now >= now
+    # The run's own fields as PostgreSQL returned them, the committed nodes as it orders them.
+    assert row.state == RunState(status=RunStatus.RUNNING, context={"k": 1}, nodes=nodes)
+    assert list(row.state.nodes) == ["s0", "s1"]
+    assert row.state.nodes["s1"] is nodes["s1"]
     assert next_read.take(engine, "r1") is None  # one tick at most
 
     for flags in [(True, False, False), (False, True, False), (False, False, True)]:
-        next_read.keep(engine, loaded, None, NextRead({}, now, *flags))
+        next_read.keep(engine, loaded, None, NextRead({}, now, *flags), nodes)
         assert next_read.take(engine, "r1") is None  # something else to apply: read
 
-    next_read.keep(engine, loaded, None, read)
+    next_read.keep(engine, loaded, None, read, nodes)
     next_read.forget()
     assert next_read.take(engine, "r1") is None
