@@ -279,13 +279,41 @@ def driver_errors(conn: Connection) -> Iterator[None]:
 
 
 @contextmanager
-def driver_cursor(conn: Connection, **options: Any) -> Iterator[Any]:
-    """psycopg's own cursor (``options``: its row factory) on the connection of ``conn``,
+def driver_cursor(conn: Connection, row_factory: Any = None) -> Iterator[Any]:
+    """psycopg's own cursor (with ``row_factory``, if given) on the connection of ``conn``,
     inside the transaction SQLAlchemy opened on it, for a hot statement whose text is fixed
     and whose values are plain (SQLAlchemy's execution path would cost more than the
-    statement); its errors as ``driver_errors`` says."""
-    with driver_errors(conn), conn.connection.dbapi_connection.cursor(**options) as cursor:  # type: ignore[union-attr]
-        yield cursor
+    statement); its errors as ``driver_errors`` says.
+
+    The cursor is the connection's own, kept with it for the next statement
+    (``_kept_cursor``). Whoever takes it runs its statement and reads its rows inside the
+    ``with``: the next one on the same connection replaces them."""
+    with driver_errors(conn):
+        yield _kept_cursor(conn.connection, row_factory)
+
+
+#: The key of a connection's kept cursors in its pool entry's ``info``.
+_CURSORS = "ductor_cursors"
+
+
+def _kept_cursor(proxied: Any, row_factory: Any) -> Any:
+    """The cursor kept with this DBAPI connection for ``row_factory``, made at its first use.
+
+    A new cursor for every statement cost psycopg 25-30 us of CPU more for a statement
+    returning ten columns (benchmarks/README.md, eighth round): each new cursor looks up and
+    builds the loader of every column of its first result again. The pool entry's ``info``
+    lives as long as the DBAPI connection (it is cleared when the connection is replaced),
+    and a checked-out connection is one thread's: the cursor goes with it. A cursor closed,
+    or of another connection (never expected), is replaced."""
+    cursors = proxied.info.get(_CURSORS)
+    if cursors is None:
+        cursors = proxied.info[_CURSORS] = {}
+    dbapi = proxied.dbapi_connection
+    cursor = cursors.get(row_factory)
+    if cursor is None or cursor.closed or cursor.connection is not dbapi:
+        cursor = dbapi.cursor() if row_factory is None else dbapi.cursor(row_factory=row_factory)
+        cursors[row_factory] = cursor
+    return cursor
 
 
 def server_identity(engine: Engine) -> str:

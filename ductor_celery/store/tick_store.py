@@ -21,7 +21,7 @@ from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
 from ..engine import AttemptResult, EngineConfig, TickInputs, TickPayload
 from . import blobs, next_read, wakes
-from .db import driver_errors, with_retry
+from .db import driver_cursor, with_retry
 from .dialect import dialect_of
 from .load import NeedsTransaction, load_on
 from .ticks import (
@@ -68,8 +68,8 @@ def _bound_tick(conn: Connection) -> None:
     cost more than the statement), else through SQLAlchemy."""
     driver: Any = conn.connection.driver_connection
     if hasattr(driver, "pgconn"):  # psycopg 3
-        with driver_errors(conn):
-            driver.execute(_BOUND_TICK_PSYCOPG, (TICK_IDLE_TIMEOUT, TICK_LOCK_TIMEOUT))
+        with driver_cursor(conn) as cursor:
+            cursor.execute(_BOUND_TICK_PSYCOPG, (TICK_IDLE_TIMEOUT, TICK_LOCK_TIMEOUT))
     else:
         conn.execute(_BOUND_TICK, {"idle": TICK_IDLE_TIMEOUT, "lock": TICK_LOCK_TIMEOUT})
 
