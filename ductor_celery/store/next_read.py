@@ -143,18 +143,38 @@ def _jsonb_key_order(key: str) -> tuple[int, bytes]:
     return len(encoded), encoded
 
 
-_OWN_FIELDS_ONLY = (StepWork, ChildWork, ParkedWork)
+#: A step's and a timer's bookkeeping with every field unset: stored as nothing, read as no
+#: work at all.
+_UNSET_STEP, _UNSET_PARKED = StepWork(), ParkedWork()
 
 
 def _node_as_read(node: NodeState) -> NodeState:
-    output, work = node.output, node.work
-    if (
-        node.error is None
-        and (output is None or isinstance(output, AttemptOutput | SignalOutput))
-        and (work is None or isinstance(work, _OWN_FIELDS_ONLY))
-    ):
+    if _reads_back_as_itself(node):
         return node
     return NodeState.from_json(_as_jsonb(json.loads(dumps_json(node.to_json()))))
+
+
+def _reads_back_as_itself(node: NodeState) -> bool:
+    """Whether a read would decode ``node`` as this very object, field for field and variant
+    for variant: no value a step supplied (those come back in ``jsonb``'s order), and work
+    that is stored as what it is. Its datetimes come back with a fixed offset where the
+    tick's may carry the session's zone: equal instants, the same text, and the engine only
+    compares and stores them (its arithmetic starts from the tick's ``now``)."""
+    output = node.output
+    if node.error is not None or not (
+        output is None or isinstance(output, AttemptOutput | SignalOutput)
+    ):
+        return False
+    work = node.work
+    if work is None:
+        return True
+    if isinstance(work, StepWork):  # every step node's; ``attempt`` is set once it started
+        return bool(work.attempt) or work != _UNSET_STEP
+    if isinstance(work, ParkedWork):
+        return work.deadline is not None
+    if isinstance(work, ChildWork):  # without its child run it reads back as a timer, or none
+        return work.child_run is not None
+    return False  # a scatter: its branches' and items' errors
 
 
 def _as_jsonb(value: Any) -> Any:

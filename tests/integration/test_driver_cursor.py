@@ -1,22 +1,35 @@
 """The hot statements' psycopg cursor is kept with its connection (``db.driver_cursor``):
-one per row factory for as long as the DBAPI connection lives, a new one with a new
-connection (PostgreSQL)."""
+one per row factory for as long as the DBAPI connection lives, holding nothing between
+statements, and a new one with a new connection (PostgreSQL)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import psycopg
 import pytest
+import sqlalchemy as sa
 from psycopg.rows import namedtuple_row
 
 from ductor_celery.store.db import autocommit, driver_cursor, get_engine, psycopg_connect_args
+
+
+@pytest.fixture
+def one_connection(database_url: str) -> Iterator[sa.Engine]:
+    """An engine whose pool holds one connection: each checkout is the same pool entry."""
+    engine = sa.create_engine(database_url, pool_size=1, max_overflow=0)
+    yield engine
+    engine.dispose()
 
 
 def test_a_connection_runs_its_hot_statements_on_one_kept_cursor(database_url: str) -> None:
     engine = get_engine(database_url)
     with autocommit(engine) as conn:
         with driver_cursor(conn) as first:
-            first.execute("SELECT 1")
-            assert first.fetchone() == (1,)
+            first.execute("SELECT repeat('x', 100000)")
+            assert len(first.fetchone()[0]) == 100000
+        # Nothing of the statement stays with the idle cursor: not its result, not its query.
+        assert first.pgresult is None and first._query is None
         with driver_cursor(conn) as again:
             again.execute("SELECT %(n)s::int", {"n": 2})
             assert again.fetchone() == (2,)
@@ -35,24 +48,26 @@ def test_a_connection_runs_its_hot_statements_on_one_kept_cursor(database_url: s
 
 
 def test_a_connection_the_server_dropped_is_replaced_with_a_cursor_of_its_own(
-    database_url: str,
+    database_url: str, one_connection: sa.Engine
 ) -> None:
     """A statement on the kept cursor of a connection the server dropped fails as any
-    statement would (the connection is invalidated, ``with_retry`` tries again); the pool's
-    new connection gets a new cursor, never the dead one's."""
-    engine = get_engine(database_url)
-    with autocommit(engine) as conn:
+    statement would (the connection is invalidated, ``with_retry`` tries again); the same
+    pool entry's new connection gets a new cursor, never the dead one's."""
+    with autocommit(one_connection) as conn:
+        entry = conn.connection._connection_record
         with driver_cursor(conn) as kept:
             kept.execute("SELECT pg_backend_pid()")
             (lost,) = kept.fetchone()
         with psycopg.connect(**psycopg_connect_args(database_url), autocommit=True) as admin:
-            admin.execute("SELECT pg_terminate_backend(%s)", (lost,))
+            # Waits (up to 5 s) until the backend is gone.
+            assert admin.execute("SELECT pg_terminate_backend(%s, 5000)", (lost,)).fetchone()[0]
         with pytest.raises(psycopg.OperationalError), driver_cursor(conn) as same:
             assert same is kept
             same.execute("SELECT 1")
         assert conn.invalidated
-    with autocommit(engine) as conn:
+    with autocommit(one_connection) as conn:
+        assert conn.connection._connection_record is entry
         with driver_cursor(conn) as fresh:
             fresh.execute("SELECT pg_backend_pid()")
             (now,) = fresh.fetchone()
-    assert now != lost and fresh is not kept
+    assert now != lost and fresh is not kept and fresh.connection is not kept.connection
