@@ -24,9 +24,10 @@ its message had just arrived and been claimed (``ductor_inline_steps``; docs/arc
   run it (docs/flow-control.md).
 - With task events on, each inline attempt sends ``task-started`` (with its name and
   arguments) and ``task-succeeded`` under its own token, so Flower lists it as a task
-  (runtime/task_events.py). After a slow step the next one's events go out at once; a chain
-  of quick steps publishes them every ``EVENTS_AT_MOST_EVERY_S`` and at its end (one broker
-  publish costs more than a quick step).
+  (runtime/task_events.py). After a slow step the next one's events go out at once (and a
+  chain's first step's, unless it ran quickly last time in this process); a chain of quick
+  steps publishes them every ``EVENTS_AT_MOST_EVERY_S`` and at its end (one broker publish
+  costs more than a quick step).
 - Held branches: after a quick step, the tick also gives the worker more branches of the same
   scatter (``TickClaim.held``, and earlier ones still in flight, adopted), which it claims and
   runs one after another, writing each outcome alone, before one tick folds them all
@@ -71,6 +72,11 @@ HOLD_IF_QUICKER_S = 0.005
 #: After a quick step, the next inline attempt's task events wait for a later flush (each flush
 #: is one broker publish, which costs more than a quick step), but never longer than this.
 EVENTS_AT_MOST_EVERY_S = 0.05
+
+#: How long each step (by name) took the last time it ran in this process: whether a chain's
+#: first attempt, which has no step before it in the chain, is announced to Flower at once
+#: (``InlineChain.flush_events_now``). One entry per registered step name.
+_last_ran_by_step: dict[str, float] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,22 +275,30 @@ class InlineChain:
             self._held.extend(self._chosen_held)
             self._chosen_held = []
 
-    def ran(self, seconds: float) -> None:
-        """The attempt just run took ``seconds``. After a slow one, the branches held behind
-        it go back to the broker: other workers may run them at once."""
+    def ran(self, seconds: float, step: str | None = None) -> None:
+        """The attempt just run (of ``step``, when named) took ``seconds``. After a slow one,
+        the branches held behind it go back to the broker: other workers may run them at
+        once."""
         self.last_ran_s = seconds
+        if step is not None:
+            _last_ran_by_step[step] = seconds
         if seconds > HOLD_IF_QUICKER_S:
             self.release()
 
-    def flush_events_now(self, held: bool) -> bool:
-        """Whether the next inline attempt's ``task-started`` goes out at once (with what is
-        buffered). Not for a held branch, nor after a quick step while the last flush is
-        recent: a chain of quick steps publishes its events every ``EVENTS_AT_MOST_EVERY_S``
-        and at its end instead of once per step. After a slow step it goes out at once, so
-        Flower sees a long step start (one that follows quick ones shows when it ends or
-        at the next flush)."""
+    def flush_events_now(self, held: bool, step: str | None = None) -> bool:
+        """Whether the next inline attempt's (of ``step``) ``task-started`` goes out at once
+        (with what is buffered). Not for a held branch, nor after a quick step while the
+        last flush is recent: a chain of quick steps publishes its events every
+        ``EVENTS_AT_MOST_EVERY_S`` and at its end instead of once per step. After a slow step
+        it goes out at once, so Flower sees a long step start (one that follows quick ones
+        shows when it ends or at the next flush). A chain's first attempt, with no step run
+        before it in the chain (a run's first tick's), counts as after a quick one when the
+        same step ran quickly last time in this process (``_last_ran_by_step``)."""
         now = time.monotonic()
-        quick = self.last_ran_s is not None and self.last_ran_s <= HOLD_IF_QUICKER_S
+        before = self.last_ran_s
+        if before is None and step is not None:
+            before = _last_ran_by_step.get(step)
+        quick = before is not None and before <= HOLD_IF_QUICKER_S
         if held or (quick and now - self.events_flushed_at < EVENTS_AT_MOST_EVERY_S):
             return False
         self.events_flushed_at = now

@@ -165,7 +165,7 @@ def _run_inline(
         while (kept := _next_inline(rt, engine, chain)) is not None:
             next_claimed, next_step, next_me, held = kept
             events = TaskEvents(rt.app, hostname, next_claimed)
-            events.started(flush=chain.flush_events_now(held))
+            events.started(flush=chain.flush_events_now(held, next_step.name))
             with as_current_task(next_step, next_claimed, hostname, chain.queue):
                 next_outcome = _run_claimed(rt, engine, next_step, next_claimed, next_me, chain)
             events.finished(next_outcome)
@@ -235,7 +235,7 @@ def _run_claimed(
     keep = None if interrupt is not None else chain
     try:
         if keep is not None:
-            keep.ran(ran_s)
+            keep.ran(ran_s, step.name)
         try:
             if keep is not None and keep.holding:
                 # More branches of this run are held for this worker: write the outcome alone;

@@ -59,7 +59,8 @@ class TaskEvents:
     turns on unless the user configured it), over one event dispatcher per process and
     thread. Events are buffered and published together (Celery's batched ``task.multi``
     events, which Flower and every event receiver read): ``task-started`` at once after a slow
-    step, with the previous attempt's ``task-succeeded``; after a quick one at most every
+    step (or first in a chain, unless that step ran quickly last time in this process), with
+    the previous attempt's ``task-succeeded``; after a quick one at most every
     ``inline.EVENTS_AT_MOST_EVERY_S`` (``InlineChain.flush_events_now``); the rest at the
     chain's end (``flush_events``). An event that cannot be sent is dropped: events are a
     view, never the truth.

@@ -33,6 +33,7 @@ __all__ = ["url"]  # the fixture: PostgreSQL and SQLite
 from ductor_celery import ConcurrencyLimit, Ductor, RetryPolicy, StepContext
 from ductor_celery.definition import Workflow
 from ductor_celery.runtime import inline, task_events
+from ductor_celery.runtime.steps import first_tick
 from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.settings import Settings
 from ductor_celery.store.outbox import OutboxRow
@@ -427,6 +428,50 @@ def test_after_a_slow_step_the_next_inline_steps_start_is_published_at_once(
         [("task-started", tokens["s1"])],
         [("task-succeeded", tokens["s1"]), ("task-started", tokens["s2"])],
         [("task-succeeded", tokens["s2"])],
+    ]
+
+
+def test_a_runs_first_step_is_announced_at_once_unless_it_ran_quickly_here_before(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run started on a step worker has no step before its first one in the chain: that
+    step's ``task-started`` goes out at once the first time this process runs it (it may be
+    long: Flower shows it running), and is buffered with the rest once the same step ran
+    quickly here (one broker publish per quick run, at its end)."""
+    ductor, _recorder = make_ductor(database_url)
+    events = RecordingEvents()
+    monkeypatch.setattr(type(ductor.app), "events", events, raising=False)
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 10.0)  # every step counts as quick
+    monkeypatch.setattr(inline, "EVENTS_AT_MOST_EVERY_S", 10.0)
+    monkeypatch.setattr(inline, "_last_ran_by_step", {})  # a new process
+    _chain(ductor, 2, _add_one(ductor, name="inline.first_add"))
+
+    published = []
+    for _ in range(2):
+        run_id = ductor.start("chain").run_id
+        assert first_tick(ductor.runtime, run_id, "w1@host", QUEUE) == "committed"
+        assert run_row(ductor, run_id).output == 2
+        s0, s1 = (r.token for r in attempt_rows(ductor, run_id))
+        published.append(
+            [[(kind, fields["uuid"]) for kind, fields in batch] for batch in events.published]
+        )
+        events.published.clear()
+
+    first_run, second_run = published
+    assert first_run[0] == [("task-started", first_run[0][0][1])]  # at once: not known here
+    assert len(first_run) == 2 and [kind for kind, _ in first_run[1]] == [
+        "task-succeeded",
+        "task-started",
+        "task-succeeded",
+    ]
+    # The same step ran quickly before: the whole run's events in one publish, at its end.
+    assert second_run == [
+        [
+            ("task-started", s0),
+            ("task-succeeded", s0),
+            ("task-started", s1),
+            ("task-succeeded", s1),
+        ]
     ]
 
 
