@@ -226,3 +226,31 @@ def unclaimed_attempts(engine: Engine, run_id: str) -> list[tuple[str, str]]:
             .order_by(step_attempt.c.token)
         ).all()
     return [(r.token, r.step) for r in rows]
+
+
+def grow_attempts(engine: Engine, rows: int, *, run: str = "grown", folded: bool = True) -> None:
+    """The attempts table grown by ``rows`` finished attempts of another run (as a scatter
+    leaves them), ``<run>:s:1``...: for the plans PostgreSQL makes on a table of that size."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO eec_workflow_step_attempt (token, run_id, node, branch, "
+                "generation, attempt, step, queue, args, timeout, created_at, folded, "
+                "finished_at, outcome) SELECT :run || ':s:' || g, :run, 's', g, 1, 1, 'c', "
+                "'q', '{}'::jsonb, 60, now(), :folded, now(), 'succeeded' "
+                "FROM generate_series(1, :rows) AS g"
+            ),
+            {"folded": folded, "rows": rows, "run": run},
+        )
+
+
+def attempts_scanned(conn: Any) -> int:
+    """The attempt rows this backend has read by scanning the whole table so far, including
+    what it has not reported to the shared statistics yet (it reports between transactions:
+    two reads in one transaction give what happened between them)."""
+    return int(
+        conn.exec_driver_sql(
+            "SELECT coalesce(seq_tup_read, 0) FROM pg_stat_xact_user_tables "
+            "WHERE relname = 'eec_workflow_step_attempt'"
+        ).scalar_one()
+    )

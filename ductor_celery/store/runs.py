@@ -566,7 +566,14 @@ def _finished_outputs() -> Any:
             step_attempt.c.output,
             sa.func.sum(size).over(order_by=step_attempt.c.token).label("running"),
         )
-        .where(step_attempt.c.token.in_(named), step_attempt.c.finished_at.is_not(None))
+        # ``= ANY`` of the array, not ``IN`` the subquery: ``IN`` is a semi-join PostgreSQL
+        # plans as a scan of the whole attempts table while it holds a few thousand rows
+        # (and a prepared statement keeps that plan as the table grows); the array's tokens
+        # are looked up by the key at every size (tests/integration/test_wait_reads_outputs.py).
+        .where(
+            step_attempt.c.token == sa.any_(sa.func.array(named)),
+            step_attempt.c.finished_at.is_not(None),
+        )
         .correlate(workflow_run)
         .subquery("named_attempt")
     )

@@ -13,6 +13,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from celery import Celery
+from support import attempts_scanned, grow_attempts
 
 from ductor_celery import Ductor, RetryPolicy, RunStatus, StepContext, Workflow
 from ductor_celery.store import pg_commit
@@ -334,20 +335,9 @@ def test_the_statement_sets_and_deletes_the_timer_row_only_when_the_run_update_m
 
 
 def _grown_attempts(database_url: str, rows: int, *, folded: bool, run: str = "grown") -> Any:
-    """The attempts table grown by ``rows`` finished attempts of another run (as a scatter
-    leaves them), ``<run>:s:1``...; the database's engine."""
+    """``support.grow_attempts`` on the database's engine, which it returns."""
     engine = get_engine(database_url)
-    with engine.begin() as conn:
-        conn.execute(
-            sa.text(
-                "INSERT INTO eec_workflow_step_attempt (token, run_id, node, branch, "
-                "generation, attempt, step, queue, args, timeout, created_at, folded, "
-                "finished_at, outcome) SELECT :run || ':s:' || g, :run, 's', g, 1, 1, 'c', "
-                "'q', '{}'::jsonb, 60, now(), :folded, now(), 'succeeded' "
-                "FROM generate_series(1, :rows) AS g"
-            ),
-            {"folded": folded, "rows": rows, "run": run},
-        )
+    grow_attempts(engine, rows, run=run, folded=folded)
     return engine
 
 
@@ -369,7 +359,7 @@ def _fold(conn: Any, run_id: str, version: int, payload: Any, tokens: list[str])
     the attempt rows it read by scanning the whole table (counted before and after in that
     transaction: a backend reports its counters only between transactions)."""
     payload.folded = tokens
-    before = _rows_scanned(conn)
+    before = attempts_scanned(conn)
     done = pg_commit.commit(
         conn,
         run_id=run_id,
@@ -381,7 +371,7 @@ def _fold(conn: Any, run_id: str, version: int, payload: Any, tokens: list[str])
         now=_now(),
     )
     assert done.matched
-    return _rows_scanned(conn) - before
+    return attempts_scanned(conn) - before
 
 
 def test_on_a_grown_attempts_table_postgresql_keeps_the_commits_generic_plan(
@@ -417,18 +407,6 @@ def test_on_a_grown_attempts_table_postgresql_keeps_the_commits_generic_plan(
             "WHERE statement LIKE '%%run_update AS%%'"
         ).one()
     assert generic >= 5 and custom <= 5, (generic, custom)
-
-
-def _rows_scanned(conn: Any) -> int:
-    """The attempt rows this backend has read by scanning the whole table so far, including
-    what it has not reported to the shared statistics yet (it reports between transactions:
-    two reads in one transaction give what happened between them)."""
-    return int(
-        conn.exec_driver_sql(
-            "SELECT coalesce(seq_tup_read, 0) FROM pg_stat_xact_user_tables "
-            "WHERE relname = 'eec_workflow_step_attempt'"
-        ).scalar_one()
-    )
 
 
 def test_a_commits_fold_finds_each_result_by_its_key_on_a_grown_table(

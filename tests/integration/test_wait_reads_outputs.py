@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from inline_support import deliver, make_ductor, start_run, url  # noqa: F401 - fixture
+from support import attempts_scanned, grow_attempts
 
 from ductor_celery import Ductor, RetryPolicy, StepContext
 from ductor_celery.definition import Workflow
@@ -158,3 +159,27 @@ def test_outputs_past_the_reads_bound_are_read_by_the_view(database_url: str) ->
     assert [view.nodes[f"p{i}"].output for i in range(5)] == [part] * 5
     # The read carried what fits; the view read the rest in one read of its own.
     assert len(_attempt_reads(seen)) == 1, seen
+
+
+def test_a_finished_runs_outputs_are_found_by_their_keys_on_a_grown_table(
+    database_url: str,
+) -> None:
+    """The read finds the outputs the run's nodes name by the attempts' primary key, at any
+    size of the table: on an analyzed table of 5,000 more attempts, each of several reads
+    (past psycopg's threshold for preparing it) reads none of them by a scan. ``token IN``
+    the nodes' tokens was planned as a scan of the whole table at a few thousand rows, and
+    the growing benchmark tables made ``wait()`` slower round after round."""
+    ductor, run_id = _finished_run(database_url)
+    engine = get_engine(database_url)
+    grow_attempts(engine, 5000, run="other")
+    with engine.connect() as conn:
+        conn.exec_driver_sql("ANALYZE eec_workflow_step_attempt")
+        conn.commit()
+        scanned = []
+        for _ in range(7):
+            before = attempts_scanned(conn)
+            row = conn.execute(runs._WAIT_READS[True, False], {"target": run_id}).one()
+            scanned.append(attempts_scanned(conn) - before)
+            assert row.outputs is not None and {"done": True} in row.outputs.values()
+        conn.rollback()
+    assert scanned == [0] * 7
