@@ -370,12 +370,23 @@ class Graph:
         self.output_reads: frozenset[str] = frozenset(
             p.node for p in iter_paths(spec.output) if p.node is not None
         )
+        #: The nodes of each kind a tick drives in a pass of its own, in topological order:
+        #: those passes look at these nodes only (engine/scatter.py ``drive_scatters``,
+        #: engine/external.py ``absorb_external``, engine/children.py ``absorb_subworkflows``).
+        self.scatters: tuple[str, ...] = self._of_kind(ScatterNodeSpec | ChildScatterNodeSpec)
+        self.parked: tuple[str, ...] = self._of_kind(
+            SleepNodeSpec | WaitSignalNodeSpec | ApprovalNodeSpec | EventSetNodeSpec
+        )
+        self.subworkflows: tuple[str, ...] = self._of_kind(SubworkflowNodeSpec)
         #: Compensation id -> its spec, for every step node with ``compensate=``.
         self.compensations: dict[str, CompensationSpec] = {
             n.compensate.id: n.compensate
             for n in spec.nodes
             if isinstance(n, StepNodeSpec) and n.compensate is not None
         }
+
+    def _of_kind(self, kind: Any) -> tuple[str, ...]:
+        return tuple(n for n in self.order if isinstance(self.nodes[n], kind))
 
     def declared(self, node_id: str) -> NodeSpec | CompensationSpec | None:
         """The node of this id, or the compensation it names (``"charge~compensate"``);

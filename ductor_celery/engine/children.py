@@ -126,7 +126,7 @@ def start_subworkflow(
 def absorb_subworkflows(t: TickContext) -> bool:
     """Finish sub-workflow nodes whose child finished (or reached the awaited checkpoint)."""
     finished = False
-    for node_id in t.spec.graph.order:
+    for node_id in t.spec.graph.subworkflows:
         ns = t.nodes[node_id]
         spec = t.spec.graph.nodes[node_id]
         if ns.status != NodeStatus.WAITING or not isinstance(spec, SubworkflowNodeSpec):

@@ -27,10 +27,12 @@ class TickContext:
     #: more branches (some of the page's were refused): the run's next tick is due now, and
     #: this computation reads no further page for it (no extra read round). Its node ids.
     page_due: set[str] = field(default_factory=set)
+    #: The state's nodes, ``payload.state.nodes`` (the engine replaces neither): an attribute,
+    #: not a property, since the phases look nodes up a hundred times and more per tick.
+    nodes: dict[str, NodeState] = field(init=False)
 
-    @property
-    def nodes(self) -> dict[str, NodeState]:
-        return self.payload.state.nodes
+    def __post_init__(self) -> None:
+        self.nodes = self.payload.state.nodes
 
     def attempt_spec(self, node: str) -> AttemptNodeSpec:
         """The spec of a node that runs attempts (step and scatter nodes, and compensations)."""

@@ -41,7 +41,7 @@ def park_node(t: TickContext, node_id: str) -> None:
 def absorb_external(t: TickContext) -> bool:
     """Feed signals and due timers to waiting nodes. Returns True if any node finished."""
     finished = False
-    for node_id in t.spec.graph.order:
+    for node_id in t.spec.graph.parked:
         ns = t.nodes[node_id]
         if ns.status != NodeStatus.WAITING:
             continue
@@ -55,7 +55,7 @@ def absorb_external(t: TickContext) -> bool:
         elif isinstance(spec, EventSetNodeSpec):
             done = _event_set(t, node_id, spec)
         else:
-            continue  # waiting on child runs: engine/children.py and engine/scatter.py
+            continue  # never: ``graph.parked`` holds these four kinds only
         if not done and ns.status == NodeStatus.WAITING:
             done = _timeout(t, node_id)
         finished = finished or done

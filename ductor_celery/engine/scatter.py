@@ -77,7 +77,7 @@ def drive_scatters(t: TickContext) -> bool:
     finished (its dependants may be ready)."""
     finished = False
     scope: Scope | None = None
-    for node_id in t.spec.graph.order:
+    for node_id in t.spec.graph.scatters:
         ns = t.nodes[node_id]
         sc = ns.scatter
         spec = t.spec.graph.nodes[node_id]

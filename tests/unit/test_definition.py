@@ -472,3 +472,26 @@ def test_parse_path_pieces() -> None:
 def test_iter_paths_walks_nested_templates() -> None:
     found = iter_paths({"a": ["$.input.x", {"b": "!$.nodes.n.output"}], "c": ("$.context.k",)})
     assert sorted(p.text for p in found) == ["!$.nodes.n.output", "$.context.k", "$.input.x"]
+
+
+def test_the_graph_lists_the_nodes_each_tick_pass_looks_at_in_topological_order() -> None:
+    """``Graph.scatters``, ``parked`` and ``subworkflows``: the only nodes the tick's passes
+    over scatters, waits and sub-workflows look at (a pass over a graph without that kind
+    does nothing), each in the order the passes used to visit every node."""
+    wf = Workflow("kinds")
+    wf.step("a", "s")
+    wf.sleep("nap", seconds=5, after=["fan"])
+    wf.scatter("fan", "s", over="$.input.items", item_arg="x", after=["a"])
+    wf.wait_signal("paid", signal="p", after=["a"])
+    wf.approval("ok", after=["nap"])
+    wf.event_set("kyc", events=["e1", "e2"], after=["a"])
+    wf.subworkflow("child", workflow="other", after=["a"])
+    wf.scatter("kids", workflow="other", over="$.input.items", as_child_runs=True, after=["a"])
+    wf.checkpoint("done", after=["ok"])
+    graph = wf.build(resolver).graph
+    assert graph.order[:1] == ["a"]
+    assert graph.scatters == ("fan", "kids")
+    assert graph.parked == ("paid", "kyc", "nap", "ok")
+    assert graph.subworkflows == ("child",)
+    for kind in (graph.scatters, graph.parked, graph.subworkflows):
+        assert list(kind) == [n for n in graph.order if n in kind]
