@@ -288,17 +288,17 @@ def driver_cursor(conn: Connection, row_factory: Any = None) -> Iterator[Any]:
     The cursor is the connection's own, kept with it for the next statement
     (``_kept_cursor``). Whoever takes it runs its statement and reads its rows inside the
     ``with``: they are dropped at its end."""
-    cursor = _kept_cursor(conn.connection, row_factory)
-    try:
-        with driver_errors(conn):
+    with driver_errors(conn):  # a new cursor on a connection found closed raises too
+        cursor = _kept_cursor(conn.connection, row_factory)
+        try:
             yield cursor
-    finally:
-        # What its statement sent and got back (a run's state, a step's arguments) is not
-        # kept with an idle connection: psycopg's own reset at the next execute, done now
-        # (a private method: tests/integration/test_driver_cursor.py sees it still works).
-        reset = getattr(cursor, "_reset", None)
-        if reset is not None:
-            reset()
+        finally:
+            # What its statement sent and got back (a run's state, a step's arguments) is
+            # not kept with an idle connection: psycopg's own reset at the next execute, done
+            # now (a private method: tests/integration/test_driver_cursor.py sees it works).
+            reset = getattr(cursor, "_reset", None)
+            if reset is not None:
+                reset()
 
 
 #: The key of a connection's kept cursors in its pool entry's ``info``.

@@ -436,8 +436,8 @@ def test_a_runs_first_step_is_announced_at_once_unless_it_ran_quickly_here_befor
 ) -> None:
     """A run started on a step worker has no step before its first one in the chain: that
     step's ``task-started`` goes out at once the first time this process runs it (it may be
-    long: Flower shows it running), and is buffered with the rest once the same step ran
-    quickly here (one broker publish per quick run, at its end)."""
+    long: Flower shows it running) and when it ran slowly last time, and is buffered with
+    the rest once the same step ran quickly here (one broker publish per quick run)."""
     ductor, _recorder = make_ductor(database_url)
     events = RecordingEvents()
     monkeypatch.setattr(type(ductor.app), "events", events, raising=False)
@@ -446,33 +446,30 @@ def test_a_runs_first_step_is_announced_at_once_unless_it_ran_quickly_here_befor
     monkeypatch.setattr(inline, "_last_ran_by_step", {})  # a new process
     _chain(ductor, 2, _add_one(ductor, name="inline.first_add"))
 
-    published = []
-    for _ in range(2):
+    def one_run() -> tuple[list[list[tuple[str, str]]], str, str]:
+        events.published.clear()
         run_id = ductor.start("chain").run_id
         assert first_tick(ductor.runtime, run_id, "w1@host", QUEUE) == "committed"
         assert run_row(ductor, run_id).output == 2
         s0, s1 = (r.token for r in attempt_rows(ductor, run_id))
-        published.append(
-            [[(kind, fields["uuid"]) for kind, fields in batch] for batch in events.published]
-        )
-        events.published.clear()
+        batches = [[(kind, f["uuid"]) for kind, f in batch] for batch in events.published]
+        return batches, s0, s1
 
-    first_run, second_run = published
-    assert first_run[0] == [("task-started", first_run[0][0][1])]  # at once: not known here
-    assert len(first_run) == 2 and [kind for kind, _ in first_run[1]] == [
-        "task-succeeded",
-        "task-started",
-        "task-succeeded",
-    ]
-    # The same step ran quickly before: the whole run's events in one publish, at its end.
-    assert second_run == [
-        [
-            ("task-started", s0),
-            ("task-succeeded", s0),
-            ("task-started", s1),
-            ("task-succeeded", s1),
+    def announced_at_once(s0: str, s1: str) -> list[list[tuple[str, str]]]:
+        return [
+            [("task-started", s0)],
+            [("task-succeeded", s0), ("task-started", s1), ("task-succeeded", s1)],
         ]
+
+    published, s0, s1 = one_run()  # never ran in this process
+    assert published == announced_at_once(s0, s1)
+    published, s0, s1 = one_run()  # ran quickly last time: one publish, at the run's end
+    assert published == [
+        [("task-started", s0), ("task-succeeded", s0), ("task-started", s1), ("task-succeeded", s1)]
     ]
+    inline._last_ran_by_step["inline.first_add"] = 60.0  # slow last time (over the bound)
+    published, s0, s1 = one_run()
+    assert published[0] == [("task-started", s0)]
 
 
 def test_no_events_are_sent_when_the_user_turned_them_off(

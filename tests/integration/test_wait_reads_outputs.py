@@ -165,21 +165,36 @@ def test_a_finished_runs_outputs_are_found_by_their_keys_on_a_grown_table(
     database_url: str,
 ) -> None:
     """The read finds the outputs the run's nodes name by the attempts' primary key, at any
-    size of the table: on an analyzed table of 5,000 more attempts, each of several reads
-    (past psycopg's threshold for preparing it) reads none of them by a scan. ``token IN``
-    the nodes' tokens was planned as a scan of the whole table at a few thousand rows, and
-    the growing benchmark tables made ``wait()`` slower round after round."""
+    size of the table and in the plan PostgreSQL keeps for the prepared statement: on an
+    analyzed table of 5,000 more attempts, with generic plans forced, each of twelve reads
+    (past psycopg's threshold for preparing it) reads no attempt row by a scan and fetches
+    only a few by the index. ``token IN`` the nodes' tokens was planned as a scan of the
+    whole table at a few thousand rows, and the growing benchmark tables made ``wait()``
+    slower round after round."""
     ductor, run_id = _finished_run(database_url)
     engine = get_engine(database_url)
     grow_attempts(engine, 5000, run="other")
     with engine.connect() as conn:
         conn.exec_driver_sql("ANALYZE eec_workflow_step_attempt")
         conn.commit()
-        scanned = []
-        for _ in range(7):
-            before = attempts_scanned(conn)
+        conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
+        reads = []
+        for _ in range(12):
+            before = _attempt_reads_so_far(conn)
             row = conn.execute(runs._WAIT_READS[True, False], {"target": run_id}).one()
-            scanned.append(attempts_scanned(conn) - before)
+            after = _attempt_reads_so_far(conn)
+            reads.append((after[0] - before[0], after[1] - before[1]))
             assert row.outputs is not None and {"done": True} in row.outputs.values()
         conn.rollback()
-    assert scanned == [0] * 7
+    # The run's three nodes name three attempts: none scanned, at most those fetched.
+    assert all(scanned == 0 and 0 < fetched <= 3 for scanned, fetched in reads), reads
+
+
+def _attempt_reads_so_far(conn: Any) -> tuple[int, int]:
+    """This transaction's attempt rows read by scanning the table and fetched by an index."""
+    scanned = attempts_scanned(conn)
+    fetched = conn.exec_driver_sql(
+        "SELECT coalesce(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables "
+        "WHERE relname = 'eec_workflow_step_attempt'"
+    ).scalar_one()
+    return scanned, int(fetched)
