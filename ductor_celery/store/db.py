@@ -267,15 +267,28 @@ def driver_errors(conn: Connection) -> Iterator[None]:
     """Around a statement sent to psycopg's cursor directly (bypassing SQLAlchemy, whose
     ``_on_error`` would see it): a lost or read-only connection is invalidated, so the pool
     never hands it out again, and counted as an outage, as SQLAlchemy's path does; the error
-    goes on to ``with_retry``, for which it is transient (``is_transient``)."""
+    goes on to ``with_retry``, for which it is transient (``is_transient``).
+
+    Lost means what SQLAlchemy's psycopg dialect means (psycopg found the connection closed
+    or broken), or one of ``_LOST_CONNECTION_SQLSTATES``. Any other error, an
+    ``OperationalError`` from a healthy connection included (a lock or statement timeout, a
+    deadlock, a serialization failure), leaves the connection to the pool, where it is rolled
+    back as any other, and counts no outage: an outage makes ``runtime/lost_outcomes.py``
+    write again every outcome it keeps."""
     global _outages
     try:
         yield
     except psycopg.Error as exc:
-        if isinstance(exc, psycopg.OperationalError) or exc.sqlstate in _LOST_CONNECTION_SQLSTATES:
+        if exc.sqlstate in _LOST_CONNECTION_SQLSTATES or _broken(conn):
             _outages += 1
             conn.invalidate(exc)
         raise
+
+
+def _broken(conn: Connection) -> bool:
+    """Whether psycopg found the connection under ``conn`` closed or lost."""
+    dbapi: Any = conn.connection.dbapi_connection
+    return dbapi is None or bool(dbapi.closed) or bool(dbapi.broken)
 
 
 @contextmanager

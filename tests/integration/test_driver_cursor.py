@@ -11,6 +11,7 @@ import pytest
 import sqlalchemy as sa
 from psycopg.rows import namedtuple_row
 
+from ductor_celery.store import db
 from ductor_celery.store.db import autocommit, driver_cursor, get_engine, psycopg_connect_args
 
 
@@ -71,3 +72,28 @@ def test_a_connection_the_server_dropped_is_replaced_with_a_cursor_of_its_own(
             fresh.execute("SELECT pg_backend_pid()")
             (now,) = fresh.fetchone()
     assert now != lost and fresh is not kept and fresh.connection is not kept.connection
+
+
+def test_an_error_on_a_healthy_connection_leaves_it_to_the_pool(
+    database_url: str, one_connection: sa.Engine
+) -> None:
+    """A statement timeout (an ``OperationalError``, as a lock timeout, a deadlock or a
+    serialization failure are) on a connection that is still fine neither invalidates it
+    nor counts as an outage (which would have every kept outcome written again); a write
+    refused as read-only (a demoted primary) still does both."""
+    with one_connection.connect() as conn:
+        entry, dbapi = conn.connection._connection_record, conn.connection.dbapi_connection
+        conn.exec_driver_sql("SET LOCAL statement_timeout = 10")
+        seen = db.outages()
+        with pytest.raises(psycopg.errors.QueryCanceled), driver_cursor(conn) as cursor:
+            cursor.execute("SELECT pg_sleep(5)")
+        assert not conn.invalidated and db.outages() == seen
+        conn.rollback()
+    with one_connection.connect() as conn:
+        # The same DBAPI connection, healthy, back from the pool.
+        assert conn.connection._connection_record is entry
+        assert conn.connection.dbapi_connection is dbapi
+        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction), driver_cursor(conn) as cur:
+            cur.execute("CREATE TABLE refused (id int)")
+        assert conn.invalidated and db.outages() == seen + 1
