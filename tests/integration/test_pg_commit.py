@@ -314,17 +314,7 @@ def test_the_statement_sets_and_deletes_the_timer_row_only_when_the_run_update_m
 
     def commit(version: int, change: Any) -> pg_commit.Committed:
         with engine.begin() as conn:
-            return pg_commit.commit(
-                conn,
-                run_id=run_id,
-                version=version,
-                run_values={"record_version": version + 1},
-                payload=payload,
-                transitions=[],
-                outbox=[],
-                now=_now(),
-                timer=change,
-            )
+            return _bare_commit(conn, run_id, version, payload, timer=change)
 
     assert commit(7, ("set", fire_at)).matched is False  # at version 0: nothing written
     assert timer()[0][1] is not None
@@ -332,6 +322,24 @@ def test_the_statement_sets_and_deletes_the_timer_row_only_when_the_run_update_m
     assert timer() == [(fire_at, None)]
     assert commit(1, ("delete", None)).matched
     assert timer() == []
+
+
+def _bare_commit(
+    conn: Any, run_id: str, version: int, payload: Any, **options: Any
+) -> pg_commit.Committed:
+    """The one-statement commit of ``payload`` at ``version``, moving only the run's version
+    (no transition, no outbox row); ``options``: the commit's others (a timer change)."""
+    return pg_commit.commit(
+        conn,
+        run_id=run_id,
+        version=version,
+        run_values={"record_version": version + 1},
+        payload=payload,
+        transitions=[],
+        outbox=[],
+        now=_now(),
+        **options,
+    )
 
 
 def _grown_attempts(database_url: str, rows: int, *, folded: bool, run: str = "grown") -> Any:
@@ -360,16 +368,7 @@ def _fold(conn: Any, run_id: str, version: int, payload: Any, tokens: list[str])
     transaction: a backend reports its counters only between transactions)."""
     payload.folded = tokens
     before = attempts_scanned(conn)
-    done = pg_commit.commit(
-        conn,
-        run_id=run_id,
-        version=version,
-        run_values={"record_version": version + 1},
-        payload=payload,
-        transitions=[],
-        outbox=[],
-        now=_now(),
-    )
+    done = _bare_commit(conn, run_id, version, payload)
     assert done.matched
     return attempts_scanned(conn) - before
 
