@@ -12,8 +12,9 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from ductor_celery import Ductor
-from ductor_celery.runtime.dispatch import Dispatcher
+from ductor_celery import Ductor, StepContext
+from ductor_celery.definition import Workflow
+from ductor_celery.runtime.dispatch import Dispatcher, carried_branches, held_header
 from ductor_celery.runtime.outbox_janitor import sent_outbox
 from ductor_celery.runtime.steps import execute_attempt
 from ductor_celery.runtime.tick_task import run_tick
@@ -79,11 +80,18 @@ def start_run(
 
 def deliver(ductor: Ductor, row: OutboxRow, queue: str | None = QUEUE) -> str:
     """The Celery task's body for the message ``row`` would have been (its task id is the
-    token, as the dispatcher sends it: the carrier of what it runs)."""
+    token, as the dispatcher sends it: the carrier of what it runs), with the attempts a
+    bundled row carries read back from its header as the task reads them."""
     step = ductor.runtime.step_named(row.task)
     assert step is not None
     token = row.payload["token"]
-    return execute_attempt(ductor.runtime, step, token, "w1@host", queue=queue, carrier=token)
+    held = None
+    if "held" in row.payload:
+        held = carried_branches(held_header(row))
+        assert held is not None and not isinstance(held, str), held
+    return execute_attempt(
+        ductor.runtime, step, token, "w1@host", queue=queue, carrier=token, held=held
+    )
 
 
 def run_row(ductor: Ductor, run_id: str) -> Any:
@@ -113,3 +121,37 @@ def outbox_rows(ductor: Ductor) -> list[Any]:
         if not rows or time.monotonic() > deadline:
             return rows
         time.sleep(0.05)
+
+
+def quick_scatter(
+    ductor: Ductor,
+    max_parallel: int,
+    slow: frozenset[int] = frozenset(),
+    interrupt: frozenset[int] = frozenset(),
+) -> None:
+    """``each``: item + 1 for every item; an item in ``slow`` takes 0.2 s, one in
+    ``interrupt`` raises ``KeyboardInterrupt`` (the process is stopping)."""
+
+    def bump(ctx: StepContext, item: int) -> int:
+        if item in slow:
+            time.sleep(0.2)
+        if item in interrupt:
+            raise KeyboardInterrupt
+        return item + 1
+
+    wf = Workflow("quick")
+    wf.scatter(
+        "each", ductor.step(name="held.bump")(bump), over="$.input.items", max_parallel=max_parallel
+    )
+    wf.output("$.nodes.each.output")
+    ductor.register(wf)
+
+
+def start_scatter(
+    ductor: Ductor, recorder: RecordingDispatcher, items: int
+) -> tuple[str, list[OutboxRow]]:
+    handle = ductor.start("quick", input={"items": list(range(items))})
+    assert run_tick(ductor.runtime, handle.run_id) == "committed"
+    first = [r for r in recorder.rows if r.kind == "step"]
+    recorder.rows.clear()
+    return handle.run_id, first

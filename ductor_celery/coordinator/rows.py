@@ -27,6 +27,10 @@ class AttemptMessage(TypedDict):
     terminate: NotRequired[bool]
     #: A revoke of the message an attempt with none of its own runs under: that attempt.
     carrier_of: NotRequired[str]
+    #: A step message bundling more branches (runtime/inline.py, ``InlineChain.bundle``): their
+    #: tokens, sent in its ``HELD_HEADER``. Set on the row as sent, after its commit; never
+    #: stored (each of those branches has its own outbox row, forgotten once this is sent).
+    held: NotRequired[list[str]]
 
 
 class WakeupMessage(TypedDict):

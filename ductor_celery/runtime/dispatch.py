@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from ..engine.kinds import DispatchKind
@@ -17,9 +18,61 @@ TICK_TASK_NAME = "ductor.tick"
 FIRST_TICK_TASK_NAME = "ductor.first_tick"
 
 
+#: A step message's header naming more attempts of its run's scatter that the message carries
+#: (a bundle: runtime/inline.py, ``InlineChain.bundle``). Old workers ignore it; those
+#: attempts are then re-sent after ``ductor_resend_unclaimed_after``, as after a lost message.
+HELD_HEADER = "ductor_held"
+#: The most attempts one message carries besides its own (a tick never bundles more).
+MAX_CARRIED = 63
+
+
+@dataclass(frozen=True, slots=True)
+class CarriedBranches:
+    """The attempts a bundled step message carries besides its own (``HELD_HEADER``): more
+    branches of one scatter node of one run, of the message's step, with no message of their
+    own. The worker taking the message claims and runs them after its own attempt."""
+
+    run_id: str
+    node: str
+    tokens: tuple[str, ...]
+    #: The run's priority (0..9), for the messages they get if handed back.
+    priority: int = 0
+
+
+def carried_branches(value: Any) -> CarriedBranches | str | None:
+    """A message's ``HELD_HEADER`` read back: None when there is none, or why it is malformed
+    (a message not written by ductor; its own attempt still runs). The ids' characters are
+    the task's to check (``runtime._id_problem``), as for the message's own token."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return f"is a {type(value).__name__}, not an object"
+    run_id, node, tokens = value.get("run_id"), value.get("node"), value.get("tokens")
+    priority = value.get("priority", 0)
+    if not isinstance(run_id, str) or not isinstance(node, str) or not run_id or not node:
+        return "names no run id and node"
+    if not isinstance(tokens, list) or not 0 < len(tokens) <= MAX_CARRIED:
+        return f"holds no list of 1 to {MAX_CARRIED} tokens"
+    if not all(isinstance(t, str) for t in tokens):
+        return "holds a token that is not a string"
+    if type(priority) is not int or not 0 <= priority <= MAX_PRIORITY:
+        return f"has a priority outside 0..{MAX_PRIORITY}"
+    return CarriedBranches(run_id, node, tuple(tokens), priority)
+
+
 def first_tick_id(run_id: str) -> str:
     """The task id of a run's first-tick message."""
     return f"{run_id}:first_tick"
+
+
+def held_header(row: OutboxRow) -> dict[str, Any]:
+    """A bundled step row's ``HELD_HEADER``: what ``carried_branches`` reads back."""
+    return {
+        "run_id": row.run_id,
+        "node": row.payload["node"],
+        "tokens": list(row.payload["held"]),
+        "priority": int(row.payload.get("priority") or 0),
+    }
 
 
 class Dispatcher:
@@ -68,6 +121,7 @@ class Dispatcher:
                     failpoint("mid_dispatch")
                 if row.kind == DispatchKind.STEP:
                     token = row.payload["token"]
+                    held = row.payload.get("held")
                     self.app.send_task(
                         row.task,
                         args=[token],
@@ -79,6 +133,7 @@ class Dispatcher:
                         argsrepr=repr([token]),
                         kwargsrepr=repr({"run_id": row.run_id, "node": row.payload.get("node")}),
                         priority=self.broker_priority(int(row.payload.get("priority") or 0)),
+                        headers=None if not held else {HELD_HEADER: held_header(row)},
                         **options,
                     )
                 elif row.kind == DispatchKind.REVOKE:

@@ -42,6 +42,7 @@ its message had just arrived and been claimed (``ductor_inline_steps``; docs/arc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -53,11 +54,14 @@ from ..coordinator.port import RateTake, TickClaim
 from ..coordinator.rows import outbox_row, step_intent
 from ..engine.kinds import DispatchKind
 from ..store.attempts import ClaimedAttempt
+from ..store.outbox import OutboxRow
 from ..store.schema import dumps_json
+from .dispatch import MAX_CARRIED
 
 if TYPE_CHECKING:
     from ..coordinator.port import LoadedRun
     from ..engine import NewAttempt, TickPayload
+    from .dispatch import CarriedBranches
     from .ports import WorkerPort
     from .step_context import Step
 
@@ -121,6 +125,9 @@ class InlineChain:
     _rate: RateTake | None = None
     #: How long the attempt this worker ran last took (``_holdable``).
     last_ran_s: float | None = None
+    #: The step and node of the attempt this worker ran last, if it was quick: more of that
+    #: node's branches go out bundled (``bundle``).
+    _quick: tuple[str, str] | None = None
     #: A run whose outcome this worker wrote alone, to tick after its held branches.
     unticked: str | None = None
     #: When this chain last published its buffered task events (``flush_events_now``).
@@ -275,15 +282,82 @@ class InlineChain:
             self._held.extend(self._chosen_held)
             self._chosen_held = []
 
-    def ran(self, seconds: float, step: str | None = None) -> None:
-        """The attempt just run (of ``step``, when named) took ``seconds``. After a slow one,
-        the branches held behind it go back to the broker: other workers may run them at
-        once."""
+    def ran(self, seconds: float, step: str | None = None, node: str | None = None) -> None:
+        """The attempt just run (of ``step`` at ``node``, when named) took ``seconds``. After
+        a slow one, the branches held behind it go back to the broker: other workers may run
+        them at once."""
         self.last_ran_s = seconds
+        quick = seconds <= HOLD_IF_QUICKER_S
+        self._quick = (step, node) if quick and step is not None and node is not None else None
         if step is not None:
             _last_ran_by_step[step] = seconds
-        if seconds > HOLD_IF_QUICKER_S:
+        if not quick:
             self.release()
+
+    def bundle(self, rows: list[OutboxRow]) -> list[OutboxRow]:
+        """The rows a tick of this chain sends, with the step messages of more branches of
+        the scatter node whose attempt this worker has just run quickly bundled: one message
+        for up to ``HOLD_MAX`` of them, carrying the others' tokens (``dispatch.HELD_HEADER``).
+        The worker taking it runs them one after another, as held branches: what this chain
+        would have done with them, had it not run out of ``ductor_inline_steps`` or of
+        ``INLINE_BUDGET_S``, or room to hold them. One message per branch would have the
+        workers' chains adopt most of them first, leaving their messages to be delivered and
+        dropped as duplicates, each costing about what a task costs.
+
+        Only branches of the chain's run at that node, of the step just run (quick: under
+        ``HOLD_IF_QUICKER_S``), routed to this queue, with no concurrency limit. Every row is
+        still sent and forgotten as before: a bundled branch's outbox row is deleted once its
+        bundle is sent, and one whose message is lost is re-sent by the tick after
+        ``ductor_resend_unclaimed_after``, as any lost message is."""
+        if self._quick is None or self.run_id is None:
+            return rows
+        step_name, node = self._quick
+        step = self.rt.step_named(step_name)
+        if step is None or step.concurrency is not None:
+            return rows
+        steps_queue = self.rt.settings.steps_queue
+        chunks: dict[int, list[int]] = {}  # the index of a chunk's lead -> the chunk's indices
+        filling: dict[int, list[int]] = {}  # by priority: the chunk being filled
+        for i, row in enumerate(rows):
+            if (
+                row.kind != DispatchKind.STEP
+                or row.run_id != self.run_id
+                or row.task != step_name
+                or row.payload.get("node") != node
+                or (row.queue or steps_queue) != self.queue
+            ):
+                continue
+            priority = int(row.payload.get("priority") or 0)
+            chunk = filling.get(priority)
+            if chunk is None or len(chunk) == HOLD_MAX:
+                chunk = filling[priority] = chunks[i] = []
+            chunk.append(i)
+        carried = {j for chunk in chunks.values() for j in chunk[1:]}
+        if not carried:
+            return rows
+        out: list[OutboxRow] = []
+        for i, row in enumerate(rows):
+            if i in carried:
+                continue
+            if len(chunk := chunks.get(i, [])) > 1:
+                held = [rows[j].payload["token"] for j in chunk[1:]]
+                row = dataclasses.replace(row, payload={**row.payload, "held": held})
+            out.append(row)
+        return out
+
+    def carry(self, carried: CarriedBranches, step: Step) -> bool:
+        """Hold the attempts a bundled message carries (``dispatch.HELD_HEADER``), to claim
+        and run after the message's own attempt, as held branches; False (none held) when
+        they are not this chain's run's or would exceed ``MAX_CARRIED``."""
+        self.bind(carried.run_id)
+        if self.run_id != carried.run_id or len(self._held) + len(carried.tokens) > MAX_CARRIED:
+            return False
+        self._held.extend(
+            _Held(t, step, carried.run_id, carried.node, self.queue, priority=carried.priority)
+            for t in carried.tokens
+        )
+        self.left -= len(carried.tokens)
+        return True
 
     def flush_events_now(self, held: bool, step: str | None = None) -> bool:
         """Whether the next inline attempt's (of ``step``) ``task-started`` goes out at once
@@ -331,14 +405,31 @@ class InlineChain:
         or a step raised through the chain), so another worker takes them now rather than
         when the tick re-sends them. A message lost here is re-sent by that tick."""
         held, self._held = [h for h in self._held if not h.adopted], []
-        if not held:
-            return
-        # Sent now, never inserted: no id.
-        rows = [
-            outbox_row(0, step_intent(h.run_id, h.token, h.node, h.step.name, h.queue, h.priority))
-            for h in held
-        ]
-        try:
-            self.rt.dispatcher.send(rows)
-        except Exception as exc:  # noqa: BLE001 - the tick re-sends unclaimed attempts
-            log.warning("held attempts not handed back (%s); they are re-sent later", exc)
+        send_held(self.rt, held)
+
+
+def send_held(rt: WorkerPort, held: list[_Held]) -> None:
+    """A message of its own for each held attempt this worker will not run."""
+    if not held:
+        return
+    # Sent now, never inserted: no id.
+    rows = [
+        outbox_row(0, step_intent(h.run_id, h.token, h.node, h.step.name, h.queue, h.priority))
+        for h in held
+    ]
+    try:
+        rt.dispatcher.send(rows)
+    except Exception as exc:  # noqa: BLE001 - the tick re-sends unclaimed attempts
+        log.warning("held attempts not handed back (%s); they are re-sent later", exc)
+
+
+def hand_back(rt: WorkerPort, carried: CarriedBranches, step: Step, queue: str) -> None:
+    """The attempts a bundled message carries, sent back as messages of their own: this
+    worker will not run them (it runs no inline steps, or they are not its chain's)."""
+    send_held(
+        rt,
+        [
+            _Held(t, step, carried.run_id, carried.node, queue, priority=carried.priority)
+            for t in carried.tokens
+        ],
+    )

@@ -14,7 +14,14 @@ from ..settings import Settings
 from ..store import blobs, runs
 from ..store.db import get_engine
 from .broker import BrokerQueues, QueuesBootstep
-from .dispatch import FIRST_TICK_TASK_NAME, TICK_TASK_NAME, Dispatcher
+from .dispatch import (
+    FIRST_TICK_TASK_NAME,
+    HELD_HEADER,
+    TICK_TASK_NAME,
+    CarriedBranches,
+    Dispatcher,
+    carried_branches,
+)
 from .failpoints import failpoint
 from .metrics import MetricsBootstep
 from .poison import PoisonGuard
@@ -175,6 +182,7 @@ class Runtime:
                 hostname=request.hostname,
                 queue=_delivered_from(request),
                 carrier=_task_id(request),
+                held=_carried(request, token),
             )
 
         # Celery compiles a signature checker named after the task function with exec
@@ -241,6 +249,20 @@ def _task_id(request: Any) -> str | None:
     if not isinstance(task_id, str) or _id_problem(task_id, TOKEN_CHARS) is not None:
         return None
     return task_id
+
+
+def _carried(request: Any, token: str) -> CarriedBranches | None:
+    """The attempts a bundled step message carries besides its own (``HELD_HEADER``); a
+    malformed header is one warning line, and the message's own attempt still runs."""
+    carried = carried_branches(request.get(HELD_HEADER))
+    if carried is not None and not isinstance(carried, str):
+        problems = [_id_problem(carried.run_id, RUN_ID_CHARS)]
+        problems += [_id_problem(t, TOKEN_CHARS) for t in carried.tokens]
+        carried = next((f"holds an id that {p}" for p in problems if p is not None), carried)
+    if isinstance(carried, str):
+        log.warning("step message %s has a %s header that %s; ignored", token, HELD_HEADER, carried)
+        return None
+    return carried
 
 
 def _delivered_from(request: Any) -> str | None:

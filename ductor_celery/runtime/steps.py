@@ -25,7 +25,7 @@ from ..store.rates import RateHeld
 from ..store.schema import dumps_json
 from . import metrics
 from .failpoints import failpoint
-from .inline import InlineChain
+from .inline import InlineChain, hand_back
 from .lost_outcomes import lost_outcomes
 from .outbox_janitor import sent_outbox
 from .outcome import Outcome, call_attempt, invalid, prepare_call
@@ -36,6 +36,7 @@ from .tick_task import Keeper, run_tick
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
+    from .dispatch import CarriedBranches
     from .ports import WorkerPort
 
 log = logging.getLogger("ductor_celery.step")
@@ -67,6 +68,7 @@ def execute_attempt(
     hostname: str | None = None,
     queue: str | None = None,
     carrier: str | None = None,
+    held: CarriedBranches | None = None,
 ) -> str:
     """Claim, run, record, wake. Returns what happened (for logs and tests).
 
@@ -80,11 +82,20 @@ def execute_attempt(
     ``carrier``: the message's task id (the token, as the dispatcher sends it), written with
     every claim this message's process makes, so that a terminate can kill it whichever of
     them it is running (coordinator/rows.py, ``carrier_revokes``).
+    ``held``: more branches a bundled message carries (``dispatch.HELD_HEADER``), run after
+    the message's own attempt as held branches, even when that one is a duplicate; handed
+    back as messages of their own when this worker runs no inline chain.
     """
     engine = rt.engine()
     chain = InlineChain.start(rt, queue, lambda: worker_identity(hostname), carrier)
     me = worker_identity(hostname)
     claimed = _claim(engine, token, me, step, carrier)
+    if held is not None and not isinstance(claimed, attempts.WrongStep):
+        if isinstance(claimed, attempts.ClaimedAttempt) and claimed.run_id != held.run_id:
+            log.warning("message %s carries attempts of another run; handed back", token)
+            hand_back(rt, held, step, queue or step.queue or rt.settings.steps_queue)
+        elif chain is None or not chain.carry(held, step):
+            hand_back(rt, held, step, queue or step.queue or rt.settings.steps_queue)
     if isinstance(claimed, attempts.WrongStep):
         # Run nothing: the arguments are another function's. The attempt's own message (or
         # the sweeper's re-send) still claims it.
@@ -104,9 +115,11 @@ def execute_attempt(
             claimed.key,
             claimed.ready_at.isoformat(),
         )
+        _run_inline(rt, engine, chain, hostname)  # what the message carries, if anything
         return "rate-limited"
     if claimed is None:
         log.info("attempt %s already claimed or closed; message ignored", token)
+        _run_inline(rt, engine, chain, hostname)  # what the message carries, if anything
         return "duplicate"
     if chain is not None:
         chain.bind(claimed.run_id)
@@ -158,8 +171,9 @@ def first_tick(
 def _run_inline(
     rt: WorkerPort, engine: Engine, chain: InlineChain | None, hostname: str | None
 ) -> None:
-    """Run what the chain's ticks claimed or held for this worker, one after another."""
-    if chain is None or chain.kept is None:
+    """Run what the chain's ticks claimed or held for this worker (or its message carried),
+    one after another."""
+    if chain is None or (chain.kept is None and not chain.holding):
         return
     try:
         while (kept := _next_inline(rt, engine, chain)) is not None:
@@ -235,7 +249,7 @@ def _run_claimed(
     keep = None if interrupt is not None else chain
     try:
         if keep is not None:
-            keep.ran(ran_s, step.name)
+            keep.ran(ran_s, step.name, claimed.node)
         try:
             if keep is not None and keep.holding:
                 # More branches of this run are held for this worker: write the outcome alone;

@@ -14,6 +14,7 @@ The same code runs in two places (docs/architecture.md, "Who runs a tick"):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..coordinator import (
@@ -28,6 +29,7 @@ from ..coordinator import (
 )
 from ..store.tick_store import SqlTickStore
 from . import observe
+from .inline import InlineChain
 from .outbox_janitor import sent_outbox
 
 if TYPE_CHECKING:
@@ -56,16 +58,25 @@ class _SendThenForget:
     """The coordinator's dispatcher in a Celery process: send the rows, then hand their ids
     to this process's outbox janitor. Deleting them is off the critical path: a background
     thread deletes them in batches; a row this process dies before deleting is sent again by
-    the sweeper (harmless: claims are by token)."""
+    the sweeper (harmless: claims are by token).
 
-    __slots__ = ("_dispatcher", "_engine")
+    ``bundle`` (an inline chain's eager tick): the step messages as sent, some of them
+    carrying others (``InlineChain.bundle``); every row is forgotten once they are sent."""
 
-    def __init__(self, dispatcher: Dispatcher, engine: Engine) -> None:
+    __slots__ = ("_bundle", "_dispatcher", "_engine")
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        engine: Engine,
+        bundle: Callable[[list[OutboxRow]], list[OutboxRow]] | None = None,
+    ) -> None:
         self._dispatcher = dispatcher
         self._engine = engine
+        self._bundle = bundle
 
     def send(self, rows: list[OutboxRow]) -> None:
-        self._dispatcher.send(rows)
+        self._dispatcher.send(rows if self._bundle is None else self._bundle(rows))
         sent_outbox(self._engine).add([r.id for r in rows])
 
 
@@ -106,7 +117,9 @@ def run_tick(
     engine = rt.engine()
     coordinator = Coordinator(
         SqlTickStore(engine, rt.spec_for, rt.settings.engine_config()),
-        _SendThenForget(rt.dispatcher, engine),
+        _SendThenForget(
+            rt.dispatcher, engine, keep.bundle if isinstance(keep, InlineChain) else None
+        ),
         failpoint=rt.failpoint,
         stats=TICK_STATS,
         observer=observe.OBSERVER,

@@ -150,6 +150,28 @@ def test_a_quick_scatter_runs_several_branches_per_tick_on_real_workers(
 
 
 @broker_core
+def test_bundled_messages_carry_a_quick_scatter_past_each_chains_inline_steps(
+    cluster_factory: Any, client_for: Any
+) -> None:
+    """Bundled messages (runtime/inline.py, ``InlineChain.bundle``): with
+    ``ductor_inline_steps`` at 3 each chain soon runs out of steps, and its last tick sends
+    the branches it starts bundled, one message carrying the others in its header. The
+    unclaimed re-send is an hour away, so a carried branch no worker read from a header
+    would hold the run: every branch runs exactly once, on real workers and brokers."""
+    cluster = cluster_factory(E2E_HOLD_QUICKER="1.0", E2E_INLINE="3", E2E_RESEND_AFTER="3600")
+    cluster.start_coordinator()
+    cluster.start_steps(concurrency=2)
+    ductor = client_for(cluster)
+    handle = ductor.start("quick_scatter", input={"items": list(range(150))})
+    view = ductor.wait(handle.run_id, timeout=90)
+    assert view.status == RunStatus.SUCCEEDED, cluster.logs()
+    assert view.output == [i + 1 for i in range(150)]
+    assert cluster.executions(handle.run_id) == 150
+    attempts = cluster.attempts(handle.run_id)
+    assert len(attempts) == 150 and all(a.folded and a.outcome == "succeeded" for a in attempts)
+
+
+@broker_core
 def test_a_step_worker_killed_while_holding_branches_loses_none_and_runs_none_twice(
     cluster_factory: Any, client_for: Any, tmp_path: Path
 ) -> None:

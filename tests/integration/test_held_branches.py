@@ -10,59 +10,21 @@ not depend on how busy the machine is.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from inline_support import (
-    RecordingDispatcher,
     attempt_rows,
     deliver,
     make_ductor,
+    quick_scatter,
     run_row,
+    start_scatter,
     url,
 )
 
-from ductor_celery import Ductor, StepContext
-from ductor_celery.definition import Workflow
+from ductor_celery import Ductor
 from ductor_celery.runtime import inline
-from ductor_celery.runtime.tick_task import run_tick
-from ductor_celery.store.outbox import OutboxRow
 
 __all__ = ["url"]  # the fixture: PostgreSQL and SQLite
-
-
-def _scatter(
-    ductor: Ductor,
-    max_parallel: int,
-    slow: frozenset[int] = frozenset(),
-    interrupt: frozenset[int] = frozenset(),
-) -> None:
-    """``each``: item + 1 for every item; an item in ``slow`` takes 0.2 s, one in
-    ``interrupt`` raises ``KeyboardInterrupt`` (the process is stopping)."""
-
-    def bump(ctx: StepContext, item: int) -> int:
-        if item in slow:
-            time.sleep(0.2)
-        if item in interrupt:
-            raise KeyboardInterrupt
-        return item + 1
-
-    wf = Workflow("quick")
-    wf.scatter(
-        "each", ductor.step(name="held.bump")(bump), over="$.input.items", max_parallel=max_parallel
-    )
-    wf.output("$.nodes.each.output")
-    ductor.register(wf)
-
-
-def _start(
-    ductor: Ductor, recorder: RecordingDispatcher, items: int
-) -> tuple[str, list[OutboxRow]]:
-    handle = ductor.start("quick", input={"items": list(range(items))})
-    assert run_tick(ductor.runtime, handle.run_id) == "committed"
-    first = [r for r in recorder.rows if r.kind == "step"]
-    recorder.rows.clear()
-    return handle.run_id, first
 
 
 def _branch_of(ductor: Ductor, run_id: str) -> dict[str, int]:
@@ -74,8 +36,8 @@ def test_one_message_runs_a_quick_scatter_several_branches_per_tick(
 ) -> None:
     monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 10.0)
     ductor, recorder = make_ductor(url)
-    _scatter(ductor, max_parallel=8)
-    run_id, first = _start(ductor, recorder, 40)
+    quick_scatter(ductor, max_parallel=8)
+    run_id, first = start_scatter(ductor, recorder, 40)
     assert len(first) == 8
 
     assert deliver(ductor, first[0]) == "succeeded"
@@ -104,8 +66,8 @@ def test_the_branches_held_behind_a_slow_step_go_back_as_messages(
     ductor, recorder = make_ductor(database_url)
     # Four in flight: item 0's tick claims item 4 and adopts 1-3; their tick starts 5-8,
     # claiming 5 and holding 6-8 new, with no messages; item 6 is slow.
-    _scatter(ductor, max_parallel=4, slow=frozenset({6}))
-    run_id, first = _start(ductor, recorder, 12)
+    quick_scatter(ductor, max_parallel=4, slow=frozenset({6}))
+    run_id, first = start_scatter(ductor, recorder, 12)
 
     assert deliver(ductor, first[0]) == "succeeded"
 
@@ -132,8 +94,8 @@ def test_a_process_stopping_while_it_holds_branches_hands_them_back(
     left for the unclaimed re-send half a minute later."""
     monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 10.0)
     ductor, recorder = make_ductor(database_url)
-    _scatter(ductor, max_parallel=4, interrupt=frozenset({6}))
-    run_id, first = _start(ductor, recorder, 12)
+    quick_scatter(ductor, max_parallel=4, interrupt=frozenset({6}))
+    run_id, first = start_scatter(ductor, recorder, 12)
 
     with pytest.raises(KeyboardInterrupt):
         deliver(ductor, first[0])
@@ -151,8 +113,8 @@ def test_no_branch_is_held_after_a_slow_step(
 ) -> None:
     monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 0.0)  # every step counts as slow
     ductor, recorder = make_ductor(database_url)
-    _scatter(ductor, max_parallel=4)
-    run_id, first = _start(ductor, recorder, 12)
+    quick_scatter(ductor, max_parallel=4)
+    run_id, first = start_scatter(ductor, recorder, 12)
 
     deliver(ductor, first[0])
 

@@ -1,0 +1,256 @@
+"""Bundled step messages (runtime/inline.py ``InlineChain.bundle``, runtime/dispatch.py
+``HELD_HEADER``; docs/architecture.md "Bundled messages"): after a quick step, the step
+messages an eager tick sends for more branches of the same scatter go out up to ``HOLD_MAX``
+to a message, the first branch's message carrying the others' tokens; the worker taking it
+runs them after its own as held branches.
+
+As in test_held_branches.py, a scatter is started and ticked on the coordinator's side, and
+its messages are played by hand (``deliver`` reads a bundle's header back as the task does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.app.task import Context
+from inline_support import (
+    RecordingDispatcher,
+    attempt_rows,
+    deliver,
+    make_ductor,
+    quick_scatter,
+    run_row,
+    start_scatter,
+)
+
+from ductor_celery import Ductor
+from ductor_celery.engine.kinds import DispatchKind
+from ductor_celery.runtime import inline
+from ductor_celery.runtime.dispatch import (
+    HELD_HEADER,
+    MAX_CARRIED,
+    CarriedBranches,
+    Dispatcher,
+    carried_branches,
+)
+from ductor_celery.runtime.runtime import _carried
+from ductor_celery.store import attempts
+from ductor_celery.store.outbox import OutboxRow
+
+
+def _bundles(recorder: RecordingDispatcher) -> list[OutboxRow]:
+    return [r for r in recorder.rows if r.kind == "step" and "held" in r.payload]
+
+
+def _play_everything(ductor: Ductor, recorder: RecordingDispatcher, rows: list[OutboxRow]) -> int:
+    """Deliver every step message there is, and those they lead to, until none is left; how
+    many were delivered."""
+    delivered = 0
+    pending = list(rows)
+    while pending or recorder.rows:
+        pending += [r for r in recorder.rows if r.kind == "step"]
+        recorder.rows.clear()
+        if pending:
+            deliver(ductor, pending.pop(0))
+            delivered += 1
+    return delivered
+
+
+def _chain_out_of_steps(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, items: int = 60
+) -> tuple[Ductor, RecordingDispatcher, str, list[OutboxRow]]:
+    """A quick scatter whose first message's chain runs out of inline steps (3) after its
+    first tick: that tick's new branches beyond what it holds go out bundled."""
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 10.0)
+    ductor, recorder = make_ductor(database_url, inline_steps=3)
+    quick_scatter(ductor, max_parallel=40)
+    run_id, first = start_scatter(ductor, recorder, items)
+    assert deliver(ductor, first[0]) == "succeeded"
+    return ductor, recorder, run_id, first
+
+
+def test_a_chain_out_of_inline_steps_sends_its_branches_bundled(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ductor, recorder, run_id, first = _chain_out_of_steps(database_url, monkeypatch)
+
+    steps = [r for r in recorder.rows if r.kind == "step"]
+    bundles = _bundles(recorder)
+    assert bundles, steps
+    branch = {a.token: a.branch for a in attempt_rows(ductor, run_id)}
+    carried = [t for b in bundles for t in b.payload["held"]]
+    # Each carried branch is a new attempt of the same node, unclaimed, in no other message.
+    assert all(len(b.payload["held"]) < inline.HOLD_MAX for b in bundles)
+    assert {b.payload["node"] for b in bundles} == {"each"}
+    assert len(set(carried)) == len(carried)
+    assert not set(carried) & {r.payload["token"] for r in steps}
+    rows = {a.token: a for a in attempt_rows(ductor, run_id)}
+    assert all(rows[t].claimed_at is None for t in carried)
+    # Every branch still has its outbox row until the bundle is sent and forgotten.
+    assert sorted(branch[t] for t in carried) == sorted(set(branch[t] for t in carried))
+
+    # Played out: every branch exactly once, in fewer messages than branches.
+    delivered = _play_everything(ductor, recorder, first[1:])
+    run = run_row(ductor, run_id)
+    assert run.status == "succeeded", run.error
+    assert run.output == [i + 1 for i in range(60)]
+    attempts_ = attempt_rows(ductor, run_id)
+    assert sorted(a.branch for a in attempts_) == list(range(60))
+    assert all(a.outcome == "succeeded" and a.folded for a in attempts_)
+    assert delivered + 1 < 60
+
+
+def test_a_bundle_whose_own_branch_was_taken_still_runs_the_ones_it_carries(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ductor, recorder, run_id, _ = _chain_out_of_steps(database_url, monkeypatch)
+    [bundle, *_] = _bundles(recorder)
+    recorder.rows.clear()
+    engine = ductor.runtime.engine()
+    # Another worker's chain adopted the bundle's own branch and claimed it.
+    assert attempts.claim(engine, bundle.payload["token"], "another-worker:1:a") is not None
+
+    assert deliver(ductor, bundle) == "duplicate"
+
+    rows = {a.token: a for a in attempt_rows(ductor, run_id)}
+    held = bundle.payload["held"]
+    assert all(rows[t].outcome == "succeeded" and rows[t].folded for t in held)
+    # Run in the bundle's message: each records it as its carrier.
+    assert {rows[t].carrier for t in held} == {bundle.payload["token"]}
+    assert rows[bundle.payload["token"]].finished_at is None  # the other worker's to finish
+
+
+def test_a_slow_bundle_hands_what_it_carries_back_as_messages_of_their_own(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ductor, recorder, run_id, _ = _chain_out_of_steps(database_url, monkeypatch)
+    [bundle, *_] = _bundles(recorder)
+    recorder.rows.clear()
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 0.0)  # its own step now counts as slow
+
+    assert deliver(ductor, bundle) == "succeeded"
+
+    # Each carried branch back in a message of its own (other workers may run them at once),
+    # beside the message of the branch its tick started after it.
+    sent = [r.payload["token"] for r in recorder.rows if r.kind == "step"]
+    assert all(sent.count(t) == 1 for t in bundle.payload["held"])
+    assert len(sent) == len(bundle.payload["held"]) + 1
+    assert not _bundles(recorder)
+    rows = {a.token: a for a in attempt_rows(ductor, run_id)}
+    assert all(rows[t].claimed_at is None for t in bundle.payload["held"])
+
+
+def test_a_worker_without_inline_steps_hands_a_bundle_back(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ductor, recorder, run_id, _ = _chain_out_of_steps(database_url, monkeypatch)
+    [bundle, *_] = _bundles(recorder)
+    recorder.rows.clear()
+
+    # No queue: the worker runs no inline chain (a message run by hand, or inline steps off).
+    assert deliver(ductor, bundle, queue=None) == "succeeded"
+
+    # Each in a message of its own, beside the one of the branch its own step's tick started.
+    sent = [r.payload["token"] for r in recorder.rows if r.kind == "step"]
+    assert all(sent.count(t) == 1 for t in bundle.payload["held"])
+    assert len(sent) == len(bundle.payload["held"]) + 1
+    assert all(r.run_id == run_id for r in recorder.rows if r.kind == "step")
+    rows = {a.token: a for a in attempt_rows(ductor, run_id)}
+    assert all(rows[t].claimed_at is None for t in bundle.payload["held"])
+
+
+def _row(token: str, node: str = "each", **kw: Any) -> OutboxRow:
+    payload = {"token": token, "run_id": "run-1", "node": node, **kw.pop("payload", {})}
+    return OutboxRow(
+        id=kw.pop("id", 1),
+        run_id=kw.pop("run_id", "run-1"),
+        kind=kw.pop("kind", DispatchKind.STEP),
+        task=kw.pop("task", "held.bump"),
+        queue=kw.pop("queue", None),
+        payload=payload,
+    )
+
+
+def _quick_chain(database_url: str) -> inline.InlineChain:
+    ductor, _ = make_ductor(database_url)
+    quick_scatter(ductor, max_parallel=4)
+    chain = inline.InlineChain.start(ductor.runtime, "ductor-steps", lambda: "w:1:x", "c", "run-1")
+    assert chain is not None
+    chain.ran(0.001, "held.bump", "each")
+    return chain
+
+
+def test_bundles_take_only_the_node_just_run_quickly_and_keep_the_rows_order(
+    database_url: str,
+) -> None:
+    chain = _quick_chain(database_url)
+    rows = [
+        _row("r", kind=DispatchKind.REVOKE),
+        *[_row(f"t{i}") for i in range(20)],
+        _row("o", node="other"),  # another node
+        _row("q", queue="elsewhere"),  # another queue
+        _row("u", run_id="run-2"),  # another run
+        _row("p1", payload={"priority": 5}),
+        _row("p2", payload={"priority": 5}),
+    ]
+
+    out = chain.bundle(rows)
+
+    assert [r.payload["token"] for r in out] == ["r", "t0", "t16", "o", "q", "u", "p1"]
+    assert out[1].payload["held"] == [f"t{i}" for i in range(1, 16)]
+    assert out[2].payload["held"] == [f"t{i}" for i in range(17, 20)]
+    assert out[6].payload["held"] == ["p2"]  # bundled with its own priority only
+    assert all("held" not in r.payload for r in out if r.payload["token"] in "roqu")
+    assert all("held" not in r.payload for r in rows)  # the rows themselves are not changed
+
+
+def test_nothing_is_bundled_after_a_slow_step(database_url: str) -> None:
+    chain = _quick_chain(database_url)
+    chain.ran(1.0, "held.bump", "each")
+    rows = [_row(f"t{i}") for i in range(5)]
+    assert chain.bundle(rows) == rows
+
+
+def test_a_carried_header_is_read_back_as_it_was_sent_through_a_celery_message() -> None:
+    app = Celery("bundles", broker="memory://")
+    dispatcher = Dispatcher(app, "ductor-steps", "ductor-coord")
+    row = _row("t0", payload={"held": ["t1", "t2"], "priority": 3})
+    dispatcher.send([row, _row("t3")])
+    with app.connection_for_read() as conn:
+        queue = conn.SimpleQueue("ductor-steps")
+        bundled, plain = queue.get(timeout=1), queue.get(timeout=1)
+        queue.close()
+    # What the worker's task sees: a context made from the message's headers.
+    request = Context(bundled.headers)
+    assert _carried(request, "t0") == CarriedBranches("run-1", "each", ("t1", "t2"), 3)
+    assert HELD_HEADER not in plain.headers
+    assert _carried(Context(plain.headers), "t3") is None
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("t1", "is a str, not an object"),
+        ({"node": "n", "tokens": ["t"]}, "names no run id and node"),
+        ({"run_id": "r", "node": "n", "tokens": []}, "holds no list of 1 to"),
+        ({"run_id": "r", "node": "n", "tokens": ["t"] * (MAX_CARRIED + 1)}, "holds no list"),
+        ({"run_id": "r", "node": "n", "tokens": [1]}, "holds a token that is not a string"),
+        ({"run_id": "r", "node": "n", "tokens": ["t"], "priority": 10}, "has a priority outside"),
+        ({"run_id": "r", "node": "n", "tokens": ["t"], "priority": True}, "has a priority outside"),
+    ],
+)
+def test_a_malformed_carried_header_names_its_problem(value: Any, problem: str) -> None:
+    found = carried_branches(value)
+    assert isinstance(found, str) and found.startswith(problem), found
+
+
+def test_a_forged_header_is_one_warning_and_the_message_still_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    forged = {HELD_HEADER: {"run_id": "r", "node": "n", "tokens": ["ok", "a\x00b"]}}
+    assert _carried(Context(forged), "t0") is None
+    assert "holds an id that holds a NUL" in caplog.text
+    assert _carried(Context({HELD_HEADER: ["x"]}), "t0") is None
+    assert "is a list, not an object" in caplog.text
