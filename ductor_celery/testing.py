@@ -167,7 +167,9 @@ class _RecordingDispatcher:
                 log.error("unknown outbox kind %r for run %s", row.kind, row.run_id)
                 self._log.append(Message(str(row.kind), row.run_id, row.task))
 
-    def wake(self, run_id: str) -> None:
+    def wake(self, run_id: str, quick: Any = None) -> None:
+        """``quick``: production's hint for the tick's messages (ignored: the harness runs
+        each step from its own message)."""
         self._put(Message("wakeup", run_id, "ductor.tick"))
 
     def wake_many(self, run_ids: list[str]) -> None:

@@ -14,7 +14,12 @@ from celery import Celery
 
 from ductor_celery import Ductor, StepContext
 from ductor_celery.definition import Workflow
-from ductor_celery.runtime.dispatch import Dispatcher, carried_branches, held_header
+from ductor_celery.runtime.dispatch import (
+    Dispatcher,
+    QuickBranches,
+    carried_branches,
+    held_header,
+)
 from ductor_celery.runtime.outbox_janitor import sent_outbox
 from ductor_celery.runtime.steps import execute_attempt
 from ductor_celery.runtime.tick_task import run_tick
@@ -40,12 +45,16 @@ class RecordingDispatcher(Dispatcher):
         self.wakes: list[str] = []
         #: Runs just started, sent to the step workers for their first tick.
         self.first_ticks: list[str] = []
+        #: Wake-ups sent with a hint of quick branches (``dispatch.QUICK_HEADER``).
+        self.quick_wakes: list[tuple[str, QuickBranches]] = []
 
     def send(self, rows: list[OutboxRow]) -> None:
         self.rows.extend(rows)
 
-    def wake(self, run_id: str) -> None:
+    def wake(self, run_id: str, quick: QuickBranches | None = None) -> None:
         self.wakes.append(run_id)
+        if quick is not None:
+            self.quick_wakes.append((run_id, quick))
 
     def wake_many(self, run_ids: list[str]) -> None:
         self.wakes.extend(run_ids)

@@ -60,6 +60,36 @@ def carried_branches(value: Any) -> CarriedBranches | str | None:
     return CarriedBranches(run_id, node, tuple(tokens), priority)
 
 
+#: A wake-up's header naming a scatter node whose branches the waking step worker has just run
+#: quickly (an eager tick that found the run busy): the coordinator's tick then sends that
+#: node's new branches bundled, as the worker's own tick would have (``QuickBranches``).
+QUICK_HEADER = "ductor_quick"
+
+
+@dataclass(frozen=True, slots=True)
+class QuickBranches:
+    """Branches of ``node`` of ``step``, routed to ``queue``, that ran quickly on a step worker
+    (under ``inline.HOLD_IF_QUICKER_S``): a tick may send their messages bundled."""
+
+    step: str
+    node: str
+    queue: str
+
+    def header(self) -> dict[str, str]:
+        return {"step": self.step, "node": self.node, "queue": self.queue}
+
+
+def quick_branches(value: Any) -> QuickBranches | None:
+    """A wake-up's ``QUICK_HEADER`` read back; None when there is none or it is not one ductor
+    wrote (a hint: a wake-up without it is an ordinary one)."""
+    if not isinstance(value, dict):
+        return None
+    fields = [value.get(k) for k in ("step", "node", "queue")]
+    if not all(isinstance(f, str) and 0 < len(f) <= 300 for f in fields):
+        return None
+    return QuickBranches(*fields)
+
+
 def first_tick_id(run_id: str) -> str:
     """The task id of a run's first-tick message."""
     return f"{run_id}:first_tick"
@@ -161,9 +191,11 @@ class Dispatcher:
             if first_tick_id(run_id) not in terminated:
                 self.app.control.revoke(first_tick_id(run_id), terminate=True)
 
-    def wake(self, run_id: str) -> None:
+    def wake(self, run_id: str, quick: QuickBranches | None = None) -> None:
+        """A wake-up of the run on the coordinator queue; ``quick``: a hint for its tick
+        (``QUICK_HEADER``)."""
         with self._producer() as producer:
-            self._wake(run_id, producer, self._options())
+            self._wake(run_id, producer, self._options(), quick)
 
     def first_tick(self, run_id: str, priority: int = 0) -> None:
         """Send a run just started to the step workers, whose first tick runs its first step
@@ -189,12 +221,19 @@ class Dispatcher:
             for run_id in run_ids:
                 self._wake(run_id, producer, options)
 
-    def _wake(self, run_id: str, producer: Any, options: dict[str, Any]) -> None:
+    def _wake(
+        self,
+        run_id: str,
+        producer: Any,
+        options: dict[str, Any],
+        quick: QuickBranches | None = None,
+    ) -> None:
         self.app.send_task(
             TICK_TASK_NAME,
             args=[run_id],
             queue=self.coord_queue,
             serializer="json",
             producer=producer,
+            headers=None if quick is None else {QUICK_HEADER: quick.header()},
             **options,
         )

@@ -56,7 +56,7 @@ from ..engine.kinds import DispatchKind
 from ..store.attempts import ClaimedAttempt
 from ..store.outbox import OutboxRow
 from ..store.schema import dumps_json
-from .dispatch import MAX_CARRIED
+from .dispatch import MAX_CARRIED, QuickBranches
 
 if TYPE_CHECKING:
     from ..coordinator.port import LoadedRun
@@ -309,41 +309,22 @@ class InlineChain:
         still sent and forgotten as before: a bundled branch's outbox row is deleted once its
         bundle is sent, and one whose message is lost is re-sent by the tick after
         ``ductor_resend_unclaimed_after``, as any lost message is."""
-        if self._quick is None or self.run_id is None:
+        quick = self.quick()
+        if quick is None or self.run_id is None:
             return rows
+        return bundle_rows(rows, self.run_id, quick, self.rt.settings.steps_queue)
+
+    def quick(self) -> QuickBranches | None:
+        """The node whose attempt this worker has just run quickly, when more of its branches
+        may go out bundled: of a step registered here with no concurrency limit (a lease is
+        handed on through the broker path), on this chain's queue."""
+        if self._quick is None:
+            return None
         step_name, node = self._quick
         step = self.rt.step_named(step_name)
         if step is None or step.concurrency is not None:
-            return rows
-        steps_queue = self.rt.settings.steps_queue
-        chunks: dict[int, list[int]] = {}  # the index of a chunk's lead -> the chunk's indices
-        filling: dict[int, list[int]] = {}  # by priority: the chunk being filled
-        for i, row in enumerate(rows):
-            if (
-                row.kind != DispatchKind.STEP
-                or row.run_id != self.run_id
-                or row.task != step_name
-                or row.payload.get("node") != node
-                or (row.queue or steps_queue) != self.queue
-            ):
-                continue
-            priority = int(row.payload.get("priority") or 0)
-            chunk = filling.get(priority)
-            if chunk is None or len(chunk) == HOLD_MAX:
-                chunk = filling[priority] = chunks[i] = []
-            chunk.append(i)
-        carried = {j for chunk in chunks.values() for j in chunk[1:]}
-        if not carried:
-            return rows
-        out: list[OutboxRow] = []
-        for i, row in enumerate(rows):
-            if i in carried:
-                continue
-            if len(chunk := chunks.get(i, [])) > 1:
-                held = [rows[j].payload["token"] for j in chunk[1:]]
-                row = dataclasses.replace(row, payload={**row.payload, "held": held})
-            out.append(row)
-        return out
+            return None
+        return QuickBranches(step_name, node, self.queue)
 
     def carry(self, carried: CarriedBranches, step: Step) -> bool:
         """Hold the attempts a bundled message carries (``dispatch.HELD_HEADER``), to claim
@@ -406,6 +387,60 @@ class InlineChain:
         when the tick re-sends them. A message lost here is re-sent by that tick."""
         held, self._held = [h for h in self._held if not h.adopted], []
         send_held(self.rt, held)
+
+
+def bundle_rows(
+    rows: list[OutboxRow], run_id: str, quick: QuickBranches, steps_queue: str
+) -> list[OutboxRow]:
+    """``rows`` as sent, the step messages of the run's branches at ``quick``'s node (of its
+    step, routed to its queue) bundled up to ``HOLD_MAX`` to a message, by priority: the first
+    of each bundle carries the others' tokens (``payload["held"]``, sent in its
+    ``HELD_HEADER``) in its place among the rows, and they are left out. Every other row
+    stays as it is, in its order."""
+    chunks: dict[int, list[int]] = {}  # the index of a chunk's lead -> the chunk's indices
+    filling: dict[int, list[int]] = {}  # by priority: the chunk being filled
+    for i, row in enumerate(rows):
+        if (
+            row.kind != DispatchKind.STEP
+            or row.run_id != run_id
+            or row.task != quick.step
+            or row.payload.get("node") != quick.node
+            or (row.queue or steps_queue) != quick.queue
+        ):
+            continue
+        priority = int(row.payload.get("priority") or 0)
+        chunk = filling.get(priority)
+        if chunk is None or len(chunk) == HOLD_MAX:
+            chunk = filling[priority] = chunks[i] = []
+        chunk.append(i)
+    carried = {j for chunk in chunks.values() for j in chunk[1:]}
+    if not carried:
+        return rows
+    out: list[OutboxRow] = []
+    for i, row in enumerate(rows):
+        if i in carried:
+            continue
+        if len(chunk := chunks.get(i, [])) > 1:
+            held = [rows[j].payload["token"] for j in chunk[1:]]
+            row = dataclasses.replace(row, payload={**row.payload, "held": held})
+        out.append(row)
+    return out
+
+
+def bundler(
+    rt: WorkerPort, run_id: str, quick: QuickBranches | None
+) -> Callable[[list[OutboxRow]], list[OutboxRow]] | None:
+    """How a tick woken with ``quick`` (``dispatch.QUICK_HEADER``) sends its rows: bundled
+    when that step is registered in this process with no concurrency limit; else as they are.
+    The hint is a step worker's (its own tick found the run busy): a tick on the coordinator
+    queue sends the node's branches bundled, as that worker's tick would have. A bundle whose
+    first step turns out slow hands the rest back as messages of their own."""
+    if quick is None:
+        return None
+    step = rt.step_named(quick.step)
+    if step is None or step.concurrency is not None:
+        return None
+    return lambda rows: bundle_rows(rows, run_id, quick, rt.settings.steps_queue)
 
 
 def send_held(rt: WorkerPort, held: list[_Held]) -> None:

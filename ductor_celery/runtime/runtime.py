@@ -17,10 +17,12 @@ from .broker import BrokerQueues, QueuesBootstep
 from .dispatch import (
     FIRST_TICK_TASK_NAME,
     HELD_HEADER,
+    QUICK_HEADER,
     TICK_TASK_NAME,
     CarriedBranches,
     Dispatcher,
     carried_branches,
+    quick_branches,
 )
 from .failpoints import failpoint
 from .metrics import MetricsBootstep
@@ -123,19 +125,21 @@ class Runtime:
 
         @self.app.task(  # type: ignore[untyped-decorator]
             name=TICK_TASK_NAME,
+            bind=True,
             queue=self.settings.coord_queue,
             ignore_result=True,
             serializer="json",
             acks_late=True,
             shared=False,
         )
-        def tick(run_id: str) -> str:
+        def tick(task: Any, run_id: str) -> str:
             problem = _id_problem(run_id, RUN_ID_CHARS)
             if problem is not None:
                 log.warning("tick message with a run id that %s dropped: %.200r", problem, run_id)
                 return "malformed"
+            quick = quick_branches(task.request.get(QUICK_HEADER))
             # The plain value: Celery's task-succeeded event (Flower) shows its repr.
-            return str(run_tick(rt, run_id))
+            return str(run_tick(rt, run_id, quick=quick))
 
         return tick
 

@@ -339,7 +339,7 @@ def _record_and_advance(
             return result.outcome.value
     outcome = _record(rt, engine, step, token, result)
     if tick == TickOutcome.BUSY:  # another tick holds the run: the coordinator folds it
-        _wake_coordinator(rt, engine, run_id)
+        _wake_coordinator(rt, engine, run_id, keep)
     else:
         _advance_run(rt, engine, run_id, keep)
     return outcome
@@ -386,14 +386,23 @@ def _advance_run(rt: WorkerPort, engine: Engine, run_id: str, keep: Keeper | Non
                 return
         except Exception as exc:  # noqa: BLE001 - the coordinator can always do it instead
             log.warning("eager tick of run %s failed (%s); waking the coordinator", run_id, exc)
-    _wake_coordinator(rt, engine, run_id)
+    _wake_coordinator(rt, engine, run_id, keep)
 
 
-def _wake_coordinator(rt: WorkerPort, engine: Engine, run_id: str) -> None:
+def _wake_coordinator(
+    rt: WorkerPort, engine: Engine, run_id: str, keep: Keeper | None = None
+) -> None:
     """Coalesced: when a wake-up of the run is already queued, its tick will see the outcome
-    and no message is sent."""
-    if _wake_needed(engine, run_id):
+    and no message is sent. After a quick scatter branch (``keep``, an inline chain), the
+    wake-up names its node, so the coordinator's tick sends that node's new branches bundled
+    (``dispatch.QUICK_HEADER``)."""
+    if not _wake_needed(engine, run_id):
+        return
+    quick = keep.quick() if isinstance(keep, InlineChain) else None
+    if quick is None:
         rt.wake(run_id)
+    else:
+        rt.dispatcher.wake(run_id, quick)
 
 
 def _record(rt: WorkerPort, engine: Engine, step: Step, token: str, result: Outcome) -> str:

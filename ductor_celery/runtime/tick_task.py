@@ -29,14 +29,14 @@ from ..coordinator import (
 )
 from ..store.tick_store import SqlTickStore
 from . import observe
-from .inline import InlineChain
+from .inline import InlineChain, bundler
 from .outbox_janitor import sent_outbox
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
     from ..engine import AttemptResult
-    from .dispatch import Dispatcher
+    from .dispatch import Dispatcher, QuickBranches
     from .ports import WorkerPort
 
 __all__ = [
@@ -88,6 +88,7 @@ def run_tick(
     carried: AttemptResult | None = None,
     keep: Keeper | None = None,
     first: bool = False,
+    quick: QuickBranches | None = None,
 ) -> TickOutcome:
     """One tick of one run: what it did (``TickOutcome``); ``BUSY`` when another tick holds
     the run's lock: with ``eager`` at once (the caller then wakes the
@@ -113,12 +114,18 @@ def run_tick(
     ``first`` (eager ticks only): the first tick of a run just started, on the step worker its
     start message reached (``steps.first_tick``): it reads and commits without a transaction
     of its own, as a plain step's tick does (``Coordinator.tick``'s ``first``).
+
+    ``quick`` (a wake-up's hint, ``dispatch.QUICK_HEADER``): a scatter node whose branches a
+    step worker has just run quickly; their messages go out bundled (``inline.bundler``), as
+    an inline chain's own tick sends them (``InlineChain.bundle``).
     """
     engine = rt.engine()
     coordinator = Coordinator(
         SqlTickStore(engine, rt.spec_for, rt.settings.engine_config()),
         _SendThenForget(
-            rt.dispatcher, engine, keep.bundle if isinstance(keep, InlineChain) else None
+            rt.dispatcher,
+            engine,
+            keep.bundle if isinstance(keep, InlineChain) else bundler(rt, run_id, quick),
         ),
         failpoint=rt.failpoint,
         stats=TICK_STATS,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from celery import Celery
 from celery.app.task import Context
 from inline_support import (
@@ -31,11 +32,15 @@ from ductor_celery.runtime import inline
 from ductor_celery.runtime.dispatch import (
     HELD_HEADER,
     MAX_CARRIED,
+    QUICK_HEADER,
     CarriedBranches,
     Dispatcher,
+    QuickBranches,
     carried_branches,
+    quick_branches,
 )
 from ductor_celery.runtime.runtime import _carried
+from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import attempts
 from ductor_celery.store.outbox import OutboxRow
 
@@ -254,3 +259,81 @@ def test_a_forged_header_is_one_warning_and_the_message_still_runs(
     assert "holds an id that holds a NUL" in caplog.text
     assert _carried(Context({HELD_HEADER: ["x"]}), "t0") is None
     assert "is a list, not an object" in caplog.text
+
+
+def _quick_branches_woken_busy(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Ductor, RecordingDispatcher, str]:
+    """Four quick branches run while another tick holds the run: each eager tick finds it
+    busy, so each outcome is written alone and the coordinator is woken (once: coalesced)."""
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 10.0)
+    ductor, recorder = make_ductor(database_url)
+    quick_scatter(ductor, max_parallel=4)
+    run_id, first = start_scatter(ductor, recorder, 12)
+    with ductor.runtime.engine().connect() as conn:
+        conn.execute(
+            sa.text("SELECT 1 FROM eec_workflow_run WHERE run_id = :r FOR UPDATE"), {"r": run_id}
+        )
+        assert [deliver(ductor, row) for row in first] == ["succeeded"] * 4
+        conn.rollback()
+    return ductor, recorder, run_id
+
+
+def test_a_busy_tick_after_a_quick_branch_wakes_the_coordinator_with_its_node(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ductor, recorder, run_id = _quick_branches_woken_busy(database_url, monkeypatch)
+    assert recorder.wakes == [run_id]
+    assert recorder.quick_wakes == [(run_id, QuickBranches("held.bump", "each", "ductor-steps"))]
+    assert recorder.rows == []
+
+    # The coordinator's tick, woken with that hint: its four new branches in one message.
+    assert run_tick(ductor.runtime, run_id, quick=recorder.quick_wakes[0][1]) == "committed"
+    [bundle] = [r for r in recorder.rows if r.kind == "step"]
+    assert len(bundle.payload["held"]) == 3
+    assert _play_everything(ductor, recorder, []) <= 3
+    run = run_row(ductor, run_id)
+    assert run.status == "succeeded", run.error
+    assert sorted(a.branch for a in attempt_rows(ductor, run_id)) == list(range(12))
+
+
+def test_a_wake_up_without_a_usable_hint_sends_every_branch_its_own_message(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ductor, recorder, run_id = _quick_branches_woken_busy(database_url, monkeypatch)
+    # A step this process does not know: nothing is bundled (nor without a hint at all).
+    unknown = QuickBranches("no.such.step", "each", "ductor-steps")
+    assert run_tick(ductor.runtime, run_id, quick=unknown) == "committed"
+    assert len([r for r in recorder.rows if r.kind == "step"]) == 4
+    assert not _bundles(recorder)
+
+
+def test_the_quick_hint_travels_in_the_wake_ups_header_to_the_tick_task(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ductor, recorder, run_id = _quick_branches_woken_busy(database_url, monkeypatch)
+    app = Celery("bundles", broker="memory://")
+    Dispatcher(app, "ductor-steps", "ductor-coord").wake(run_id, recorder.quick_wakes[0][1])
+    with app.connection_for_read() as conn:
+        queue = conn.SimpleQueue("ductor-coord")
+        message = queue.get(timeout=1)
+        queue.close()
+    assert quick_branches(message.headers.get(QUICK_HEADER)) == recorder.quick_wakes[0][1]
+
+    # The tick task as a worker runs it: its request made from the message's headers.
+    tick = ductor.app.tasks["ductor.tick"]
+    tick.push_request(**message.headers)
+    try:
+        assert tick.run(run_id) == "committed"
+    finally:
+        tick.pop_request()
+    [bundle] = [r for r in recorder.rows if r.kind == "step"]
+    assert len(bundle.payload["held"]) == 3
+
+
+@pytest.mark.parametrize(
+    "value",
+    [None, "x", {"step": "s", "node": "n"}, {"step": "s", "node": "n", "queue": 1}],
+)
+def test_a_malformed_quick_hint_is_no_hint(value: Any) -> None:
+    assert quick_branches(value) is None
