@@ -84,10 +84,11 @@ def quick_branches(value: Any) -> QuickBranches | None:
     wrote (a hint: a wake-up without it is an ordinary one)."""
     if not isinstance(value, dict):
         return None
-    fields = [value.get(k) for k in ("step", "node", "queue")]
-    if not all(isinstance(f, str) and 0 < len(f) <= 300 for f in fields):
-        return None
-    return QuickBranches(*fields)
+    step, node, queue = (value.get(k) for k in ("step", "node", "queue"))
+    for field in (step, node, queue):
+        if not isinstance(field, str) or not 0 < len(field) <= 300:
+            return None
+    return QuickBranches(str(step), str(node), str(queue))
 
 
 def first_tick_id(run_id: str) -> str:
