@@ -130,6 +130,8 @@ class InlineChain:
     _quick: tuple[str, str] | None = None
     #: A run whose outcome this worker wrote alone, to tick after its held branches.
     unticked: str | None = None
+    #: A held branch claimed by the statement that wrote the outcome run before it.
+    _claimed_next: tuple[ClaimedAttempt, Step, str] | None = None
     #: When this chain last published its buffered task events (``flush_events_now``).
     events_flushed_at: float = field(default_factory=time.monotonic)
 
@@ -369,10 +371,50 @@ class InlineChain:
     def kept(self) -> tuple[ClaimedAttempt, Step, str] | None:
         return self._kept
 
+    @property
+    def has_next(self) -> bool:
+        """An attempt is claimed for this worker to run next (by a tick, or with the last
+        held outcome), or branches are held for it."""
+        return self._kept is not None or self._claimed_next is not None or bool(self._held)
+
     def pop(self) -> tuple[ClaimedAttempt, Step, str] | None:
         """The attempt to run next (claimed by the worker identity returned with it)."""
         kept, self._kept = self._kept, None
         return kept
+
+    def claimable_held(self) -> tuple[list[str], Step] | None:
+        """The tokens of the held branches, in order, as far as they are of the next one's
+        step, when one statement may claim the first of them that is still claimable
+        (``store.held_claims``): a step with no rate limit (whose claim takes its bucket's
+        token) and no concurrency limit. None: claim them one by one (``pop_held``)."""
+        if not self._held:
+            return None
+        step = self._held[0].step
+        if step.rate_limit is not None or step.concurrency is not None:
+            return None
+        tokens: list[str] = []
+        for held in self._held:
+            if held.step is not step:
+                break
+            tokens.append(held.token)
+        return tokens, step
+
+    def took(
+        self, tokens: list[str], claimed: ClaimedAttempt | None, step: Step, worker: str
+    ) -> None:
+        """After one statement claimed the first claimable of ``tokens`` (the held ones from
+        ``claimable_held``): those before it could not be claimed and are dropped, as is
+        every one of them when none was claimed; the claimed one (by ``worker``) runs next
+        (``pop_claimed``)."""
+        taken = len(tokens) if claimed is None else tokens.index(claimed.token) + 1
+        del self._held[:taken]
+        if claimed is not None:
+            self._claimed_next = (claimed, step, worker)
+
+    def pop_claimed(self) -> tuple[ClaimedAttempt, Step, str] | None:
+        """The held branch claimed with the outcome before it (``took``), if any."""
+        claimed, self._claimed_next = self._claimed_next, None
+        return claimed
 
     def pop_held(self) -> tuple[str, Step] | None:
         """The next held branch (not claimed yet: the caller claims it, as for a message)."""

@@ -18,8 +18,9 @@ from ..coordinator import SETTLED_TICKS, OutcomeNotCarried, TickOutcome
 from ..coordinator.read_rows import attempt_result
 from ..engine import AttemptResult
 from ..engine.status import AttemptOutcome
-from ..store import attempts, next_read, wakes
+from ..store import attempts, held_claims, next_read, wakes
 from ..store.db import ValuesRefused, outages, with_retry
+from ..store.held_claims import HeldClaim, HeldOutcome
 from ..store.outbox import OutboxRow
 from ..store.rates import RateHeld
 from ..store.schema import dumps_json
@@ -173,7 +174,7 @@ def _run_inline(
 ) -> None:
     """Run what the chain's ticks claimed or held for this worker (or its message carried),
     one after another."""
-    if chain is None or (chain.kept is None and not chain.holding):
+    if chain is None or not chain.has_next:
         return
     try:
         while (kept := _next_inline(rt, engine, chain)) is not None:
@@ -204,13 +205,26 @@ def _claim(
 def _next_inline(
     rt: WorkerPort, engine: Engine, chain: InlineChain
 ) -> tuple[attempts.ClaimedAttempt, Step, str, bool] | None:
-    """The chain's next attempt: the one its last tick claimed, else the next held branch
-    this worker can still claim (one closed or taken meanwhile is skipped, as a message for
-    it would be); once none is left, the tick of outcomes written alone (which may hold more)."""
+    """The chain's next attempt: the one its last tick claimed, else the held branch claimed
+    with the last outcome, else the next held branch this worker can still claim (one closed
+    or taken meanwhile is skipped, as a message for it would be); once none is left, the
+    tick of outcomes written alone (which may hold more)."""
     while True:
         kept = chain.pop()
         if kept is not None:
             return (*kept, False)
+        claimed_next = chain.pop_claimed()
+        if claimed_next is not None:
+            return (*claimed_next, True)
+        together = chain.claimable_held() if attempts.finishes_in_tick(engine) else None
+        if together is not None:
+            # The first of them still claimable, in one statement (after a message's own
+            # attempt: a bundle's carried branches, some maybe taken by other workers).
+            tokens, step = together
+            me = chain.identity()
+            taken = _claim_first(engine, tokens, me, step, chain.carrier)
+            chain.took(tokens, taken.claimed, step, me)
+            continue
         held = chain.pop_held()
         if held is not None:
             token, step = held
@@ -225,6 +239,72 @@ def _next_inline(
             return None
         run_id, chain.unticked = chain.unticked, None
         _advance_run(rt, engine, run_id, chain)
+
+
+def _claim_first(
+    engine: Engine,
+    tokens: list[str],
+    me: str,
+    step: Step,
+    carrier: str | None,
+    finished: HeldOutcome | None = None,
+) -> HeldClaim:
+    """``held_claims.claim_first``, retried on a dropped connection (the identity is unique
+    per claim, so a retry finds its own claim)."""
+    return with_retry(
+        functools.partial(
+            held_claims.claim_first,
+            engine,
+            tokens,
+            me,
+            step=step.name,
+            carrier=carrier,
+            finished=finished,
+        ),
+        what="claim held attempt" if finished is None else "record attempt outcome",
+        # As long as the outcome's own write would be retried.
+        **({} if finished is None else {"deadline_s": FINISH_DEADLINE_S}),
+    )
+
+
+def _record_then_claim(
+    rt: WorkerPort,
+    engine: Engine,
+    step: Step,
+    claimed: attempts.ClaimedAttempt,
+    result: Outcome,
+    chain: InlineChain,
+) -> str:
+    """A held branch's outcome, written alone (its tick comes after the last held branch),
+    with the claim of the next held branch this worker can still claim, in one statement
+    (``store.held_claims``); the outcome written, or "closed". Values the database refuses,
+    an attempt finished or closed meanwhile, and a step whose claim takes a rate-limit token
+    take the ordinary path (``_record``; the next claim then comes on its own)."""
+    together = chain.claimable_held()
+    if together is None or not attempts.finishes_in_tick(engine):
+        return _record(rt, engine, step, claimed.token, result)
+    tokens, next_step = together
+    me = chain.identity()
+    finished = HeldOutcome(
+        claimed.token,
+        result.outcome,
+        result.output,
+        result.error,
+        result.retryable,
+        result.patch,
+        result.tags,
+    )
+    try:
+        taken = _claim_first(engine, tokens, me, next_step, chain.carrier, finished)
+    except ValuesRefused:
+        return _record(rt, engine, step, claimed.token, result)  # writes why, as a failure
+    chain.took(tokens, taken.claimed, next_step, me)
+    # Fault tests: die holding branches, with outcomes written alone and not ticked, and the
+    # next one claimed with the last of them (its timeout retries it).
+    failpoint("held_before_claim")
+    if not taken.written:
+        return _record(rt, engine, step, claimed.token, result)
+    return result.outcome.value
 
 
 def _run_claimed(
@@ -252,9 +332,9 @@ def _run_claimed(
             keep.ran(ran_s, step.name, claimed.node)
         try:
             if keep is not None and keep.holding:
-                # More branches of this run are held for this worker: write the outcome alone;
-                # the tick after the last of them folds them all.
-                outcome = _record(rt, engine, step, claimed.token, result)
+                # More branches of this run are held for this worker: write the outcome alone,
+                # claiming the next of them; the tick after the last of them folds them all.
+                outcome = _record_then_claim(rt, engine, step, claimed, result, keep)
                 keep.unticked = claimed.run_id
             else:
                 outcome = _record_and_advance(rt, engine, step, claimed, result, keep)

@@ -176,7 +176,7 @@ def _claim_rate_limited(
         if row.claimed_by == worker:
             # Our own claim again (its commit's answer was lost): it took its token then.
             again = conn.execute(claim_stmt).one()
-            return _claimed_attempt(token, again, _run_of(conn, again.run_id))
+            return claimed_attempt(token, again, _run_of(conn, again.run_id))
         bucket = rates.lock_bucket(conn, row.rate_key, row.rate_limit or 1, row.rate_period or 1)
         released = row.rate_released_at is not None  # the sweeper sent it: its turn has come
         if (
@@ -193,7 +193,7 @@ def _claim_rate_limited(
         if got is None:
             return None  # closed meanwhile: nothing taken (the transaction ends unchanged)
         rates.take(conn, bucket)
-        return _claimed_attempt(token, got, _run_of(conn, got.run_id))
+        return claimed_attempt(token, got, _run_of(conn, got.run_id))
 
 
 def _claimable(token: Any, worker: Any) -> tuple[Any, ...]:
@@ -222,10 +222,10 @@ def _claimed(
         if step is not None and attempt_step is not None and attempt_step != step:
             return WrongStep(token=token, step=attempt_step)
         return None
-    return _claimed_attempt(token, row, run)
+    return claimed_attempt(token, row, run)
 
 
-def _claimed_attempt(token: str, row: Any, run: Any) -> ClaimedAttempt:
+def claimed_attempt(token: str, row: Any, run: Any) -> ClaimedAttempt:
     return ClaimedAttempt(
         token=token,
         run_id=row.run_id,
@@ -390,7 +390,7 @@ def finish(
                 return True, []
     # What the JSON encoder refuses is ValuesRefused here too (SQLAlchemy would pass the
     # encoder's own error through from inside the driver's binding).
-    _outcome_json(output, error, patch, tags)
+    outcome_json(output, error, patch, tags)
     with engine.begin() as conn:
         if leased:
             leases.lock_keys(conn, leases.keys_held_by(conn, [token]))
@@ -412,7 +412,7 @@ def finishes_in_tick(engine: Engine) -> bool:
     return dialect_of(engine).one_statement
 
 
-def _outcome_json(*values: Any) -> tuple[str, ...]:
+def outcome_json(*values: Any) -> tuple[str, ...]:
     """An outcome's JSON columns as ``dumps_json`` writes them; what the encoder refuses is
     ``ValuesRefused`` (the driver's own binding of them would raise it bare)."""
     try:
@@ -440,7 +440,7 @@ def finish_unleased_on(
     but ``folded``, the same WHERE, the JSON columns as ``dumps_json`` makes them. Values it
     cannot encode, or that PostgreSQL refuses, are ``ValuesRefused`` as on SQLAlchemy's
     path (``db.refusing_values``)."""
-    output_text, error_text, patch_text, tags_text = _outcome_json(output, error, patch, tags)
+    output_text, error_text, patch_text, tags_text = outcome_json(output, error, patch, tags)
     params = {
         "c_token": token,
         "c_outcome": str(outcome),

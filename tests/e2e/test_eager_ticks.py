@@ -173,13 +173,18 @@ def test_bundled_messages_carry_a_quick_scatter_past_each_chains_inline_steps(
 
 @broker_core
 def test_a_step_worker_killed_while_holding_branches_loses_none_and_runs_none_twice(
-    cluster_factory: Any, client_for: Any, tmp_path: Path
+    cluster_factory: Any, client_for: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The pool child dies about to claim a held branch: outcomes it wrote alone wait unfolded
-    (the sweeper wakes the run), the new branches it held have no message and are re-sent
-    once unclaimed for ``ductor_resend_unclaimed_after``, adopted ones still have theirs."""
+    """The pool child dies between two held branches, right after the statement that wrote
+    one's outcome alone (not ticked) and claimed the next (store/held_claims.py), before
+    running it: the outcomes wait unfolded (the sweeper wakes the run), the branch claimed
+    and never run times out and is retried (``E2E_BUMP_TIMEOUT``), the new branches it held
+    have no message and are re-sent once unclaimed for ``ductor_resend_unclaimed_after``,
+    adopted ones still have theirs."""
     fired = tmp_path / "held-failpoint-fired"
-    cluster = cluster_factory(E2E_HOLD_QUICKER="1.0", E2E_RESEND_AFTER="2")
+    # The step's timeout is in the definition the client stores: its process reads it too.
+    monkeypatch.setenv("E2E_BUMP_TIMEOUT", "3")
+    cluster = cluster_factory(E2E_HOLD_QUICKER="1.0", E2E_RESEND_AFTER="2", E2E_BUMP_TIMEOUT="3")
     cluster.start_coordinator()
     cluster.start_steps(
         concurrency=1,
@@ -195,5 +200,8 @@ def test_a_step_worker_killed_while_holding_branches_loses_none_and_runs_none_tw
     assert cluster.executions(handle.run_id) == 60  # none lost, none twice
     attempts = cluster.attempts(handle.run_id)
     assert all(a.folded for a in attempts)
-    # It died before a claim, never inside a step: no attempt timed out, one per branch.
-    assert sorted(a.outcome for a in attempts) == ["succeeded"] * 60
+    # It died between steps, never inside one: each branch succeeded once, and at most the
+    # one claimed and never run timed out.
+    outcomes = sorted(a.outcome for a in attempts)
+    assert outcomes.count("succeeded") == 60
+    assert outcomes[60:] in ([], ["timed_out"])

@@ -10,6 +10,7 @@ its messages are played by hand (``deliver`` reads a bundle's header back as the
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -105,6 +106,25 @@ def test_a_chain_out_of_inline_steps_sends_its_branches_bundled(
     assert sorted(a.branch for a in attempts_) == list(range(60))
     assert all(a.outcome == "succeeded" and a.folded for a in attempts_)
     assert delivered + 1 < 60
+
+
+def test_a_bundle_carrying_one_branch_runs_both(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its own attempt's outcome is written with the claim of the one it carries, which is
+    then the last held branch: it runs, and its tick folds both."""
+    ductor, recorder, run_id, _ = _chain_out_of_steps(database_url, monkeypatch)
+    [bundle, *_] = _bundles(recorder)
+    recorder.rows.clear()
+    carried = bundle.payload["held"][0]
+    one = dataclasses.replace(bundle, payload={**bundle.payload, "held": [carried]})
+
+    assert deliver(ductor, one) == "succeeded"
+
+    rows = {a.token: a for a in attempt_rows(ductor, run_id)}
+    for token in (bundle.payload["token"], carried):
+        assert rows[token].outcome == "succeeded" and rows[token].folded, token
+        assert rows[token].carrier == bundle.payload["token"]
 
 
 def test_a_bundle_whose_own_branch_was_taken_still_runs_the_ones_it_carries(

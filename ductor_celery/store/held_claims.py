@@ -1,0 +1,131 @@
+"""The claim of a held branch (runtime/inline.py, "Held branches" and "Bundled messages" in
+docs/architecture.md): the first of the branches a worker holds that it can still claim, and
+the outcome of the branch it ran before, in one statement.
+
+A worker holding branches of a quick scatter runs them one after another. Each of them cost
+two statements, the outcome of one written alone and then the next one's claim, and many of
+those claims failed: another worker's chain had adopted the branch and claimed it first, or
+a bundle's worker found what it carried taken. Here one autocommit statement writes the
+outcome (the same SET and WHERE as ``attempts.finish_unleased_on``) and claims, among the
+held tokens in their order, the first one still unclaimed and open (the ordinary claim's
+conditions, ``attempts._claimable_now``), skipping the others; a row another claim holds at
+that moment is skipped too (``SKIP LOCKED``: that claim is taking it). Only for attempts with
+no rate limit and no concurrency lease (a held branch never has a lease; a rate-limited one
+takes the ordinary claim, which takes its bucket's token).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg.rows import namedtuple_row
+from sqlalchemy.engine import Engine
+
+from ..engine.status import AttemptOutcome
+from .attempts import CARRIED_WHERE, OUTCOME_SET, ClaimedAttempt, claimed_attempt, outcome_json
+from .db import autocommit, driver_cursor, refusing_values
+
+
+@dataclass(frozen=True, slots=True)
+class HeldOutcome:
+    """The outcome of the held branch just run, written with the next claim."""
+
+    token: str
+    outcome: AttemptOutcome
+    output: Any = None
+    error: dict[str, Any] | None = None
+    retryable: bool = True
+    patch: dict[str, Any] | None = None
+    tags: list[list[str]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HeldClaim:
+    """What ``claim_first`` did: the next attempt claimed, if any (the tokens before it in
+    the list were not claimable), and whether the outcome was written (None: none given;
+    False: the attempt was finished or closed already, or holds a lease: ``attempts.finish``
+    then takes it)."""
+
+    claimed: ClaimedAttempt | None
+    written: bool | None
+
+
+_CLAIMED_COLUMNS = (
+    "a.token, a.run_id, a.node, a.branch, a.generation, a.attempt, a.step, a.args, "
+    "a.created_at, a.claimed_at, a.cancel_requested_at, r.workflow_id, r.spec_hash, "
+    "r.state -> 'context' AS context, r.workflow, r.trace_context"
+)
+
+
+@functools.cache
+def _statement(finishing: bool) -> str:
+    finished = (
+        f"finished AS (UPDATE eec_workflow_step_attempt SET {OUTCOME_SET} "
+        f"WHERE {CARRIED_WHERE} RETURNING 1), "
+        if finishing
+        else ""
+    )
+    written = "(SELECT count(*) FROM finished)" if finishing else "NULL::bigint"
+    return (
+        f"WITH {finished}"
+        "next AS (SELECT a.token "
+        "FROM unnest(%(n_tokens)s::varchar[]) WITH ORDINALITY AS c(token, i) "
+        "JOIN eec_workflow_step_attempt a ON a.token = c.token "
+        "WHERE (a.claimed_at IS NULL OR a.claimed_by = %(n_worker)s) AND a.finished_at IS NULL "
+        "AND a.lease_key IS NULL AND a.rate_key IS NULL AND a.step = %(n_step)s "
+        "ORDER BY c.i LIMIT 1 FOR UPDATE OF a SKIP LOCKED), "
+        "claimed AS (UPDATE eec_workflow_step_attempt a "
+        "SET claimed_at = now(), claimed_by = %(n_worker)s, carrier = %(n_carrier)s "
+        "FROM next, eec_workflow_run r WHERE a.token = next.token AND r.run_id = a.run_id "
+        f"RETURNING {_CLAIMED_COLUMNS}) "
+        f"SELECT {written} AS written, claimed.* FROM (SELECT 1) AS one "
+        "LEFT JOIN claimed ON true"
+    )
+
+
+@refusing_values()
+def claim_first(
+    engine: Engine,
+    tokens: Sequence[str],
+    worker: str,
+    *,
+    step: str,
+    carrier: str | None,
+    finished: HeldOutcome | None = None,
+) -> HeldClaim:
+    """Claim for ``worker`` the first of ``tokens`` (attempts of ``step``) that can still be
+    claimed, writing ``finished`` first if given, in one statement (PostgreSQL, autocommit).
+
+    ``worker`` must be unique per claim, as for ``attempts.claim``: a retry after a lost
+    answer finds its own claim again (and the outcome written: ``written`` is then False).
+    Values the encoder or PostgreSQL refuse are ``ValuesRefused``, and nothing is written
+    or claimed: the caller writes the outcome on its own (``attempts.finish``)."""
+    params: dict[str, Any] = {
+        "n_tokens": list(tokens),
+        "n_worker": worker,
+        "n_step": step,
+        "n_carrier": carrier,
+    }
+    if finished is not None:
+        output, error, patch, tags = outcome_json(
+            finished.output, finished.error, finished.patch, finished.tags
+        )
+        params.update(
+            c_token=finished.token,
+            c_outcome=str(finished.outcome),
+            c_output=output,
+            c_error=error,
+            c_retryable=finished.retryable,
+            c_patch=patch,
+            c_tags=tags,
+        )
+    with autocommit(engine) as conn, driver_cursor(conn, row_factory=namedtuple_row) as cursor:
+        cursor.execute(_statement(finished is not None), params)
+        row = cursor.fetchone()
+    assert row is not None  # one row always: (SELECT 1) LEFT JOIN the claim
+    written = None if row.written is None else row.written == 1
+    claimed = None if row.token is None else claimed_attempt(row.token, row, row)
+    return HeldClaim(claimed, written)

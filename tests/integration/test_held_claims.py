@@ -1,0 +1,164 @@
+"""The held branches' claim (store/held_claims.py): in one statement, the outcome of the branch
+just run and the claim of the first held branch that can still be claimed, in the held order.
+PostgreSQL only (SQLite takes the claims one by one)."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+from inline_support import attempt_rows, make_ductor, quick_scatter, start_scatter
+
+from ductor_celery import Ductor
+from ductor_celery.engine.status import AttemptOutcome
+from ductor_celery.store import attempts
+from ductor_celery.store.db import ValuesRefused
+from ductor_celery.store.held_claims import HeldOutcome, claim_first
+from ductor_celery.store.schema import step_attempt
+
+STEP = "held.bump"
+
+
+def _branches(database_url: str, items: int = 6) -> tuple[Ductor, str, list[str]]:
+    """A scatter's branches, started and not claimed: their tokens in branch order."""
+    ductor, recorder = make_ductor(database_url)
+    quick_scatter(ductor, max_parallel=items)
+    run_id, first = start_scatter(ductor, recorder, items)
+    return ductor, run_id, [r.payload["token"] for r in first]
+
+
+def _row(ductor: Ductor, token: str) -> sa.Row:
+    return next(a for a in attempt_rows(ductor, _run_of(ductor, token)) if a.token == token)
+
+
+def _run_of(ductor: Ductor, token: str) -> str:
+    with ductor.runtime.engine().connect() as conn:
+        return str(
+            conn.execute(
+                sa.select(step_attempt.c.run_id).where(step_attempt.c.token == token)
+            ).scalar_one()
+        )
+
+
+def test_it_writes_the_outcome_and_claims_the_first_claimable_in_order(database_url: str) -> None:
+    ductor, run_id, tokens = _branches(database_url)
+    engine = ductor.runtime.engine()
+    ran, *held = tokens
+    assert isinstance(attempts.claim(engine, ran, "w:1:ran"), attempts.ClaimedAttempt)
+    # Of the held ones: the first claimed by another worker, the second finished meanwhile.
+    assert attempts.claim(engine, held[0], "w:2:other") is not None
+    assert attempts.claim(engine, held[1], "w:2:other2") is not None
+    assert attempts.finish(engine, held[1], outcome=AttemptOutcome.SUCCEEDED, output=1)[0]
+
+    done = HeldOutcome(ran, AttemptOutcome.SUCCEEDED, output={"v": 1}, patch={"k": [1, 2]})
+    taken = claim_first(engine, held, "w:1:next", step=STEP, carrier="c1", finished=done)
+
+    assert taken.written is True
+    assert taken.claimed is not None and taken.claimed.token == held[2]
+    assert taken.claimed.run_id == run_id and taken.claimed.step == STEP
+    assert taken.claimed.args == {"item": 3}  # its own arguments, as a claim reads them
+    row = _row(ductor, ran)
+    assert (row.outcome, row.output, row.patch, row.folded) == (
+        "succeeded",
+        {"v": 1},
+        {"k": [1, 2]},
+        False,
+    )
+    claimed = _row(ductor, held[2])
+    assert (claimed.claimed_by, claimed.carrier) == ("w:1:next", "c1")
+    assert all(_row(ductor, t).claimed_at is None for t in held[3:])  # the rest wait
+
+
+def test_the_outcome_is_written_though_nothing_is_left_to_claim(database_url: str) -> None:
+    ductor, _, tokens = _branches(database_url, items=3)
+    engine = ductor.runtime.engine()
+    ran, *held = tokens
+    attempts.claim(engine, ran, "w:1:ran")
+    for i, token in enumerate(held):
+        attempts.claim(engine, token, f"w:2:{i}")
+
+    taken = claim_first(
+        engine,
+        held,
+        "w:1:next",
+        step=STEP,
+        carrier=None,
+        finished=HeldOutcome(
+            ran, AttemptOutcome.FAILED, error={"type": "E", "message": "m"}, retryable=False
+        ),
+    )
+
+    assert taken.claimed is None and taken.written is True
+    row = _row(ductor, ran)
+    assert (row.outcome, row.error, row.retryable) == (
+        "failed",
+        {"type": "E", "message": "m"},
+        False,
+    )
+
+
+def test_an_attempt_already_closed_is_not_written_again(database_url: str) -> None:
+    ductor, _, tokens = _branches(database_url, items=3)
+    engine = ductor.runtime.engine()
+    ran, *held = tokens
+    attempts.claim(engine, ran, "w:1:ran")
+    assert attempts.finish(engine, ran, outcome=AttemptOutcome.CANCELLED)[0]
+
+    done = HeldOutcome(ran, AttemptOutcome.SUCCEEDED, output=5)
+    taken = claim_first(engine, held, "w:1:next", step=STEP, carrier=None, finished=done)
+
+    assert taken.written is False  # the caller's ordinary finish then says "closed"
+    assert _row(ductor, ran).outcome == "cancelled"
+    assert taken.claimed is not None and taken.claimed.token == held[0]
+
+
+def test_without_an_outcome_it_only_claims(database_url: str) -> None:
+    ductor, _, tokens = _branches(database_url, items=3)
+    engine = ductor.runtime.engine()
+    attempts.claim(engine, tokens[0], "w:2:a")
+
+    taken = claim_first(engine, tokens, "w:1:x", step=STEP, carrier=None)
+
+    assert taken.written is None
+    assert taken.claimed is not None and taken.claimed.token == tokens[1]
+
+
+def test_another_steps_attempts_and_rate_limited_ones_are_not_claimed(database_url: str) -> None:
+    ductor, _, tokens = _branches(database_url, items=3)
+    engine = ductor.runtime.engine()
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(step_attempt).where(step_attempt.c.token == tokens[0]).values(rate_key="k")
+        )
+    assert claim_first(engine, tokens[:1], "w:1:a", step=STEP, carrier=None).claimed is None
+    assert claim_first(engine, tokens[1:], "w:1:b", step="other.step", carrier=None).claimed is None
+    taken = claim_first(engine, tokens, "w:1:c", step=STEP, carrier=None)
+    assert taken.claimed is not None and taken.claimed.token == tokens[1]
+
+
+def test_a_retry_after_a_lost_answer_finds_its_own_claim(database_url: str) -> None:
+    ductor, _, tokens = _branches(database_url, items=3)
+    engine = ductor.runtime.engine()
+    ran, *held = tokens
+    attempts.claim(engine, ran, "w:1:ran")
+    done = HeldOutcome(ran, AttemptOutcome.SUCCEEDED, output=1)
+    first = claim_first(engine, held, "w:1:next", step=STEP, carrier=None, finished=done)
+
+    again = claim_first(engine, held, "w:1:next", step=STEP, carrier=None, finished=done)
+
+    assert first.claimed is not None and again.claimed is not None
+    assert again.claimed.token == first.claimed.token
+    assert again.written is False  # written by the first try
+
+
+def test_values_the_database_refuses_write_and_claim_nothing(database_url: str) -> None:
+    ductor, _, tokens = _branches(database_url, items=3)
+    engine = ductor.runtime.engine()
+    ran, *held = tokens
+    attempts.claim(engine, ran, "w:1:ran")
+    bad = HeldOutcome(ran, AttemptOutcome.SUCCEEDED, output="a\x00b")  # no jsonb holds NUL
+
+    with pytest.raises(ValuesRefused):
+        claim_first(engine, held, "w:1:next", step=STEP, carrier=None, finished=bad)
+
+    assert _row(ductor, ran).finished_at is None
+    assert all(_row(ductor, t).claimed_at is None for t in held)
