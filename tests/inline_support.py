@@ -42,6 +42,8 @@ class RecordingDispatcher(Dispatcher):
 
     def __init__(self) -> None:
         self.rows: list[OutboxRow] = []
+        #: The rows of each ``send`` (a tick's, or a hand-back), in order.
+        self.sends: list[list[OutboxRow]] = []
         self.wakes: list[str] = []
         #: Runs just started, sent to the step workers for their first tick.
         self.first_ticks: list[str] = []
@@ -50,6 +52,7 @@ class RecordingDispatcher(Dispatcher):
 
     def send(self, rows: list[OutboxRow]) -> None:
         self.rows.extend(rows)
+        self.sends.append(list(rows))
 
     def wake(self, run_id: str, quick: QuickBranches | None = None) -> None:
         self.wakes.append(run_id)

@@ -22,7 +22,8 @@ FIRST_TICK_TASK_NAME = "ductor.first_tick"
 #: (a bundle: runtime/inline.py, ``InlineChain.bundle``). Old workers ignore it; those
 #: attempts are then re-sent after ``ductor_resend_unclaimed_after``, as after a lost message.
 HELD_HEADER = "ductor_held"
-#: The most attempts one message carries besides its own (a tick never bundles more).
+#: The most attempts a message's header may name besides its own (the parser's bound: a tick
+#: bundles at most ``inline.HOLD_MAX`` - 1).
 MAX_CARRIED = 63
 
 

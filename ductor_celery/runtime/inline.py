@@ -310,11 +310,33 @@ class InlineChain:
         ``HOLD_IF_QUICKER_S``), routed to this queue, with no concurrency limit. Every row is
         still sent and forgotten as before: a bundled branch's outbox row is deleted once its
         bundle is sent, and one whose message is lost is re-sent by the tick after
-        ``ductor_resend_unclaimed_after``, as any lost message is."""
-        quick = self.quick()
-        if quick is None or self.run_id is None:
+        ``ductor_resend_unclaimed_after``, as any lost message is.
+
+        A chain that has run nothing yet (a run's first tick, ``steps.first_tick``) bundles
+        a scatter's first branches when their step ran quickly the last time it ran in this
+        process (``_last_ran_by_step``): a quick scatter's first fill is then a few messages,
+        not one per branch (``max_parallel``, 64 by default)."""
+        if self.run_id is None:
             return rows
-        return bundle_rows(rows, self.run_id, quick, self.rt.settings.steps_queue)
+        steps_queue = self.rt.settings.steps_queue
+        if self.last_ran_s is None:
+            for quick in self._quick_before(rows):
+                rows = bundle_rows(rows, self.run_id, quick, steps_queue)
+            return rows
+        just_ran = self.quick()
+        return rows if just_ran is None else bundle_rows(rows, self.run_id, just_ran, steps_queue)
+
+    def _quick_before(self, rows: list[OutboxRow]) -> list[QuickBranches]:
+        """The nodes of ``rows``' step messages whose step ran quickly the last time it ran
+        in this process, of a step registered here with no concurrency limit."""
+        found: dict[tuple[str, str], None] = {}
+        for row in rows:
+            last = _last_ran_by_step.get(row.task)
+            if row.kind == DispatchKind.STEP and last is not None and last <= HOLD_IF_QUICKER_S:
+                step = self.rt.step_named(row.task)
+                if step is not None and step.concurrency is None:
+                    found[(row.task, str(row.payload.get("node")))] = None
+        return [QuickBranches(step, node, self.queue) for step, node in found]
 
     def quick(self) -> QuickBranches | None:
         """The node whose attempt this worker has just run quickly, when more of its branches

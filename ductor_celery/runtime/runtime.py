@@ -263,6 +263,10 @@ def _carried(request: Any, token: str) -> CarriedBranches | None:
         problems = [_id_problem(carried.run_id, RUN_ID_CHARS)]
         problems += [_id_problem(t, TOKEN_CHARS) for t in carried.tokens]
         carried = next((f"holds an id that {p}" for p in problems if p is not None), carried)
+    if not isinstance(carried, str | None) and any(
+        not t.startswith(f"{carried.run_id}:") for t in carried.tokens
+    ):
+        carried = "holds a token of another run"
     if isinstance(carried, str):
         log.warning("step message %s has a %s header that %s; ignored", token, HELD_HEADER, carried)
         return None

@@ -91,12 +91,8 @@ def execute_attempt(
     chain = InlineChain.start(rt, queue, lambda: worker_identity(hostname), carrier)
     me = worker_identity(hostname)
     claimed = _claim(engine, token, me, step, carrier)
-    if held is not None and not isinstance(claimed, attempts.WrongStep):
-        if isinstance(claimed, attempts.ClaimedAttempt) and claimed.run_id != held.run_id:
-            log.warning("message %s carries attempts of another run; handed back", token)
-            hand_back(rt, held, step, queue or step.queue or rt.settings.steps_queue)
-        elif chain is None or not chain.carry(held, step):
-            hand_back(rt, held, step, queue or step.queue or rt.settings.steps_queue)
+    if held is not None:
+        _carry(rt, chain, claimed, held, step, queue)
     if isinstance(claimed, attempts.WrongStep):
         # Run nothing: the arguments are another function's. The attempt's own message (or
         # the sweeper's re-send) still claims it.
@@ -124,9 +120,39 @@ def execute_attempt(
         return "duplicate"
     if chain is not None:
         chain.bind(claimed.run_id)
-    outcome = _run_claimed(rt, engine, step, claimed, me, chain)
+    try:
+        outcome = _run_claimed(rt, engine, step, claimed, me, chain)
+    except BaseException:
+        if chain is not None:
+            chain.release()  # what its message carried goes back now, as messages of their own
+        raise
     _run_inline(rt, engine, chain, hostname)
     return outcome
+
+
+def _carry(
+    rt: WorkerPort,
+    chain: InlineChain | None,
+    claimed: attempts.ClaimedAttempt | attempts.WrongStep | RateHeld | None,
+    held: CarriedBranches,
+    step: Step,
+    queue: str | None,
+) -> None:
+    """Hold what a bundled message carries for this worker's chain, or hand it back as
+    messages of their own: when this worker runs no chain, or the message's own attempt is
+    another run's. Nothing of a message for the wrong step is run or sent."""
+    if isinstance(claimed, attempts.WrongStep):
+        log.warning(
+            "message %s for the wrong step carries %d more; dropped",
+            claimed.token,
+            len(held.tokens),
+        )
+        return
+    if isinstance(claimed, attempts.ClaimedAttempt) and claimed.run_id != held.run_id:
+        log.warning("message %s carries attempts of another run; handed back", claimed.token)
+    elif chain is not None and chain.carry(held, step):
+        return
+    hand_back(rt, held, step, queue or step.queue or rt.settings.steps_queue)
 
 
 def first_tick(
@@ -174,7 +200,7 @@ def _run_inline(
 ) -> None:
     """Run what the chain's ticks claimed or held for this worker (or its message carried),
     one after another."""
-    if chain is None or not chain.has_next:
+    if chain is None or not (chain.has_next or chain.unticked):
         return
     try:
         while (kept := _next_inline(rt, engine, chain)) is not None:
@@ -222,7 +248,7 @@ def _next_inline(
             # attempt: a bundle's carried branches, some maybe taken by other workers).
             tokens, step = together
             me = chain.identity()
-            taken = _claim_first(engine, tokens, me, step, chain.carrier)
+            taken = _claim_first(engine, tokens, me, step, chain)
             chain.took(tokens, taken.claimed, step, me)
             continue
         held = chain.pop_held()
@@ -246,19 +272,21 @@ def _claim_first(
     tokens: list[str],
     me: str,
     step: Step,
-    carrier: str | None,
+    chain: InlineChain,
     finished: HeldOutcome | None = None,
 ) -> HeldClaim:
-    """``held_claims.claim_first``, retried on a dropped connection (the identity is unique
-    per claim, so a retry finds its own claim)."""
+    """``held_claims.claim_first`` for the chain's run, retried on a dropped connection (the
+    identity is unique per claim, so a retry finds its own claim)."""
+    assert chain.run_id is not None  # bound by the claim or the bundle that held them
     return with_retry(
         functools.partial(
             held_claims.claim_first,
             engine,
             tokens,
             me,
+            run_id=chain.run_id,
             step=step.name,
-            carrier=carrier,
+            carrier=chain.carrier,
             finished=finished,
         ),
         what="claim held attempt" if finished is None else "record attempt outcome",
@@ -288,20 +316,20 @@ def _record_then_claim(
     finished = HeldOutcome(
         claimed.token,
         result.outcome,
-        result.output,
-        result.error,
-        result.retryable,
-        result.patch,
-        result.tags,
+        output=result.output,
+        error=result.error,
+        retryable=result.retryable,
+        patch=result.patch,
+        tags=result.tags,
     )
     try:
-        taken = _claim_first(engine, tokens, me, next_step, chain.carrier, finished)
+        taken = _claim_first(engine, tokens, me, next_step, chain, finished)
     except ValuesRefused:
         return _record(rt, engine, step, claimed.token, result)  # writes why, as a failure
     chain.took(tokens, taken.claimed, next_step, me)
     # Fault tests: die holding branches, with outcomes written alone and not ticked, and the
-    # next one claimed with the last of them (its timeout retries it).
-    failpoint("held_before_claim")
+    # next one claimed with the last of them, not started (its timeout retries it).
+    failpoint("between_held_branches")
     if not taken.written:
         return _record(rt, engine, step, claimed.token, result)
     return result.outcome.value

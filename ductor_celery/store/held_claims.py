@@ -8,8 +8,10 @@ those claims failed: another worker's chain had adopted the branch and claimed i
 a bundle's worker found what it carried taken. Here one autocommit statement writes the
 outcome (the same SET and WHERE as ``attempts.finish_unleased_on``) and claims, among the
 held tokens in their order, the first one still unclaimed and open (the ordinary claim's
-conditions, ``attempts._claimable_now``), skipping the others; a row another claim holds at
-that moment is skipped too (``SKIP LOCKED``: that claim is taking it). Only for attempts with
+conditions, ``attempts._claimable_now``), skipping the others; a row another statement holds
+locked at that moment is skipped too (``SKIP LOCKED``: most often another worker's claim
+taking it; a branch skipped otherwise, still unclaimed, is re-sent after
+``ductor_resend_unclaimed_after`` or claimed by a message it still has). Only for attempts with
 no rate limit and no concurrency lease (a held branch never has a lease; a rate-limited one
 takes the ordinary claim, which takes its bucket's token).
 """
@@ -69,6 +71,9 @@ def _statement(finishing: bool) -> str:
         else ""
     )
     written = "(SELECT count(*) FROM finished)" if finishing else "NULL::bigint"
+    # The outcome's row locked before the next one's, the order a tick's commit closing
+    # both would take (no two statements wait on each other in a cycle).
+    after_finished = " AND (SELECT count(*) FROM finished) >= 0" if finishing else ""
     return (
         f"WITH {finished}"
         "next AS (SELECT a.token "
@@ -76,7 +81,11 @@ def _statement(finishing: bool) -> str:
         "JOIN eec_workflow_step_attempt a ON a.token = c.token "
         "WHERE (a.claimed_at IS NULL OR a.claimed_by = %(n_worker)s) AND a.finished_at IS NULL "
         "AND a.lease_key IS NULL AND a.rate_key IS NULL AND a.step = %(n_step)s "
-        "ORDER BY c.i LIMIT 1 FOR UPDATE OF a SKIP LOCKED), "
+        f"AND a.run_id = %(n_run)s{after_finished} "
+        # A retry whose first try's answer was lost finds its own claim first (an earlier
+        # token it skipped then, row-locked at that moment, may be claimable now).
+        "ORDER BY a.claimed_by IS NOT DISTINCT FROM %(n_worker)s DESC, c.i "
+        "LIMIT 1 FOR UPDATE OF a SKIP LOCKED), "
         "claimed AS (UPDATE eec_workflow_step_attempt a "
         "SET claimed_at = now(), claimed_by = %(n_worker)s, carrier = %(n_carrier)s "
         "FROM next, eec_workflow_run r WHERE a.token = next.token AND r.run_id = a.run_id "
@@ -92,12 +101,14 @@ def claim_first(
     tokens: Sequence[str],
     worker: str,
     *,
+    run_id: str,
     step: str,
     carrier: str | None,
     finished: HeldOutcome | None = None,
 ) -> HeldClaim:
-    """Claim for ``worker`` the first of ``tokens`` (attempts of ``step``) that can still be
-    claimed, writing ``finished`` first if given, in one statement (PostgreSQL, autocommit).
+    """Claim for ``worker`` the first of ``tokens`` (attempts of ``step`` in run ``run_id``:
+    a token of another run is never claimed) that can still be claimed, writing ``finished``
+    first if given, in one statement (PostgreSQL, autocommit).
 
     ``worker`` must be unique per claim, as for ``attempts.claim``: a retry after a lost
     answer finds its own claim again (and the outcome written: ``written`` is then False).
@@ -106,6 +117,7 @@ def claim_first(
     params: dict[str, Any] = {
         "n_tokens": list(tokens),
         "n_worker": worker,
+        "n_run": run_id,
         "n_step": step,
         "n_carrier": carrier,
     }

@@ -188,7 +188,7 @@ def test_a_step_worker_killed_while_holding_branches_loses_none_and_runs_none_tw
     cluster.start_coordinator()
     cluster.start_steps(
         concurrency=1,
-        DUCTOR_FAILPOINT="held_before_claim",
+        DUCTOR_FAILPOINT="between_held_branches",
         DUCTOR_FAILPOINT_MARKER=str(fired),
     )
     ductor = client_for(cluster)

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from celery import Celery
 from celery.app.task import Context
 from inline_support import (
+    QUEUE,
     RecordingDispatcher,
     attempt_rows,
     deliver,
@@ -41,6 +42,7 @@ from ductor_celery.runtime.dispatch import (
     quick_branches,
 )
 from ductor_celery.runtime.runtime import _carried
+from ductor_celery.runtime.steps import first_tick
 from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import attempts
 from ductor_celery.store.outbox import OutboxRow
@@ -147,6 +149,46 @@ def test_a_bundle_whose_own_branch_was_taken_still_runs_the_ones_it_carries(
     assert rows[bundle.payload["token"]].finished_at is None  # the other worker's to finish
 
 
+def test_a_bundle_whose_carried_branches_were_all_taken_still_ticks_its_own_outcome(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its own outcome is written with a claim that finds nothing left to claim: the tick
+    after it must still come (not left to another worker's tick, or the sweeper's scan)."""
+    ductor, recorder, run_id, _ = _chain_out_of_steps(database_url, monkeypatch)
+    [bundle, *_] = _bundles(recorder)
+    recorder.rows.clear()
+    engine = ductor.runtime.engine()
+    for i, token in enumerate(bundle.payload["held"]):
+        assert attempts.claim(engine, token, f"another-worker:1:{i}") is not None
+
+    assert deliver(ductor, bundle) == "succeeded"
+
+    own = {a.token: a for a in attempt_rows(ductor, run_id)}[bundle.payload["token"]]
+    assert own.outcome == "succeeded" and own.folded
+
+
+def test_a_process_stopping_in_a_bundles_own_step_hands_what_it_carries_back(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ductor, recorder, run_id, _ = _chain_out_of_steps(database_url, monkeypatch)
+    [bundle, *_] = _bundles(recorder)
+    recorder.rows.clear()
+    step = ductor.runtime.step_named("held.bump")
+    assert step is not None
+
+    def stopping(ctx: Any, item: int) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(step, "fn", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        deliver(ductor, bundle)
+
+    sent = [r.payload["token"] for r in recorder.rows if r.kind == "step"]
+    assert sorted(sent) == sorted(bundle.payload["held"])  # at once, not 30 s later
+    rows = {a.token: a for a in attempt_rows(ductor, run_id)}
+    assert all(rows[t].claimed_at is None for t in bundle.payload["held"])
+
+
 def test_a_slow_bundle_hands_what_it_carries_back_as_messages_of_their_own(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -241,7 +283,7 @@ def test_nothing_is_bundled_after_a_slow_step(database_url: str) -> None:
 def test_a_carried_header_is_read_back_as_it_was_sent_through_a_celery_message() -> None:
     app = Celery("bundles", broker="memory://")
     dispatcher = Dispatcher(app, "ductor-steps", "ductor-coord")
-    row = _row("t0", payload={"held": ["t1", "t2"], "priority": 3})
+    row = _row("run-1:each:0", payload={"held": ["run-1:each:1", "run-1:each:2"], "priority": 3})
     dispatcher.send([row, _row("t3")])
     with app.connection_for_read() as conn:
         queue = conn.SimpleQueue("ductor-steps")
@@ -249,7 +291,9 @@ def test_a_carried_header_is_read_back_as_it_was_sent_through_a_celery_message()
         queue.close()
     # What the worker's task sees: a context made from the message's headers.
     request = Context(bundled.headers)
-    assert _carried(request, "t0") == CarriedBranches("run-1", "each", ("t1", "t2"), 3)
+    assert _carried(request, "t0") == CarriedBranches(
+        "run-1", "each", ("run-1:each:1", "run-1:each:2"), 3
+    )
     assert HELD_HEADER not in plain.headers
     assert _carried(Context(plain.headers), "t3") is None
 
@@ -274,11 +318,14 @@ def test_a_malformed_carried_header_names_its_problem(value: Any, problem: str) 
 def test_a_forged_header_is_one_warning_and_the_message_still_runs(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    forged = {HELD_HEADER: {"run_id": "r", "node": "n", "tokens": ["ok", "a\x00b"]}}
+    forged = {HELD_HEADER: {"run_id": "r", "node": "n", "tokens": ["r:n:1", "a\x00b"]}}
     assert _carried(Context(forged), "t0") is None
     assert "holds an id that holds a NUL" in caplog.text
     assert _carried(Context({HELD_HEADER: ["x"]}), "t0") is None
     assert "is a list, not an object" in caplog.text
+    other = {HELD_HEADER: {"run_id": "r1", "node": "n", "tokens": ["r1:n:2", "r2:n:3"]}}
+    assert _carried(Context(other), "t0") is None
+    assert "holds a token of another run" in caplog.text
 
 
 def _quick_branches_woken_busy(
@@ -357,3 +404,32 @@ def test_the_quick_hint_travels_in_the_wake_ups_header_to_the_tick_task(
 )
 def test_a_malformed_quick_hint_is_no_hint(value: Any) -> None:
     assert quick_branches(value) is None
+
+
+@pytest.mark.parametrize("last_ran_s", [0.001, 1.0, None])
+def test_a_first_tick_bundles_a_scatters_first_branches_when_their_step_ran_quickly_here(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, last_ran_s: float | None
+) -> None:
+    """The run's first tick on a step worker (``steps.first_tick``): a chain that has run
+    nothing bundles the first fill only if the step ran quickly the last time in this
+    process; otherwise (slow, or never run here) one message per branch, all at once."""
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 0.01)
+    monkeypatch.setattr(inline, "_last_ran_by_step", {})
+    if last_ran_s is not None:
+        inline._last_ran_by_step["held.bump"] = last_ran_s
+    ductor, recorder = make_ductor(database_url)
+    quick_scatter(ductor, max_parallel=20)
+    run_id = ductor.start("quick", input={"items": list(range(40))}).run_id
+
+    assert first_tick(ductor.runtime, run_id, "w1@host", QUEUE) == "committed"
+
+    sent = [r for r in recorder.sends[0] if r.kind == "step"]  # the first tick's
+    if last_ran_s == 0.001:
+        # 20 started: one claimed in the commit and run here, 19 in two bundles (16 + 3).
+        assert sorted(1 + len(r.payload.get("held", [])) for r in sent) == [3, 16]
+    else:
+        assert len(sent) == 19 and not any("held" in r.payload for r in sent)
+    played = _play_everything(ductor, recorder, [])
+    run = run_row(ductor, run_id)
+    assert run.status == "succeeded", (run.error, played)
+    assert sorted(a.branch for a in attempt_rows(ductor, run_id)) == list(range(40))

@@ -50,7 +50,9 @@ def test_it_writes_the_outcome_and_claims_the_first_claimable_in_order(database_
     assert attempts.finish(engine, held[1], outcome=AttemptOutcome.SUCCEEDED, output=1)[0]
 
     done = HeldOutcome(ran, AttemptOutcome.SUCCEEDED, output={"v": 1}, patch={"k": [1, 2]})
-    taken = claim_first(engine, held, "w:1:next", step=STEP, carrier="c1", finished=done)
+    taken = claim_first(
+        engine, held, "w:1:next", run_id=run_id, step=STEP, carrier="c1", finished=done
+    )
 
     assert taken.written is True
     assert taken.claimed is not None and taken.claimed.token == held[2]
@@ -69,7 +71,7 @@ def test_it_writes_the_outcome_and_claims_the_first_claimable_in_order(database_
 
 
 def test_the_outcome_is_written_though_nothing_is_left_to_claim(database_url: str) -> None:
-    ductor, _, tokens = _branches(database_url, items=3)
+    ductor, run_id, tokens = _branches(database_url, items=3)
     engine = ductor.runtime.engine()
     ran, *held = tokens
     attempts.claim(engine, ran, "w:1:ran")
@@ -80,6 +82,7 @@ def test_the_outcome_is_written_though_nothing_is_left_to_claim(database_url: st
         engine,
         held,
         "w:1:next",
+        run_id=run_id,
         step=STEP,
         carrier=None,
         finished=HeldOutcome(
@@ -97,14 +100,16 @@ def test_the_outcome_is_written_though_nothing_is_left_to_claim(database_url: st
 
 
 def test_an_attempt_already_closed_is_not_written_again(database_url: str) -> None:
-    ductor, _, tokens = _branches(database_url, items=3)
+    ductor, run_id, tokens = _branches(database_url, items=3)
     engine = ductor.runtime.engine()
     ran, *held = tokens
     attempts.claim(engine, ran, "w:1:ran")
     assert attempts.finish(engine, ran, outcome=AttemptOutcome.CANCELLED)[0]
 
     done = HeldOutcome(ran, AttemptOutcome.SUCCEEDED, output=5)
-    taken = claim_first(engine, held, "w:1:next", step=STEP, carrier=None, finished=done)
+    taken = claim_first(
+        engine, held, "w:1:next", run_id=run_id, step=STEP, carrier=None, finished=done
+    )
 
     assert taken.written is False  # the caller's ordinary finish then says "closed"
     assert _row(ductor, ran).outcome == "cancelled"
@@ -112,38 +117,50 @@ def test_an_attempt_already_closed_is_not_written_again(database_url: str) -> No
 
 
 def test_without_an_outcome_it_only_claims(database_url: str) -> None:
-    ductor, _, tokens = _branches(database_url, items=3)
+    ductor, run_id, tokens = _branches(database_url, items=3)
     engine = ductor.runtime.engine()
     attempts.claim(engine, tokens[0], "w:2:a")
 
-    taken = claim_first(engine, tokens, "w:1:x", step=STEP, carrier=None)
+    taken = claim_first(engine, tokens, "w:1:x", run_id=run_id, step=STEP, carrier=None)
 
     assert taken.written is None
     assert taken.claimed is not None and taken.claimed.token == tokens[1]
 
 
 def test_another_steps_attempts_and_rate_limited_ones_are_not_claimed(database_url: str) -> None:
-    ductor, _, tokens = _branches(database_url, items=3)
+    ductor, run_id, tokens = _branches(database_url, items=3)
     engine = ductor.runtime.engine()
     with engine.begin() as conn:
         conn.execute(
             sa.update(step_attempt).where(step_attempt.c.token == tokens[0]).values(rate_key="k")
         )
-    assert claim_first(engine, tokens[:1], "w:1:a", step=STEP, carrier=None).claimed is None
-    assert claim_first(engine, tokens[1:], "w:1:b", step="other.step", carrier=None).claimed is None
-    taken = claim_first(engine, tokens, "w:1:c", step=STEP, carrier=None)
+    assert (
+        claim_first(engine, tokens[:1], "w:1:a", run_id=run_id, step=STEP, carrier=None).claimed
+        is None
+    )
+    assert (
+        claim_first(
+            engine, tokens[1:], "w:1:b", run_id=run_id, step="other.step", carrier=None
+        ).claimed
+        is None
+    )
+    taken = claim_first(engine, tokens, "w:1:c", run_id=run_id, step=STEP, carrier=None)
     assert taken.claimed is not None and taken.claimed.token == tokens[1]
 
 
 def test_a_retry_after_a_lost_answer_finds_its_own_claim(database_url: str) -> None:
-    ductor, _, tokens = _branches(database_url, items=3)
+    ductor, run_id, tokens = _branches(database_url, items=3)
     engine = ductor.runtime.engine()
     ran, *held = tokens
     attempts.claim(engine, ran, "w:1:ran")
     done = HeldOutcome(ran, AttemptOutcome.SUCCEEDED, output=1)
-    first = claim_first(engine, held, "w:1:next", step=STEP, carrier=None, finished=done)
+    first = claim_first(
+        engine, held, "w:1:next", run_id=run_id, step=STEP, carrier=None, finished=done
+    )
 
-    again = claim_first(engine, held, "w:1:next", step=STEP, carrier=None, finished=done)
+    again = claim_first(
+        engine, held, "w:1:next", run_id=run_id, step=STEP, carrier=None, finished=done
+    )
 
     assert first.claimed is not None and again.claimed is not None
     assert again.claimed.token == first.claimed.token
@@ -151,14 +168,45 @@ def test_a_retry_after_a_lost_answer_finds_its_own_claim(database_url: str) -> N
 
 
 def test_values_the_database_refuses_write_and_claim_nothing(database_url: str) -> None:
-    ductor, _, tokens = _branches(database_url, items=3)
+    ductor, run_id, tokens = _branches(database_url, items=3)
     engine = ductor.runtime.engine()
     ran, *held = tokens
     attempts.claim(engine, ran, "w:1:ran")
     bad = HeldOutcome(ran, AttemptOutcome.SUCCEEDED, output="a\x00b")  # no jsonb holds NUL
 
     with pytest.raises(ValuesRefused):
-        claim_first(engine, held, "w:1:next", step=STEP, carrier=None, finished=bad)
+        claim_first(engine, held, "w:1:next", run_id=run_id, step=STEP, carrier=None, finished=bad)
 
     assert _row(ductor, ran).finished_at is None
     assert all(_row(ductor, t).claimed_at is None for t in held)
+
+
+def test_a_token_of_another_run_is_never_claimed(database_url: str) -> None:
+    ductor, run_id, tokens = _branches(database_url, items=2)
+    engine = ductor.runtime.engine()
+    taken = claim_first(engine, tokens, "w:1:a", run_id="another-run", step=STEP, carrier=None)
+    assert taken.claimed is None
+    assert all(_row(ductor, t).claimed_at is None for t in tokens)
+
+
+def test_a_retry_finds_its_own_claim_before_a_token_it_skipped_while_locked(
+    database_url: str,
+) -> None:
+    """The first try skipped a token another statement held locked and claimed the next; its
+    answer was lost. The retry (same identity) must find that claim again, not claim the
+    skipped token as well (which would leave the first one claimed and never run)."""
+    ductor, run_id, tokens = _branches(database_url, items=3)
+    engine = ductor.runtime.engine()
+    with engine.connect() as locker:
+        locker.execute(
+            sa.text("SELECT 1 FROM eec_workflow_step_attempt WHERE token = :t FOR UPDATE"),
+            {"t": tokens[0]},
+        )
+        first = claim_first(engine, tokens, "w:1:x", run_id=run_id, step=STEP, carrier=None)
+        locker.rollback()
+    assert first.claimed is not None and first.claimed.token == tokens[1]
+
+    again = claim_first(engine, tokens, "w:1:x", run_id=run_id, step=STEP, carrier=None)
+
+    assert again.claimed is not None and again.claimed.token == tokens[1]
+    assert _row(ductor, tokens[0]).claimed_at is None
