@@ -20,7 +20,7 @@ from ..engine import AttemptResult
 from ..engine.status import AttemptOutcome
 from ..store import attempts, held_claims, next_read, wakes
 from ..store.db import ValuesRefused, outages, with_retry
-from ..store.held_claims import HeldClaim, HeldOutcome
+from ..store.held_claims import HeldClaim
 from ..store.outbox import OutboxRow
 from ..store.rates import RateHeld
 from ..store.schema import dumps_json
@@ -273,7 +273,7 @@ def _claim_first(
     me: str,
     step: Step,
     chain: InlineChain,
-    finished: HeldOutcome | None = None,
+    finished: AttemptResult | None = None,
 ) -> HeldClaim:
     """``held_claims.claim_first`` for the chain's run, retried on a dropped connection (the
     identity is unique per claim, so a retry finds its own claim)."""
@@ -313,15 +313,7 @@ def _record_then_claim(
         return _record(rt, engine, step, claimed.token, result)
     tokens, next_step = together
     me = chain.identity()
-    finished = HeldOutcome(
-        claimed.token,
-        result.outcome,
-        output=result.output,
-        error=result.error,
-        retryable=result.retryable,
-        patch=result.patch,
-        tags=result.tags,
-    )
+    finished = _carried(claimed, result)  # its values as the row will hold them
     try:
         taken = _claim_first(engine, tokens, me, next_step, chain, finished)
     except ValuesRefused:

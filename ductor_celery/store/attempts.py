@@ -390,7 +390,7 @@ def finish(
                 return True, []
     # What the JSON encoder refuses is ValuesRefused here too (SQLAlchemy would pass the
     # encoder's own error through from inside the driver's binding).
-    outcome_json(output, error, patch, tags)
+    _outcome_json(output, error, patch, tags)
     with engine.begin() as conn:
         if leased:
             leases.lock_keys(conn, leases.keys_held_by(conn, [token]))
@@ -412,7 +412,7 @@ def finishes_in_tick(engine: Engine) -> bool:
     return dialect_of(engine).one_statement
 
 
-def outcome_json(*values: Any) -> tuple[str, ...]:
+def _outcome_json(*values: Any) -> tuple[str, ...]:
     """An outcome's JSON columns as ``dumps_json`` writes them; what the encoder refuses is
     ``ValuesRefused`` (the driver's own binding of them would raise it bare)."""
     try:
@@ -440,7 +440,7 @@ def finish_unleased_on(
     but ``folded``, the same WHERE, the JSON columns as ``dumps_json`` makes them. Values it
     cannot encode, or that PostgreSQL refuses, are ``ValuesRefused`` as on SQLAlchemy's
     path (``db.refusing_values``)."""
-    output_text, error_text, patch_text, tags_text = outcome_json(output, error, patch, tags)
+    output_text, error_text, patch_text, tags_text = _outcome_json(output, error, patch, tags)
     params = {
         "c_token": token,
         "c_outcome": str(outcome),

@@ -26,22 +26,9 @@ from typing import Any
 from psycopg.rows import namedtuple_row
 from sqlalchemy.engine import Engine
 
-from ..engine.status import AttemptOutcome
-from .attempts import CARRIED_WHERE, OUTCOME_SET, ClaimedAttempt, claimed_attempt, outcome_json
-from .db import autocommit, driver_cursor, refusing_values
-
-
-@dataclass(frozen=True, slots=True)
-class HeldOutcome:
-    """The outcome of the held branch just run, written with the next claim."""
-
-    token: str
-    outcome: AttemptOutcome
-    output: Any = None
-    error: dict[str, Any] | None = None
-    retryable: bool = True
-    patch: dict[str, Any] | None = None
-    tags: list[list[str]] | None = None
+from ..engine.inputs import AttemptResult
+from .attempts import CARRIED_WHERE, OUTCOME_SET, ClaimedAttempt, carried_params, claimed_attempt
+from .db import ValuesRefused, autocommit, driver_cursor, one_line_cause, refusing_values
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +91,12 @@ def claim_first(
     run_id: str,
     step: str,
     carrier: str | None,
-    finished: HeldOutcome | None = None,
+    finished: AttemptResult | None = None,
 ) -> HeldClaim:
     """Claim for ``worker`` the first of ``tokens`` (attempts of ``step`` in run ``run_id``:
     a token of another run is never claimed) that can still be claimed, writing ``finished``
-    first if given, in one statement (PostgreSQL, autocommit).
+    first if given (an outcome as a tick carries it: ``attempts.carried_params``), in one
+    statement (PostgreSQL, autocommit).
 
     ``worker`` must be unique per claim, as for ``attempts.claim``: a retry after a lost
     answer finds its own claim again (and the outcome written: ``written`` is then False).
@@ -122,18 +110,10 @@ def claim_first(
         "n_carrier": carrier,
     }
     if finished is not None:
-        output, error, patch, tags = outcome_json(
-            finished.output, finished.error, finished.patch, finished.tags
-        )
-        params.update(
-            c_token=finished.token,
-            c_outcome=str(finished.outcome),
-            c_output=output,
-            c_error=error,
-            c_retryable=finished.retryable,
-            c_patch=patch,
-            c_tags=tags,
-        )
+        try:
+            params.update(carried_params(finished))  # the JSON columns as ``finish`` writes them
+        except (TypeError, ValueError) as exc:
+            raise ValuesRefused(one_line_cause(exc)) from exc
     with autocommit(engine) as conn, driver_cursor(conn, row_factory=namedtuple_row) as cursor:
         cursor.execute(_statement(finished is not None), params)
         row = cursor.fetchone()

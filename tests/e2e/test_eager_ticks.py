@@ -135,16 +135,7 @@ def test_a_quick_scatter_runs_several_branches_per_tick_on_real_workers(
     """Held branches (runtime/inline.py): two step processes, 120 quick items, every branch
     exactly once, and far fewer ticks than branches."""
     cluster = cluster_factory(E2E_HOLD_QUICKER="1.0")
-    cluster.start_coordinator()
-    cluster.start_steps(concurrency=2)
-    ductor = client_for(cluster)
-    handle = ductor.start("quick_scatter", input={"items": list(range(120))})
-    view = ductor.wait(handle.run_id, timeout=60)
-    assert view.status == RunStatus.SUCCEEDED, cluster.logs()
-    assert view.output == [i + 1 for i in range(120)]
-    assert cluster.executions(handle.run_id) == 120
-    attempts = cluster.attempts(handle.run_id)
-    assert len(attempts) == 120 and all(a.folded and a.outcome == "succeeded" for a in attempts)
+    handle = _each_branch_once(cluster, client_for(cluster), items=120, timeout=60)
     # Without holding every branch is folded by a tick of its own (120 and more commits).
     assert cluster.record_version(handle.run_id) < 90
 
@@ -159,16 +150,23 @@ def test_bundled_messages_carry_a_quick_scatter_past_each_chains_inline_steps(
     unclaimed re-send is an hour away, so a carried branch no worker read from a header
     would hold the run: every branch runs exactly once, on real workers and brokers."""
     cluster = cluster_factory(E2E_HOLD_QUICKER="1.0", E2E_INLINE="3", E2E_RESEND_AFTER="3600")
+    _each_branch_once(cluster, client_for(cluster), items=150, timeout=90)
+
+
+def _each_branch_once(cluster: Any, ductor: Any, items: int, timeout: float) -> Any:
+    """A coordinator and a step worker of two processes run ``quick_scatter`` over ``items``:
+    every branch exactly once, each attempt folded; the run's handle."""
     cluster.start_coordinator()
     cluster.start_steps(concurrency=2)
-    ductor = client_for(cluster)
-    handle = ductor.start("quick_scatter", input={"items": list(range(150))})
-    view = ductor.wait(handle.run_id, timeout=90)
+    handle = ductor.start("quick_scatter", input={"items": list(range(items))})
+    view = ductor.wait(handle.run_id, timeout=timeout)
     assert view.status == RunStatus.SUCCEEDED, cluster.logs()
-    assert view.output == [i + 1 for i in range(150)]
-    assert cluster.executions(handle.run_id) == 150
+    assert view.output == [i + 1 for i in range(items)]
+    assert cluster.executions(handle.run_id) == items
     attempts = cluster.attempts(handle.run_id)
-    assert len(attempts) == 150 and all(a.folded and a.outcome == "succeeded" for a in attempts)
+    assert len(attempts) == items
+    assert all(a.folded and a.outcome == "succeeded" for a in attempts)
+    return handle
 
 
 @broker_core

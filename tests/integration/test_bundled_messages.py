@@ -79,6 +79,16 @@ def _chain_out_of_steps(
     return ductor, recorder, run_id, first
 
 
+def _one_bundle(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Ductor, RecordingDispatcher, str, OutboxRow]:
+    """``_chain_out_of_steps``'s first bundle, not delivered yet, and nothing else recorded."""
+    ductor, recorder, run_id, _ = _chain_out_of_steps(database_url, monkeypatch)
+    [bundle, *_] = _bundles(recorder)
+    recorder.rows.clear()
+    return ductor, recorder, run_id, bundle
+
+
 def test_a_chain_out_of_inline_steps_sends_its_branches_bundled(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -115,9 +125,7 @@ def test_a_bundle_carrying_one_branch_runs_both(
 ) -> None:
     """Its own attempt's outcome is written with the claim of the one it carries, which is
     then the last held branch: it runs, and its tick folds both."""
-    ductor, recorder, run_id, _ = _chain_out_of_steps(database_url, monkeypatch)
-    [bundle, *_] = _bundles(recorder)
-    recorder.rows.clear()
+    ductor, recorder, run_id, bundle = _one_bundle(database_url, monkeypatch)
     carried = bundle.payload["held"][0]
     one = dataclasses.replace(bundle, payload={**bundle.payload, "held": [carried]})
 
@@ -132,9 +140,7 @@ def test_a_bundle_carrying_one_branch_runs_both(
 def test_a_bundle_whose_own_branch_was_taken_still_runs_the_ones_it_carries(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ductor, recorder, run_id, _ = _chain_out_of_steps(database_url, monkeypatch)
-    [bundle, *_] = _bundles(recorder)
-    recorder.rows.clear()
+    ductor, recorder, run_id, bundle = _one_bundle(database_url, monkeypatch)
     engine = ductor.runtime.engine()
     # Another worker's chain adopted the bundle's own branch and claimed it.
     assert attempts.claim(engine, bundle.payload["token"], "another-worker:1:a") is not None
@@ -154,9 +160,7 @@ def test_a_bundle_whose_carried_branches_were_all_taken_still_ticks_its_own_outc
 ) -> None:
     """Its own outcome is written with a claim that finds nothing left to claim: the tick
     after it must still come (not left to another worker's tick, or the sweeper's scan)."""
-    ductor, recorder, run_id, _ = _chain_out_of_steps(database_url, monkeypatch)
-    [bundle, *_] = _bundles(recorder)
-    recorder.rows.clear()
+    ductor, recorder, run_id, bundle = _one_bundle(database_url, monkeypatch)
     engine = ductor.runtime.engine()
     for i, token in enumerate(bundle.payload["held"]):
         assert attempts.claim(engine, token, f"another-worker:1:{i}") is not None
@@ -170,9 +174,7 @@ def test_a_bundle_whose_carried_branches_were_all_taken_still_ticks_its_own_outc
 def test_a_process_stopping_in_a_bundles_own_step_hands_what_it_carries_back(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ductor, recorder, run_id, _ = _chain_out_of_steps(database_url, monkeypatch)
-    [bundle, *_] = _bundles(recorder)
-    recorder.rows.clear()
+    ductor, recorder, run_id, bundle = _one_bundle(database_url, monkeypatch)
     step = ductor.runtime.step_named("held.bump")
     assert step is not None
 
@@ -192,37 +194,35 @@ def test_a_process_stopping_in_a_bundles_own_step_hands_what_it_carries_back(
 def test_a_slow_bundle_hands_what_it_carries_back_as_messages_of_their_own(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ductor, recorder, run_id, _ = _chain_out_of_steps(database_url, monkeypatch)
-    [bundle, *_] = _bundles(recorder)
-    recorder.rows.clear()
+    ductor, recorder, run_id, bundle = _one_bundle(database_url, monkeypatch)
     monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 0.0)  # its own step now counts as slow
 
     assert deliver(ductor, bundle) == "succeeded"
 
-    # Each carried branch back in a message of its own (other workers may run them at once),
-    # beside the message of the branch its tick started after it.
-    sent = [r.payload["token"] for r in recorder.rows if r.kind == "step"]
-    assert all(sent.count(t) == 1 for t in bundle.payload["held"])
-    assert len(sent) == len(bundle.payload["held"]) + 1
-    assert not _bundles(recorder)
-    rows = {a.token: a for a in attempt_rows(ductor, run_id)}
-    assert all(rows[t].claimed_at is None for t in bundle.payload["held"])
+    # Other workers may run them at once.
+    _handed_back_one_by_one(ductor, recorder, run_id, bundle)
 
 
 def test_a_worker_without_inline_steps_hands_a_bundle_back(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ductor, recorder, run_id, _ = _chain_out_of_steps(database_url, monkeypatch)
-    [bundle, *_] = _bundles(recorder)
-    recorder.rows.clear()
+    ductor, recorder, run_id, bundle = _one_bundle(database_url, monkeypatch)
 
     # No queue: the worker runs no inline chain (a message run by hand, or inline steps off).
     assert deliver(ductor, bundle, queue=None) == "succeeded"
 
-    # Each in a message of its own, beside the one of the branch its own step's tick started.
+    _handed_back_one_by_one(ductor, recorder, run_id, bundle)
+
+
+def _handed_back_one_by_one(
+    ductor: Ductor, recorder: RecordingDispatcher, run_id: str, bundle: OutboxRow
+) -> None:
+    """Each branch the bundle carried went back unclaimed, in a message of its own, beside
+    the message of the branch its own step's tick started."""
     sent = [r.payload["token"] for r in recorder.rows if r.kind == "step"]
     assert all(sent.count(t) == 1 for t in bundle.payload["held"])
     assert len(sent) == len(bundle.payload["held"]) + 1
+    assert not _bundles(recorder)
     assert all(r.run_id == run_id for r in recorder.rows if r.kind == "step")
     rows = {a.token: a for a in attempt_rows(ductor, run_id)}
     assert all(rows[t].claimed_at is None for t in bundle.payload["held"])

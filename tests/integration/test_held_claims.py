@@ -9,10 +9,11 @@ import sqlalchemy as sa
 from inline_support import attempt_rows, make_ductor, quick_scatter, start_scatter
 
 from ductor_celery import Ductor
+from ductor_celery.engine.inputs import AttemptResult
 from ductor_celery.engine.status import AttemptOutcome
 from ductor_celery.store import attempts
 from ductor_celery.store.db import ValuesRefused
-from ductor_celery.store.held_claims import HeldOutcome, claim_first
+from ductor_celery.store.held_claims import claim_first
 from ductor_celery.store.schema import step_attempt
 
 STEP = "held.bump"
@@ -49,7 +50,9 @@ def test_it_writes_the_outcome_and_claims_the_first_claimable_in_order(database_
     assert attempts.claim(engine, held[1], "w:2:other2") is not None
     assert attempts.finish(engine, held[1], outcome=AttemptOutcome.SUCCEEDED, output=1)[0]
 
-    done = HeldOutcome(ran, AttemptOutcome.SUCCEEDED, output={"v": 1}, patch={"k": [1, 2]})
+    done = AttemptResult(
+        ran, "each", AttemptOutcome.SUCCEEDED, output={"v": 1}, patch={"k": [1, 2]}
+    )
     taken = claim_first(
         engine, held, "w:1:next", run_id=run_id, step=STEP, carrier="c1", finished=done
     )
@@ -85,8 +88,8 @@ def test_the_outcome_is_written_though_nothing_is_left_to_claim(database_url: st
         run_id=run_id,
         step=STEP,
         carrier=None,
-        finished=HeldOutcome(
-            ran, AttemptOutcome.FAILED, error={"type": "E", "message": "m"}, retryable=False
+        finished=AttemptResult(
+            ran, "each", AttemptOutcome.FAILED, error={"type": "E", "message": "m"}, retryable=False
         ),
     )
 
@@ -106,7 +109,7 @@ def test_an_attempt_already_closed_is_not_written_again(database_url: str) -> No
     attempts.claim(engine, ran, "w:1:ran")
     assert attempts.finish(engine, ran, outcome=AttemptOutcome.CANCELLED)[0]
 
-    done = HeldOutcome(ran, AttemptOutcome.SUCCEEDED, output=5)
+    done = AttemptResult(ran, "each", AttemptOutcome.SUCCEEDED, output=5)
     taken = claim_first(
         engine, held, "w:1:next", run_id=run_id, step=STEP, carrier=None, finished=done
     )
@@ -153,7 +156,7 @@ def test_a_retry_after_a_lost_answer_finds_its_own_claim(database_url: str) -> N
     engine = ductor.runtime.engine()
     ran, *held = tokens
     attempts.claim(engine, ran, "w:1:ran")
-    done = HeldOutcome(ran, AttemptOutcome.SUCCEEDED, output=1)
+    done = AttemptResult(ran, "each", AttemptOutcome.SUCCEEDED, output=1)
     first = claim_first(
         engine, held, "w:1:next", run_id=run_id, step=STEP, carrier=None, finished=done
     )
@@ -172,7 +175,9 @@ def test_values_the_database_refuses_write_and_claim_nothing(database_url: str) 
     engine = ductor.runtime.engine()
     ran, *held = tokens
     attempts.claim(engine, ran, "w:1:ran")
-    bad = HeldOutcome(ran, AttemptOutcome.SUCCEEDED, output="a\x00b")  # no jsonb holds NUL
+    bad = AttemptResult(
+        ran, "each", AttemptOutcome.SUCCEEDED, output="a\x00b"
+    )  # no jsonb holds NUL
 
     with pytest.raises(ValuesRefused):
         claim_first(engine, held, "w:1:next", run_id=run_id, step=STEP, carrier=None, finished=bad)
