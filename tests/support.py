@@ -254,3 +254,13 @@ def attempts_scanned(conn: Any) -> int:
             "WHERE relname = 'eec_workflow_step_attempt'"
         ).scalar_one()
     )
+
+
+def attempt_reads_so_far(conn: Any) -> tuple[int, int]:
+    """This transaction's attempt rows read by scanning the table and fetched by an index."""
+    scanned = attempts_scanned(conn)
+    fetched = conn.exec_driver_sql(
+        "SELECT coalesce(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables "
+        "WHERE relname = 'eec_workflow_step_attempt'"
+    ).scalar_one()
+    return scanned, int(fetched)

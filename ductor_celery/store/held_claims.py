@@ -68,7 +68,7 @@ def _statement(finishing: bool) -> str:
         "JOIN eec_workflow_step_attempt a ON a.token = c.token "
         "WHERE (a.claimed_at IS NULL OR a.claimed_by = %(n_worker)s) AND a.finished_at IS NULL "
         "AND a.lease_key IS NULL AND a.rate_key IS NULL AND a.step = %(n_step)s "
-        f"AND a.run_id = %(n_run)s{after_finished} "
+        f"{after_finished} "
         # A retry whose first try's answer was lost finds its own claim first (an earlier
         # token it skipped then, row-locked at that moment, may be claimable now).
         "ORDER BY a.claimed_by IS NOT DISTINCT FROM %(n_worker)s DESC, c.i "
@@ -103,9 +103,11 @@ def claim_first(
     Values the encoder or PostgreSQL refuse are ``ValuesRefused``, and nothing is written
     or claimed: the caller writes the outcome on its own (``attempts.finish``)."""
     params: dict[str, Any] = {
-        "n_tokens": list(tokens),
+        # Only the run's own (an attempt's token begins with its run's id): checked here, not
+        # in the statement, where the run's id led the planner to read every attempt of the
+        # run through its index instead of the few held ones by their key.
+        "n_tokens": [t for t in tokens if t.startswith(f"{run_id}:")],
         "n_worker": worker,
-        "n_run": run_id,
         "n_step": step,
         "n_carrier": carrier,
     }

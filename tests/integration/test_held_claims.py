@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 from inline_support import attempt_rows, make_ductor, quick_scatter, start_scatter
+from support import attempt_reads_so_far, grow_attempts
 
 from ductor_celery import Ductor
 from ductor_celery.engine.inputs import AttemptResult
 from ductor_celery.engine.status import AttemptOutcome
-from ductor_celery.store import attempts
+from ductor_celery.store import attempts, held_claims
+from ductor_celery.store.attempts import carried_params
 from ductor_celery.store.db import ValuesRefused
 from ductor_celery.store.held_claims import claim_first
 from ductor_celery.store.schema import step_attempt
@@ -215,3 +217,45 @@ def test_a_retry_finds_its_own_claim_before_a_token_it_skipped_while_locked(
 
     assert again.claimed is not None and again.claimed.token == tokens[1]
     assert _row(ductor, tokens[0]).claimed_at is None
+
+
+@pytest.mark.parametrize("finishing", [False, True])
+def test_the_held_claim_finds_its_rows_by_key_on_a_grown_table(
+    database_url: str, finishing: bool
+) -> None:
+    """On an analyzed table of 10,000 more attempts, half of them the run's own (as a large
+    scatter leaves them) and half a thousand runs' of five, in the generic plan PostgreSQL keeps for the prepared statement,
+    the claim reads no attempt row by a scan and fetches only the held ones by the primary
+    key. With the run's id among its conditions it was planned through the run's index,
+    reading every attempt of the run: 1 ms per claim in a 10,000-item scatter, and
+    PostgreSQL's CPU per item more than doubled."""
+    ductor, run_id, tokens = _branches(database_url, items=4)
+    engine = ductor.runtime.engine()
+    ran, *held = tokens
+    attempts.claim(engine, ran, "w:1:ran")
+    grow_attempts(engine, 5000, run=run_id)
+    for i in range(1000):  # and many small runs: the planner takes a run for a few rows
+        grow_attempts(engine, 5, run=f"small-{i}")
+    params = {
+        "n_tokens": held,
+        "n_worker": "w:1:x",
+        "n_step": STEP,
+        "n_carrier": None,
+    }
+    if finishing:
+        params.update(carried_params(AttemptResult(ran, "each", AttemptOutcome.SUCCEEDED, 1)))
+    with engine.connect() as conn:
+        conn.exec_driver_sql("ANALYZE eec_workflow_step_attempt")
+        conn.commit()
+        conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
+        cursor = conn.connection.driver_connection.cursor()
+        reads = []
+        for _ in range(8):
+            before = attempt_reads_so_far(conn)
+            cursor.execute(held_claims._statement(finishing), params, prepare=True)
+            assert cursor.fetchone() is not None
+            after = attempt_reads_so_far(conn)
+            reads.append((after[0] - before[0], after[1] - before[1]))
+        conn.rollback()
+    # Three held tokens (and the outcome's row): none scanned, a few fetched.
+    assert all(scanned == 0 and 0 < fetched <= 8 for scanned, fetched in reads), reads

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from inline_support import deliver, make_ductor, start_run, url  # noqa: F401 - fixture
-from support import attempts_scanned, grow_attempts
+from support import attempt_reads_so_far, grow_attempts
 
 from ductor_celery import Ductor, RetryPolicy, StepContext
 from ductor_celery.definition import Workflow
@@ -180,21 +180,11 @@ def test_a_finished_runs_outputs_are_found_by_their_keys_on_a_grown_table(
         conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
         reads = []
         for _ in range(12):
-            before = _attempt_reads_so_far(conn)
+            before = attempt_reads_so_far(conn)
             row = conn.execute(runs._WAIT_READS[True, False], {"target": run_id}).one()
-            after = _attempt_reads_so_far(conn)
+            after = attempt_reads_so_far(conn)
             reads.append((after[0] - before[0], after[1] - before[1]))
             assert row.outputs is not None and {"done": True} in row.outputs.values()
         conn.rollback()
     # The run's three nodes name three attempts: none scanned, at most those fetched.
     assert all(scanned == 0 and 0 < fetched <= 3 for scanned, fetched in reads), reads
-
-
-def _attempt_reads_so_far(conn: Any) -> tuple[int, int]:
-    """This transaction's attempt rows read by scanning the table and fetched by an index."""
-    scanned = attempts_scanned(conn)
-    fetched = conn.exec_driver_sql(
-        "SELECT coalesce(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables "
-        "WHERE relname = 'eec_workflow_step_attempt'"
-    ).scalar_one()
-    return scanned, int(fetched)
