@@ -226,9 +226,9 @@ def test_the_held_claim_finds_its_rows_by_key_on_a_grown_table(
     """On an analyzed table of 10,000 more attempts, half of them the run's own (as a large
     scatter leaves them), half a thousand runs' of five, in the generic plan PostgreSQL
     keeps for the prepared statement, the claim reads no attempt row by a scan and fetches
-    only the held ones by the primary key. With the run's id among its conditions it was planned through the run's index,
-    reading every attempt of the run: 1 ms per claim in a 10,000-item scatter, and
-    PostgreSQL's CPU per item more than doubled."""
+    only the held ones by the primary key. With the run's id among its conditions it was
+    planned through the run's index, reading every attempt of the run: 1 ms per claim in a
+    10,000-item scatter, and PostgreSQL's CPU per item more than doubled."""
     ductor, run_id, tokens = _branches(database_url, items=4)
     engine = ductor.runtime.engine()
     ran, *held = tokens
