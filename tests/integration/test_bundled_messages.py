@@ -11,6 +11,7 @@ its messages are played by hand (``deliver`` reads a bundle's header back as the
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from typing import Any
 
 import pytest
@@ -228,6 +229,12 @@ def _handed_back_one_by_one(
     assert all(rows[t].claimed_at is None for t in bundle.payload["held"])
 
 
+def _private_queues() -> tuple[str, str]:
+    """A steps and a coordinator queue no other test of this process publishes to."""
+    suffix = uuid.uuid4().hex[:8]
+    return f"bundles-steps-{suffix}", f"bundles-coord-{suffix}"
+
+
 def _row(token: str, node: str = "each", **kw: Any) -> OutboxRow:
     payload = {"token": token, "run_id": "run-1", "node": node, **kw.pop("payload", {})}
     return OutboxRow(
@@ -282,11 +289,13 @@ def test_nothing_is_bundled_after_a_slow_step(database_url: str) -> None:
 
 def test_a_carried_header_is_read_back_as_it_was_sent_through_a_celery_message() -> None:
     app = Celery("bundles", broker="memory://")
-    dispatcher = Dispatcher(app, "ductor-steps", "ductor-coord")
+    # kombu's memory transport is one per process: queues of their own, not another test's.
+    steps, coord = _private_queues()
+    dispatcher = Dispatcher(app, steps, coord)
     row = _row("run-1:each:0", payload={"held": ["run-1:each:1", "run-1:each:2"], "priority": 3})
     dispatcher.send([row, _row("t3")])
     with app.connection_for_read() as conn:
-        queue = conn.SimpleQueue("ductor-steps")
+        queue = conn.SimpleQueue(steps)
         bundled, plain = queue.get(timeout=1), queue.get(timeout=1)
         queue.close()
     # What the worker's task sees: a context made from the message's headers.
@@ -380,9 +389,10 @@ def test_the_quick_hint_travels_in_the_wake_ups_header_to_the_tick_task(
 ) -> None:
     ductor, recorder, run_id = _quick_branches_woken_busy(database_url, monkeypatch)
     app = Celery("bundles", broker="memory://")
-    Dispatcher(app, "ductor-steps", "ductor-coord").wake(run_id, recorder.quick_wakes[0][1])
+    steps, coord = _private_queues()
+    Dispatcher(app, steps, coord).wake(run_id, recorder.quick_wakes[0][1])
     with app.connection_for_read() as conn:
-        queue = conn.SimpleQueue("ductor-coord")
+        queue = conn.SimpleQueue(coord)
         message = queue.get(timeout=1)
         queue.close()
     assert quick_branches(message.headers.get(QUICK_HEADER)) == recorder.quick_wakes[0][1]
