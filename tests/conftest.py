@@ -260,3 +260,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return rank.get(relative, len(rank))
 
     items.sort(key=key)  # stable: a file's tests, and the other files, keep their order
+
+
+@pytest.fixture(autouse=True)
+def _step_timings_of_a_new_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """runtime/inline.py remembers how long each step last ran in the process (whether a
+    run's first tick bundles, whether its first step's events go out at once): every test
+    starts with none, as a new worker process does, whatever ran before it here."""
+    from ductor_celery.runtime import inline
+
+    monkeypatch.setattr(inline, "_last_ran_by_step", {})

@@ -421,17 +421,17 @@ class InlineChain:
             tokens.append(held.token)
         return tokens, step
 
-    def took(
-        self, tokens: list[str], claimed: ClaimedAttempt | None, step: Step, worker: str
-    ) -> None:
-        """After one statement claimed the first claimable of ``tokens`` (the held ones from
-        ``claimable_held``): those before it could not be claimed and are dropped, as is
-        every one of them when none was claimed; the claimed one (by ``worker``) runs next
+    def took(self, tokens: list[str], through: str | None) -> None:
+        """After one statement dealt with the held ``tokens`` (``claimable_held``) up to
+        ``through`` (claimed it, or left it to the ordinary claim): those before it could not
+        be claimed, and they and it are no longer held; all of them when ``through`` is None
+        (none was claimable)."""
+        del self._held[: len(tokens) if through is None else tokens.index(through) + 1]
+
+    def claimed_next(self, claimed: ClaimedAttempt, step: Step, worker: str) -> None:
+        """A held branch claimed (by ``worker``) after the attempt running now: it runs next
         (``pop_claimed``)."""
-        taken = len(tokens) if claimed is None else tokens.index(claimed.token) + 1
-        del self._held[:taken]
-        if claimed is not None:
-            self._claimed_next = (claimed, step, worker)
+        self._claimed_next = (claimed, step, worker)
 
     def pop_claimed(self) -> tuple[ClaimedAttempt, Step, str] | None:
         """The held branch claimed with the outcome before it (``took``), if any."""

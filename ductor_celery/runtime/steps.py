@@ -248,8 +248,9 @@ def _next_inline(
             # attempt: a bundle's carried branches, some maybe taken by other workers).
             tokens, step = together
             me = chain.identity()
-            taken = _claim_first(engine, tokens, me, step, chain)
-            chain.took(tokens, taken.claimed, step, me)
+            _take_next(
+                engine, chain, tokens, step, me, _claim_first(engine, tokens, me, step, chain)
+            )
             continue
         held = chain.pop_held()
         if held is not None:
@@ -295,6 +296,23 @@ def _claim_first(
     )
 
 
+def _take_next(
+    engine: Engine, chain: InlineChain, tokens: list[str], step: Step, me: str, taken: HeldClaim
+) -> None:
+    """What a held claim over ``tokens`` found: the branch it claimed (by ``me``) runs next;
+    one it left to the ordinary claim (a rate limit, a lease) is claimed so now, and runs
+    next if that claim takes it (a rate-limited one may be marked waiting in line instead,
+    for the sweeper to send when its bucket has a token)."""
+    chain.took(tokens, taken.through)
+    if taken.claimed is not None:
+        chain.claimed_next(taken.claimed, step, me)
+    elif taken.ordinary is not None:
+        worker = chain.identity()
+        claimed = _claim(engine, taken.ordinary, worker, step, chain.carrier)
+        if isinstance(claimed, attempts.ClaimedAttempt):
+            chain.claimed_next(claimed, step, worker)
+
+
 def _record_then_claim(
     rt: WorkerPort,
     engine: Engine,
@@ -318,7 +336,7 @@ def _record_then_claim(
         taken = _claim_first(engine, tokens, me, next_step, chain, finished)
     except ValuesRefused:
         return _record(rt, engine, step, claimed.token, result)  # writes why, as a failure
-    chain.took(tokens, taken.claimed, next_step, me)
+    _take_next(engine, chain, tokens, next_step, me, taken)
     # Fault tests: die holding branches, with outcomes written alone and not ticked, and the
     # next one claimed with the last of them, not started (its timeout retries it).
     failpoint("between_held_branches")

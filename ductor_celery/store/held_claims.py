@@ -7,13 +7,15 @@ two statements, the outcome of one written alone and then the next one's claim, 
 those claims failed: another worker's chain had adopted the branch and claimed it first, or
 a bundle's worker found what it carried taken. Here one autocommit statement writes the
 outcome (the same SET and WHERE as ``attempts.finish_unleased_on``) and claims, among the
-held tokens in their order, the first one still unclaimed and open (the ordinary claim's
-conditions, ``attempts._claimable_now``), skipping the others; a row another statement holds
-locked at that moment is skipped too (``SKIP LOCKED``: most often another worker's claim
-taking it; a branch skipped otherwise, still unclaimed, is re-sent after
-``ductor_resend_unclaimed_after`` or claimed by a message it still has). Only for attempts with
-no rate limit and no concurrency lease (a held branch never has a lease; a rate-limited one
-takes the ordinary claim, which takes its bucket's token).
+held tokens in their order, the first one still unclaimed and open, skipping the others; a
+row another statement holds locked at that moment is skipped too (``SKIP LOCKED``: most
+often another worker's claim taking it; a branch skipped otherwise, still unclaimed, is
+re-sent after ``ductor_resend_unclaimed_after`` or claimed by a message it still has).
+
+An attempt with a rate limit (its node's or its step's) or a concurrency lease is not
+claimed here: found first, it is named (``HeldClaim.ordinary``), and the caller claims it
+with the ordinary claim, which takes its bucket's token or checks its slot, or marks it
+waiting in line (docs/flow-control.md).
 """
 
 from __future__ import annotations
@@ -33,13 +35,21 @@ from .db import ValuesRefused, autocommit, driver_cursor, one_line_cause, refusi
 
 @dataclass(frozen=True, slots=True)
 class HeldClaim:
-    """What ``claim_first`` did: the next attempt claimed, if any (the tokens before it in
-    the list were not claimable), and whether the outcome was written (None: none given;
-    False: the attempt was finished or closed already, or holds a lease: ``attempts.finish``
-    then takes it)."""
+    """What ``claim_first`` did: the next attempt claimed, if any, or the next one to claim
+    with the ordinary claim (``ordinary``: it has a rate limit, whose claim takes a token
+    from its bucket, or a concurrency lease, whose claim checks its slot); the tokens before
+    either in the list were not claimable. And whether the outcome was written (None: none
+    given; False: the attempt was finished or closed already, or holds a lease:
+    ``attempts.finish`` then takes it)."""
 
     claimed: ClaimedAttempt | None
     written: bool | None
+    ordinary: str | None = None
+
+    @property
+    def through(self) -> str | None:
+        """The last token this claim has dealt with: those up to it are done with."""
+        return self.claimed.token if self.claimed is not None else self.ordinary
 
 
 _CLAIMED_COLUMNS = (
@@ -63,22 +73,24 @@ def _statement(finishing: bool) -> str:
     after_finished = " AND (SELECT count(*) FROM finished) >= 0" if finishing else ""
     return (
         f"WITH {finished}"
-        "next AS (SELECT a.token "
+        "next AS (SELECT a.token, a.rate_key IS NULL AND a.lease_key IS NULL AS plain "
         "FROM unnest(%(n_tokens)s::varchar[]) WITH ORDINALITY AS c(token, i) "
         "JOIN eec_workflow_step_attempt a ON a.token = c.token "
         "WHERE (a.claimed_at IS NULL OR a.claimed_by = %(n_worker)s) AND a.finished_at IS NULL "
-        "AND a.lease_key IS NULL AND a.rate_key IS NULL AND a.step = %(n_step)s "
-        f"{after_finished} "
+        f"AND a.step = %(n_step)s{after_finished} "
         # A retry whose first try's answer was lost finds its own claim first (an earlier
         # token it skipped then, row-locked at that moment, may be claimable now).
         "ORDER BY a.claimed_by IS NOT DISTINCT FROM %(n_worker)s DESC, c.i "
         "LIMIT 1 FOR UPDATE OF a SKIP LOCKED), "
+        # Claimed here only with no rate limit and no lease: the ordinary claim takes a
+        # rate-limited one's token, or checks a leased one's slot (``HeldClaim.ordinary``).
         "claimed AS (UPDATE eec_workflow_step_attempt a "
         "SET claimed_at = now(), claimed_by = %(n_worker)s, carrier = %(n_carrier)s "
-        "FROM next, eec_workflow_run r WHERE a.token = next.token AND r.run_id = a.run_id "
+        "FROM next, eec_workflow_run r "
+        "WHERE a.token = next.token AND next.plain AND r.run_id = a.run_id "
         f"RETURNING {_CLAIMED_COLUMNS}) "
-        f"SELECT {written} AS written, claimed.* FROM (SELECT 1) AS one "
-        "LEFT JOIN claimed ON true"
+        f"SELECT {written} AS written, next.token AS next_token, next.plain, claimed.* "
+        "FROM (SELECT 1) AS one LEFT JOIN next ON true LEFT JOIN claimed ON true"
     )
 
 
@@ -122,4 +134,5 @@ def claim_first(
     assert row is not None  # one row always: (SELECT 1) LEFT JOIN the claim
     written = None if row.written is None else row.written == 1
     claimed = None if row.token is None else claimed_attempt(row.token, row, row)
-    return HeldClaim(claimed, written)
+    ordinary = row.next_token if row.next_token is not None and not row.plain else None
+    return HeldClaim(claimed, written, ordinary)

@@ -29,7 +29,8 @@ from inline_support import (
     start_scatter,
 )
 
-from ductor_celery import Ductor
+from ductor_celery import Ductor, RateLimit
+from ductor_celery.definition import Workflow
 from ductor_celery.engine.kinds import DispatchKind
 from ductor_celery.runtime import inline
 from ductor_celery.runtime.dispatch import (
@@ -443,3 +444,40 @@ def test_a_first_tick_bundles_a_scatters_first_branches_when_their_step_ran_quic
     run = run_row(ductor, run_id)
     assert run.status == "succeeded", (run.error, played)
     assert sorted(a.branch for a in attempt_rows(ductor, run_id)) == list(range(40))
+
+
+def test_held_branches_of_a_node_with_a_rate_limit_take_the_ordinary_claim(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's own rate limit (the step registers none): its held branches are claimed
+    one by one by the claim that takes a token from the bucket, not dropped by the held
+    claim (they have no message of their own: dropped, they would wait for the unclaimed
+    re-send)."""
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 10.0)
+    ductor, recorder = make_ductor(database_url)
+    wf = Workflow("limited")
+    wf.scatter(
+        "each",
+        ductor.step(name="limited.bump")(lambda ctx, item: item + 1),
+        over="$.input.items",
+        max_parallel=8,
+        rate_limit=RateLimit("1000/s"),
+    )
+    wf.output("$.nodes.each.output")
+    ductor.register(wf)
+    handle = ductor.start("limited", input={"items": list(range(30))})
+    assert run_tick(ductor.runtime, handle.run_id) == "committed"
+    first = [r for r in recorder.rows if r.kind == "step"]
+    recorder.rows.clear()
+
+    assert deliver(ductor, first[0]) == "succeeded"
+    held_ran = sum(a.finished_at is not None for a in attempt_rows(ductor, handle.run_id))
+    _play_everything(ductor, recorder, first[1:])
+
+    run = run_row(ductor, handle.run_id)
+    assert run.status == "succeeded", run.error
+    assert run.output == [i + 1 for i in range(30)]
+    assert held_ran > 8  # the first message's chain ran held branches, not only its own
+    rows = attempt_rows(ductor, handle.run_id)
+    assert sorted(a.branch for a in rows) == list(range(30))
+    assert all(a.rate_key is not None for a in rows)

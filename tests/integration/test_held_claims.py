@@ -132,25 +132,27 @@ def test_without_an_outcome_it_only_claims(database_url: str) -> None:
     assert taken.claimed is not None and taken.claimed.token == tokens[1]
 
 
-def test_another_steps_attempts_and_rate_limited_ones_are_not_claimed(database_url: str) -> None:
+def test_a_rate_limited_or_leased_attempt_is_left_to_the_ordinary_claim(
+    database_url: str,
+) -> None:
+    """Found first, it is named and not claimed (its claim takes a token from its bucket, or
+    checks its lease's slot); one of another step is skipped."""
     ductor, run_id, tokens = _branches(database_url, items=3)
     engine = ductor.runtime.engine()
     with engine.begin() as conn:
-        conn.execute(
-            sa.update(step_attempt).where(step_attempt.c.token == tokens[0]).values(rate_key="k")
-        )
-    assert (
-        claim_first(engine, tokens[:1], "w:1:a", run_id=run_id, step=STEP, carrier=None).claimed
-        is None
-    )
-    assert (
-        claim_first(
-            engine, tokens[1:], "w:1:b", run_id=run_id, step="other.step", carrier=None
-        ).claimed
-        is None
-    )
+        for token, column in ((tokens[1], "rate_key"), (tokens[2], "lease_key")):
+            conn.execute(
+                sa.update(step_attempt).where(step_attempt.c.token == token).values({column: "k"})
+            )
+
+    other = claim_first(engine, tokens, "w:1:a", run_id=run_id, step="other.step", carrier=None)
+    assert (other.claimed, other.ordinary) == (None, None)
+    for token in tokens[1:]:
+        taken = claim_first(engine, [token], "w:1:b", run_id=run_id, step=STEP, carrier=None)
+        assert (taken.claimed, taken.ordinary, taken.through) == (None, token, token)
+        assert _row(ductor, token).claimed_at is None
     taken = claim_first(engine, tokens, "w:1:c", run_id=run_id, step=STEP, carrier=None)
-    assert taken.claimed is not None and taken.claimed.token == tokens[1]
+    assert taken.claimed is not None and taken.claimed.token == tokens[0]
 
 
 def test_a_retry_after_a_lost_answer_finds_its_own_claim(database_url: str) -> None:
@@ -234,8 +236,13 @@ def test_the_held_claim_finds_its_rows_by_key_on_a_grown_table(
     ran, *held = tokens
     attempts.claim(engine, ran, "w:1:ran")
     grow_attempts(engine, 5000, run=run_id)
-    for i in range(1000):  # and many small runs: the planner takes a run for a few rows
-        grow_attempts(engine, 5, run=f"small-{i}")
+    with engine.begin() as conn:  # and many small runs: the planner takes a run for a few rows
+        conn.exec_driver_sql(
+            "INSERT INTO eec_workflow_step_attempt (token, run_id, node, branch, generation, "
+            "attempt, step, queue, args, timeout, created_at, folded, finished_at, outcome) "
+            "SELECT 'small-' || g, 'small-' || (g / 5), 's', g, 1, 1, 'c', 'q', '{}'::jsonb, 60, "
+            "now(), true, now(), 'succeeded' FROM generate_series(1, 5000) AS g"
+        )
     params = {
         "n_tokens": held,
         "n_worker": "w:1:x",
@@ -253,7 +260,8 @@ def test_the_held_claim_finds_its_rows_by_key_on_a_grown_table(
         for _ in range(8):
             before = attempt_reads_so_far(conn)
             cursor.execute(held_claims._statement(finishing), params, prepare=True)
-            assert cursor.fetchone() is not None
+            row = cursor.fetchone()
+            assert row is not None and row[1] == held[0]  # the first held one, found again
             after = attempt_reads_so_far(conn)
             reads.append((after[0] - before[0], after[1] - before[1]))
         conn.rollback()
