@@ -316,7 +316,7 @@ class InlineChain:
         a scatter's first branches when their step ran quickly the last time it ran in this
         process (``_last_ran_by_step``): a quick scatter's first fill is then a few messages,
         not one per branch (``max_parallel``, 64 by default)."""
-        if self.run_id is None:
+        if self.run_id is None or len(rows) < 2:  # a chain's tick: one row, nothing to bundle
             return rows
         steps_queue = self.rt.settings.steps_queue
         if self.last_ran_s is None:
@@ -333,8 +333,7 @@ class InlineChain:
         for row in rows:
             last = _last_ran_by_step.get(row.task)
             if row.kind == DispatchKind.STEP and last is not None and last <= HOLD_IF_QUICKER_S:
-                step = self.rt.step_named(row.task)
-                if step is not None and step.concurrency is None:
+                if may_bundle(self.rt, row.task):
                     found[(row.task, str(row.payload.get("node")))] = None
         return [QuickBranches(step, node, self.queue) for step, node in found]
 
@@ -342,13 +341,9 @@ class InlineChain:
         """The node whose attempt this worker has just run quickly, when more of its branches
         may go out bundled: of a step registered here with no concurrency limit (a lease is
         handed on through the broker path), on this chain's queue."""
-        if self._quick is None:
+        if self._quick is None or not may_bundle(self.rt, self._quick[0]):
             return None
-        step_name, node = self._quick
-        step = self.rt.step_named(step_name)
-        if step is None or step.concurrency is not None:
-            return None
-        return QuickBranches(step_name, node, self.queue)
+        return QuickBranches(*self._quick, self.queue)
 
     def carry(self, carried: CarriedBranches, step: Step) -> bool:
         """Hold the attempts a bundled message carries (``dispatch.HELD_HEADER``), to claim
@@ -499,12 +494,17 @@ def bundler(
     The hint is a step worker's (its own tick found the run busy): a tick on the coordinator
     queue sends the node's branches bundled, as that worker's tick would have. A bundle whose
     first step turns out slow hands the rest back as messages of their own."""
-    if quick is None:
-        return None
-    step = rt.step_named(quick.step)
-    if step is None or step.concurrency is not None:
+    if quick is None or not may_bundle(rt, quick.step):
         return None
     return lambda rows: bundle_rows(rows, run_id, quick, rt.settings.steps_queue)
+
+
+def may_bundle(rt: WorkerPort, step_name: str) -> bool:
+    """Whether messages of ``step_name`` may go out bundled from this process: a step
+    registered here with no concurrency limit (a lease is never held by a message waiting
+    behind another one's step)."""
+    step = rt.step_named(step_name)
+    return step is not None and step.concurrency is None
 
 
 def send_held(rt: WorkerPort, held: list[_Held]) -> None:
