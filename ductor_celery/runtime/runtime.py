@@ -155,6 +155,7 @@ class Runtime:
             acks_late=True,
             reject_on_worker_lost=True,
             shared=False,
+            send_events=False,
         )
         def first(task: Any, run_id: str) -> str:
             problem = _id_problem(run_id, RUN_ID_CHARS)

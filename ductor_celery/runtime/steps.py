@@ -25,13 +25,14 @@ from ..store.outbox import OutboxRow
 from ..store.rates import RateHeld
 from ..store.schema import dumps_json
 from . import metrics
+from .dispatch import FIRST_TICK_TASK_NAME
 from .failpoints import failpoint
 from .inline import InlineChain, hand_back
 from .lost_outcomes import lost_outcomes
 from .outbox_janitor import sent_outbox
 from .outcome import Outcome, call_attempt, invalid, prepare_call
 from .step_context import Step
-from .task_events import TaskEvents, as_current_task, flush_events
+from .task_events import TaskEvents, as_current_task, flush_events, tick_done
 from .tick_task import Keeper, run_tick
 
 if TYPE_CHECKING:
@@ -173,11 +174,15 @@ def first_tick(
     coordinator for a run still pending after ``LOST_WAKEUP_AFTER_S``.
 
     ``carrier``: the start message's task id (``dispatch.first_tick_id``), written with each
-    attempt the chain claims (``execute_attempt``).
+    attempt the chain claims (``execute_attempt``), and the id its task event names
+    (``task_events.tick_done``: Celery sends none for this task).
     """
+    began = time.time()
     if not rt.settings.eager_ticks:
         # This worker ticks nothing itself (a client configured otherwise sent it here).
         rt.wake(run_id)
+        _start_message_done(rt, hostname, carrier, run_id, began, "forwarded")
+        flush_events(rt.app, hostname)
         return "forwarded"
     engine = rt.engine()
     chain = InlineChain.start(rt, queue, lambda: worker_identity(hostname), carrier, run_id)
@@ -188,11 +193,37 @@ def first_tick(
     except Exception as exc:  # noqa: BLE001 - the coordinator can always do it instead
         log.warning("first tick of run %s failed (%s); waking the coordinator", run_id, exc)
         tick = "failed"
-    if tick not in SETTLED_TICKS:
+    # Before the chain's steps: it goes out with their events.
+    _start_message_done(rt, hostname, carrier, run_id, began, tick)
+    if tick in SETTLED_TICKS:
+        _run_inline(rt, engine, chain, hostname)
+    else:
         rt.wake(run_id)
-        return tick
-    _run_inline(rt, engine, chain, hostname)
+    # What the chain did not publish (it had nothing to run, or did not run): the event.
+    flush_events(rt.app, hostname)
     return tick
+
+
+def _start_message_done(
+    rt: WorkerPort,
+    hostname: str | None,
+    carrier: str | None,
+    run_id: str,
+    began: float,
+    result: str,
+) -> None:
+    """The start message's one task event (``task_events.tick_done``), buffered."""
+    if carrier is None:  # called with no message (a test's direct call)
+        return
+    tick_done(
+        rt.app,
+        hostname,
+        task_id=carrier,
+        name=FIRST_TICK_TASK_NAME,
+        args=[run_id],
+        began=began,
+        result=result,
+    )
 
 
 def _run_inline(

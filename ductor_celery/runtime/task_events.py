@@ -105,6 +105,44 @@ class TaskEvents:
             log.debug("task event for %s not sent: %s", self.claimed.token, exc)
 
 
+def tick_done(
+    app: Any,
+    hostname: str | None,
+    *,
+    task_id: str,
+    name: str,
+    args: list[Any],
+    began: float,
+    result: str,
+) -> None:
+    """The events of a tick task Celery sends none for (``send_events=False``: a run's start
+    message, ``ductor.first_tick``), as one ``task-succeeded`` that also carries what its
+    ``task-received`` and ``task-started`` would (name, args, their time ``began``): Flower
+    lists it as before. Celery's own three are sent by the worker's main process, about 0.7 ms
+    of its CPU per run, and that process also hands every message to the pool, so it held a
+    run's throughput back (benchmarks/README.md, tenth round); this one is buffered with the
+    chain's own and goes out with its next flush. Dropped if it cannot be sent."""
+    if not app.conf.get("worker_send_task_events"):
+        return
+    try:
+        _dispatcher(app, hostname).send(
+            "task-succeeded",
+            uuid=task_id,
+            name=name,
+            args=repr(args),
+            kwargs=repr({}),
+            root_id=task_id,
+            retries=0,
+            received=began,
+            started=began,
+            result=repr(result),
+            runtime=time.time() - began,
+        )
+    except Exception as exc:  # noqa: BLE001 - a view: never fail the tick for it
+        _local.__dict__.pop("dispatcher", None)
+        log.debug("task event for %s not sent: %s", task_id, exc)
+
+
 def flush_events(app: Any, hostname: str | None) -> None:
     """Publish the task events buffered so far (at the end of a chain, and with each start)."""
     found = getattr(_local, "dispatcher", None)

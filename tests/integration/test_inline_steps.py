@@ -9,6 +9,7 @@ the message came from. The dispatcher records what would have gone to the broker
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ __all__ = ["url"]  # the fixture: PostgreSQL and SQLite
 from ductor_celery import ConcurrencyLimit, Ductor, RetryPolicy, StepContext
 from ductor_celery.definition import Workflow
 from ductor_celery.runtime import inline, task_events
+from ductor_celery.runtime.dispatch import FIRST_TICK_TASK_NAME, first_tick_id
 from ductor_celery.runtime.steps import first_tick
 from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.settings import Settings
@@ -470,6 +472,59 @@ def test_a_runs_first_step_is_announced_at_once_unless_it_ran_quickly_here_befor
     inline._last_ran_by_step["inline.first_add"] = 60.0  # slow last time (over the bound)
     published, s0, s1 = one_run()
     assert published[0] == [("task-started", s0)]
+
+
+def test_a_runs_start_message_is_one_task_event_published_with_its_chains(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery sends no events of its own for the start message (``ductor.first_tick``: its
+    three cost the worker's main process about 0.7 ms per run); its first tick sends one
+    ``task-succeeded`` that names the task as ``task-received`` would (name, args, when it
+    was received and started), so Flower still lists it, and it goes out in the same publish
+    as the chain's quick steps. A start message forwarded to the coordinator publishes its
+    event at once."""
+    ductor, _recorder = make_ductor(database_url)
+    assert ductor.app.tasks[FIRST_TICK_TASK_NAME].send_events is False
+    events = RecordingEvents()
+    monkeypatch.setattr(type(ductor.app), "events", events, raising=False)
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 10.0)  # every step counts as quick
+    monkeypatch.setattr(inline, "EVENTS_AT_MOST_EVERY_S", 10.0)
+    monkeypatch.setattr(inline, "_last_ran_by_step", {"inline.add": 0.0})  # quick before
+    _chain(ductor, 2, _add_one(ductor))
+    run_id = ductor.start("chain").run_id
+    message = first_tick_id(run_id)
+    before = time.time()
+    assert first_tick(ductor.runtime, run_id, "w1@host", QUEUE, message) == "committed"
+    s0, s1 = (r.token for r in attempt_rows(ductor, run_id))
+    assert [[(kind, f["uuid"]) for kind, f in batch] for batch in events.published] == [
+        [
+            ("task-succeeded", message),
+            ("task-started", s0),
+            ("task-succeeded", s0),
+            ("task-started", s1),
+            ("task-succeeded", s1),
+        ]
+    ]
+    fields = events.published[0][0][1]
+    assert fields["name"] == FIRST_TICK_TASK_NAME and fields["hostname"] == "w1@host"
+    assert fields["args"] == repr([run_id]) and fields["root_id"] == message
+    assert fields["result"] == "'committed'" and fields["retries"] == 0
+    assert before <= fields["received"] == fields["started"] <= time.time()
+    assert 0 <= fields["runtime"] < 60
+
+    # Forwarded (this worker ticks nothing): the event goes out on its own, at once.
+    events.published.clear()
+    settings = dataclasses.replace(ductor.runtime.settings, eager_ticks=False)
+    monkeypatch.setattr(ductor.runtime, "settings", settings)
+    run_id = ductor.start("chain").run_id
+    assert first_tick(ductor.runtime, run_id, "w1@host", QUEUE, "start-2") == "forwarded"
+    assert [[(kind, f["uuid"], f["result"]) for kind, f in b] for b in events.published] == [
+        [("task-succeeded", "start-2", "'forwarded'")]
+    ]
+    # Called with no message (no task id): no event.
+    events.published.clear()
+    first_tick(ductor.runtime, ductor.start("chain").run_id, "w1@host", QUEUE)
+    assert events.sent == []
 
 
 def test_no_events_are_sent_when_the_user_turned_them_off(
