@@ -19,7 +19,7 @@ from ..coordinator.read_rows import attempt_result
 from ..engine import AttemptResult
 from ..engine.status import AttemptOutcome
 from ..store import attempts, held_claims, next_read, wakes
-from ..store.db import ValuesRefused, outages, with_retry
+from ..store.db import ValuesRefused, keeping_autocommit, outages, with_retry
 from ..store.held_claims import HeldClaim
 from ..store.outbox import OutboxRow
 from ..store.rates import RateHeld
@@ -188,17 +188,18 @@ def first_tick(
     chain = InlineChain.start(rt, queue, lambda: worker_identity(hostname), carrier, run_id)
     # The task's result (Flower shows its repr): the tick's outcome as plain text, or "failed".
     tick: str
-    try:
-        tick = run_tick(rt, run_id, eager=True, keep=chain, first=True).value
-    except Exception as exc:  # noqa: BLE001 - the coordinator can always do it instead
-        log.warning("first tick of run %s failed (%s); waking the coordinator", run_id, exc)
-        tick = "failed"
-    # Before the chain's steps: it goes out with their events.
-    _start_message_done(rt, hostname, carrier, run_id, began, tick)
-    if tick in SETTLED_TICKS:
-        _run_inline(rt, engine, chain, hostname)
-    else:
-        rt.wake(run_id)
+    with keeping_autocommit(engine):  # the first tick's connection serves the chain's
+        try:
+            tick = run_tick(rt, run_id, eager=True, keep=chain, first=True).value
+        except Exception as exc:  # noqa: BLE001 - the coordinator can always do it instead
+            log.warning("first tick of run %s failed (%s); waking the coordinator", run_id, exc)
+            tick = "failed"
+        # Before the chain's steps: it goes out with their events.
+        _start_message_done(rt, hostname, carrier, run_id, began, tick)
+        if tick in SETTLED_TICKS:
+            _run_inline(rt, engine, chain, hostname)
+        else:
+            rt.wake(run_id)
     # What the chain did not publish (it had nothing to run, or did not run): the event.
     flush_events(rt.app, hostname)
     return tick
@@ -234,13 +235,15 @@ def _run_inline(
     if chain is None or not (chain.has_next or chain.unticked):
         return
     try:
-        while (kept := _next_inline(rt, engine, chain)) is not None:
-            next_claimed, next_step, next_me, held = kept
-            events = TaskEvents(rt.app, hostname, next_claimed)
-            events.started(flush=chain.flush_events_now(held, next_step.name))
-            with as_current_task(next_step, next_claimed, hostname, chain.queue):
-                next_outcome = _run_claimed(rt, engine, next_step, next_claimed, next_me, chain)
-            events.finished(next_outcome)
+        # One autocommit connection for the chain's claims, reads and commits.
+        with keeping_autocommit(engine):
+            while (kept := _next_inline(rt, engine, chain)) is not None:
+                next_claimed, next_step, next_me, held = kept
+                events = TaskEvents(rt.app, hostname, next_claimed)
+                events.started(flush=chain.flush_events_now(held, next_step.name))
+                with as_current_task(next_step, next_claimed, hostname, chain.queue):
+                    next_outcome = _run_claimed(rt, engine, next_step, next_claimed, next_me, chain)
+                events.finished(next_outcome)
     finally:
         flush_events(rt.app, hostname)
         chain.release()

@@ -87,10 +87,99 @@ def one_line_cause(exc: BaseException) -> str:
     return storable_text(line)[:500]  # it is stored in an error
 
 
-def autocommit(engine: Engine) -> Any:
+@contextmanager
+def autocommit(engine: Engine) -> Iterator[Connection]:
     """A connection for one statement, one round trip: no BEGIN/COMMIT around it (a single
-    statement is atomic by itself). psycopg switches autocommit on the client side."""
+    statement is atomic by itself). psycopg switches autocommit on the client side.
+
+    Inside ``keeping_autocommit`` it is the thread's kept one (``lend_autocommit``), kept
+    again after statements that went well; one that raised goes back to the pool."""
+    conn = lend_autocommit(engine)
+    try:
+        yield conn
+    except BaseException:
+        conn.close()
+        raise
+    give_back(conn)
+
+
+class _Kept(threading.local):
+    #: The engine ``keeping_autocommit`` keeps a connection of in this thread, if any.
+    engine: Engine | None = None
+    #: That connection, while nobody uses it.
+    conn: Connection | None = None
+
+
+_kept = _Kept()
+
+
+@contextmanager
+def keeping_autocommit(engine: Engine) -> Iterator[None]:
+    """Within it (this thread: a step worker's chain of inline steps), ``engine``'s autocommit
+    connections are one, kept between uses instead of checked in to the pool after each and
+    out again before the next: a check-out and check-in with its isolation level set and
+    reset cost SQLAlchemy about 40 us of CPU, once per inline step (benchmarks/README.md,
+    tenth round). It is given back at the end, when a statement on it raised, and before its
+    thread begins a tick's transaction (``release_kept``), so a thread never holds an idle
+    one while it waits for another. A nested one keeps nothing more."""
+    if _kept.engine is not None:
+        yield
+        return
+    _kept.engine = engine
+    try:
+        yield
+    finally:
+        release_kept()
+        _kept.engine = None
+
+
+def lend_autocommit(engine: Engine) -> Connection:
+    """The thread's kept autocommit connection of ``engine`` (``keeping_autocommit``), else a
+    new one from the pool; ``give_back`` (or ``close``) when done with it."""
+    if _kept.engine is engine:
+        conn = _kept.conn
+        if conn is not None:
+            _kept.conn = None
+            if not (conn.closed or conn.invalidated):
+                return conn
+            conn.close()
     return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+
+
+def give_back(conn: Connection) -> None:
+    """An autocommit connection whose statements went well: kept for the thread's next one
+    (``keeping_autocommit``), else checked in to the pool. Kept only while at most the pool's
+    size are out, itself included, so kept ones never take the pool's overflow: an idle kept
+    one beside another of its thread's (a large value's transaction, a step that starts a
+    run) never makes a thread wait for the pool; with many threads at once, each checks its
+    connection in as before."""
+    if (
+        _kept.engine is conn.engine
+        and _kept.conn is None
+        and not (conn.closed or conn.invalidated)
+        and _has_room(conn.engine.pool)
+    ):
+        if conn.in_transaction():
+            # SQLAlchemy's own begun one (its execute begins one even in autocommit, where
+            # the driver has none): ended as the pool's check-in would.
+            conn.rollback()
+        _kept.conn = conn
+    else:
+        conn.close()
+
+
+def _has_room(pool: Any) -> bool:
+    checkedout, size = getattr(pool, "checkedout", None), getattr(pool, "size", None)
+    if checkedout is None or size is None:  # a pool without a size (SQLite's): never kept
+        return False
+    return bool(checkedout() <= size())
+
+
+def release_kept() -> None:
+    """Check the thread's kept autocommit connection, if any, in to the pool."""
+    conn, _kept.conn = _kept.conn, None
+    if conn is not None:
+        conn.close()
 
 
 def get_engine(url: str, *, prepare: bool = True) -> Engine:

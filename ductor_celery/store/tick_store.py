@@ -21,7 +21,7 @@ from ..definition.blobrefs import BlobNeeds
 from ..definition.spec import WorkflowSpec
 from ..engine import AttemptResult, EngineConfig, TickInputs, TickPayload
 from . import blobs, next_read, wakes
-from .db import driver_cursor, with_retry
+from .db import driver_cursor, give_back, lend_autocommit, release_kept, with_retry
 from .dialect import dialect_of
 from .load import NeedsTransaction, load_on
 from .ticks import (
@@ -130,6 +130,7 @@ class SqlTickTransaction:
         return self
 
     def _begin_transaction(self) -> None:
+        release_kept()  # one connection per tick, never an idle one beside it
         self._begin = self._store.engine.begin()
         self.conn = self._begin.__enter__()
 
@@ -144,7 +145,10 @@ class SqlTickTransaction:
                 self._begin.__exit__(exc_type, exc, tb)
         finally:
             if self._reader is not None:
-                self._reader.close()
+                if exc_type is None:
+                    give_back(self._reader)  # kept for the chain's next tick, if it keeps
+                else:
+                    self._reader.close()
 
     def load(self, run_id: str, *, wait_for_lock: bool, lock_late: bool = False) -> Loaded | None:
         """The run, its transaction bounded first (``TICK_IDLE_TIMEOUT``,
@@ -158,7 +162,7 @@ class SqlTickTransaction:
         # only, and only if it locks late (docs/next-read-from-commit.md).
         kept = next_read.take(store.engine, run_id)
         if lock_late and not wait_for_lock and store.bounds_ticks:
-            reader = store.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            reader = lend_autocommit(store.engine)
             self._reader = self.conn = reader
             try:
                 found = load_on(
