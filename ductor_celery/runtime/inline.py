@@ -27,7 +27,7 @@ its message had just arrived and been claimed (``ductor_inline_steps``; docs/arc
   (runtime/task_events.py). After a slow step the next one's events go out at once (and a
   chain's first step's, unless it ran quickly last time in this process); a chain of quick
   steps publishes them every ``EVENTS_AT_MOST_EVERY_S`` and at its end (one broker publish
-  costs more than a quick step).
+  costs more than a quick step), one ``task-succeeded`` per attempt that tells its start too.
 - Held branches: after a quick step, the tick also gives the worker more branches of the same
   scatter (``TickClaim.held``, and earlier ones still in flight, adopted), which it claims and
   runs one after another, writing each outcome alone, before one tick folds them all

@@ -64,6 +64,12 @@ class TaskEvents:
     ``inline.EVENTS_AT_MOST_EVERY_S`` (``InlineChain.flush_events_now``); the rest at the
     chain's end (``flush_events``). An event that cannot be sent is dropped: events are a
     view, never the truth.
+
+    An attempt whose start is not published at once sends one event, not two: its
+    ``task-succeeded`` carries what its ``task-started`` would have (name, args, the time it
+    started). Buffered, the start would have gone out with the success in any case, after
+    the step; Flower's view of the task is the same (``celery.events.state`` keeps every
+    field of an event), and a quick chain sends half the events.
     """
 
     def __init__(self, app: Any, hostname: str | None, claimed: ClaimedAttempt) -> None:
@@ -72,30 +78,42 @@ class TaskEvents:
         self.claimed = claimed
         self.enabled = bool(app.conf.get("worker_send_task_events"))
         self.started_at = 0.0
+        #: When it started (wall clock), while its start is not sent: it goes with its end.
+        self._start_untold: float | None = None
 
     def started(self, flush: bool = True) -> None:
-        """``flush``: publish it now (with what is buffered); else with the next flush."""
+        """``flush``: publish it now (with what is buffered); else told with its end."""
         self.started_at = time.monotonic()
-        if self.enabled:
-            claimed = self.claimed
-            self._send(
-                "task-started",
-                name=claimed.step,
-                args=repr([claimed.token]),
-                kwargs=repr({"run_id": claimed.run_id, "node": claimed.node}),
-                root_id=claimed.token,
-                retries=0,
-            )
-            if flush:
-                flush_events(self.app, self.hostname)
+        if not self.enabled:
+            return
+        if flush:
+            self._send("task-started", **self._identity())
+            flush_events(self.app, self.hostname)
+        else:
+            self._start_untold = time.time()
 
     def finished(self, outcome: str) -> None:
-        if self.enabled:
-            self._send(
-                "task-succeeded",
-                result=repr(outcome),
-                runtime=time.monotonic() - self.started_at,
-            )
+        if not self.enabled:
+            return
+        told = {} if self._start_untold is None else self._identity(started=self._start_untold)
+        self._send(
+            "task-succeeded",
+            result=repr(outcome),
+            runtime=time.monotonic() - self.started_at,
+            **told,
+        )
+
+    def _identity(self, **more: Any) -> dict[str, Any]:
+        """What ``task-received`` and ``task-started`` tell Flower about the task."""
+        claimed = self.claimed
+        return {
+            "name": claimed.step,
+            "args": repr([claimed.token]),
+            "kwargs": repr({"run_id": claimed.run_id, "node": claimed.node}),
+            "root_id": claimed.token,
+            "retries": 0,
+            **more,
+        }
 
     def _send(self, kind: str, **fields: Any) -> None:
         try:

@@ -109,6 +109,8 @@ def test_flower_lists_step_and_tick_tasks_by_name(
             )
             time.sleep(0.5)
         assert {t["name"] for t in shown.values()} == {"e2e.echo"}
+        # Quick ones send one event each, which tells their start too.
+        assert all(t["started"] and t["succeeded"] >= t["started"] for t in shown.values())
         assert all(chain.run_id in (t.get("kwargs") or "") for t in shown.values())
     finally:
         os.killpg(flower.pid, signal.SIGTERM)

@@ -397,20 +397,18 @@ def test_each_inline_step_shows_in_flower_as_a_task_of_its_own(
 
     tokens = {r.node: r.token for r in attempt_rows(ductor, run_id)}
     # Quick steps: their events go out together (one broker message, not one per attempt),
-    # at the chain's end at the latest: nothing left in the buffer.
+    # at the chain's end at the latest: nothing left in the buffer. Each start, not
+    # published at once, is told by its task-succeeded (one event per attempt).
     assert events.buffer == []
     assert [[(kind, fields["uuid"]) for kind, fields in batch] for batch in events.published] == [
-        [
-            ("task-started", tokens["s1"]),
-            ("task-succeeded", tokens["s1"]),
-            ("task-started", tokens["s2"]),
-            ("task-succeeded", tokens["s2"]),
-        ],
+        [("task-succeeded", tokens["s1"]), ("task-succeeded", tokens["s2"])],
     ]
-    started = events.published[0][0][1]
-    assert started["name"] == "inline.add" and started["hostname"] == "w1@host"
-    assert started["kwargs"] == repr({"run_id": run_id, "node": "s1"})
-    assert events.published[0][1][1]["result"] == "'succeeded'"
+    done = events.published[0][0][1]
+    assert done["name"] == "inline.add" and done["hostname"] == "w1@host"
+    assert done["kwargs"] == repr({"run_id": run_id, "node": "s1"})
+    assert done["args"] == repr([tokens["s1"]]) and done["root_id"] == tokens["s1"]
+    assert done["result"] == "'succeeded'" and done["retries"] == 0
+    assert done["started"] <= time.time() and 0 <= done["runtime"] < 60
 
 
 def test_after_a_slow_step_the_next_inline_steps_start_is_published_at_once(
@@ -458,17 +456,15 @@ def test_a_runs_first_step_is_announced_at_once_unless_it_ran_quickly_here_befor
         return batches, s0, s1
 
     def announced_at_once(s0: str, s1: str) -> list[list[tuple[str, str]]]:
-        return [
-            [("task-started", s0)],
-            [("task-succeeded", s0), ("task-started", s1), ("task-succeeded", s1)],
-        ]
+        return [[("task-started", s0)], [("task-succeeded", s0), ("task-succeeded", s1)]]
 
     published, s0, s1 = one_run()  # never ran in this process
     assert published == announced_at_once(s0, s1)
+    # Announced at once: its end does not tell its start again; the next one's does.
+    [[(_, told)], [(_, s0_done), (_, s1_done)]] = events.published
+    assert "started" not in s0_done and s1_done["started"] and s1_done["name"] == told["name"]
     published, s0, s1 = one_run()  # ran quickly last time: one publish, at the run's end
-    assert published == [
-        [("task-started", s0), ("task-succeeded", s0), ("task-started", s1), ("task-succeeded", s1)]
-    ]
+    assert published == [[("task-succeeded", s0), ("task-succeeded", s1)]]
     inline._last_ran_by_step["inline.first_add"] = 60.0  # slow last time (over the bound)
     published, s0, s1 = one_run()
     assert published[0] == [("task-started", s0)]
@@ -497,13 +493,7 @@ def test_a_runs_start_message_is_one_task_event_published_with_its_chains(
     assert first_tick(ductor.runtime, run_id, "w1@host", QUEUE, message) == "committed"
     s0, s1 = (r.token for r in attempt_rows(ductor, run_id))
     assert [[(kind, f["uuid"]) for kind, f in batch] for batch in events.published] == [
-        [
-            ("task-succeeded", message),
-            ("task-started", s0),
-            ("task-succeeded", s0),
-            ("task-started", s1),
-            ("task-succeeded", s1),
-        ]
+        [("task-succeeded", message), ("task-succeeded", s0), ("task-succeeded", s1)]
     ]
     fields = events.published[0][0][1]
     assert fields["name"] == FIRST_TICK_TASK_NAME and fields["hostname"] == "w1@host"
