@@ -264,3 +264,21 @@ def attempt_reads_so_far(conn: Any) -> tuple[int, int]:
         "WHERE relname = 'eec_workflow_step_attempt'"
     ).scalar_one()
     return scanned, int(fetched)
+
+
+def record_psycopg_statements(monkeypatch: Any) -> list[tuple[str, bool]]:
+    """Every statement psycopg sends from now on (until ``monkeypatch`` undoes it), through
+    SQLAlchemy or straight to psycopg's cursor (the hot paths: a start's insert, a tick's
+    statements), with whether it went in autocommit (then no ``BEGIN`` went before it, and
+    no ``COMMIT``/``ROLLBACK`` follows)."""
+    import psycopg
+
+    seen: list[tuple[str, bool]] = []
+    execute = psycopg.Cursor.execute
+
+    def record(cursor: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append((str(query), bool(cursor.connection.autocommit)))
+        return execute(cursor, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", record)
+    return seen

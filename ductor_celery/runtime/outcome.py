@@ -8,11 +8,10 @@ and advances the run.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import tracing
 from ..definition.blobrefs import contains_ref
@@ -35,6 +34,8 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
     from .ports import WorkerPort
+
+_V = TypeVar("_V")
 
 log = logging.getLogger("ductor_celery.step")
 
@@ -112,9 +113,23 @@ def _slots_of(rt: WorkerPort, claimed: attempts.ClaimedAttempt) -> Slots:
         return ()
 
 
+def _once(fn: Callable[[], _V]) -> Callable[[], _V]:
+    """``fn``'s value, computed at the first call and kept: ``functools.cache`` for a function
+    of no arguments, without the wrapper's making (its ``update_wrapper``), which cost more
+    than the rest of an inline step's call, twice per attempt."""
+    kept: list[_V] = []
+
+    def value() -> _V:
+        if not kept:
+            kept.append(fn())
+        return kept[0]
+
+    return value
+
+
 def _input_reader(engine: Engine, run_id: str) -> Callable[[], Any]:
     """Reads the run's input once, on first use (shared by the items of a batch)."""
-    return functools.cache(
+    return _once(
         lambda: with_retry(lambda: attempts.run_input(engine, run_id), what="read run input")
     )
 
@@ -356,7 +371,7 @@ def _by_reference(engine: Engine, run_id: str, result: Outcome, threshold: int) 
 def prepare_call(rt: WorkerPort, step: Step, claimed: attempts.ClaimedAttempt) -> Call:
     """What every call of a claimed attempt shares (read before its run time is measured)."""
     # Read only when the step raises: most attempts succeed.
-    non_retryable = functools.cache(lambda: _non_retryable_of(rt, step, claimed))
+    non_retryable = _once(lambda: _non_retryable_of(rt, step, claimed))
     return Call(
         AttemptSecrets(rt.settings.secret_provider),
         _slots_of(rt, claimed),

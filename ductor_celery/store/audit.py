@@ -72,6 +72,32 @@ def entry_insert(
 ) -> Any:
     """The INSERT of one entry, for whichever connection runs the action's transaction (a
     caller's own, through store/joined.py, too)."""
+    return sa.insert(audit).values(
+        **entry_values(
+            action,
+            actor=actor,
+            source=source,
+            run_id=run_id,
+            workflow_id=workflow_id,
+            node=node,
+            detail=detail,
+            at=at,
+        )
+    )
+
+
+def entry_values(
+    action: AuditAction,
+    *,
+    actor: str | None,
+    source: AuditSource | str,
+    run_id: str | None = None,
+    workflow_id: str | None = None,
+    node: str | None = None,
+    detail: dict[str, Any] | None = None,
+    at: datetime | None = None,
+) -> dict[str, Any]:
+    """The row of one entry (``entry_insert``'s)."""
     values: dict[str, Any] = {
         "actor": actor,
         "action": AuditAction(action).value,
@@ -83,7 +109,7 @@ def entry_insert(
     }
     if at is not None:
         values["at"] = at
-    return sa.insert(audit).values(**values)
+    return values
 
 
 def record(conn: Connection, action: AuditAction, **entry: Any) -> None:

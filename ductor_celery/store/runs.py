@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import weakref
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
@@ -25,8 +27,9 @@ from ..engine.status import OPEN_RUN_STATUSES, TERMINAL_RUN_STATUSES, RunStatus
 from . import audit, blobs, clock
 from . import tags as run_tags
 from .composed import outputs_cache
-from .db import autocommit, aware
+from .db import autocommit, aware, driver_cursor
 from .dialect import dialect_of
+from .schema import audit as audit_table
 from .schema import (
     step_attempt,
     workflow_control,
@@ -231,7 +234,13 @@ def pending_run(
     }
 
 
-def run_insert(
+def run_insert(**values: Any) -> sa.Insert:
+    """The INSERT of a run a client starts (``insert_run``, or ``store/joined.py`` in the
+    caller's own transaction): ``started_run_values``' row."""
+    return sa.insert(workflow_run).values(started_run_values(**values))
+
+
+def started_run_values(
     *,
     run_id: str,
     workflow_id: str,
@@ -244,28 +253,25 @@ def run_insert(
     deadline_at: datetime | None = None,
     priority: int | None = None,
     tags: dict[str, str] | None = None,
-) -> sa.Insert:
-    """The row of a run a client starts (``insert_run``, or ``store/joined.py`` in the
-    caller's own transaction). ``created_at``: the store's clock when one is injected
-    (store/clock.py), else the database's ``now()``."""
+) -> dict[str, Any]:
+    """The row of a run a client starts. ``created_at``: the store's clock when one is
+    injected (store/clock.py), else the database's ``now()``."""
     times = {} if created_at is None else {"created_at": created_at, "updated_at": created_at}
-    return sa.insert(workflow_run).values(
-        pending_run(
-            run_id=run_id,
-            workflow_id=workflow_id,
-            workflow=spec.name,
-            version=spec.version,
-            spec_hash=spec.spec_hash,
-            state=RunState.initial(
-                spec.graph.order, start_at=start_at, deadline_at=deadline_at, tags=tags
-            ),
-            input=input,
-            parent_run_id=parent_run_id,
-            trace_context=trace_context,
-            # the workflow's default unless the start says otherwise
-            priority=spec.priority if priority is None else priority,
-            **times,
-        )
+    return pending_run(
+        run_id=run_id,
+        workflow_id=workflow_id,
+        workflow=spec.name,
+        version=spec.version,
+        spec_hash=spec.spec_hash,
+        state=RunState.initial(
+            spec.graph.order, start_at=start_at, deadline_at=deadline_at, tags=tags
+        ),
+        input=input,
+        parent_run_id=parent_run_id,
+        trace_context=trace_context,
+        # the workflow's default unless the start says otherwise
+        priority=spec.priority if priority is None else priority,
+        **times,
     )
 
 
@@ -353,7 +359,7 @@ def insert_run_requested(
     run in between, can leave the request recorded for a run that is gone or unrecorded once
     its answer was given.
     """
-    statement = run_insert(
+    row = started_run_values(
         run_id=run_id,
         workflow_id=workflow_id,
         spec=spec,
@@ -366,6 +372,7 @@ def insert_run_requested(
         priority=priority,
         tags=tags,
     )
+    statement = sa.insert(workflow_run).values(row)
     # The tags' rows in the run's own transaction: a run is never seen without them.
     tag_rows = run_tags.tags_insert(run_id, tags or {})
     # A large input is stored by reference (docs/large-values.md), in the run's transaction:
@@ -386,13 +393,10 @@ def insert_run_requested(
         try:
             if alone:
                 with autocommit(engine) as conn:
-                    conn.execute(
-                        statement
-                        if who is None
-                        else start_entry(who, run_id, workflow_id, spec).add_cte(
-                            statement.cte("started_run")
-                        )
-                    )
+                    if who is None:
+                        conn.execute(statement)
+                    else:
+                        _insert_started(conn, row, start_values(who, run_id, workflow_id, spec))
                 return Requested(run_id=run_id, workflow_id=workflow_id), True
             with engine.begin() as conn:
                 if start_at is not None:
@@ -465,10 +469,21 @@ def start_entry(
     request: RequestKey | None = None,
 ) -> Any:
     """The audit entry of a run's start (``request``: the request that started it)."""
+    return sa.insert(audit_table).values(start_values(who, run_id, workflow_id, spec, request))
+
+
+def start_values(
+    who: audit.Who,
+    run_id: str,
+    workflow_id: str,
+    spec: WorkflowSpec,
+    request: RequestKey | None = None,
+) -> dict[str, Any]:
+    """``start_entry``'s row."""
     detail: dict[str, Any] = {"workflow": spec.name, "version": spec.version}
     if request is not None:
         detail["request"] = request.detail()
-    return audit.entry_insert(
+    return audit.entry_values(
         AuditAction.START,
         actor=who.actor,
         source=who.source,
@@ -476,6 +491,58 @@ def start_entry(
         workflow_id=workflow_id,
         detail=detail,
     )
+
+
+def _insert_started(conn: Connection, run: dict[str, Any], entry: dict[str, Any]) -> None:
+    """A run's row and its start's audit entry, in one statement on ``conn`` (autocommit):
+    the run's insert a data-modifying WITH of the entry's.
+
+    With psycopg, the statement is SQLAlchemy's own, compiled once per set of columns
+    (``_started_statement``), and sent to psycopg's cursor with each value passed through
+    the bind processor SQLAlchemy would apply (the JSON columns' serializer): building and
+    compiling the INSERT for every start cost about 0.3 ms of the client's CPU, half of a
+    ``start()``. A key conflict is SQLAlchemy's ``IntegrityError``, as on its own path."""
+    if conn.dialect.driver != "psycopg":
+        conn.execute(
+            sa.insert(audit_table)
+            .values(entry)
+            .add_cte(sa.insert(workflow_run).values(run).cte("started_run"))
+        )
+        return
+    text, processors = _started_statement(conn.dialect, tuple(run), tuple(entry))
+    params: dict[str, Any] = {}
+    for prefix, row in (("r_", run), ("a_", entry)):
+        for column, value in row.items():
+            name = prefix + column
+            process = processors[name]
+            params[name] = value if process is None else process(value)
+    try:
+        with driver_cursor(conn) as cursor:
+            cursor.execute(text, params)
+    except psycopg.IntegrityError as exc:
+        raise IntegrityError(text, None, exc) from exc
+
+
+@functools.cache
+def _started_statement(
+    dialect: sa.Dialect, run_columns: tuple[str, ...], entry_columns: tuple[str, ...]
+) -> tuple[str, dict[str, Any]]:
+    """``_insert_started``'s statement for these columns, as ``dialect`` compiles it, and
+    each parameter's bind processor (None: the value as it is)."""
+    run = sa.insert(workflow_run).values(
+        {c: sa.bindparam(f"r_{c}", type_=workflow_run.c[c].type) for c in run_columns}
+    )
+    entry = (
+        sa.insert(audit_table)
+        .values({c: sa.bindparam(f"a_{c}", type_=audit_table.c[c].type) for c in entry_columns})
+        .add_cte(run.cte("started_run"))
+    )
+    compiled = entry.compile(dialect=dialect)
+    processors = {
+        name: bind.type.dialect_impl(dialect).bind_processor(dialect)
+        for name, bind in compiled.binds.items()
+    }
+    return compiled.string, processors
 
 
 def run_exists(conn: Connection, run_id: str) -> bool:

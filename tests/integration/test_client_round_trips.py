@@ -5,13 +5,12 @@ writes is all or nothing: a start refused for an open run of its workflow id lea
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from celery import Celery
+from support import record_psycopg_statements
 
 from ductor_celery import Ductor, Workflow
 from ductor_celery.store.db import get_engine
@@ -34,18 +33,9 @@ def ductor(database_url: str, tmp_path: Path) -> Ductor:
 
 
 @pytest.fixture
-def sent(database_url: str) -> Iterator[list[tuple[str, bool]]]:
-    """Every statement the engine sends from now on, with whether psycopg sent it in
-    autocommit (then no ``BEGIN`` went before it, and no ``COMMIT``/``ROLLBACK`` follows)."""
-    engine = get_engine(database_url)
-    seen: list[tuple[str, bool]] = []
-
-    def record(conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        seen.append((statement, bool(conn.connection.dbapi_connection.autocommit)))
-
-    sa.event.listen(engine, "before_cursor_execute", record)
-    yield seen
-    sa.event.remove(engine, "before_cursor_execute", record)
+def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """Every statement psycopg sends from now on, with whether it went in autocommit."""
+    return record_psycopg_statements(monkeypatch)
 
 
 def _entries(database_url: str, run_id: str) -> list[str]:

@@ -4,13 +4,12 @@ stored again by the start that finds it gone (the run row's foreign key), not lo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from celery import Celery
+from support import record_psycopg_statements
 
 from ductor_celery import Ductor, Workflow
 from ductor_celery.store.db import get_engine
@@ -38,21 +37,13 @@ def ductor(database_url: str, tmp_path: Path) -> Ductor:
 
 
 @pytest.fixture
-def statements(database_url: str) -> Iterator[list[str]]:
-    """Every statement the engine sends from now on."""
-    engine = get_engine(database_url)
-    sent: list[str] = []
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        sent.append(statement)
-
-    sa.event.listen(engine, "before_cursor_execute", record)
-    yield sent
-    sa.event.remove(engine, "before_cursor_execute", record)
+def statements(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """Every statement psycopg sends from now on."""
+    return record_psycopg_statements(monkeypatch)
 
 
-def _definition_statements(sent: list[str]) -> list[str]:
-    return [s for s in sent if "eec_workflow_definition" in s]
+def _definition_statements(sent: list[tuple[str, bool]]) -> list[str]:
+    return [s for s, _ in sent if "eec_workflow_definition" in s]
 
 
 def test_a_second_start_sends_nothing_for_its_definition(
@@ -64,7 +55,7 @@ def test_a_second_start_sends_nothing_for_its_definition(
     for _ in range(3):
         ductor.start("defs")
     assert _definition_statements(statements) == []
-    assert sum("INSERT INTO eec_workflow_run" in s for s in statements) == 3
+    assert sum("INSERT INTO eec_workflow_run" in s for s, _ in statements) == 3
 
 
 def test_a_definition_deleted_by_hand_is_stored_again_by_the_next_start(
