@@ -182,7 +182,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-timers",
         action="store_true",
-        help="no phase timers in the ductor workers (no breakdown, no tick counts)",
+        help="no phase timers in the ductor workers (no breakdown, no tick counts);\n"
+        "the default with --repeat",
+    )
+    p.add_argument(
+        "--timers",
+        action="store_true",
+        help="with --repeat: phase timers in the ductor workers after all (each round's\n"
+        "breakdown and tick counts, at about 0.06 ms of the step pool's CPU per step\n"
+        "that raw Celery does not pay)",
     )
     p.add_argument(
         "--experiment",
@@ -216,6 +224,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.output = str(BENCH_DIR / ("repeat_results.json" if args.repeat else "results.json"))
     if args.eager_modes is None:
         args.eager_modes = ["inline"] if args.repeat else ["off", "on", "inline"]
+    if args.repeat and not args.timers:
+        # The rounds compare ductor as users run it with raw Celery, which carries no
+        # instrumentation: the timers cost the step pool about 0.06 ms per step (benchmarks/
+        # README.md, tenth round). A run without --repeat keeps them for the breakdown.
+        args.no_timers = True
     if args.two_coord_modes is None or args.repeat:
         args.two_coord_modes = [] if args.repeat else ["off", "inline"]
     if args.repeat and (args.scatter_only or args.profile or args.pg_log or args.memory_scatters):

@@ -136,7 +136,7 @@ def tick_done(
     """The events of a tick task Celery sends none for (``send_events=False``: a run's start
     message, ``ductor.first_tick``), as one ``task-succeeded`` that also carries what its
     ``task-received`` and ``task-started`` would (name, args, their time ``began``): Flower
-    lists it as before. Celery's own three are sent by the worker's main process, about 0.7 ms
+    lists it as before. Celery's own three are sent by the worker's main process, about 0.6 ms
     of its CPU per run, and that process also hands every message to the pool, so it held a
     run's throughput back (benchmarks/README.md, tenth round); this one is buffered with the
     chain's own and goes out with its next flush. Dropped if it cannot be sent."""

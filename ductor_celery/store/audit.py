@@ -59,31 +59,10 @@ class Who:
     source: AuditSource = AuditSource.API
 
 
-def entry_insert(
-    action: AuditAction,
-    *,
-    actor: str | None,
-    source: AuditSource | str,
-    run_id: str | None = None,
-    workflow_id: str | None = None,
-    node: str | None = None,
-    detail: dict[str, Any] | None = None,
-    at: datetime | None = None,
-) -> Any:
-    """The INSERT of one entry, for whichever connection runs the action's transaction (a
-    caller's own, through store/joined.py, too)."""
-    return sa.insert(audit).values(
-        **entry_values(
-            action,
-            actor=actor,
-            source=source,
-            run_id=run_id,
-            workflow_id=workflow_id,
-            node=node,
-            detail=detail,
-            at=at,
-        )
-    )
+def entry_insert(action: AuditAction, **entry: Any) -> Any:
+    """The INSERT of one entry (``entry_values``' keywords), for whichever connection runs
+    the action's transaction (a caller's own, through store/joined.py, too)."""
+    return sa.insert(audit).values(**entry_values(action, **entry))
 
 
 def entry_values(
@@ -97,7 +76,7 @@ def entry_values(
     detail: dict[str, Any] | None = None,
     at: datetime | None = None,
 ) -> dict[str, Any]:
-    """The row of one entry (``entry_insert``'s)."""
+    """The row of one entry."""
     values: dict[str, Any] = {
         "actor": actor,
         "action": AuditAction(action).value,

@@ -474,7 +474,7 @@ def test_a_runs_start_message_is_one_task_event_published_with_its_chains(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Celery sends no events of its own for the start message (``ductor.first_tick``: its
-    three cost the worker's main process about 0.7 ms per run); its first tick sends one
+    three cost the worker's main process about 0.6 ms per run); its first tick sends one
     ``task-succeeded`` that names the task as ``task-received`` would (name, args, when it
     was received and started), so Flower still lists it, and it goes out in the same publish
     as the chain's quick steps. A start message forwarded to the coordinator publishes its

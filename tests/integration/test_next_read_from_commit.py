@@ -27,6 +27,7 @@ from inline_support import (
 from ductor_celery import Ductor, RetryPolicy, StepContext
 from ductor_celery.definition import Workflow
 from ductor_celery.engine import RunState
+from ductor_celery.runtime import inline
 from ductor_celery.runtime.steps import first_tick
 from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import load, next_read
@@ -393,11 +394,14 @@ def test_the_kept_read_is_what_a_read_finds_timer_row_included(
         assert math.copysign(1.0, last[0].context["zz"]["a"]) == 1.0  # no negative zero
 
 
+@pytest.mark.parametrize("quick", [True, False], ids=["quick steps", "slow steps"])
 def test_a_chain_into_a_scatter_and_out_of_it_folds_every_branch_once(
-    database_url: str, reads: list[str]
+    database_url: str, reads: list[str], monkeypatch: pytest.MonkeyPatch, quick: bool
 ) -> None:
     """A claimed scatter branch asks for no next read (its tick reads in its transaction);
-    the chain after the scatter takes them again."""
+    the chain after the scatter takes them again. With every step counted as slow (as on a
+    loaded machine), the branches go out as messages and a wake-up row ticks the rest."""
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 10.0 if quick else 0.0)
     ductor, recorder = make_ductor(database_url)
 
     def add_one(ctx: StepContext, value: int = 0, index: int = 0) -> int:
@@ -419,11 +423,15 @@ def test_a_chain_into_a_scatter_and_out_of_it_folds_every_branch_once(
     deliver(ductor, first)
     for _ in range(10):  # branches the chain sent as messages, if any, and the ticks after
         sent = [r for r in recorder.rows if r.kind == "step"]
+        # A wake-up sent as an outbox row (a slow step's tick leaves the run's next tick to
+        # the coordinator that way), as well as one sent directly.
+        woken = {r.run_id for r in recorder.rows if r.kind == "wakeup"}
         recorder.rows.clear()
         for row in sent:
             deliver(ductor, row)
-        for run_id in set(recorder.wakes):
-            recorder.wakes.remove(run_id)
+        for run_id in set(recorder.wakes) | woken:
+            while run_id in recorder.wakes:
+                recorder.wakes.remove(run_id)
             run_tick(ductor.runtime, run_id)
         if run_row(ductor, handle.run_id).status == "succeeded":
             break
