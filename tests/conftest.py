@@ -262,11 +262,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=key)  # stable: a file's tests, and the other files, keep their order
 
 
+def _quick_bound() -> float:
+    from ductor_celery.runtime import inline
+
+    return inline.HOLD_IF_QUICKER_S
+
+
+#: The package's own bound of a quick step, read before any test runs: importing
+#: ``e2e_app`` in this process with ``E2E_HOLD_QUICKER`` set (a test of a cluster that holds
+#: branches however busy the machine is) sets it for the whole process.
+_QUICK_BOUND = _quick_bound()
+
+
 @pytest.fixture(autouse=True)
 def _step_timings_of_a_new_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """runtime/inline.py remembers how long each step last ran in the process (whether a
     run's first tick bundles, whether its first step's events go out at once): every test
-    starts with none, as a new worker process does, whatever ran before it here."""
+    starts with none, as a new worker process does, whatever ran before it here, and with
+    the package's bound of a quick step."""
     from ductor_celery.runtime import inline
 
     monkeypatch.setattr(inline, "_last_ran_by_step", {})
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", _QUICK_BOUND)

@@ -194,14 +194,18 @@ def first_tick(
         except Exception as exc:  # noqa: BLE001 - the coordinator can always do it instead
             log.warning("first tick of run %s failed (%s); waking the coordinator", run_id, exc)
             tick = "failed"
-        # Before the chain's steps: it goes out with their events.
-        _start_message_done(rt, hostname, carrier, run_id, began, tick)
-        if tick in SETTLED_TICKS:
-            _run_inline(rt, engine, chain, hostname)
-        else:
-            rt.wake(run_id)
-    # What the chain did not publish (it had nothing to run, or did not run): the event.
-    flush_events(rt.app, hostname)
+        try:
+            if tick in SETTLED_TICKS:
+                # Before the chain's steps: it goes out with their events.
+                _start_message_done(rt, hostname, carrier, run_id, began, tick)
+                _run_inline(rt, engine, chain, hostname)
+            else:
+                rt.wake(run_id)
+                _start_message_done(rt, hostname, carrier, run_id, began, tick)
+        finally:
+            # What the chain did not publish (it had nothing to run, or did not run): the
+            # event; never left in the thread's buffer for another task's publish.
+            flush_events(rt.app, hostname)
     return tick
 
 
@@ -241,8 +245,14 @@ def _run_inline(
                 next_claimed, next_step, next_me, held = kept
                 events = TaskEvents(rt.app, hostname, next_claimed)
                 events.started(flush=chain.flush_events_now(held, next_step.name))
-                with as_current_task(next_step, next_claimed, hostname, chain.queue):
-                    next_outcome = _run_claimed(rt, engine, next_step, next_claimed, next_me, chain)
+                try:
+                    with as_current_task(next_step, next_claimed, hostname, chain.queue):
+                        next_outcome = _run_claimed(
+                            rt, engine, next_step, next_claimed, next_me, chain
+                        )
+                except BaseException as exc:  # the process stops, or the store is gone
+                    events.failed(exc)
+                    raise
                 events.finished(next_outcome)
     finally:
         flush_events(rt.app, hostname)

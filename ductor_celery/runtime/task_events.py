@@ -103,6 +103,19 @@ class TaskEvents:
             **told,
         )
 
+    def failed(self, exc: BaseException) -> None:
+        """The attempt's run raised through the worker (its outcome is written, or left to
+        its timeout): Flower shows it failed, not started forever, or not at all."""
+        if not self.enabled:
+            return
+        told = {} if self._start_untold is None else self._identity(started=self._start_untold)
+        self._send(
+            "task-failed",
+            exception=repr(exc)[:500],
+            runtime=time.monotonic() - self.started_at,
+            **told,
+        )
+
     def _identity(self, **more: Any) -> dict[str, Any]:
         """What ``task-received`` and ``task-started`` tell Flower about the task."""
         claimed = self.claimed

@@ -108,9 +108,20 @@ class _Kept(threading.local):
     engine: Engine | None = None
     #: That connection, while nobody uses it.
     conn: Connection | None = None
+    #: When it was given back (``time.monotonic()``).
+    since: float = 0.0
 
 
 _kept = _Kept()
+
+#: A kept connection idle longer than this (a slow step ran meanwhile) is checked in and a
+#: new one checked out at its next use: the check-out is where the pool replaces a connection
+#: past ``pool_recycle``, or of a pool a failover invalidated, and where ``_refresh_plans``
+#: runs; and a connection idle for long is the one a proxy's idle timeout may have dropped.
+KEPT_IDLE_AT_MOST_S = 1.0
+
+# A child forked mid-chain (a step that forks) never uses or closes its parent's connection.
+os.register_at_fork(after_in_child=lambda: _kept.__dict__.clear())
 
 
 @contextmanager
@@ -119,9 +130,10 @@ def keeping_autocommit(engine: Engine) -> Iterator[None]:
     connections are one, kept between uses instead of checked in to the pool after each and
     out again before the next: a check-out and check-in with its isolation level set and
     reset cost SQLAlchemy about 40 us of CPU, once per inline step (benchmarks/README.md,
-    tenth round). It is given back at the end, when a statement on it raised, and before its
-    thread begins a tick's transaction (``release_kept``), so a thread never holds an idle
-    one while it waits for another. A nested one keeps nothing more."""
+    tenth round). It is given back at the end, when a statement on it raised, before its
+    thread begins a tick's transaction (``release_kept``), and at its next use after
+    ``KEPT_IDLE_AT_MOST_S`` idle; it is never kept past the pool's size (``give_back``), so
+    kept ones never make a thread wait for the pool. A nested one keeps nothing more."""
     if _kept.engine is not None:
         yield
         return
@@ -129,8 +141,10 @@ def keeping_autocommit(engine: Engine) -> Iterator[None]:
     try:
         yield
     finally:
-        release_kept()
-        _kept.engine = None
+        try:
+            release_kept()
+        finally:
+            _kept.engine = None
 
 
 def lend_autocommit(engine: Engine) -> Connection:
@@ -140,7 +154,8 @@ def lend_autocommit(engine: Engine) -> Connection:
         conn = _kept.conn
         if conn is not None:
             _kept.conn = None
-            if not (conn.closed or conn.invalidated):
+            fresh = time.monotonic() - _kept.since <= KEPT_IDLE_AT_MOST_S
+            if fresh and not (conn.closed or conn.invalidated):
                 return conn
             conn.close()
     return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
@@ -164,13 +179,16 @@ def give_back(conn: Connection) -> None:
             # the driver has none): ended as the pool's check-in would.
             conn.rollback()
         _kept.conn = conn
+        _kept.since = time.monotonic()
     else:
         conn.close()
 
 
 def _has_room(pool: Any) -> bool:
+    # Only PostgreSQL's paths keep (autocommit connections are theirs); a pool without a
+    # size (a NullPool, an in-memory SQLite's) never keeps.
     checkedout, size = getattr(pool, "checkedout", None), getattr(pool, "size", None)
-    if checkedout is None or size is None:  # a pool without a size (SQLite's): never kept
+    if checkedout is None or size is None:
         return False
     return bool(checkedout() <= size())
 

@@ -501,7 +501,8 @@ def _insert_started(conn: Connection, run: dict[str, Any], entry: dict[str, Any]
     (``_started_statement``), and sent to psycopg's cursor with each value passed through
     the bind processor SQLAlchemy would apply (the JSON columns' serializer): building and
     compiling the INSERT for every start cost about 0.3 ms of the client's CPU, half of a
-    ``start()``. A key conflict is SQLAlchemy's ``IntegrityError``, as on its own path."""
+    ``start()``. Its errors are SQLAlchemy's (a key conflict an ``IntegrityError``), as on
+    its own path."""
     if conn.dialect.driver != "psycopg":
         conn.execute(
             sa.insert(audit_table)
@@ -519,8 +520,14 @@ def _insert_started(conn: Connection, run: dict[str, Any], entry: dict[str, Any]
     try:
         with driver_cursor(conn) as cursor:
             cursor.execute(text, params)
-    except psycopg.IntegrityError as exc:
-        raise IntegrityError(text, None, exc) from exc
+    except psycopg.Error as exc:
+        # SQLAlchemy's class for it (IntegrityError, OperationalError, ...), as its own
+        # execution raises: callers and ``with_retry`` see what they saw before.
+        # A lost connection was invalidated (``driver_errors``): said so, as SQLAlchemy
+        # does, which is what makes a read-only server's error transient (``is_transient``).
+        raise sa.exc.DBAPIError.instance(
+            text, None, exc, psycopg.Error, connection_invalidated=conn.invalidated
+        ) from exc
 
 
 @functools.cache

@@ -517,6 +517,70 @@ def test_a_runs_start_message_is_one_task_event_published_with_its_chains(
     assert events.sent == []
 
 
+def test_an_inline_step_that_exits_its_process_shows_failed_in_flower(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quick chain's step whose run raises through the worker (``SystemExit``) sends
+    ``task-failed``, with what its start would have told: not left started, nor unseen."""
+    ductor, recorder = make_ductor(database_url)
+    events = RecordingEvents()
+    monkeypatch.setattr(type(ductor.app), "events", events, raising=False)
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 10.0)  # every step counts as quick
+    monkeypatch.setattr(inline, "EVENTS_AT_MOST_EVERY_S", 10.0)
+
+    def exits(ctx: StepContext, value: int = 0) -> int:
+        raise SystemExit(3)
+
+    wf = Workflow("exits_inline")
+    wf.step("a", _add_one(ductor))
+    wf.step("b", ductor.step(name="inline.exit_now")(exits), after=["a"])
+    ductor.register(wf)
+    run_id, first = start_run(ductor, "exits_inline", recorder)
+    events.published.clear()
+    with pytest.raises(SystemExit):
+        deliver(ductor, first)
+    tokens = {r.node: r.token for r in attempt_rows(ductor, run_id)}
+    assert [(kind, f["uuid"]) for kind, f in events.sent] == [("task-failed", tokens["b"])]
+    failed = events.sent[0][1]
+    assert failed["name"] == "inline.exit_now" and "SystemExit(3)" in failed["exception"]
+    assert failed["started"] and failed["root_id"] == tokens["b"]
+    assert events.buffer == []  # published on the way out
+
+
+def test_a_start_messages_event_is_never_left_in_the_buffer(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first tick that fails wakes the coordinator, then sends its event ("failed"), at
+    once; when the wake-up itself raises, no event is sent and none waits in the thread's
+    buffer for another task's publish."""
+    from ductor_celery.runtime import steps
+
+    ductor, recorder = make_ductor(database_url)
+    events = RecordingEvents()
+    monkeypatch.setattr(type(ductor.app), "events", events, raising=False)
+    _chain(ductor, 2, _add_one(ductor))
+
+    def tick_fails(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("database away")
+
+    monkeypatch.setattr(steps, "run_tick", tick_fails)
+    run_id = ductor.start("chain").run_id
+    assert first_tick(ductor.runtime, run_id, "w1@host", QUEUE, "start-1") == "failed"
+    assert recorder.wakes == [run_id]
+    assert [[(k, f["uuid"], f["result"]) for k, f in b] for b in events.published] == [
+        [("task-succeeded", "start-1", "'failed'")]
+    ]
+
+    def wake_fails(_run_id: str, _quick: Any = None) -> None:
+        raise ConnectionError("broker away")
+
+    events.published.clear()
+    monkeypatch.setattr(recorder, "wake", wake_fails)
+    with pytest.raises(ConnectionError):
+        first_tick(ductor.runtime, run_id, "w1@host", QUEUE, "start-2")
+    assert events.sent == []
+
+
 def test_no_events_are_sent_when_the_user_turned_them_off(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

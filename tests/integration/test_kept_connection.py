@@ -5,7 +5,9 @@ and at the chain's end (PostgreSQL)."""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,15 +101,38 @@ def test_release_kept_checks_it_in_and_the_kept_one_is_this_threads_own(
     assert db._kept.engine is None and db._kept.conn is None
 
 
+def _none_left_out(engine: sa.engine.Engine) -> bool:
+    """No connection of the runtime's engine out, once its background look for lost outcomes
+    (another thread, every few seconds) has given back the one it may be using."""
+    deadline = time.monotonic() + 5
+    while engine.pool.checkedout() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return engine.pool.checkedout() == 0
+
+
 def _checkouts_at_once(engine: sa.engine.Engine) -> Any:
-    """The most connections the pool had out at once while the returned list is watched."""
-    most = [0]
+    """The most connections this thread had out at once (the pool-wide count would take in
+    the runtime's background look for lost outcomes), while the returned list is watched."""
+    me, out, most = threading.get_ident(), [0], [0]
 
     def on_checkout(*_args: Any) -> None:
-        most[0] = max(most[0], engine.pool.checkedout())
+        if threading.get_ident() == me:
+            out[0] += 1
+            most[0] = max(most[0], out[0])
 
-    event.listen(engine, "checkout", on_checkout)
+    def on_checkin(*_args: Any) -> None:
+        if threading.get_ident() == me:
+            out[0] -= 1
+
+    event.listen(engine.pool, "checkout", on_checkout)
+    event.listen(engine.pool, "checkin", on_checkin)
     return most
+
+
+def _mine(connects: list[int]) -> Any:
+    """A pool listener counting this thread's check-outs into ``connects``."""
+    me = threading.get_ident()
+    return lambda *_: connects.append(1) if threading.get_ident() == me else None
 
 
 def test_a_chain_with_transactions_of_its_own_runs_on_the_kept_connection(
@@ -138,9 +163,9 @@ def test_a_chain_with_transactions_of_its_own_runs_on_the_kept_connection(
     run_id, first = start_run(ductor, "kept", recorder)
     most = _checkouts_at_once(engine)
     connects: list[int] = []
-    event.listen(engine.pool, "checkout", lambda *_: connects.append(1))
+    event.listen(engine.pool, "checkout", _mine(connects))
     assert deliver(ductor, first) == "succeeded"
-    assert most[0] == 2 and engine.pool.checkedout() == 0
+    assert most[0] == 2 and _none_left_out(engine)
     # Eight steps: the message's claim and tick, then the kept one, and the large value's
     # transactions (its write, the arguments read, the offloading tick), not one per step.
     assert len(connects) <= 6, len(connects)
@@ -183,8 +208,39 @@ def test_a_runs_first_tick_and_its_chain_share_the_kept_connection(database_url:
     engine = ductor.runtime.engine()
     run_id = ductor.start("kept_first").run_id
     connects: list[int] = []
-    event.listen(engine.pool, "checkout", lambda *_: connects.append(1))
+    event.listen(engine.pool, "checkout", _mine(connects))
     assert first_tick(ductor.runtime, run_id, "w1@host", QUEUE) == "committed"
     assert connects == [1]  # six ticks and steps, one check-out
-    assert engine.pool.checkedout() == 0
+    assert _none_left_out(engine)
     assert run_row(ductor, run_id).output == 6
+
+
+def test_a_connection_kept_idle_too_long_is_checked_out_anew(
+    engine: sa.engine.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a slow step (idle past ``KEPT_IDLE_AT_MOST_S``) the kept connection goes back
+    and the next use checks one out, which is where the pool recycles old connections,
+    replaces those of a pool a failover invalidated, and has plans refreshed."""
+    checkouts: list[int] = []
+    event.listen(engine.pool, "checkout", lambda *_: checkouts.append(1))
+    with keeping_autocommit(engine):
+        for _ in range(3):
+            _backend_pid(engine)
+    assert len(checkouts) == 1
+    monkeypatch.setattr(db, "KEPT_IDLE_AT_MOST_S", 0.0)
+    with keeping_autocommit(engine):
+        for _ in range(3):
+            _backend_pid(engine)
+    assert len(checkouts) == 4
+    assert engine.pool.checkedout() == 0
+
+
+def test_a_child_forked_mid_chain_keeps_nothing_of_its_parents(engine: sa.engine.Engine) -> None:
+    with keeping_autocommit(engine):
+        mine = _backend_pid(engine)
+        pid = os.fork()
+        if pid == 0:  # the child: a step that forks
+            os._exit(0 if db._kept.conn is None and db._kept.engine is None else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert _backend_pid(engine) == mine  # the parent's is still its own

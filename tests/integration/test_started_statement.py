@@ -76,6 +76,15 @@ def test_the_rows_are_sqlalchemys_for_the_same_values(database_url: str, value: 
                 )
         written[path] = _rows(engine, run_id)
     assert written["driver"] == written["sqlalchemy"]
+    # JSON null, not SQL NULL, for a None input, on both paths alike.
+    with engine.connect() as conn:
+        kinds = conn.execute(
+            sa.text(
+                "SELECT run_id, jsonb_typeof(input) FROM eec_workflow_run"
+                " WHERE run_id IN ('r-driver', 'r-sqlalchemy')"
+            )
+        ).all()
+    assert len({kind for _, kind in kinds}) == 1 and None not in {kind for _, kind in kinds}
     run, entry = written["driver"]
     assert run["input"] == value and run["status"] == "pending"
     assert entry["actor"] == "alice" and entry["detail"]["workflow"] == spec.name
