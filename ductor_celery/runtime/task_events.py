@@ -93,28 +93,20 @@ class TaskEvents:
             self._start_untold = time.time()
 
     def finished(self, outcome: str) -> None:
-        if not self.enabled:
-            return
-        told = {} if self._start_untold is None else self._identity(started=self._start_untold)
-        self._send(
-            "task-succeeded",
-            result=repr(outcome),
-            runtime=time.monotonic() - self.started_at,
-            **told,
-        )
+        self._ended("task-succeeded", result=repr(outcome))
 
     def failed(self, exc: BaseException) -> None:
         """The attempt's run raised through the worker (its outcome is written, or left to
         its timeout): Flower shows it failed, not started forever, or not at all."""
+        self._ended("task-failed", exception=repr(exc)[:500])
+
+    def _ended(self, kind: str, **fields: Any) -> None:
+        """Its end, telling its start too when that was not sent."""
         if not self.enabled:
             return
-        told = {} if self._start_untold is None else self._identity(started=self._start_untold)
-        self._send(
-            "task-failed",
-            exception=repr(exc)[:500],
-            runtime=time.monotonic() - self.started_at,
-            **told,
-        )
+        if self._start_untold is not None:
+            fields.update(self._identity(started=self._start_untold))
+        self._send(kind, runtime=time.monotonic() - self.started_at, **fields)
 
     def _identity(self, **more: Any) -> dict[str, Any]:
         """What ``task-received`` and ``task-started`` tell Flower about the task."""
@@ -129,11 +121,7 @@ class TaskEvents:
         }
 
     def _send(self, kind: str, **fields: Any) -> None:
-        try:
-            _dispatcher(self.app, self.hostname).send(kind, uuid=self.claimed.token, **fields)
-        except Exception as exc:  # noqa: BLE001 - a view: never fail the attempt for it
-            _local.__dict__.pop("dispatcher", None)
-            log.debug("task event for %s not sent: %s", self.claimed.token, exc)
+        _send(self.app, self.hostname, kind, self.claimed.token, fields)
 
 
 def tick_done(
@@ -155,21 +143,26 @@ def tick_done(
     chain's own and goes out with its next flush. Dropped if it cannot be sent."""
     if not app.conf.get("worker_send_task_events"):
         return
+    fields = {
+        "name": name,
+        "args": repr(args),
+        "kwargs": repr({}),
+        "root_id": task_id,
+        "retries": 0,
+        "received": began,
+        "started": began,
+        "result": repr(result),
+        "runtime": time.time() - began,
+    }
+    _send(app, hostname, "task-succeeded", task_id, fields)
+
+
+def _send(app: Any, hostname: str | None, kind: str, task_id: str, fields: dict[str, Any]) -> None:
+    """One task event into this thread's buffer; dropped (and the dispatcher made anew next
+    time) if it cannot be: a view, never a reason to fail the attempt or the tick."""
     try:
-        _dispatcher(app, hostname).send(
-            "task-succeeded",
-            uuid=task_id,
-            name=name,
-            args=repr(args),
-            kwargs=repr({}),
-            root_id=task_id,
-            retries=0,
-            received=began,
-            started=began,
-            result=repr(result),
-            runtime=time.time() - began,
-        )
-    except Exception as exc:  # noqa: BLE001 - a view: never fail the tick for it
+        _dispatcher(app, hostname).send(kind, uuid=task_id, **fields)
+    except Exception as exc:  # noqa: BLE001 - a view only
         _local.__dict__.pop("dispatcher", None)
         log.debug("task event for %s not sent: %s", task_id, exc)
 

@@ -372,7 +372,6 @@ def insert_run_requested(
         priority=priority,
         tags=tags,
     )
-    statement = sa.insert(workflow_run).values(row)
     # The tags' rows in the run's own transaction: a run is never seen without them.
     tag_rows = run_tags.tags_insert(run_id, tags or {})
     # A large input is stored by reference (docs/large-values.md), in the run's transaction:
@@ -394,18 +393,18 @@ def insert_run_requested(
             if alone:
                 with autocommit(engine) as conn:
                     if who is None:
-                        conn.execute(statement)
+                        conn.execute(sa.insert(workflow_run).values(row))
                     else:
                         _insert_started(conn, row, start_values(who, run_id, workflow_id, spec))
                 return Requested(run_id=run_id, workflow_id=workflow_id), True
             with engine.begin() as conn:
                 if start_at is not None:
                     conn.execute(timer_insert(run_id, start_at))
-                if large is None:
-                    conn.execute(statement)
-                else:
+                values = row
+                if large is not None:
                     stored = blobs.write(conn, run_id, input, large).to_json()
-                    conn.execute(statement.values(input=stored))
+                    values = {**row, "input": stored}
+                conn.execute(sa.insert(workflow_run).values(values))
                 if tag_rows is not None:
                     conn.execute(tag_rows)
                 if request is not None:
