@@ -32,7 +32,7 @@ from .lost_outcomes import lost_outcomes
 from .outbox_janitor import sent_outbox
 from .outcome import Outcome, call_attempt, invalid, prepare_call
 from .step_context import Step
-from .task_events import TaskEvents, as_current_task, flush_events, tick_done
+from .task_events import TaskEvents, as_current_task, events_enabled, flush_events, tick_done
 from .tick_task import Keeper, run_tick
 
 if TYPE_CHECKING:
@@ -241,9 +241,10 @@ def _run_inline(
     try:
         # One autocommit connection for the chain's claims, reads and commits.
         with keeping_autocommit(engine):
+            events_on = events_enabled(rt.app)  # once per chain, not at every step
             while (kept := _next_inline(rt, engine, chain)) is not None:
                 next_claimed, next_step, next_me, held = kept
-                events = TaskEvents(rt.app, hostname, next_claimed)
+                events = TaskEvents(rt.app, hostname, next_claimed, events_on)
                 events.started(flush=chain.flush_events_now(held, next_step.name))
                 try:
                     with as_current_task(next_step, next_claimed, hostname, chain.queue):

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from celery._state import pop_current_task, push_current_task
+from celery.app.task import Context
 
 from ..store.attempts import ClaimedAttempt
 
@@ -29,12 +30,25 @@ def as_current_task(
     """Inside an inline attempt, Celery's current task is the attempt's own step task and its
     request carries the attempt's token as id, as when a message delivers it: code that reads
     ``celery.current_task.request.id``, and the task id and name in Celery's task log format,
-    name this attempt, not the one whose message started the chain."""
+    name this attempt, not the one whose message started the chain.
+
+    The request is made as Celery's tracer makes a delivered task's (``called_directly``
+    False), from the attempt alone: ``Task.push_request`` would copy every field of the
+    request in force (the carrying message's: its correlation id, reply-to, headers) into
+    it, and ``Context()`` works out custom headers none of these fields are; the two cost
+    about 5% of a quick inline step in a worker (benchmarks/README.md, eleventh round). The
+    task is the registered object itself, not the proxy ``@app.task`` returns, as Celery's
+    tracer pushes it."""
     task = step.task
     if task is None:  # a Step not registered on an app (a direct test call)
         yield
         return
-    task.push_request(
+    unproxied = getattr(task, "_get_current_object", None)
+    if unproxied is not None:
+        task = unproxied()
+    request = Context.__new__(Context)
+    # What ``Context.__init__`` sets for these fields, none of them a custom header.
+    request.__dict__.update(
         id=claimed.token,
         task=task.name,
         args=[claimed.token],
@@ -42,14 +56,19 @@ def as_current_task(
         hostname=hostname,
         delivery_info={"routing_key": queue},
         root_id=claimed.token,
+        correlation_id=claimed.token,
         retries=0,
+        called_directly=False,
+        headers=None,
     )
+    stack = task.request_stack
+    stack.push(request)
     push_current_task(task)
     try:
         yield
     finally:
         pop_current_task()
-        task.pop_request()
+        stack.pop()
 
 
 class TaskEvents:
@@ -72,11 +91,19 @@ class TaskEvents:
     field of an event), and a quick chain sends half the events.
     """
 
-    def __init__(self, app: Any, hostname: str | None, claimed: ClaimedAttempt) -> None:
+    def __init__(
+        self,
+        app: Any,
+        hostname: str | None,
+        claimed: ClaimedAttempt,
+        enabled: bool | None = None,
+    ) -> None:
+        """``enabled``: whether the app sends task events (``events_enabled``), when the
+        caller has read it already (a chain reads it once, not at every step)."""
         self.app = app
         self.hostname = hostname
         self.claimed = claimed
-        self.enabled = bool(app.conf.get("worker_send_task_events"))
+        self.enabled = events_enabled(app) if enabled is None else enabled
         self.started_at = 0.0
         #: When it started (wall clock), while its start is not sent: it goes with its end.
         self._start_untold: float | None = None
@@ -141,7 +168,7 @@ def tick_done(
     of its CPU per run, and that process also hands every message to the pool, so it held a
     run's throughput back (benchmarks/README.md, tenth round); this one is buffered with the
     chain's own and goes out with its next flush. Dropped if it cannot be sent."""
-    if not app.conf.get("worker_send_task_events"):
+    if not events_enabled(app):
         return
     fields = {
         "name": name,
@@ -180,6 +207,11 @@ def flush_events(app: Any, hostname: str | None) -> None:
 
 
 _local = threading.local()
+
+
+def events_enabled(app: Any) -> bool:
+    """Whether ``app`` sends task events (``worker_send_task_events``)."""
+    return bool(app.conf.get("worker_send_task_events"))
 
 
 def _key(app: Any, hostname: str | None) -> tuple[int, int, str | None]:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from celery import current_task
 from celery._state import pop_current_task, push_current_task
+from celery.local import Proxy
 from inline_support import (
     QUEUE,
     attempt_rows,
@@ -96,6 +97,86 @@ def test_a_chain_runs_to_the_end_from_one_message(url: str) -> None:
     # message delivers it (user code and Celery's task log format read it).
     assert task_ids == [r.token for r in rows]
     assert outbox_rows(ductor) == []  # each kept row marked sent once claimed
+
+
+def test_an_inline_step_sees_its_own_request_not_the_carrying_message_s(url: str) -> None:
+    """The request in force while an inline attempt runs is the one a message delivering it
+    would have made: its token as id and correlation id, the worker's host, the queue, not
+    called directly, and nothing of the carrying message's own request (its reply-to, its
+    custom headers, its other fields)."""
+    ductor, recorder = make_ductor(url)
+    seen: list[dict[str, Any]] = []
+
+    def look(ctx: StepContext, value: int = 0) -> int:
+        request = current_task.request
+        seen.append(
+            {
+                "task": current_task.name,
+                # The registered task itself, as Celery's tracer pushes it, not its proxy.
+                "unproxied": not isinstance(current_task._get_current_object(), Proxy),
+                **{
+                    field: getattr(request, field)
+                    for field in (
+                        "id",
+                        "correlation_id",
+                        "root_id",
+                        "hostname",
+                        "delivery_info",
+                        "called_directly",
+                        "reply_to",
+                        "headers",
+                        "args",
+                        "kwargs",
+                        "retries",
+                        "eta",
+                    )
+                },
+            }
+        )
+        return value + 1
+
+    _chain(ductor, 3, ductor.step(name="inline.look")(look))
+    run_id, first = start_run(ductor, "chain", recorder)
+    step = ductor.runtime.step_named(first.task)
+    assert step is not None
+    # The carrying message's request, as Celery's tracer would set it, with fields of its own.
+    step.task.push_request(
+        id=first.payload["token"],
+        reply_to="carrier-reply-queue",
+        eta="2026-01-01T00:00:00+00:00",
+        headers={"custom": "of the carrier"},
+        called_directly=False,
+    )
+    push_current_task(step.task)
+    try:
+        assert deliver(ductor, first) == "succeeded"
+    finally:
+        pop_current_task()
+        step.task.pop_request()
+
+    tokens = [r.token for r in attempt_rows(ductor, run_id)]
+    assert run_row(ductor, run_id).status == "succeeded" and len(seen) == 3
+    # The first ran under the carrier's own request; the two after it inline, under theirs.
+    assert seen[0]["id"] == tokens[0] and seen[0]["reply_to"] == "carrier-reply-queue"
+    for request, token in zip(seen[1:], tokens[1:], strict=True):
+        assert request == {
+            "task": "inline.look",
+            "unproxied": True,
+            "id": token,
+            "correlation_id": token,
+            "root_id": token,
+            "hostname": "w1@host",
+            "delivery_info": {"routing_key": QUEUE},
+            "called_directly": False,
+            "reply_to": None,
+            "headers": None,
+            "args": [token],
+            "kwargs": {},
+            "retries": 0,
+            "eta": None,
+        }
+    # Each request is popped when its attempt ends: the carrier's is in force again.
+    assert step.task.request.id is None
 
 
 @pytest.mark.parametrize(
