@@ -20,6 +20,11 @@ Per step, over the ``execute_attempt`` calls only (medians over rounds):
 before the measured rounds, as a scatter of N items leaves them.
 ``--profile N``: one more round under cProfile, printing the N functions with the most own
 time. A/B two checkouts side by side with ``PYTHONPATH=<checkout>``.
+
+``--from-start``: each run from its start message instead, as a step worker runs one
+(``steps.first_tick``: the run's first tick, its first step claimed in that tick's commit,
+then the chain), per step of the whole run; ``--broker URL`` for the task events (an
+in-memory broker by default: a real Redis makes them cost what they cost in a worker).
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ from servers import PostgresServer  # noqa: E402
 
 from ductor_celery import Ductor, Workflow  # noqa: E402
 from ductor_celery.engine.kinds import DispatchKind  # noqa: E402
-from ductor_celery.runtime.steps import execute_attempt  # noqa: E402
+from ductor_celery.runtime.dispatch import first_tick_id  # noqa: E402
+from ductor_celery.runtime.steps import execute_attempt, first_tick  # noqa: E402
 from ductor_celery.runtime.tick_task import run_tick  # noqa: E402
 from ductor_celery.store.migrate import upgrade  # noqa: E402
 
@@ -72,6 +78,12 @@ def main() -> None:
         help="after the warm-up round, N finished attempt rows of one run, as a scatter of N "
         "items leaves them (how the tick's statements fare on a grown table)",
     )
+    parser.add_argument(
+        "--from-start",
+        action="store_true",
+        help="run each run from its start message, as a step worker does (steps.first_tick)",
+    )
+    parser.add_argument("--broker", default="memory://", help="the app's broker (task events)")
     args = parser.parse_args()
     # Planning too: a prepared statement PostgreSQL plans anew at every call (its custom
     # plans looking cheaper than the generic one) costs its planning every time.
@@ -85,7 +97,7 @@ def main() -> None:
             admin.execute("CREATE EXTENSION pg_stat_statements")
         url = pg.url("chain_cost")
         upgrade(url)
-        bench = _Bench(pg, url)
+        bench = _Bench(pg, url, broker=args.broker, from_start=args.from_start)
         bench.round(args.runs)  # warm: connections, prepared statements, caches
         if args.extra_attempts:
             bench.scatter_leftovers(args.extra_attempts)
@@ -110,10 +122,13 @@ def main() -> None:
 class _Bench:
     """One Ductor on the server, with a 10-step chain registered."""
 
-    def __init__(self, pg: PostgresServer, url: str) -> None:
+    def __init__(
+        self, pg: PostgresServer, url: str, broker: str = "memory://", from_start: bool = False
+    ) -> None:
         self.pg = pg
+        self.from_start = from_start
         app = Celery("chain_cost", set_as_current=False)
-        app.conf.broker_url = "memory://"
+        app.conf.broker_url = broker
         ductor = Ductor(app, database_url=url)
         self.sent: list[Any] = []
         rt = ductor.runtime
@@ -133,6 +148,8 @@ class _Bench:
     def round(self, runs: int, profile: cProfile.Profile | None = None) -> dict[str, float]:
         """Per-step figures of ``runs`` chain runs, each run inline from its first message."""
         ductor, rt = self.ductor, self.ductor.runtime
+        if self.from_start:
+            return self._round_from_start(runs, profile)
         tokens = []
         for _ in range(runs):
             run_id = ductor.start("chain", input={}).run_id
@@ -155,16 +172,31 @@ class _Bench:
         for run_id, _ in tokens:
             status = ductor.get(run_id).status
             assert status == "succeeded", (run_id, status)
-        steps = runs * STEPS
-        return {
-            "wall ms": 1000 * wall / steps,
-            "process CPU ms": 1000 * cpu / steps,
-            "PostgreSQL CPU ms": 1000 * pg_cpu / steps,
-            "CPU ms": 1000 * (cpu + pg_cpu) / steps,
-            # Less the one statement that reads the counters.
-            "statements": (statements1 - statements0 - 1) / steps,
-            "WAL bytes": (wal1 - wal0) / steps,
-        }
+        return _per_step(runs, wall, cpu, pg_cpu, statements1 - statements0, wal1 - wal0)
+
+    def _round_from_start(
+        self, runs: int, profile: cProfile.Profile | None = None
+    ) -> dict[str, float]:
+        """``round`` with each run from its start message (``steps.first_tick``)."""
+        ductor, rt = self.ductor, self.ductor.runtime
+        run_ids = [ductor.start("chain", input={}).run_id for _ in range(runs)]
+        statements0, wal0 = self._server_counters()
+        pg_cpu0 = _postgres_cpu(self.pg)
+        w0, c0 = time.perf_counter(), time.process_time()
+        if profile is not None:
+            profile.enable()
+        for run_id in run_ids:
+            first_tick(rt, run_id, "h", QUEUE, first_tick_id(run_id))
+        if profile is not None:
+            profile.disable()
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        pg_cpu = _postgres_cpu(self.pg) - pg_cpu0
+        statements1, wal1 = self._server_counters()
+        self.sent.clear()
+        for run_id in run_ids:
+            status = ductor.get(run_id).status
+            assert status == "succeeded", (run_id, status)
+        return _per_step(runs, wall, cpu, pg_cpu, statements1 - statements0, wal1 - wal0)
 
     def scatter_leftovers(self, items: int) -> None:
         """``items`` finished, folded attempt rows of one (made-up) run, as a scatter of that
@@ -210,6 +242,21 @@ class _Bench:
             ).fetchone()
         assert row is not None
         return int(row[0] or 0), int(row[1])
+
+
+def _per_step(
+    runs: int, wall: float, cpu: float, pg_cpu: float, statements: int, wal: int
+) -> dict[str, float]:
+    steps = runs * STEPS
+    return {
+        "wall ms": 1000 * wall / steps,
+        "process CPU ms": 1000 * cpu / steps,
+        "PostgreSQL CPU ms": 1000 * pg_cpu / steps,
+        "CPU ms": 1000 * (cpu + pg_cpu) / steps,
+        # Less the one statement that reads the counters.
+        "statements": (statements - 1) / steps,
+        "WAL bytes": wal / steps,
+    }
 
 
 def _postgres_cpu(pg: PostgresServer) -> float:

@@ -35,10 +35,9 @@ def as_current_task(
     The request is made as Celery's tracer makes a delivered task's (``called_directly``
     False), from the attempt alone: ``Task.push_request`` would copy every field of the
     request in force (the carrying message's: its correlation id, reply-to, headers) into
-    it, and ``Context()`` works out custom headers none of these fields are; the two cost
-    about 5% of a quick inline step in a worker (benchmarks/README.md, eleventh round). The
-    task is the registered object itself, not the proxy ``@app.task`` returns, as Celery's
-    tracer pushes it."""
+    it, and ``Context()`` works out custom headers none of these fields are, both through
+    the proxy ``@app.task`` returns (benchmarks/README.md, eleventh round). The task is the
+    registered object itself, as Celery's tracer pushes it."""
     task = step.task
     if task is None:  # a Step not registered on an app (a direct test call)
         yield
