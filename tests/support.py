@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -267,17 +268,20 @@ def attempt_reads_so_far(conn: Any) -> tuple[int, int]:
 
 
 def record_psycopg_statements(monkeypatch: Any) -> list[tuple[str, bool]]:
-    """Every statement psycopg sends from now on (until ``monkeypatch`` undoes it), through
-    SQLAlchemy or straight to psycopg's cursor (the hot paths: a start's insert, a tick's
-    statements), with whether it went in autocommit (then no ``BEGIN`` went before it, and
-    no ``COMMIT``/``ROLLBACK`` follows)."""
+    """Every statement psycopg sends from now on (until ``monkeypatch`` undoes it) on this
+    thread, through SQLAlchemy or straight to psycopg's cursor (the hot paths: a start's
+    insert, a tick's statements), with whether it went in autocommit (then no ``BEGIN``
+    went before it, and no ``COMMIT``/``ROLLBACK`` follows). Other threads' are not the
+    call's: the outbox janitor deletes sent rows in the background (runtime/outbox_janitor.py)."""
     import psycopg
 
     seen: list[tuple[str, bool]] = []
     execute = psycopg.Cursor.execute
+    recording = threading.get_ident()
 
     def record(cursor: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
-        seen.append((str(query), bool(cursor.connection.autocommit)))
+        if threading.get_ident() == recording:
+            seen.append((str(query), bool(cursor.connection.autocommit)))
         return execute(cursor, query, *args, **kwargs)
 
     monkeypatch.setattr(psycopg.Cursor, "execute", record)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery._state import pop_current_task, push_current_task
 from celery.app.task import Context
+from celery.local import Proxy
 
 from ..store.attempts import ClaimedAttempt
 
@@ -28,28 +29,44 @@ def as_current_task(
     step: Step, claimed: ClaimedAttempt, hostname: str | None, queue: str
 ) -> Iterator[None]:
     """Inside an inline attempt, Celery's current task is the attempt's own step task and its
-    request carries the attempt's token as id, as when a message delivers it: code that reads
-    ``celery.current_task.request.id``, and the task id and name in Celery's task log format,
-    name this attempt, not the one whose message started the chain.
-
-    The request is made as Celery's tracer makes a delivered task's (``called_directly``
-    False), from the attempt alone: ``Task.push_request`` would copy every field of the
-    request in force (the carrying message's: its correlation id, reply-to, headers) into
-    it, and ``Context()`` works out custom headers none of these fields are, both through
-    the proxy ``@app.task`` returns (benchmarks/README.md, eleventh round). The task is the
-    registered object itself, as Celery's tracer pushes it."""
+    request (``inline_request``) carries the attempt's token as id, as when a message
+    delivers it: code that reads ``celery.current_task.request.id``, Celery's task log
+    format, and the parent and root ids of tasks the step sends name this attempt, not the
+    task whose message started the chain. The task is the registered object itself, not the
+    proxy ``@app.task`` returns, as Celery's tracer pushes a delivered task."""
     task = step.task
     if task is None:  # a Step not registered on an app (a direct test call)
         yield
         return
-    unproxied = getattr(task, "_get_current_object", None)
-    if unproxied is not None:
-        task = unproxied()
+    if isinstance(task, Proxy):
+        task = task._get_current_object()
+    stack = task.request_stack
+    stack.push(inline_request(task.name, claimed, hostname, queue))
+    push_current_task(task)
+    try:
+        yield
+    finally:
+        pop_current_task()
+        stack.pop()
+
+
+def inline_request(
+    task_name: str, claimed: ClaimedAttempt, hostname: str | None, queue: str
+) -> Context:
+    """The request of an inline attempt, as Celery's tracer makes a delivered task's
+    (``called_directly`` False), from the attempt alone.
+
+    Not ``Task.push_request``, which copies every field of the request in force on that task
+    into the new one: the carrying message's when the chain's message was of the same step
+    (its reply-to, custom headers, correlation id), else Celery's default request, under
+    which the step counted as called directly (tasks it sent named the carrying task as
+    their parent). And not ``Context(**fields)``, whose search for custom headers (none of
+    these fields is one) cost more than the rest (benchmarks/README.md, eleventh round);
+    what it would make is what this makes (``test_task_events.py``)."""
     request = Context.__new__(Context)
-    # What ``Context.__init__`` sets for these fields, none of them a custom header.
     request.__dict__.update(
         id=claimed.token,
-        task=task.name,
+        task=task_name,
         args=[claimed.token],
         kwargs={},
         hostname=hostname,
@@ -60,14 +77,7 @@ def as_current_task(
         called_directly=False,
         headers=None,
     )
-    stack = task.request_stack
-    stack.push(request)
-    push_current_task(task)
-    try:
-        yield
-    finally:
-        pop_current_task()
-        stack.pop()
+    return request
 
 
 class TaskEvents:

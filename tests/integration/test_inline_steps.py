@@ -17,8 +17,14 @@ from typing import Any
 
 import pytest
 from celery import current_task
-from celery._state import pop_current_task, push_current_task
+from celery._state import (
+    get_current_task,
+    get_current_worker_task,
+    pop_current_task,
+    push_current_task,
+)
 from celery.local import Proxy
+from celery.signals import before_task_publish
 from inline_support import (
     QUEUE,
     attempt_rows,
@@ -150,6 +156,9 @@ def test_an_inline_step_sees_its_own_request_not_the_carrying_message_s(url: str
     push_current_task(step.task)
     try:
         assert deliver(ductor, first) == "succeeded"
+        # Each inline request was popped as its attempt ended: the carrier's is in force.
+        assert step.task.request.id == first.payload["token"]
+        assert get_current_task() is step.task
     finally:
         pop_current_task()
         step.task.pop_request()
@@ -175,8 +184,39 @@ def test_an_inline_step_sees_its_own_request_not_the_carrying_message_s(url: str
             "retries": 0,
             "eta": None,
         }
-    # Each request is popped when its attempt ends: the carrier's is in force again.
-    assert step.task.request.id is None
+
+
+def test_tasks_an_inline_step_sends_name_it_as_their_parent(url: str) -> None:
+    """A step run inline under a task of another name (a run's start message,
+    ``ductor.first_tick``) is Celery's current worker task while it runs: a task it sends
+    names the attempt as its parent and root, as one sent from a step delivered by its own
+    message does, not the start message."""
+    ductor, _recorder = make_ductor(url)
+    sent: list[tuple[str, Any, Any]] = []
+    seen: list[tuple[str | None, bool]] = []
+
+    def record(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        sent.append((headers["task"], headers["parent_id"], headers["root_id"]))
+
+    def sends(ctx: StepContext, value: int = 0) -> int:
+        worker_task = get_current_worker_task()
+        seen.append((worker_task.request.id, worker_task.request.called_directly))
+        ductor.app.send_task("user.elsewhere", args=[value])
+        return value + 1
+
+    _chain(ductor, 2, ductor.step(name="inline.sends")(sends))
+    run_id = ductor.start("chain").run_id
+    before_task_publish.connect(record, weak=False)
+    try:
+        assert first_tick(ductor.runtime, run_id, "w1@host", QUEUE, first_tick_id(run_id)) == (
+            "committed"
+        )
+    finally:
+        before_task_publish.disconnect(record)
+    tokens = [r.token for r in attempt_rows(ductor, run_id)]
+    assert run_row(ductor, run_id).status == "succeeded"
+    assert seen == [(token, False) for token in tokens]
+    assert sent == [("user.elsewhere", token, token) for token in tokens]
 
 
 @pytest.mark.parametrize(
