@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import os
 import pstats
 import statistics
@@ -146,47 +147,39 @@ class _Bench:
         self.step = step
 
     def round(self, runs: int, profile: cProfile.Profile | None = None) -> dict[str, float]:
-        """Per-step figures of ``runs`` chain runs, each run inline from its first message."""
-        ductor, rt = self.ductor, self.ductor.runtime
-        if self.from_start:
-            return self._round_from_start(runs, profile)
-        tokens = []
-        for _ in range(runs):
-            run_id = ductor.start("chain", input={}).run_id
-            self.sent.clear()
-            assert run_tick(rt, run_id) == "committed"
-            (first,) = [r.payload["token"] for r in self.sent if r.kind == DispatchKind.STEP]
-            tokens.append((run_id, first))
-        statements0, wal0 = self._server_counters()
-        pg_cpu0 = _postgres_cpu(self.pg)
-        w0, c0 = time.perf_counter(), time.process_time()
-        if profile is not None:
-            profile.enable()
-        for _, token in tokens:
-            execute_attempt(rt, self.step, token, hostname="h", queue=QUEUE, carrier=token)
-        if profile is not None:
-            profile.disable()
-        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-        pg_cpu = _postgres_cpu(self.pg) - pg_cpu0
-        statements1, wal1 = self._server_counters()
-        for run_id, _ in tokens:
-            status = ductor.get(run_id).status
-            assert status == "succeeded", (run_id, status)
-        return _per_step(runs, wall, cpu, pg_cpu, statements1 - statements0, wal1 - wal0)
-
-    def _round_from_start(
-        self, runs: int, profile: cProfile.Profile | None = None
-    ) -> dict[str, float]:
-        """``round`` with each run from its start message (``steps.first_tick``)."""
+        """Per-step figures of ``runs`` chain runs, each run inline from its first step's
+        message, or with ``from_start`` from its start message (``steps.first_tick``)."""
         ductor, rt = self.ductor, self.ductor.runtime
         run_ids = [ductor.start("chain", input={}).run_id for _ in range(runs)]
+        if self.from_start:
+            calls = [
+                functools.partial(first_tick, rt, run_id, "h", QUEUE, first_tick_id(run_id))
+                for run_id in run_ids
+            ]
+        else:
+            calls = []
+            for run_id in run_ids:
+                self.sent.clear()
+                assert run_tick(rt, run_id) == "committed"
+                (token,) = [r.payload["token"] for r in self.sent if r.kind == DispatchKind.STEP]
+                calls.append(
+                    functools.partial(
+                        execute_attempt,
+                        rt,
+                        self.step,
+                        token,
+                        hostname="h",
+                        queue=QUEUE,
+                        carrier=token,
+                    )
+                )
         statements0, wal0 = self._server_counters()
         pg_cpu0 = _postgres_cpu(self.pg)
         w0, c0 = time.perf_counter(), time.process_time()
         if profile is not None:
             profile.enable()
-        for run_id in run_ids:
-            first_tick(rt, run_id, "h", QUEUE, first_tick_id(run_id))
+        for call in calls:
+            call()
         if profile is not None:
             profile.disable()
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
@@ -196,7 +189,16 @@ class _Bench:
         for run_id in run_ids:
             status = ductor.get(run_id).status
             assert status == "succeeded", (run_id, status)
-        return _per_step(runs, wall, cpu, pg_cpu, statements1 - statements0, wal1 - wal0)
+        steps = runs * STEPS
+        return {
+            "wall ms": 1000 * wall / steps,
+            "process CPU ms": 1000 * cpu / steps,
+            "PostgreSQL CPU ms": 1000 * pg_cpu / steps,
+            "CPU ms": 1000 * (cpu + pg_cpu) / steps,
+            # Less the one statement that reads the counters.
+            "statements": (statements1 - statements0 - 1) / steps,
+            "WAL bytes": (wal1 - wal0) / steps,
+        }
 
     def scatter_leftovers(self, items: int) -> None:
         """``items`` finished, folded attempt rows of one (made-up) run, as a scatter of that
@@ -242,21 +244,6 @@ class _Bench:
             ).fetchone()
         assert row is not None
         return int(row[0] or 0), int(row[1])
-
-
-def _per_step(
-    runs: int, wall: float, cpu: float, pg_cpu: float, statements: int, wal: int
-) -> dict[str, float]:
-    steps = runs * STEPS
-    return {
-        "wall ms": 1000 * wall / steps,
-        "process CPU ms": 1000 * cpu / steps,
-        "PostgreSQL CPU ms": 1000 * pg_cpu / steps,
-        "CPU ms": 1000 * (cpu + pg_cpu) / steps,
-        # Less the one statement that reads the counters.
-        "statements": (statements - 1) / steps,
-        "WAL bytes": wal / steps,
-    }
 
 
 def _postgres_cpu(pg: PostgresServer) -> float:

@@ -101,18 +101,14 @@ class TaskEvents:
     """
 
     def __init__(
-        self,
-        app: Any,
-        hostname: str | None,
-        claimed: ClaimedAttempt,
-        enabled: bool | None = None,
+        self, app: Any, hostname: str | None, claimed: ClaimedAttempt, enabled: bool
     ) -> None:
-        """``enabled``: whether the app sends task events (``events_enabled``), when the
-        caller has read it already (a chain reads it once, not at every step)."""
+        """``enabled``: whether the app sends task events (``events_enabled``, which a chain
+        reads once, not at every step)."""
         self.app = app
         self.hostname = hostname
         self.claimed = claimed
-        self.enabled = events_enabled(app) if enabled is None else enabled
+        self.enabled = enabled
         self.started_at = 0.0
         #: When it started (wall clock), while its start is not sent: it goes with its end.
         self._start_untold: float | None = None

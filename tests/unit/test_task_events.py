@@ -21,10 +21,6 @@ def _claimed(token: str) -> ClaimedAttempt:
         step="c.step",
         args={"value": 1},
         context={},
-        spec_hash="h",
-        queued_s=0.0,
-        workflow="chain",
-        trace_context=None,
     )
 
 
