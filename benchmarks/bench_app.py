@@ -72,12 +72,15 @@ app.conf.update(
     worker_hijack_root_logger=False,
 )
 EXPERIMENTS = set(filter(None, os.environ.get("BENCH_EXPERIMENTS", "").split(",")))
-KNOWN_EXPERIMENTS = {"no-events", "no-pre-ping", "no-prepare", "no-sweeper"}
+KNOWN_EXPERIMENTS = {"no-events", "no-pre-ping", "no-prepare", "no-sweeper", "classic-queues"}
 if EXPERIMENTS - KNOWN_EXPERIMENTS:
     raise SystemExit(f"unknown experiments {EXPERIMENTS - KNOWN_EXPERIMENTS}")
 if "no-events" in EXPERIMENTS:
     # ductor turns task events on unless the app decided; this is the app deciding "off".
     app.conf.update(worker_send_task_events=False, task_send_sent_event=False)
+if "classic-queues" in EXPERIMENTS:
+    # On RabbitMQ: ductor's queues declared classic, as raw Celery's are (quorum by default).
+    app.conf.update(ductor_classic_queues=True)
 if "no-sweeper" in EXPERIMENTS:
     # The sweeper still starts, but sweeps once an hour: no re-sent wake-ups.
     app.conf.update(ductor_sweep_interval=3600.0)

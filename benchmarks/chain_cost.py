@@ -18,6 +18,8 @@ Per step, over the ``execute_attempt`` calls only (medians over rounds):
 ``--statements N``: one more round, then the N statements PostgreSQL spent most time on
 (executing and planning them). ``--extra-attempts N``: N more attempt rows in the table
 before the measured rounds, as a scatter of N items leaves them.
+``--waldump``: one more round, then where its WAL went (``pg_waldump --stats=record``), per
+step, by record kind.
 ``--profile N``: one more round under cProfile, printing the N functions with the most own
 time. A/B two checkouts side by side with ``PYTHONPATH=<checkout>``.
 
@@ -36,6 +38,7 @@ import functools
 import os
 import pstats
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -70,6 +73,11 @@ def main() -> None:
         default=0,
         metavar="N",
         help="one more round, then the N statements PostgreSQL spent most time on, per step",
+    )
+    parser.add_argument(
+        "--waldump",
+        action="store_true",
+        help="one more round, then its WAL per step by record kind (pg_waldump --stats=record)",
     )
     parser.add_argument(
         "--extra-attempts",
@@ -111,6 +119,8 @@ def main() -> None:
             )
         if args.statements:
             bench.statements(args.runs, args.statements)
+        if args.waldump:
+            bench.waldump(args.runs)
         if args.profile:
             profile = cProfile.Profile()
             bench.round(args.runs, profile)
@@ -234,6 +244,44 @@ class _Bench:
                 f"{plans / steps:5.2f} plans/step {1000 * plan_ms / steps:6.1f} us planning/step "
                 f"{int(wal) / steps:7.0f} WAL B/step  {query}\n"
             )
+
+    def waldump(self, runs: int) -> None:
+        """One more round, then its WAL by record kind, per step (``pg_waldump``)."""
+        lsn = "SELECT pg_current_wal_lsn()::text"
+        with self.pg.connect("chain_cost") as conn:
+            start = conn.execute(lsn).fetchone()[0]  # type: ignore[index]
+        self.round(runs)
+        with self.pg.connect("chain_cost") as conn:
+            conn.execute("SELECT pg_switch_wal()")  # the round's last record complete on disk
+            end = conn.execute(lsn).fetchone()[0]  # type: ignore[index]
+        out = subprocess.run(
+            [
+                str(self.pg.bindir / "pg_waldump"),
+                "--stats=record",
+                "-p",
+                str(self.pg.data_dir / "pg_wal"),
+                "-s",
+                start,
+                "-e",
+                end,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        steps = runs * STEPS
+        sys.stdout.write(f"WAL per step by record kind ({steps} steps, pg_waldump):\n")
+        for line in out.splitlines():
+            # "Heap/UPDATE   1234 ( 12.34)   56789 ( 12.34)   0 ( 0.00)   56789 ( 12.34)"
+            fields = line.replace("(", " ").replace(")", " ").split()
+            if len(fields) == 9 and fields[1].isdigit() and "/" in fields[0]:
+                kind, count, combined = fields[0], int(fields[1]), int(fields[7])
+                sys.stdout.write(
+                    f"{kind:32} {count / steps:6.2f} records {combined / steps:8.0f} B"
+                    f"  (of which full-page images {int(fields[5]) / steps:6.0f} B)\n"
+                )
+            elif line.startswith("Total"):
+                sys.stdout.write(line + "\n")
 
     def _server_counters(self) -> tuple[int, int]:
         """Statements executed so far (all databases) and the WAL position, in bytes."""

@@ -196,12 +196,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--experiment",
         action="append",
         default=[],
-        choices=["no-events", "no-pre-ping", "no-prepare", "no-sweeper", "coord-solo", "coord-c2"],
+        choices=[
+            "no-events",
+            "no-pre-ping",
+            "no-prepare",
+            "no-sweeper",
+            "classic-queues",
+            "coord-solo",
+            "coord-c2",
+        ],
         help="what-if, for the report (repeatable): no-events = Celery task events\n"
         "off in the ductor app (ductor turns them on); no-pre-ping = ductor's\n"
         "engine without pool_pre_ping; no-prepare = psycopg\n"
         "prepare_threshold=None;\n"
         "no-sweeper = ductor_sweep_interval=3600 (no re-sent wake-ups);\n"
+        "classic-queues = ductor_classic_queues=True (RabbitMQ: classic queues, as raw\n"
+        "Celery's, instead of quorum queues);\n"
         "coord-solo / coord-c2 = coordinator with -P solo / -c 2",
     )
     p.add_argument(

@@ -64,8 +64,9 @@ def record_tick(
     traceparent: str | None, run_id: str, workflow: str, outcome: str, start_ns: int
 ) -> None:
     """A tick that computed (committed or no-op), as a span from ``start_ns`` to now."""
-    tracer = _tracer()
-    if tracer is None or traceparent is None:
+    # A run started without tracing has no traceparent: no provider to look up (every tick).
+    tracer = None if traceparent is None else _tracer()
+    if tracer is None:
         return
     span = tracer.start_span(
         f"ductor.tick {workflow}",
@@ -82,8 +83,8 @@ def attempt_span(
 ) -> Iterator[Any]:
     """The attempt's span, current while the step runs; yields it (None when tracing is off)
     so the caller can mark a failed outcome."""
-    tracer = _tracer()
-    if tracer is None or traceparent is None:
+    tracer = None if traceparent is None else _tracer()
+    if tracer is None:
         yield None
         return
     attributes = {
