@@ -3,9 +3,10 @@
     PYTHONPATH=. python benchmarks/chain_cost.py [--rounds 5] [--runs 40] [--profile N]
 
 Starts a throwaway PostgreSQL (tests/servers.py) with ``pg_stat_statements``, then, each
-round, runs ``--runs`` runs of a 10-step chain the way a step worker runs them with eager
+round, runs ``--runs`` runs of a 10-step chain (``--steps N``: of N steps, up to the 50 a
+chain runs inline by default) the way a step worker runs them with eager
 ticks and inline steps on: the run's first tick, then the first step's message handled by
-``execute_attempt``, which runs all ten steps one after another (each step's outcome, the
+``execute_attempt``, which runs all the steps one after another (each step's outcome, the
 eager tick that folds it, the next attempt claimed in that tick's commit). Step messages are
 not sent (the dispatcher records them); the steps return a small dict.
 
@@ -62,6 +63,7 @@ FIGURES = ("wall ms", "process CPU ms", "PostgreSQL CPU ms", "CPU ms", "statemen
 
 
 def main() -> None:
+    global STEPS  # --steps: read by _Bench and the per-step figures
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--runs", type=int, default=40)
@@ -93,7 +95,18 @@ def main() -> None:
         help="run each run from its start message, as a step worker does (steps.first_tick)",
     )
     parser.add_argument("--broker", default="memory://", help="the app's broker (task events)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=STEPS,
+        help="steps per chain: a run state of that many nodes (up to ductor_inline_steps, 50)",
+    )
     args = parser.parse_args()
+    if not 1 <= args.steps <= 50:
+        parser.error(
+            f"--steps must be 1..50 (a chain runs at most 50 steps inline), got {args.steps}"
+        )
+    STEPS = args.steps
     # Planning too: a prepared statement PostgreSQL plans anew at every call (its custom
     # plans looking cheaper than the generic one) costs its planning every time.
     settings = {
@@ -131,7 +144,7 @@ def main() -> None:
 
 
 class _Bench:
-    """One Ductor on the server, with a 10-step chain registered."""
+    """One Ductor on the server, with a chain of ``STEPS`` steps registered."""
 
     def __init__(
         self, pg: PostgresServer, url: str, broker: str = "memory://", from_start: bool = False
