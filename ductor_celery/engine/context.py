@@ -27,6 +27,10 @@ class TickContext:
     #: more branches (some of the page's were refused): the run's next tick is due now, and
     #: this computation reads no further page for it (no extra read round). Its node ids.
     page_due: set[str] = field(default_factory=set)
+    #: How many transitions the tick had recorded when ``start_ready_nodes`` last finished a
+    #: walk over the nodes (-1: none yet); the same count at its next call means nothing it
+    #: could start has become ready since (``schedule.start_ready_nodes``).
+    ready_walked_at: int = -1
     #: The state's nodes, ``payload.state.nodes`` (the engine replaces neither): an attribute,
     #: not a property, since the phases look nodes up a hundred times and more per tick.
     nodes: dict[str, NodeState] = field(init=False)

@@ -96,7 +96,15 @@ def start_ready_nodes(t: TickContext) -> bool:
 
     One pass suffices for skips: a node skipped here is seen as done by its dependants later in
     the order. Parked nodes that finish at once (a signal already waiting) need another pass.
+
+    A walk leaves every node it did not move pending on a dependency that was not done (the
+    order is topological, and starting a node changes that node only); only a node status
+    moving makes one of them ready, and every move is a recorded transition (``move_node``).
+    So a call with no transition recorded since the last walk ended walks nothing: the settle
+    loop's last pass, in most ticks.
     """
+    if t.ready_walked_at == len(t.payload.transitions):
+        return False
     moved = False
     scope = Scope(
         input=t.inputs.input,
@@ -151,6 +159,7 @@ def start_ready_nodes(t: TickContext) -> bool:
             rate_key=rate_key_for(spec, scope),
         )
         t.move_node(node_id, NodeStatus.RUNNING, f"attempt {ns.step.attempt} dispatched")
+    t.ready_walked_at = len(t.payload.transitions)
     return moved
 
 
