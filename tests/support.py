@@ -6,11 +6,10 @@ and ``cluster``).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -30,7 +29,6 @@ from ductor_celery.engine import (
     TickPayload,
     compute_tick,
 )
-from ductor_celery.engine import tick as engine_tick
 from ductor_celery.engine.outputs import AttemptOutput, EventsOutput, LiteralOutput, SignalOutput
 from ductor_celery.engine.status import TERMINAL_RUN_STATUSES
 from ductor_celery.fakes import RecordingDispatcher
@@ -103,35 +101,14 @@ def iso(seconds: float) -> str:
 def pure_tick(
     spec: WorkflowSpec, state: RunState, inputs: TickInputs, now: datetime
 ) -> TickPayload:
-    """compute_tick, asserting that the input state is left untouched, and that the walks
-    ``start_ready_nodes`` skips (no status moved since its last walk) would have found
-    nothing: the same computation with every walk made comes out the same."""
+    """compute_tick, asserting that the input state is left untouched."""
     before = copy.deepcopy(state)
     before_json = copy.deepcopy(state.to_json())
     payload = compute_tick(spec, state, inputs, now)
     assert state == before
     assert state.to_json() == before_json
     assert payload.state is not state
-    with every_ready_walk():
-        assert compute_tick(spec, state, inputs, now) == payload, "a skipped walk moved a node"
     return payload
-
-
-@contextlib.contextmanager
-def every_ready_walk() -> Iterator[None]:
-    """``compute_tick`` with ``start_ready_nodes`` walking the nodes at every call, as it did
-    before it skipped walks."""
-    real = engine_tick.start_ready_nodes
-
-    def walking(t: Any) -> bool:
-        t.ready_walked_at = -1
-        return real(t)
-
-    engine_tick.start_ready_nodes = walking  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        engine_tick.start_ready_nodes = real
 
 
 def payload_of(

@@ -29,7 +29,8 @@ class TickContext:
     page_due: set[str] = field(default_factory=set)
     #: How many transitions the tick had recorded when ``start_ready_nodes`` last finished a
     #: walk over the nodes (-1: none yet); the same count at its next call means nothing it
-    #: could start has become ready since (``schedule.start_ready_nodes``).
+    #: could start has become ready since (``schedule.start_ready_nodes``). That holds only
+    #: while every status change goes through ``move_node``, which records one.
     ready_walked_at: int = -1
     #: The state's nodes, ``payload.state.nodes`` (the engine replaces neither): an attribute,
     #: not a property, since the phases look nodes up a hundred times and more per tick.

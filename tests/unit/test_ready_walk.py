@@ -1,7 +1,7 @@
 """``start_ready_nodes`` walks the nodes again only when a status moved since its last walk
 (engine/schedule.py): a chain's tick walks them once, not once per pass of the settle loop.
-That the skipped walks would have found nothing is checked on every ``pure_tick`` of the unit
-tests (``support.every_ready_walk``)."""
+That each walk it skips would have found nothing is checked in every tick of the unit tests
+(``tests/unit/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from support import CFG, NOW, RUN, ok, pure_tick
 
 from ductor_celery.definition import Workflow, WorkflowSpec
 from ductor_celery.engine import AttemptResult, RunState, TickInputs, compute_tick, schedule
+from ductor_celery.engine import tick as engine_tick
 
 
 def _chain(length: int) -> WorkflowSpec:
@@ -37,6 +38,8 @@ def test_a_chain_tick_checks_each_waiting_node_s_dependency_once(monkeypatch: An
         return real(t, dep)
 
     monkeypatch.setattr(schedule, "_dependency_done", counting)
+    # The walks themselves, without conftest's check (which makes every walk on a copy too).
+    monkeypatch.setattr(engine_tick, "start_ready_nodes", schedule.start_ready_nodes)
     payload = compute_tick(spec, state, _inputs(ok(f"{RUN}:s3:1", 3)), NOW)
 
     assert [a.node for a in payload.new_attempts] == ["s4"]
