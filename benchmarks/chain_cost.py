@@ -55,15 +55,16 @@ from ductor_celery.engine.kinds import DispatchKind  # noqa: E402
 from ductor_celery.runtime.dispatch import first_tick_id  # noqa: E402
 from ductor_celery.runtime.steps import execute_attempt, first_tick  # noqa: E402
 from ductor_celery.runtime.tick_task import run_tick  # noqa: E402
+from ductor_celery.settings import Settings  # noqa: E402
 from ductor_celery.store.migrate import upgrade  # noqa: E402
 
+#: Steps per chain unless ``--steps`` says otherwise.
 STEPS = 10
 QUEUE = "ductor-steps"
 FIGURES = ("wall ms", "process CPU ms", "PostgreSQL CPU ms", "CPU ms", "statements", "WAL bytes")
 
 
 def main() -> None:
-    global STEPS  # --steps: read by _Bench and the per-step figures
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--runs", type=int, default=40)
@@ -102,11 +103,12 @@ def main() -> None:
         help="steps per chain: a run state of that many nodes (up to ductor_inline_steps, 50)",
     )
     args = parser.parse_args()
-    if not 1 <= args.steps <= 50:
+    inline_limit = Settings().inline_steps
+    if not 1 <= args.steps <= inline_limit:
         parser.error(
-            f"--steps must be 1..50 (a chain runs at most 50 steps inline), got {args.steps}"
+            f"--steps must be 1..{inline_limit} (a chain runs at most ductor_inline_steps="
+            f"{inline_limit} steps inline), got {args.steps}"
         )
-    STEPS = args.steps
     # Planning too: a prepared statement PostgreSQL plans anew at every call (its custom
     # plans looking cheaper than the generic one) costs its planning every time.
     settings = {
@@ -119,7 +121,7 @@ def main() -> None:
             admin.execute("CREATE EXTENSION pg_stat_statements")
         url = pg.url("chain_cost")
         upgrade(url)
-        bench = _Bench(pg, url, broker=args.broker, from_start=args.from_start)
+        bench = _Bench(pg, url, args.steps, broker=args.broker, from_start=args.from_start)
         bench.round(args.runs)  # warm: connections, prepared statements, caches
         if args.extra_attempts:
             bench.scatter_leftovers(args.extra_attempts)
@@ -144,12 +146,18 @@ def main() -> None:
 
 
 class _Bench:
-    """One Ductor on the server, with a chain of ``STEPS`` steps registered."""
+    """One Ductor on the server, with a chain of ``steps`` steps registered."""
 
     def __init__(
-        self, pg: PostgresServer, url: str, broker: str = "memory://", from_start: bool = False
+        self,
+        pg: PostgresServer,
+        url: str,
+        steps: int = STEPS,
+        broker: str = "memory://",
+        from_start: bool = False,
     ) -> None:
         self.pg = pg
+        self.steps = steps
         self.from_start = from_start
         app = Celery("chain_cost", set_as_current=False)
         app.conf.broker_url = broker
@@ -161,7 +169,7 @@ class _Bench:
         rt.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
         ductor.step(name="c.step")(lambda ctx: {"ok": 1})
         chain = Workflow("chain")
-        for i in range(STEPS):
+        for i in range(steps):
             chain.step(f"s{i}", "c.step", after=[f"s{i - 1}"] if i else [])
         ductor.register(chain)
         self.ductor = ductor
@@ -212,7 +220,7 @@ class _Bench:
         for run_id in run_ids:
             status = ductor.get(run_id).status
             assert status == "succeeded", (run_id, status)
-        steps = runs * STEPS
+        steps = runs * self.steps
         return {
             "wall ms": 1000 * wall / steps,
             "process CPU ms": 1000 * cpu / steps,
@@ -250,7 +258,7 @@ class _Bench:
                 "ORDER BY total_exec_time + total_plan_time DESC LIMIT %s",
                 (top,),
             ).fetchall()
-        steps = runs * STEPS
+        steps = runs * self.steps
         for calls, ms, plans, plan_ms, wal, query in rows:
             sys.stdout.write(
                 f"{calls / steps:5.2f} calls/step {1000 * ms / steps:7.1f} us/step "
@@ -282,7 +290,7 @@ class _Bench:
             capture_output=True,
             text=True,
         ).stdout
-        steps = runs * STEPS
+        steps = runs * self.steps
         sys.stdout.write(f"WAL per step by record kind ({steps} steps, pg_waldump):\n")
         for line in out.splitlines():
             # "Heap/UPDATE   1234 ( 12.34)   56789 ( 12.34)   0 ( 0.00)   56789 ( 12.34)"

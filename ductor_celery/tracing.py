@@ -42,6 +42,12 @@ def _tracer() -> Any:
     return provider.get_tracer("ductor_celery")
 
 
+def _run_tracer(traceparent: str | None) -> Any:
+    """The tracer for a tick or attempt of a run, or None: a run started without tracing has
+    no traceparent, and then no provider is looked up (every tick and attempt asks)."""
+    return None if traceparent is None else _tracer()
+
+
 def _parent(traceparent: str | None) -> Any:
     return _PROPAGATOR.extract({"traceparent": traceparent}) if traceparent else None
 
@@ -64,8 +70,7 @@ def record_tick(
     traceparent: str | None, run_id: str, workflow: str, outcome: str, start_ns: int
 ) -> None:
     """A tick that computed (committed or no-op), as a span from ``start_ns`` to now."""
-    # A run started without tracing has no traceparent: no provider to look up (every tick).
-    tracer = None if traceparent is None else _tracer()
+    tracer = _run_tracer(traceparent)
     if tracer is None:
         return
     span = tracer.start_span(
@@ -83,7 +88,7 @@ def attempt_span(
 ) -> Iterator[Any]:
     """The attempt's span, current while the step runs; yields it (None when tracing is off)
     so the caller can mark a failed outcome."""
-    tracer = None if traceparent is None else _tracer()
+    tracer = _run_tracer(traceparent)
     if tracer is None:
         yield None
         return
