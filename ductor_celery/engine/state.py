@@ -596,9 +596,15 @@ class RunState:
         )
 
     def to_json(self) -> dict[str, Any]:
+        rest = self.to_json_but_nodes()
+        nodes = {k: v.to_json() for k, v in self.nodes.items()}
+        return {"status": rest.pop("status"), "nodes": nodes, **rest}
+
+    def to_json_but_nodes(self) -> dict[str, Any]:
+        """The stored state without its ``nodes`` key (the store encodes each node's part on
+        its own: store/state_text.py)."""
         return {
             "status": self.status.value,
-            "nodes": {k: v.to_json() for k, v in self.nodes.items()},
             "context": self.context,
             "transitions": self.transitions,
             **({"continue_pending": self.continue_pending} if self.continue_pending else {}),

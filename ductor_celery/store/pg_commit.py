@@ -44,11 +44,13 @@ from ..engine import AttemptResult, TickPayload
 from .attempts import CARRIED_SET, CARRIED_WHERE, carried_params
 from .db import driver_cursor
 from .schema import dumps_json
+from .state_text import state_text
 
 if TYPE_CHECKING:
     from ..coordinator.port import TickClaim
 
-#: Run-row columns holding JSON (cast from the text ``dumps_json`` makes).
+#: Run-row columns holding JSON (cast from the text ``dumps_json`` makes; ``state``'s is the
+#: tick's ``RunState``, whose text ``state_text`` makes).
 _JSON_RUN_COLUMNS = frozenset({"state", "output", "error"})
 
 
@@ -299,7 +301,11 @@ def commit(
         params.update(carried_params(carried))
     for column in columns:
         value = run_values[column]
-        params[f"r_{column}"] = dumps_json(value) if column in _JSON_RUN_COLUMNS else value
+        if column == "state":
+            value = state_text(run_id, value)
+        elif column in _JSON_RUN_COLUMNS:
+            value = dumps_json(value)
+        params[f"r_{column}"] = value
     new = payload.new_attempts
     claimed = None if claim is None else claim.token
     params.update(

@@ -195,11 +195,12 @@ def _commit_on(
 
 
 def _run_values(loaded: LoadedRun, payload: TickPayload) -> dict[str, Any]:
-    """The run row's new values (its versioned update)."""
+    """The run row's new values (its versioned update); ``state`` is the ``RunState`` itself,
+    which each way of committing encodes its own way (``pg_commit``: ``state_text``)."""
     now, state = loaded.now, payload.state
     values: dict[str, Any] = {
         "status": state.status.value,
-        "state": state.to_json(),
+        "state": state,
         "record_version": loaded.record_version + 1,
         "transition_count": state.transitions,
         "updated_at": now,
@@ -424,7 +425,12 @@ def _commit_core(
     outcome's attempt, folded already by ``_commit_on``, holds no lease)."""
     updated = conn.execute(
         _update_run_statement(tuple(sorted(values))),
-        {"b_run": loaded.run_id, "b_version": loaded.record_version, **values},
+        {
+            "b_run": loaded.run_id,
+            "b_version": loaded.record_version,
+            **values,
+            "state": values["state"].to_json(),
+        },
     )
     if updated.rowcount != 1:
         raise VersionConflict(loaded.run_id)

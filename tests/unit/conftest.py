@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterator
 
 import pytest
 
 from ductor_celery.engine import tick as engine_tick
 from ductor_celery.engine.context import TickContext
+from ductor_celery.engine.inputs import TickPayload
+from ductor_celery.store.schema import dumps_json
+from ductor_celery.store.state_text import state_text
 
 
 @pytest.fixture(autouse=True)
@@ -27,4 +31,22 @@ def ready_walks_skip_only_what_finds_nothing(monkeypatch: pytest.MonkeyPatch) ->
         return moved
 
     monkeypatch.setattr(engine_tick, "start_ready_nodes", checked)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def state_texts_are_the_states(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A commit on PostgreSQL stores ``state_text``, which reuses the texts of nodes unchanged
+    since this thread's last one (store/state_text.py). Every tick of every unit test comes
+    out of it as the very JSON ``to_json`` makes: consecutive ticks of a test are one run's."""
+    real = engine_tick._finish
+
+    def checked(t: TickContext) -> TickPayload:
+        payload = real(t)
+        state = payload.state
+        made = json.dumps(json.loads(state_text("unit-test", state)), sort_keys=True)
+        assert made == json.dumps(json.loads(dumps_json(state.to_json())), sort_keys=True)
+        return payload
+
+    monkeypatch.setattr(engine_tick, "_finish", checked)
     yield
