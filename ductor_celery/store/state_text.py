@@ -33,7 +33,11 @@ from ..engine.state import (
 )
 from .schema import dumps_json
 
-_NODE = operator.attrgetter("status", "generation", "output", "started_at", "finished_at")
+_NODE = operator.attrgetter(
+    "status", "generation", "output", "started_at", "finished_at", "work.__class__"
+)
+#: The outputs a kept node may hold: references, immutable.
+_KEPT_OUTPUTS = frozenset({AttemptOutput, SignalOutput})
 
 
 def _values_of(cls: type) -> Callable[[Any], tuple[Any, ...]]:
@@ -80,20 +84,15 @@ def state_text(run_id: str, state: RunState) -> str:
 
 
 def _node_text(name: str, node: NodeState) -> str:
-    return dumps_json(name) + ":" + dumps_json(node.to_json())
+    """The node's member of the ``nodes`` object: ``"name":{...}``."""
+    return dumps_json({name: node.to_json()})[1:-1]
 
 
 def _made_of(node: NodeState) -> tuple[Any, ...] | None:
     """The values ``node``'s text is made of, all immutable; None when it holds one that is
     not (an error, a literal or event set's output, a scatter)."""
-    if node.error is not None:
-        return None
     output = node.output
-    if (
-        output is not None
-        and type(output) is not AttemptOutput
-        and type(output) is not SignalOutput
-    ):
+    if node.error is not None or not (output is None or type(output) in _KEPT_OUTPUTS):
         return None
     work = node.work
     if work is None:
@@ -101,7 +100,7 @@ def _made_of(node: NodeState) -> tuple[Any, ...] | None:
     of_work = _WORK.get(type(work))
     if of_work is None:
         return None
-    return (*_NODE(node), type(work), *of_work(work))
+    return _NODE(node) + of_work(work)
 
 
 def forget() -> None:
