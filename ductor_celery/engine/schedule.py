@@ -61,7 +61,7 @@ def close_in_flight(
     for node_id, ns in t.nodes.items():
         if ns.status not in (NodeStatus.RUNNING, NodeStatus.WAITING) or node_id in keep:
             continue
-        for _, slot in list(slots(ns)):
+        for _, slot in slots(ns):  # a scatter's: a list of its own
             close_slot(t, node_id, slot, reason, revoke=revoke)
         if ns.scatter is not None and (children or ns.status == NodeStatus.RUNNING):
             close_branches(t, node_id, reason, revoke=revoke)

@@ -26,16 +26,15 @@ from typing import Any, NamedTuple
 
 from ..coordinator.port import LoadedRun
 from ..engine.state import (
-    AttemptOutput,
     ChildWork,
     NodeState,
     ParkedWork,
     RunState,
-    SignalOutput,
     StepWork,
 )
 from .pg_commit import NextRead
 from .schema import dumps_json
+from .state_text import holds_step_values
 
 #: A kept read older than this is dropped and the tick reads: a control, a signal or an
 #: outcome written alone after the commit is then left to the wake-up it sends for at most
@@ -168,10 +167,7 @@ def _reads_back_as_itself(node: NodeState) -> bool:
     that is stored as what it is. Its datetimes come back with a fixed offset where the
     tick's may carry the session's zone: equal instants, the same text, and the engine only
     compares and stores them (its arithmetic starts from the tick's ``now``)."""
-    output = node.output
-    if node.error is not None or not (
-        output is None or isinstance(output, AttemptOutput | SignalOutput)
-    ):
+    if holds_step_values(node):
         return False
     work = node.work
     if work is None:

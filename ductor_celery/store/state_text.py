@@ -3,15 +3,17 @@
 Every commit rewrites the run's whole state, and encoding it was the part of a tick that grew
 with the workflow: every node's ``to_json`` (its datetimes' ISO texts) and JSON encoding,
 while a step of a chain changes one or two nodes. A thread keeps the text it made for each
-node of the last run it committed, with the very values the text was made from (``_made_of``:
-immutable objects only). A node of the next commit whose values are those same objects, by
-identity, has that same text: ``NodeState.to_json`` is a function of them alone. Any other
-node is encoded anew: a node copied from the last commit unchanged is found, one read from
-the database or changed is not. Identity, not equality: equal datetimes with other offsets,
-``True`` and ``1``, have other texts.
+node of the last run it committed, with the very values the text was made from (``_VALUES``:
+immutable objects only, held, so no other object can take their identity). A node of the
+next commit whose values are those same objects, by identity, has that same text:
+``NodeState.to_json`` is a function of them alone. Identity decides, not where the node came
+from: a node the tick copied from the last commit and left alone is found, and so is a
+pending node read from the database (its values are singletons); a changed one is not.
+Identity, not equality: equal datetimes with other offsets, ``True`` and ``1``, have other
+texts.
 
-A node holding a value a step supplied (an error, a literal output, an event set's, a
-scatter's) is always encoded: those are dicts, which can change in place.
+A node holding a value a step supplied (``holds_step_values``: an error, a literal output,
+an event set's) or a scatter is always encoded: those are mutable objects.
 """
 
 from __future__ import annotations
@@ -33,23 +35,19 @@ from ..engine.state import (
 )
 from .schema import dumps_json
 
-_NODE = operator.attrgetter(
-    "status", "generation", "output", "started_at", "finished_at", "work.__class__"
-)
-#: The outputs a kept node may hold: references, immutable.
-_KEPT_OUTPUTS = frozenset({AttemptOutput, SignalOutput})
+_OF_NODE = ("status", "generation", "output", "started_at", "finished_at", "work.__class__")
 
-
-def _values_of(cls: type) -> Callable[[Any], tuple[Any, ...]]:
-    """A function returning the values of ``cls``'s fields, as a tuple."""
-    get = operator.attrgetter(*(f.name for f in fields(cls)))
-    return get if len(fields(cls)) > 1 else lambda work: (get(work),)
-
-
-#: The values of each kind of work a node's text is made of (a scatter's is never kept).
-_WORK: dict[type, Callable[[Any], tuple[Any, ...]]] = {
-    cls: _values_of(cls) for cls in (StepWork, ParkedWork, ChildWork)
+#: For each kind of work a node's text may be kept with (none, a step's, a timer's, a child
+#: run's; never a scatter's), one getter of every value the text is made of. The work's class
+#: is among them (sixth): tuples whose values are the same objects are of one kind and length.
+_VALUES: dict[type, Callable[[NodeState], tuple[Any, ...]]] = {
+    cls: operator.attrgetter(
+        *_OF_NODE,
+        *(f"work.{f.name}" for f in fields(cls)),
+    )
+    for cls in (StepWork, ParkedWork, ChildWork)
 }
+_VALUES[type(None)] = operator.attrgetter(*_OF_NODE)
 
 _local = threading.local()
 
@@ -66,41 +64,37 @@ def state_text(run_id: str, state: RunState) -> str:
     parts = []
     is_ = operator.is_
     for name, node in state.nodes.items():
-        made_of = _made_of(node)
-        if made_of is None:
+        values_of = None if holds_step_values(node) else _VALUES.get(type(node.work))
+        if values_of is None:
             parts.append(_node_text(name, node))
             continue
+        values = values_of(node)
         found = before.get(name)
-        if found is not None and len(found[0]) == len(made_of) and all(map(is_, found[0], made_of)):
+        if found is not None and all(map(is_, found[0], values)):
             now[name] = found  # its tuple holds the very same objects
             parts.append(found[1])
         else:
             text = _node_text(name, node)
-            now[name] = (made_of, text)
+            now[name] = (values, text)
             parts.append(text)
     _local.kept = (run_id, now)
-    rest = dumps_json(state.to_json_but_nodes())
+    rest = dumps_json(state.to_json_but_nodes())  # never "{}": it has status and context
     return '{"nodes":{' + ",".join(parts) + "}," + rest[1:]
+
+
+def holds_step_values(node: NodeState) -> bool:
+    """Whether ``node`` holds a value a step (or a signal's sender) supplied: an error, or an
+    output that is not a reference (a literal, an event set's). Those are mutable, and come
+    back from ``jsonb`` in its order of keys (store/next_read.py)."""
+    output = node.output
+    return node.error is not None or not (
+        output is None or isinstance(output, AttemptOutput | SignalOutput)
+    )
 
 
 def _node_text(name: str, node: NodeState) -> str:
     """The node's member of the ``nodes`` object: ``"name":{...}``."""
     return dumps_json({name: node.to_json()})[1:-1]
-
-
-def _made_of(node: NodeState) -> tuple[Any, ...] | None:
-    """The values ``node``'s text is made of, all immutable; None when it holds one that is
-    not (an error, a literal or event set's output, a scatter)."""
-    output = node.output
-    if node.error is not None or not (output is None or type(output) in _KEPT_OUTPUTS):
-        return None
-    work = node.work
-    if work is None:
-        return _NODE(node)
-    of_work = _WORK.get(type(work))
-    if of_work is None:
-        return None
-    return _NODE(node) + of_work(work)
 
 
 def forget() -> None:

@@ -38,7 +38,8 @@ def ready_walks_skip_only_what_finds_nothing(monkeypatch: pytest.MonkeyPatch) ->
 def state_texts_are_the_states(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A commit on PostgreSQL stores ``state_text``, which reuses the texts of nodes unchanged
     since this thread's last one (store/state_text.py). Every tick of every unit test comes
-    out of it as the very JSON ``to_json`` makes: consecutive ticks of a test are one run's."""
+    out of it as the very JSON ``to_json`` makes, all under one run id: a test's ticks reuse
+    the texts of its earlier ones (and of earlier tests': identity decides, not the run)."""
     real = engine_tick._finish
 
     def checked(t: TickContext) -> TickPayload:

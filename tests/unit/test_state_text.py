@@ -3,6 +3,7 @@ of the same run reused (store/state_text.py): always the JSON ``to_json`` makes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
@@ -180,17 +181,41 @@ def _work(draw: st.DrawFn) -> Any:
     return None
 
 
+#: A field of each kind of work, with values it may be set to in place.
+_WORK_FIELDS: dict[type, dict[str, Any]] = {
+    StepWork: {
+        "attempt": st.integers(0, 300),
+        "token": st.sampled_from([None, "t1", "t2"]),
+        "check_at": _DATES,
+        "resends": st.integers(0, 2),
+        "resend_at": _DATES,
+        "claimed_at": _DATES,
+        "retry_at": _DATES,
+        "awaiting_resume": st.booleans(),
+        "queued_until": _DATES,
+    },
+    ParkedWork: {"deadline": _DATES},
+    ChildWork: {"child_run": st.sampled_from([None, "c1", "c2"]), "deadline": _DATES},
+}
+
+
+def test_every_field_of_every_kept_work_is_drawn() -> None:
+    """The drawn changes reach every field a kept node's text is made of."""
+    for cls, drawn in _WORK_FIELDS.items():
+        assert set(drawn) == {f.name for f in dataclasses.fields(cls)}
+
+
 @st.composite
 def changes(draw: st.DrawFn) -> list[tuple[str, str, Any]]:
-    """Ticks of one run: each a list of (node, field, new value), applied to a copy."""
-    fields = st.sampled_from(
-        ["status", "generation", "output", "started_at", "work", "error", "check_at"]
-    )
+    """Ticks of one run: each a list of (node, field, new value), applied to a copy; a field
+    ``work.<name>`` is one of the node's work, changed in place (if its work has it)."""
+    node_fields = ["status", "generation", "output", "started_at", "finished_at", "work"]
+    work_fields = sorted({f"work.{name}" for drawn in _WORK_FIELDS.values() for name in drawn})
     ticks = []
     for _ in range(draw(st.integers(1, 6))):
         tick = []
         for _ in range(draw(st.integers(0, 4))):
-            field = draw(fields)
+            field = draw(st.sampled_from([*node_fields, "error", *work_fields]))
             value: Any
             if field == "status":
                 value = draw(st.sampled_from(list(NodeStatus)))
@@ -202,18 +227,22 @@ def changes(draw: st.DrawFn) -> list[tuple[str, str, Any]]:
                         [None, AttemptOutput("t1"), SignalOutput(3), LiteralOutput({"a": 1})]
                     )
                 )
-            elif field in ("started_at", "check_at"):
+            elif field in ("started_at", "finished_at"):
                 value = draw(_DATES)
             elif field == "error":
                 value = draw(st.sampled_from([None, {"type": "E", "message": "m"}]))
-            else:
+            elif field == "work":
                 value = _work(draw)
+            else:
+                name = field.removeprefix("work.")
+                strategy = next(f[name] for f in _WORK_FIELDS.values() if name in f)
+                value = draw(strategy)
             tick.append((draw(st.sampled_from(["a", "b", "c"])), field, value))
         ticks.append(tick)
     return ticks
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(changes())
 def test_any_sequence_of_ticks_stores_what_to_json_makes(
     ticks: list[list[tuple[str, str, Any]]],
@@ -224,9 +253,10 @@ def test_any_sequence_of_ticks_stores_what_to_json_makes(
     for tick in ticks:
         state = state.copy()
         for node, field, value in tick:
-            target = state.nodes[node]
-            if field == "check_at":  # a field of a step's work, changed in place
-                if not isinstance(target.work, StepWork):
+            target: Any = state.nodes[node]
+            if field.startswith("work."):  # a field of the node's work, changed in place
+                field = field.removeprefix("work.")
+                if not hasattr(target.work, field):
                     continue
                 target = target.work
             setattr(target, field, value)
