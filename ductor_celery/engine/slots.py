@@ -26,8 +26,8 @@ Slot = StepWork | BranchState
 
 def slots(ns: NodeState) -> Sequence[tuple[int | None, Slot]]:
     """The attempt slots of a running node: (branch, slot); branch is None for a step node.
-    A sequence, not a generator: every tick asks it of every node several times, and most
-    nodes have none (a generator per node was about 3% of a 40-node chain's step)."""
+    A sequence, not a generator: every tick asks it of every node four times, and most
+    nodes have none (on a 40-node chain's tick 21 us where generators took 27)."""
     if ns.status != NodeStatus.RUNNING:
         return ()
     work = ns.work
