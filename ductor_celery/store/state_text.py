@@ -49,6 +49,9 @@ _VALUES: dict[type, Callable[[NodeState], tuple[Any, ...]]] = {
 }
 _VALUES[type(None)] = operator.attrgetter(*_OF_NODE)
 
+#: A node's kept text, by node name: the values it was made of, and the text.
+_Texts = dict[str, tuple[tuple[Any, ...], str]]
+
 _local = threading.local()
 
 
@@ -57,10 +60,8 @@ def state_text(run_id: str, state: RunState) -> str:
     ``jsonb`` column orders them itself), reusing this thread's texts of the nodes of
     ``run_id``'s last commit that are unchanged since."""
     kept = getattr(_local, "kept", None)
-    before: dict[str, tuple[tuple[Any, ...], str]] = (
-        kept[1] if kept is not None and kept[0] == run_id else {}
-    )
-    now: dict[str, tuple[tuple[Any, ...], str]] = {}
+    before: _Texts = kept[1] if kept is not None and kept[0] == run_id else {}
+    now: _Texts = {}
     parts = []
     is_ = operator.is_
     for name, node in state.nodes.items():
