@@ -24,6 +24,9 @@ step, by record kind.
 ``--profile N``: one more round under cProfile, printing the N functions with the most own
 time. A/B two checkouts side by side with ``PYTHONPATH=<checkout>``.
 
+``--output-items N``: each step returns N items of ~65 bytes of JSON beside its ``{"ok": 1}``
+(40 make 2.6 kB); ``--pass-output``: each step takes the one before's output as its argument.
+
 ``--from-start``: each run from its start message instead, as a step worker runs one
 (``steps.first_tick``: the run's first tick, its first step claimed in that tick's commit,
 then the chain), per step of the whole run; ``--broker URL`` for the task events (an
@@ -102,6 +105,19 @@ def main() -> None:
         default=STEPS,
         help="steps per chain: a run state of that many nodes (up to ductor_inline_steps, 50)",
     )
+    parser.add_argument(
+        "--output-items",
+        type=int,
+        default=0,
+        metavar="N",
+        help="each step returns N items of ~65 bytes of JSON each (a dict with an int, a "
+        'string, a float and a list) beside its {"ok": 1}; 40 make 2.6 kB',
+    )
+    parser.add_argument(
+        "--pass-output",
+        action="store_true",
+        help="each step after the first takes the one before's output as its argument",
+    )
     args = parser.parse_args()
     inline_limit = Settings().inline_steps
     if not 1 <= args.steps <= inline_limit:
@@ -121,7 +137,15 @@ def main() -> None:
             admin.execute("CREATE EXTENSION pg_stat_statements")
         url = pg.url("chain_cost")
         upgrade(url)
-        bench = _Bench(pg, url, args.steps, broker=args.broker, from_start=args.from_start)
+        bench = _Bench(
+            pg,
+            url,
+            args.steps,
+            broker=args.broker,
+            from_start=args.from_start,
+            output_items=args.output_items,
+            pass_output=args.pass_output,
+        )
         bench.round(args.runs)  # warm: connections, prepared statements, caches
         if args.extra_attempts:
             bench.scatter_leftovers(args.extra_attempts)
@@ -155,6 +179,8 @@ class _Bench:
         steps: int = STEPS,
         broker: str = "memory://",
         from_start: bool = False,
+        output_items: int = 0,
+        pass_output: bool = False,
     ) -> None:
         self.pg = pg
         self.steps = steps
@@ -167,10 +193,16 @@ class _Bench:
         rt.dispatcher.send = self.sent.extend  # type: ignore[method-assign,assignment]
         rt.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
         rt.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
-        ductor.step(name="c.step")(lambda ctx: {"ok": 1})
+        items = [
+            {"id": i, "name": f"item-{i}", "price": i * 1.25, "tags": ["a", "b"]}
+            for i in range(output_items)
+        ]
+        output = {"items": items, "ok": 1} if items else {"ok": 1}
+        ductor.step(name="c.step")(lambda ctx, prev=None: output)
         chain = Workflow("chain")
         for i in range(steps):
-            chain.step(f"s{i}", "c.step", after=[f"s{i - 1}"] if i else [])
+            args = {"prev": f"$.nodes.s{i - 1}.output"} if i and pass_output else None
+            chain.step(f"s{i}", "c.step", after=[f"s{i - 1}"] if i else [], args=args)
         ductor.register(chain)
         self.ductor = ductor
         step = rt.step_named("c.step")

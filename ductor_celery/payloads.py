@@ -53,6 +53,11 @@ class JsonCheck(NamedTuple):
     #: Refused for its size alone (``PayloadTooLarge``); otherwise for its content
     #: (``PayloadNotSerializable``).
     too_large: bool = False
+    #: The JSON text the value was checked as, when accepted (``ensure_ascii=False``, the
+    #: default separators, no NaN): ``value`` encodes to this very text again, so a caller
+    #: that needs the value's JSON (its size, a large value's blob, a query parameter) takes
+    #: it instead of encoding the value once more.
+    text: str | None = None
 
 
 #: A further check of an accepted value, given its JSON text and normalized value: what is
@@ -122,7 +127,7 @@ def _check(value: Any, what: str, limit: int, door: DoorCheck | None) -> JsonChe
         return JsonCheck(None, storable_text(f"{what} is not JSON-serializable: {found}"))
     if door is not None and (problem := door(text, normalized)) is not None:
         return JsonCheck(None, storable_text(f"{what} is not JSON-serializable: {problem}"))
-    return JsonCheck(normalized)
+    return JsonCheck(normalized, text=text)
 
 
 def _unbounded_decimal(value: Any) -> str | None:

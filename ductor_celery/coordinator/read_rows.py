@@ -40,11 +40,12 @@ def attempt_result(
     tags: list[list[str]] | None,
     *,
     checked: bool = False,
+    output_text: str | None = None,
 ) -> AttemptResult:
     """A finished attempt not folded yet (its columns in ``RESULT_COLUMNS`` order). An
     outcome this version does not know (or none, which no writer leaves on a finished row)
-    is read as failed: the node retries or fails, never waits on it forever. ``checked``:
-    ``AttemptResult.checked`` (a carried outcome the step worker checked)."""
+    is read as failed: the node retries or fails, never waits on it forever. ``checked`` and
+    ``output_text``: ``AttemptResult``'s (a carried outcome the step worker checked)."""
     return AttemptResult(
         token=token,
         node=node,
@@ -56,6 +57,7 @@ def attempt_result(
         branch=branch,
         tags=tags,
         checked=checked,
+        output_text=output_text,
     )
 
 

@@ -49,6 +49,10 @@ class AttemptResult:
     #: computes with it (an outcome carried by its eager tick, not read from a row): the
     #: guard against bad rows (``advance._bad_success``) does not check them again.
     checked: bool = False
+    #: A checked output's JSON text as its check made it (the step worker's
+    #: ``Outcome.output_text``): the commit's parameter is taken from it instead of encoding
+    #: the output again. Not part of the result's value.
+    output_text: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,12 @@ from ..store import blobs
 from ..store.db import with_retry
 
 
-def by_reference(engine: Engine, run_id: str, output: Any, threshold: int) -> Any:
-    """``output`` as the attempt row stores it: itself, or a reference to its new blob."""
-    text = blobs.large_text(output, threshold)
+def by_reference(
+    engine: Engine, run_id: str, output: Any, threshold: int, text: str | None = None
+) -> Any:
+    """``output`` as the attempt row stores it: itself, or a reference to its new blob.
+    ``text``: its JSON as its check made it (``payloads.JsonCheck.text``), if known."""
+    text = blobs.large_text(output, threshold, text)
     if text is None:
         return output
 

@@ -19,7 +19,7 @@ from ..definition.spec import BATCH_ARG
 from ..engine.status import AttemptOutcome
 from ..engine.tags import StepTags
 from ..errors import DanglingReference, InvalidSecretName, SecretNotFound, StepCancelled
-from ..payloads import storable_text
+from ..payloads import JsonCheck, storable_text
 from ..store import attempts, blobs
 from ..store.db import with_retry
 from . import batch
@@ -28,7 +28,7 @@ from .heartbeats import HeartbeatPause, heartbeat, should_stop
 from .large_values import by_reference, patch_problem
 from .secrets import AttemptSecrets, SecretUnavailable, Slots, slots_for
 from .step_context import Step, StepContext
-from .step_errors import describe, error_of, is_non_retryable, payload_of
+from .step_errors import checked_payload, describe, error_of, is_non_retryable, payload_of
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -74,6 +74,11 @@ class Outcome:
     #: (``_storable``), the tags a list built for them: the values as stored, sharing nothing
     #: with the step (``steps._carried`` computes with them as they are).
     checked: bool = False
+    #: The JSON text ``output`` was checked as (``payloads.JsonCheck.text``): what its size,
+    #: its blob and the commit's parameter are taken from, instead of encoding it again.
+    #: Only beside a checked output; None as soon as the output is replaced (redacted, or by
+    #: its reference).
+    output_text: str | None = None
 
 
 #: An attempt claimed after its run's cancel was requested: never run.
@@ -225,15 +230,16 @@ def _run_batch(
     if done.succeeded:
         return Outcome(
             AttemptOutcome.SUCCEEDED,
-            output=output,
+            output=output.value,
             patch=patch,
             tags=[[k, v] for k, v in tags.items()] or None,
             checked=True,
+            output_text=output.text,
         ), interrupt
     return (
         Outcome(
             AttemptOutcome.FAILED,
-            output=output,
+            output=output.value,
             patch=patch,
             error=done.error,
             retryable=done.retryable,
@@ -257,6 +263,7 @@ def _run(
         redact = call.secrets.redact
         outcome = dataclasses.replace(
             outcome,
+            output_text=None,
             output=redact(outcome.output),
             patch=redact(outcome.patch),
             error=redact(outcome.error),
@@ -308,7 +315,12 @@ def _call(
         log.error("attempt %s: %s", token, problem)
         return invalid(problem), None
     succeeded = Outcome(
-        AttemptOutcome.SUCCEEDED, output=output, patch=patch, tags=ctx.tags_value, checked=True
+        AttemptOutcome.SUCCEEDED,
+        output=output.value,
+        patch=patch,
+        tags=ctx.tags_value,
+        checked=True,
+        output_text=output.text,
     )
     return succeeded, None
 
@@ -321,10 +333,12 @@ def _storable(
     offload_bytes: int,
     *,
     refs_allowed: bool = False,
-) -> tuple[Any, Any, str | None]:
-    """A step's (or a batch's) result and context patch as they are stored, or the first
-    problem that keeps them from being stored (too large, not JSON, a patch over its limit)."""
-    output, problem = payload_of(value, f"{what} result", limit, refs_allowed=refs_allowed)
+) -> tuple[JsonCheck, Any, str | None]:
+    """A step's (or a batch's) result (checked: its value and JSON text) and context patch as
+    they are stored, or the first problem that keeps them from being stored (too large, not
+    JSON, a patch over its limit)."""
+    output = checked_payload(value, f"{what} result", limit, refs_allowed=refs_allowed)
+    problem = output.problem
     patch = None
     # Most steps set no context patch: nothing to check (None is stored as it is).
     if problem is None and patch_value is not None:
@@ -355,7 +369,7 @@ def _with_values(
 def _by_reference(engine: Engine, run_id: str, result: Outcome, threshold: int) -> Outcome:
     """The outcome with a large output replaced by a reference to its blob, written now."""
     try:
-        output = by_reference(engine, run_id, result.output, threshold)
+        output = by_reference(engine, run_id, result.output, threshold, result.output_text)
     except Exception as exc:  # noqa: BLE001 - recorded as the attempt's outcome instead
         # Raised, it would leave the attempt claimed until its timeout; like the outcome's own
         # write failures it becomes a failure, retryable (the next attempt may store it).
@@ -365,7 +379,7 @@ def _by_reference(engine: Engine, run_id: str, result: Outcome, threshold: int) 
     if output is result.output:
         return result
     # Only the output changes: the tags the step set (ctx.tag) and the rest go with it.
-    return dataclasses.replace(result, output=output)
+    return dataclasses.replace(result, output=output, output_text=None)
 
 
 def prepare_call(rt: WorkerPort, step: Step, claimed: attempts.ClaimedAttempt) -> Call:

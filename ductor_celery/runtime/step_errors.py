@@ -9,9 +9,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ..definition.blobrefs import reserved_key_in
+from ..definition.blobrefs import reserved_key_problem
 from ..errors import NonRetryableError
-from ..payloads import json_problem, storable_text
+from ..payloads import JsonCheck, check_json, storable_text
 from .secrets import redact_known
 
 #: The longest exception message and traceback tail kept in an attempt's error, and the
@@ -66,23 +66,26 @@ def error_of(exc: BaseException, redact: Callable[[str], str]) -> dict[str, str]
 def payload_of(
     value: Any, what: str, limit: int, *, refs_allowed: bool = False
 ) -> tuple[Any, str | None]:
-    """``json_problem``, made total here as well: whatever the check raises (a RecursionError
+    """The value normalized through JSON and None, or None and the problem
+    (``checked_payload``)."""
+    checked = checked_payload(value, what, limit, refs_allowed=refs_allowed)
+    return checked.value, checked.problem
+
+
+def checked_payload(value: Any, what: str, limit: int, *, refs_allowed: bool = False) -> JsonCheck:
+    """``check_json``'s verdict on a value a step produced (its JSON text included), made
+    total here as well: whatever the check raises (a RecursionError
     on a value nested thousands deep, a user's container misbehaving) is the problem.
 
     ``refs_allowed``: the value was put together by ductor from values already checked one by
     one (a batch's list of item results, where a large item is ductor's own reference), so
     the reserved key is not refused in it."""
     try:
-        checked, problem = json_problem(value, what, limit)
-        if (
-            problem is None
-            and not refs_allowed
-            and (reserved := reserved_key_in(checked)) is not None
-        ):
-            return None, storable_text(f"{what} is not JSON-serializable: {reserved}")
-        return checked, problem
+        # The reserved key is looked for in the JSON text the check makes anyway: a result
+        # is walked only when the key appears in it at all.
+        return check_json(value, what, limit, door=None if refs_allowed else reserved_key_problem)
     except Exception as exc:  # noqa: BLE001
-        return None, f"{what} is not JSON-serializable: {describe(exc)}"
+        return JsonCheck(None, f"{what} is not JSON-serializable: {describe(exc)}")
 
 
 def describe(exc: BaseException) -> str:

@@ -450,7 +450,9 @@ def _keep_until_safe(
     if keeper is None:
         return None
     try:
-        size = len(dumps_json([result.output, result.patch, result.error]))
+        # About the outcome's bytes in memory: its output's text when its check made one.
+        output = dumps_json(result.output) if result.output_text is None else result.output_text
+        size = len(output) + len(dumps_json([result.patch, result.error]))
     except Exception:  # noqa: BLE001 - not measurable: not kept (the write reports it)
         return None
     began = outages()
@@ -532,6 +534,7 @@ def _carried(claimed: attempts.ClaimedAttempt, result: Outcome) -> AttemptResult
         claimed.branch,
         tags,
         checked=checked,
+        output_text=result.output_text if checked else None,
     )
 
 

@@ -31,7 +31,7 @@ from .dialect import dialect_of
 from .inputs import current_input
 from .leases import holds_lease
 from .outbox import OutboxRow
-from .schema import dumps_json, step_attempt, workflow_run
+from .schema import dumps_json, step_attempt, stored_json_text, workflow_run
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,7 +476,9 @@ def carried_params(carried: AttemptResult) -> dict[str, Any]:
     return {
         "c_token": carried.token,
         "c_outcome": str(carried.outcome),
-        "c_output": dumps_json(carried.output),
+        "c_output": dumps_json(carried.output)
+        if carried.output_text is None
+        else stored_json_text(carried.output_text),
         "c_error": dumps_json(carried.error),
         "c_retryable": carried.retryable,
         "c_patch": dumps_json(carried.patch),

@@ -72,13 +72,15 @@ def offloaded(conn: Any, run_id: str, value: Any, threshold: int) -> Any:
     return value if text is None else write(conn, run_id, value, text).to_json()
 
 
-def large_text(value: Any, threshold: int) -> str | None:
+def large_text(value: Any, threshold: int, text: str | None = None) -> str | None:
     """The JSON of a value to offload (over ``threshold`` bytes, not a reference already), or
-    None: one serialization, no query."""
+    None: one serialization, no query. ``text``: the value's JSON as ``payloads.check_json``
+    made it (the same encoding as here), which is then not made again."""
     if value is None or ref_of(value) is not None:
         return None
     try:
-        text = _ENCODER.encode(value)
+        if text is None:
+            text = _ENCODER.encode(value)
         # Each character is 1..4 UTF-8 bytes: most values are decided without encoding them
         # (more characters than the threshold is over it; an ASCII text's bytes are its
         # characters).

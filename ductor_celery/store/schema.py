@@ -45,9 +45,17 @@ def dumps_json(value: Any) -> str:
     Values reach it checked (``payloads``), so already in the tagged encoding of
     ``ductor_celery.values``; a typed value that did not is encoded the same way here.
     """
-    text = _STORE_ENCODER.encode(value)
+    if value is None:  # most of an outcome's columns
+        return "null"
+    return stored_json_text(_STORE_ENCODER.encode(value))
+
+
+def stored_json_text(text: str) -> str:
+    """A JSON text with every float of a positive exponent written out in full, as
+    ``dumps_json`` stores it (any other JSON encoding of the same value: the text a payload
+    check made, ``payloads.JsonCheck.text``)."""
     if "e+" in text or "E+" in text:
-        text = _STRING_OR_BIG_FLOAT.sub(_float_as_decimal, text)
+        return _STRING_OR_BIG_FLOAT.sub(_float_as_decimal, text)
     return text
 
 

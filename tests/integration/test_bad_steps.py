@@ -21,6 +21,7 @@ from support import CONFIG, commit_tick, load_tick
 from ductor_celery import Ductor, RetryPolicy, StepContext
 from ductor_celery.definition import Workflow
 from ductor_celery.engine import compute_tick
+from ductor_celery.payloads import JsonCheck
 from ductor_celery.runtime import step_errors as step_errors_module
 from ductor_celery.runtime.step_context import Step
 from ductor_celery.runtime.steps import execute_attempt
@@ -172,10 +173,10 @@ def test_a_result_nested_3000_deep_fails_its_attempt_without_retry(ductor: Ducto
 def test_a_result_check_that_raises_still_fails_the_attempt(
     ductor: Ductor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def raising(value: Any, what: str, limit: int) -> Any:
+    def raising(value: Any, what: str, limit: int, *, door: Any = None) -> Any:
         raise RecursionError("maximum recursion depth exceeded")
 
-    monkeypatch.setattr(step_errors_module, "json_problem", raising)
+    monkeypatch.setattr(step_errors_module, "check_json", raising)
     outcome, row = _run(ductor, _step(ductor, "bad.check", lambda ctx: 1))
     assert (outcome, row.retryable) == ("failed", False)
     assert row.error["type"] == "InvalidResult"
@@ -188,9 +189,9 @@ def test_a_result_check_that_raises_still_fails_the_attempt(
 REFUSED = [float("nan"), float("inf"), "a\x00b", "\ud800", {"k\x00": 1}]
 
 
-def _accept_everything(value: Any, what: str, limit: int) -> Any:
+def _accept_everything(value: Any, what: str, limit: int, *, door: Any = None) -> Any:
     """A check that lets every value through, as the check before issue 9 did for these."""
-    return value, None
+    return JsonCheck(value)
 
 
 @pytest.mark.parametrize("value", REFUSED, ids=repr)
@@ -202,7 +203,7 @@ def test_a_result_or_patch_postgres_refuses_fails_the_attempt_without_retry(
     # "lenient": the payload check lets the value through, so the database refuses it and
     # the last line of defence must still close the attempt.
     if check == "lenient":
-        monkeypatch.setattr(step_errors_module, "json_problem", _accept_everything)
+        monkeypatch.setattr(step_errors_module, "check_json", _accept_everything)
 
     def bad(ctx: StepContext) -> Any:
         if where == "result":
@@ -223,7 +224,7 @@ def test_a_refused_outcome_of_a_leased_step_still_releases_its_lease(
 ) -> None:
     from ductor_celery import ConcurrencyLimit
 
-    monkeypatch.setattr(step_errors_module, "json_problem", _accept_everything)
+    monkeypatch.setattr(step_errors_module, "check_json", _accept_everything)
     step = _step(
         ductor,
         "bad.leased",
@@ -239,12 +240,12 @@ def test_a_refused_outcome_of_a_leased_step_still_releases_its_lease(
 # -- heartbeats ----------------------------------------------------------------------------------
 
 
-def _raise_recursion(value: Any, what: str, limit: int) -> Any:
+def _raise_recursion(value: Any, what: str, limit: int, *, door: Any = None) -> Any:
     raise RecursionError("maximum recursion depth exceeded")
 
 
 CHECKS: dict[str, Any] = {
-    "real": step_errors_module.json_problem,
+    "real": step_errors_module.check_json,
     "lenient": _accept_everything,
     "raising": _raise_recursion,
 }
@@ -254,14 +255,14 @@ CHECKS: dict[str, Any] = {
 def test_heartbeat_details_the_database_refuses_never_break_the_step(
     ductor: Ductor, monkeypatch: pytest.MonkeyPatch, check: str
 ) -> None:
-    real = step_errors_module.json_problem
+    real = step_errors_module.check_json
 
     def beat(ctx: StepContext) -> str:
         # Only the heartbeats see the patched check; the result is checked for real.
-        monkeypatch.setattr(step_errors_module, "json_problem", CHECKS[check])
+        monkeypatch.setattr(step_errors_module, "check_json", CHECKS[check])
         for details in (float("nan"), "\x00", "\ud800", _nested(3000)):
             ctx.heartbeat(details)
-        monkeypatch.setattr(step_errors_module, "json_problem", real)
+        monkeypatch.setattr(step_errors_module, "check_json", real)
         return "done"
 
     outcome, row = _run(ductor, _step(ductor, "bad.beat", beat))

@@ -123,6 +123,41 @@ def test_the_carried_outcome_and_finish_then_a_tick_leave_the_same_rows_and_run(
     assert (one.status, one.output, one.error) == (other.status, other.output, other.error)
 
 
+@pytest.mark.parametrize(
+    "output",
+    [
+        {"n": 1, "big": 1e16, "tiny": 1e-300, "text": "é\u2028\U0001f600", "t": (1, 2), 5: None},
+        [{"id": i, "price": i * 1.25, "name": f"item-{i}"} for i in range(40)],
+        "a plain string",
+    ],
+    ids=["exotic", "large", "string"],
+)
+def test_a_checked_output_is_written_from_its_checks_text_as_finish_writes_it(
+    ductor: Ductor, output: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step worker's checked output carries its check's JSON text
+    (``AttemptResult.output_text``): the commit's parameter is that text, never the output
+    encoded again, and the row is the one ``finish`` writes from the value."""
+    from ductor_celery.runtime.step_errors import checked_payload
+
+    checked = checked_payload(output, "r", 1 << 30)
+    assert checked.problem is None and checked.text is not None
+    values = {"outcome": AttemptOutcome.SUCCEEDED, "output": checked.value}
+    by_finish, carried = _open_attempt(ductor), _open_attempt(ductor)
+    assert attempts.finish(ductor.runtime.engine(), by_finish, **values)[0]
+    assert run_tick(ductor.runtime, _run_of(by_finish)) == "committed"
+    encoded: list[Any] = []
+    real = attempts.dumps_json
+    monkeypatch.setattr(attempts, "dumps_json", lambda v: encoded.append(v) or real(v))
+    result = AttemptResult(
+        token=carried, node="a", checked=True, output_text=checked.text, **values
+    )
+    assert run_tick(ductor.runtime, _run_of(carried), eager=True, carried=result) == "committed"
+    assert encoded and not any(v is checked.value for v in encoded)
+    assert _row(ductor, carried) == _row(ductor, by_finish)
+    assert ductor.get(_run_of(carried)).output == ductor.get(_run_of(by_finish)).output
+
+
 def test_a_retry_commits_through_the_ordinary_commit_and_still_carries_the_outcome(
     ductor: Ductor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -252,7 +287,9 @@ def test_a_success_redacted_after_its_checks_is_carried_unchecked(
         outputs.append(view.output)
     plain, redacted = carried
     assert plain.checked and plain.output == {"said": "hello"}
+    assert plain.output_text == '{"said": "hello"}'  # its check's text, carried with it
     assert not redacted.checked and redacted.output == {"said": "***"}
+    assert redacted.output_text is None  # the check's text holds the secret: never carried
     assert outputs == [{"said": "hello"}, {"said": "***"}]
 
 

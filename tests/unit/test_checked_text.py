@@ -1,0 +1,97 @@
+"""A value's JSON text, made once by its payload check (``payloads.JsonCheck.text``) and taken
+by whoever needs the value's JSON after it: the large-value threshold and blob
+(``blobs.large_text``), the lost-outcome keeper's size, and the carried outcome's query
+parameter (``schema.stored_json_text``). Each of them must get exactly what encoding the value
+again would give."""
+
+from __future__ import annotations
+
+import decimal
+import json
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ductor_celery.payloads import check_json
+from ductor_celery.runtime.step_errors import checked_payload
+from ductor_celery.store import blobs
+from ductor_celery.store.schema import dumps_json, stored_json_text
+
+LIMIT = 1 << 30
+
+#: JSON values, and what a step may return that JSON normalizes: tuples, int keys, floats of
+#: any size (a positive exponent is what ``stored_json_text`` rewrites), Decimals (encoded as
+#: their envelopes), text outside ASCII.
+VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.decimals(allow_nan=False, allow_infinity=False, places=3, max_value=10**6)
+    | st.text(max_size=20).filter(lambda s: "\x00" not in s),
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=8).filter(lambda s: "\x00" not in s), inner, max_size=5)
+        | st.dictionaries(st.integers(), inner, max_size=3)
+    ),
+    max_leaves=30,
+)
+
+
+@given(VALUES)
+def test_the_checked_value_encodes_to_the_checks_own_text(value: Any) -> None:
+    checked = check_json(value, "x", LIMIT)
+    assert checked.problem is None and checked.text is not None
+    # What blobs encodes (its threshold, its blob) and what the check made are one text.
+    assert blobs._ENCODER.encode(checked.value) == checked.text
+    if checked.value is not None:  # None is never offloaded
+        assert blobs.large_text(checked.value, 0) == checked.text
+    # The carried outcome's parameter: the value dumps_json stores, to the last digit.
+    assert json.loads(stored_json_text(checked.text)) == json.loads(dumps_json(checked.value))
+
+
+def test_a_float_with_a_positive_exponent_is_stored_as_dumps_json_stores_it() -> None:
+    checked = check_json({"big": 1e16, "small": 1e-7, "s": "1e+16", "é": [2.5e300]}, "x", LIMIT)
+    assert checked.text is not None and "e+" in checked.text
+    stored = stored_json_text(checked.text)
+    assert '"big": 10000000000000000.0' in stored and '"s": "1e+16"' in stored
+    assert json.loads(stored) == json.loads(dumps_json(checked.value))
+
+
+def test_large_text_takes_the_text_it_is_given() -> None:
+    """Given the check's text, the threshold is measured on it: the value is not encoded."""
+
+    class Unencodable:
+        pass
+
+    value = {"a": Unencodable()}  # encoding it would raise
+    assert blobs.large_text(value, 8, text='{"a": "0123456789"}') == '{"a": "0123456789"}'
+    assert blobs.large_text(value, 100, text='{"a": "0123456789"}') is None
+    assert blobs.large_text(value, 8) is None  # encoded here: refused, left inline
+
+
+def test_a_refused_value_has_no_text() -> None:
+    assert check_json("x" * 50, "x", 10).text is None
+    assert check_json({1, 2}, "x", LIMIT).text is None
+    assert checked_payload({"k": float("nan")}, "x", LIMIT).text is None
+
+
+def test_a_step_result_is_looked_for_the_reserved_key_in_its_text_only_when_it_is_there() -> None:
+    """``checked_payload`` refuses the reserved key at any depth, and leaves a value alone when
+    the key's name is only in a string."""
+    forged = {"items": [{"ok": 1}, {"deep": {"__ductor_blob__": {"id": "x"}}}]}
+    refused = checked_payload(forged, "step 's' result", LIMIT)
+    assert refused.value is None and refused.problem is not None
+    assert "$.items[1].deep" in refused.problem
+    mentioned = checked_payload({"note": "__ductor_blob__"}, "r", LIMIT)
+    assert mentioned.problem is None and mentioned.value == {"note": "__ductor_blob__"}
+    allowed = checked_payload(forged, "r", LIMIT, refs_allowed=True)
+    assert allowed.problem is None and allowed.text is not None
+
+
+def test_decimal_envelopes_keep_their_text() -> None:
+    checked = check_json({"price": decimal.Decimal("12.50")}, "x", LIMIT)
+    assert checked.text is not None
+    assert blobs._ENCODER.encode(checked.value) == checked.text
