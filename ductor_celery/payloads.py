@@ -88,10 +88,15 @@ def refusal(value: Any, what: str, limit: int) -> tuple[Any, dict[str, Any] | No
     its refusal, typed as the client's exceptions are: ``PayloadTooLarge`` for its size,
     ``PayloadNotSerializable`` for its content."""
     checked = check_json(value, what, limit)
+    return checked.value, refusal_error(checked)
+
+
+def refusal_error(checked: JsonCheck) -> dict[str, Any] | None:
+    """The stored error of a refused check, typed as ``refusal`` types it, or None."""
     if checked.problem is None:
-        return checked.value, None
+        return None
     kind = "PayloadTooLarge" if checked.too_large else "PayloadNotSerializable"
-    return None, {"type": kind, "message": checked.problem}
+    return {"type": kind, "message": checked.problem}
 
 
 def json_problem(value: Any, what: str, limit: int) -> tuple[Any, str | None]:

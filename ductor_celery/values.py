@@ -328,6 +328,16 @@ _SCALAR_DECODERS: dict[str, Callable[[Any], Any]] = {
 KINDS = frozenset(_SCALAR_DECODERS) | {"pydantic", "dataclass"}
 
 
+#: How an envelope's type key appears in any JSON text holding one.
+_QUOTED_TYPE_KEY = json.dumps(TYPE_KEY)
+
+
+def may_hold_envelope(text: str) -> bool:
+    """Whether a value whose JSON is ``text`` may hold an envelope (its type key appears in
+    it): when not, ``decode`` gives the value itself back."""
+    return _QUOTED_TYPE_KEY in text
+
+
 def envelope_kind(value: Any) -> str | None:
     """The kind of an envelope, or ``None`` for any other value."""
     if type(value) is dict and len(value) == 2 and value.keys() == _ENVELOPE_KEYS:

@@ -74,11 +74,16 @@ def ref_of(value: Any) -> BlobRef | None:
     return BlobRef(blob_id, size, sha, items)
 
 
+def may_hold_ref(text: str) -> bool:
+    """Whether a value whose JSON is ``text`` may hold a reference (the key appears in it)."""
+    return _QUOTED_KEY in text
+
+
 def reserved_key_problem(text: str, value: Any) -> str | None:
     """The check at the client's doors (``payloads.check_json(door=...)``): a value from
     outside may not use the reserved key anywhere; the problem names where. ``text`` is the
     value's JSON: the walk runs only when the key appears in it at all."""
-    if _QUOTED_KEY not in text:
+    if not may_hold_ref(text):
         return None
     return reserved_key_in(value)
 

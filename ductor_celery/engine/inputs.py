@@ -165,6 +165,10 @@ class NewAttempt:
     rate_key: str | None = None
     rate_limit: int | None = None
     rate_period: float | None = None
+    #: ``args``' JSON text as their payload check made it (``payloads.JsonCheck.text``), for
+    #: the store and the inline claim to take instead of encoding them again; None when not
+    #: known. Not part of the attempt's value; dropped wherever ``args`` is replaced.
+    args_text: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

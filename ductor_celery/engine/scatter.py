@@ -20,7 +20,7 @@ from typing import Any
 from ..definition.blobrefs import BlobRef, BlobValues, ref_of
 from ..definition.paths import Scope, resolve
 from ..definition.spec import BATCH_ARG, ChildScatterNodeSpec, ScatterNodeSpec
-from ..payloads import refusal
+from ..payloads import check_json, refusal, refusal_error
 from . import children
 from .context import TickContext
 from .inputs import ClosedAttempt, Dispatch
@@ -216,8 +216,10 @@ def _fill(t: TickContext, node_id: str, spec: AnyScatter, items: Items, scope: S
             else:
                 sc.branches[index] = BranchState(token=child)
             continue
-        args = resolve(spec.branch_args(), item_scope)
-        error = refusal(args, f"branch {index} arguments", limit)[1]
+        checked = check_json(
+            resolve(spec.branch_args(), item_scope), f"branch {index} arguments", limit
+        )
+        error = refusal_error(checked)
         if error is not None:
             # No attempt row holds this failure, so the state keeps it for the gather.
             sc.errors[index] = error
@@ -228,11 +230,12 @@ def _fill(t: TickContext, node_id: str, spec: AnyScatter, items: Items, scope: S
         start_attempt(
             t,
             node_id,
-            args,
+            checked.value,
             lease_key=lease_key_for(spec, item_scope),
             branch=index,
             slot=branch,
             rate_key=rate_key_for(spec, item_scope),
+            args_text=checked.text,
         )
     if (
         isinstance(items, PagedItems)

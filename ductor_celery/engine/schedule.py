@@ -13,7 +13,7 @@ from ..definition.spec import (
     StepNodeSpec,
     SubworkflowNodeSpec,
 )
-from ..payloads import refusal
+from ..payloads import check_json, refusal, refusal_error
 from ..values import truthy
 from .children import close_checkpointed_children, close_child, start_subworkflow
 from .compensation import end_or_compensate, held_for_saga, is_compensation, waits_for_output
@@ -144,8 +144,10 @@ def start_ready_nodes(t: TickContext) -> bool:
         if not isinstance(spec, StepNodeSpec):
             park_node(t, node_id)
             continue
-        args = resolve(spec.args, scope)
-        error = refusal(args, "resolved arguments", t.inputs.config.max_payload_bytes)[1]
+        checked = check_json(
+            resolve(spec.args, scope), "resolved arguments", t.inputs.config.max_payload_bytes
+        )
+        error = refusal_error(checked)
         if error is not None:
             ns.error = error
             ns.finished_at = t.now
@@ -154,9 +156,10 @@ def start_ready_nodes(t: TickContext) -> bool:
         start_attempt(
             t,
             node_id,
-            args,
+            checked.value,
             lease_key=lease_key_for(spec, scope),
             rate_key=rate_key_for(spec, scope),
+            args_text=checked.text,
         )
         t.move_node(node_id, NodeStatus.RUNNING, f"attempt {ns.step.attempt} dispatched")
     t.ready_walked_at = len(t.payload.transitions)

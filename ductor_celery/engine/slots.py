@@ -85,13 +85,17 @@ def start_attempt(
     branch: int | None = None,
     slot: Slot | None = None,
     rate_key: str | None = None,
+    args_text: str | None = None,
 ) -> None:
-    """Insert a new attempt under a new generation and queue its message.
+    """Insert a new attempt under a new generation and queue its message. ``args_text``:
+    ``NewAttempt.args_text``.
 
     Generations count per node across all its branches, so every token is unique. A retry
     (``args_from``) keeps its first attempt's arguments, lease key and rate key: the store
     copies them from that attempt's row.
     """
+    if not args:  # no arguments (None): stored as {}
+        args, args_text = {}, "{}"
     ns = t.nodes[node]
     slot = ns.step if slot is None else slot
     spec = t.attempt_spec(node)
@@ -121,7 +125,7 @@ def start_attempt(
             queue=spec.queue,
             generation=ns.generation,
             attempt=slot.attempt,
-            args=args or {},
+            args=args,
             args_from=args_from,
             timeout=spec.timeout or t.inputs.config.default_step_timeout,
             lease_key=lease_key,
@@ -130,6 +134,7 @@ def start_attempt(
             rate_key=rate_key,
             rate_limit=spec.rate_limit.limit if spec.rate_limit is not None else None,
             rate_period=float(spec.rate_limit.period) if spec.rate_limit is not None else None,
+            args_text=args_text,
         )
     )
     t.payload.dispatches.append(

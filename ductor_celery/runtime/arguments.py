@@ -96,16 +96,20 @@ def _build(fn: Callable[..., Any]) -> Converters:
     return adapters
 
 
-def prepare(fn: Callable[..., Any], step: str, args: Mapping[str, Any]) -> dict[str, Any]:
+def prepare(
+    fn: Callable[..., Any], step: str, args: Mapping[str, Any], *, plain: bool = False
+) -> dict[str, Any]:
     """The keyword arguments to call ``fn`` with: decoded, then converted where annotated.
     Total: whatever an argument holds, it is converted or refused (``ArgumentRefused``);
-    nothing a value's class does while it is rebuilt (SystemExit included) leaves here."""
+    nothing a value's class does while it is rebuilt (SystemExit included) leaves here.
+    ``plain``: the arguments hold no envelope (their JSON says so), so decoding them would
+    give them back as they are, and is skipped."""
     converters = converters_for(fn)
     out: dict[str, Any] = {}
     for name, value in args.items():
         adapter = converters.get(name)
         try:
-            out[name] = _argument(value, adapter)
+            out[name] = _argument(value, adapter, plain=plain)
         except ArgumentRefused as exc:
             raise ArgumentRefused(f"step {step!r} parameter {name!r}: {exc}") from None
         except REBUILD_ERRORS as exc:  # a validator of the user's own that raised
@@ -115,15 +119,17 @@ def prepare(fn: Callable[..., Any], step: str, args: Mapping[str, Any]) -> dict[
     return out
 
 
-def _argument(value: Any, adapter: TypeAdapter[Any] | None) -> Any:
+def _argument(value: Any, adapter: TypeAdapter[Any] | None, *, plain: bool = False) -> Any:
     if adapter is None:
+        if plain:
+            return value
         try:
             return decode(value)
         except ValueNotDecodable as exc:
             raise ArgumentRefused(str(exc)) from None
     # The annotation rebuilds what decoding does not: a model or dataclass envelope of a class
     # not declared here (written by a client where it lives elsewhere) arrives as its data.
-    decoded = decode_as_data(value)
+    decoded = value if plain else decode_as_data(value)
     try:
         return adapter.validate_python(decoded)
     except ValidationError as exc:

@@ -192,8 +192,10 @@ class InlineChain:
                     )
                 continue
             worker = self.identity()
-            # The values as a claim would read them back: JSON, and no object the tick shares.
-            args, context = json.loads(dumps_json([attempt.args, payload.state.context]))
+            # The values as a claim would read them back: JSON, and no object the tick shares
+            # (the arguments from their check's text when the tick kept it).
+            args_json = attempt.args_text or dumps_json(attempt.args)
+            args, context = json.loads(f"[{args_json},{dumps_json(payload.state.context)}]")
             claimed = ClaimedAttempt(
                 token=attempt.token,
                 run_id=loaded.run_id,
@@ -209,6 +211,7 @@ class InlineChain:
                 queued_s=0.0,  # claimed in the commit that creates it
                 workflow=loaded.workflow,
                 trace_context=loaded.trace_context,
+                args_text=args_json,
             )
             self._chosen = (claimed, step, worker)
             self._rate = (

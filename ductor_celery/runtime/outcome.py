@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import tracing
-from ..definition.blobrefs import contains_ref
+from ..definition.blobrefs import contains_ref, may_hold_ref
 from ..definition.spec import BATCH_ARG
 from ..engine.status import AttemptOutcome
 from ..engine.tags import StepTags
@@ -22,6 +22,7 @@ from ..errors import DanglingReference, InvalidSecretName, SecretNotFound, StepC
 from ..payloads import JsonCheck, storable_text
 from ..store import attempts, blobs
 from ..store.db import with_retry
+from ..values import may_hold_envelope
 from . import batch
 from .arguments import ArgumentRefused, prepare
 from .heartbeats import HeartbeatPause, heartbeat, should_stop
@@ -105,6 +106,9 @@ class Call:
     non_retryable: Callable[[], frozenset[str]] = frozenset
     #: ``ductor_offload_bytes``: a larger result goes to eec_blob, a larger patch is refused.
     offload_bytes: int = 262_144
+    #: The arguments' JSON text holds no typed value and no reference (``args_text``), so
+    #: nothing in them (a batch's items included) needs decoding.
+    plain_args: bool = False
 
 
 def _slots_of(rt: WorkerPort, claimed: attempts.ClaimedAttempt) -> Slots:
@@ -282,7 +286,9 @@ def _call(
     call: Call,
 ) -> tuple[Outcome, BaseException | None]:
     try:
-        kwargs = prepare(step.fn, step.name, call.secrets.fill(args, call.slots))
+        kwargs = prepare(
+            step.fn, step.name, call.secrets.fill(args, call.slots), plain=call.plain_args
+        )
     except (ArgumentRefused, SecretNotFound, InvalidSecretName) as exc:
         # A bad name reaches here from a definition registered before names were checked.
         kind = "InvalidArgument" if isinstance(exc, ArgumentRefused) else type(exc).__name__
@@ -353,7 +359,8 @@ def _with_values(
 ) -> tuple[attempts.ClaimedAttempt, Outcome | None]:
     """The attempt with the large values its arguments refer to read back (no query when
     they refer to none), or the failure naming a reference whose blob is gone."""
-    if not contains_ref(claimed.args):
+    text = claimed.args_text
+    if not (may_hold_ref(text) if text is not None else contains_ref(claimed.args)):
         return claimed, None
     try:
         args = with_retry(
@@ -363,7 +370,7 @@ def _with_values(
     except DanglingReference as exc:
         error = {"type": "DanglingReference", "message": storable_text(str(exc))}
         return claimed, Outcome(AttemptOutcome.FAILED, error=error, retryable=False)
-    return dataclasses.replace(claimed, args=dict(args)), None
+    return dataclasses.replace(claimed, args=dict(args), args_text=None), None
 
 
 def _by_reference(engine: Engine, run_id: str, result: Outcome, threshold: int) -> Outcome:
@@ -386,11 +393,13 @@ def prepare_call(rt: WorkerPort, step: Step, claimed: attempts.ClaimedAttempt) -
     """What every call of a claimed attempt shares (read before its run time is measured)."""
     # Read only when the step raises: most attempts succeed.
     non_retryable = _once(lambda: _non_retryable_of(rt, step, claimed))
+    text = claimed.args_text
     return Call(
         AttemptSecrets(rt.settings.secret_provider),
         _slots_of(rt, claimed),
         non_retryable,
         rt.settings.offload_bytes,
+        plain_args=text is not None and not may_hold_ref(text) and not may_hold_envelope(text),
     )
 
 

@@ -56,6 +56,10 @@ class ClaimedAttempt:
     #: Its run's cancel was requested before the claim: the worker writes it as cancelled
     #: without running the step (docs/operations.md, "Cancel and terminate").
     cancel_requested: bool = False
+    #: The JSON text ``args`` were read from, when known (an inline claim's: the tick's
+    #: ``NewAttempt.args_text``): whether they may hold a reference or a typed value is read
+    #: from it instead of walking them. None once ``args`` change (large values read back).
+    args_text: str | None = None
 
 
 def _now(engine: Engine) -> Any:

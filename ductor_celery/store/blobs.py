@@ -63,12 +63,13 @@ def offloaded_on(conn: Connection, run_id: str, value: Any) -> Any:
     return offloaded(conn, run_id, value, threshold(conn.engine))
 
 
-def offloaded(conn: Any, run_id: str, value: Any, threshold: int) -> Any:
+def offloaded(conn: Any, run_id: str, value: Any, threshold: int, text: str | None = None) -> Any:
     """``value`` as its row stores it: itself when its JSON is at most ``threshold`` bytes,
     else a reference to the blob written here (on ``conn``, in its transaction: a Connection,
     or anything with its ``execute``, such as a caller's joined transaction). A value that is
-    already a reference stays one. Costs one serialization (no query) below the threshold."""
-    text = large_text(value, threshold)
+    already a reference stays one. Costs one serialization (no query) below the threshold,
+    none when ``text`` is the value's JSON already (``large_text``)."""
+    text = large_text(value, threshold, text)
     return value if text is None else write(conn, run_id, value, text).to_json()
 
 

@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from sqlalchemy.engine import Connection
 
 from ..coordinator.rows import OutboxIntent, folded_by_commit
-from ..engine import AttemptResult, TickPayload
+from ..engine import AttemptResult, NewAttempt, TickPayload
 from .attempts import CARRIED_SET, CARRIED_WHERE, carried_params
 from .db import driver_cursor
-from .schema import dumps_json
+from .schema import dumps_json, stored_json_text
 from .state_text import state_text
 
 if TYPE_CHECKING:
@@ -307,29 +307,8 @@ def commit(
             value = dumps_json(value)
         params[f"r_{column}"] = value
     new = payload.new_attempts
-    claimed = None if claim is None else claim.token
     params.update(
-        attempts=dumps_json(
-            [
-                {
-                    "token": a.token,
-                    "node": a.node,
-                    "branch": a.branch,
-                    "generation": a.generation,
-                    "attempt": a.attempt,
-                    "step": a.step,
-                    "queue": a.queue,
-                    "args": a.args,
-                    "timeout": float(a.timeout),
-                    "claimed_by": None if claim is None or a.token != claimed else claim.worker,
-                    "carrier": None if claim is None or a.token != claimed else claim.carrier,
-                    "rate_key": a.rate_key,
-                    "rate_limit": a.rate_limit,
-                    "rate_period": a.rate_period,
-                }
-                for a in new
-            ]
-        ),
+        attempts="[" + ",".join(_attempt_json(a, claim) for a in new) + "]",
         transitions=dumps_json(
             [
                 {k: t[k] for k in ("seq", "node", "from_status", "to_status", "reason")}
@@ -362,3 +341,28 @@ def commit(
         list(outbox_ids),
         NextRead(*read) if next_read and matched else None,
     )
+
+
+def _attempt_json(a: NewAttempt, claim: TickClaim | None) -> str:
+    """A new attempt as the statement's ``attempts`` array holds it: its arguments from their
+    check's text when the tick kept it (``NewAttempt.args_text``), not encoded again."""
+    mine = claim if claim is not None and a.token == claim.token else None
+    fields = dumps_json(
+        {
+            "token": a.token,
+            "node": a.node,
+            "branch": a.branch,
+            "generation": a.generation,
+            "attempt": a.attempt,
+            "step": a.step,
+            "queue": a.queue,
+            "timeout": float(a.timeout),
+            "claimed_by": None if mine is None else mine.worker,
+            "carrier": None if mine is None else mine.carrier,
+            "rate_key": a.rate_key,
+            "rate_limit": a.rate_limit,
+            "rate_period": a.rate_period,
+        }
+    )
+    args = dumps_json(a.args) if a.args_text is None else stored_json_text(a.args_text)
+    return f'{fields[:-1]},"args":{args}}}'

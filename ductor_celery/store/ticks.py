@@ -68,8 +68,8 @@ def offload_payload(conn: Connection, run_id: str, payload: TickPayload) -> None
     payload.new_attempts = [
         a
         if a.args_from is not None
-        or (stored := blobs.offloaded(conn, run_id, a.args, limit)) is a.args
-        else dataclasses.replace(a, args=stored)
+        or (stored := blobs.offloaded(conn, run_id, a.args, limit, a.args_text)) is a.args
+        else dataclasses.replace(a, args=stored, args_text=None)
         for a in payload.new_attempts
     ]
     if payload.finished:
@@ -340,7 +340,7 @@ def commits_alone(
     if payload.finished and blobs.large_text(payload.output, limit) is not None:
         return False
     return all(
-        a.args_from is not None or blobs.large_text(a.args, limit) is None
+        a.args_from is not None or blobs.large_text(a.args, limit, a.args_text) is None
         for a in payload.new_attempts
     )
 

@@ -318,3 +318,63 @@ def test_an_outcome_whose_values_are_refused_is_values_refused_and_writes_nothin
     assert _row(ductor, token)[0] is None, "still open: nothing written"
     written, _ = attempts.finish(engine, token, outcome=AttemptOutcome.SUCCEEDED, output={"ok": 1})
     assert written
+
+
+def test_a_chain_passes_an_output_on_from_its_texts_and_stores_it_exactly(
+    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose arguments are the step before's output, run inline: the output is written
+    from its check's text, the next attempt's arguments from theirs
+    (``NewAttempt.args_text``), and the inline claim reads them from it; none of them encodes
+    the value again, and every row holds the value exactly (a float of a positive exponent,
+    text outside ASCII, an int key)."""
+    from ductor_celery.engine.kinds import DispatchKind
+    from ductor_celery.runtime import inline, steps
+    from ductor_celery.store import pg_commit
+
+    value = {"big": 1e16, "text": "é\u2028\U0001f600", 5: [1.5, None], "n": -0.0}
+    stored = {"big": 1e16, "text": "é\u2028\U0001f600", "5": [1.5, None], "n": -0.0}
+    app = Celery(f"pass{tmp_path.name}", set_as_current=False)
+    app.conf.update(broker_url="memory://")
+    d = Ductor(app, database_url=database_url)
+    sent: list[Any] = []
+    d.runtime.dispatcher.send = sent.extend  # type: ignore[method-assign,assignment]
+    d.runtime.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+    d.runtime.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
+    seen: list[Any] = []
+    d.step(name="pass.make")(lambda ctx: value)
+    d.step(name="pass.take")(lambda ctx, prev: seen.append(prev) or prev)
+    wf = Workflow("pass_on")
+    wf.step("a", "pass.make")
+    wf.step("b", "pass.take", after=["a"], args={"prev": "$.nodes.a.output"})
+    wf.output("$.nodes.b.output")
+    d.register(wf)
+    encoded: list[Any] = []
+    for module in (attempts, pg_commit, inline):
+        real = module.dumps_json
+        monkeypatch.setattr(module, "dumps_json", lambda v, real=real: encoded.append(v) or real(v))
+    run_id = d.start("pass_on").run_id
+    assert run_tick(d.runtime, run_id) == "committed"
+    (token,) = [r.payload["token"] for r in sent if r.kind == DispatchKind.STEP]
+    step = d.runtime.step_named("pass.make")
+    assert step is not None
+    queue = d.runtime.settings.steps_queue  # the chain runs "b" inline: the same queue
+    steps.execute_attempt(d.runtime, step, token, hostname="h", queue=queue, carrier=token)
+    view = d.get(run_id)
+    assert view.status == "succeeded"
+    assert seen == [stored] and view.output == stored
+
+    def holds_the_value(v: Any) -> bool:
+        inside = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        return v == stored or any(holds_the_value(x) for x in inside)
+
+    # Once only: as the run's output, by the commit that finishes the run (its own value,
+    # resolved from the nodes' outputs). Not as either outcome, nor as b's arguments.
+    assert encoded and [v for v in encoded if holds_the_value(v)] == [view.output]
+    with d.runtime.engine().connect() as conn:
+        rows = conn.execute(
+            sa.select(step_attempt.c.node, step_attempt.c.output, step_attempt.c.args)
+            .where(step_attempt.c.run_id == run_id)
+            .order_by(step_attempt.c.node)
+        ).all()
+    assert [tuple(r) for r in rows] == [("a", stored, {}), ("b", stored, {"prev": stored})]

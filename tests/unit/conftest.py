@@ -11,6 +11,7 @@ import pytest
 from ductor_celery.engine import tick as engine_tick
 from ductor_celery.engine.context import TickContext
 from ductor_celery.engine.inputs import TickPayload
+from ductor_celery.store import blobs
 from ductor_celery.store.schema import dumps_json
 from ductor_celery.store.state_text import state_text
 
@@ -47,6 +48,25 @@ def state_texts_are_the_states(monkeypatch: pytest.MonkeyPatch) -> Iterator[None
         state = payload.state
         made = json.dumps(json.loads(state_text("unit-test", state)), sort_keys=True)
         assert made == json.dumps(json.loads(dumps_json(state.to_json())), sort_keys=True)
+        return payload
+
+    monkeypatch.setattr(engine_tick, "_finish", checked)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def kept_argument_texts_are_the_arguments(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A new attempt may carry its arguments' JSON text from their check
+    (``NewAttempt.args_text``), which the commit and the inline claim take instead of
+    encoding them again. In every tick of every unit test, that text is exactly what encoding
+    the attempt's arguments gives."""
+    real = engine_tick._finish
+
+    def checked(t: TickContext) -> TickPayload:
+        payload = real(t)
+        for a in payload.new_attempts:
+            if a.args_text is not None:
+                assert a.args_text == blobs._ENCODER.encode(a.args), a.token
         return payload
 
     monkeypatch.setattr(engine_tick, "_finish", checked)

@@ -95,3 +95,37 @@ def test_decimal_envelopes_keep_their_text() -> None:
     checked = check_json({"price": decimal.Decimal("12.50")}, "x", LIMIT)
     assert checked.text is not None
     assert blobs._ENCODER.encode(checked.value) == checked.text
+
+
+@given(VALUES)
+def test_a_text_without_the_keys_holds_no_envelope_and_no_reference(value: Any) -> None:
+    """The inline claim skips decoding its arguments and looking for references in them when
+    their text holds neither key (``Call.plain_args``): then both walks find nothing."""
+    from ductor_celery.definition.blobrefs import contains_ref, may_hold_ref
+    from ductor_celery.values import decode, may_hold_envelope
+
+    checked = check_json(value, "x", LIMIT)
+    assert checked.text is not None
+    if not may_hold_envelope(checked.text):
+        assert decode(checked.value) is checked.value
+    if not may_hold_ref(checked.text):
+        assert not contains_ref(checked.value)
+
+
+def test_the_keys_are_seen_in_the_text() -> None:
+    from ductor_celery.definition.blobrefs import may_hold_ref
+    from ductor_celery.values import may_hold_envelope
+
+    typed = check_json({"price": decimal.Decimal("1.5")}, "x", LIMIT).text
+    assert typed is not None and may_hold_envelope(typed) and not may_hold_ref(typed)
+    ref = {"__ductor_blob__": {"id": "b", "size": 1, "sha256": "0" * 64}}
+    with_ref = check_json({"big": ref}, "x", LIMIT).text
+    assert with_ref is not None and may_hold_ref(with_ref)
+
+
+def test_plain_arguments_are_passed_as_they_are() -> None:
+    from ductor_celery.runtime.arguments import prepare
+
+    args = {"a": {"n": [1, 2]}, "b": "s"}
+    prepared = prepare(lambda ctx, a, b: None, "s", args, plain=True)
+    assert prepared == args and prepared["a"] is args["a"]
