@@ -54,9 +54,12 @@ class JsonCheck(NamedTuple):
     #: (``PayloadNotSerializable``).
     too_large: bool = False
     #: The JSON text the value was checked as, when accepted (``ensure_ascii=False``, the
-    #: default separators, no NaN): ``value`` encodes to this very text again, so a caller
-    #: that needs the value's JSON (its size, a large value's blob, a query parameter) takes
-    #: it instead of encoding the value once more.
+    #: default separators, no NaN), for a caller that needs the value's JSON (its size, a
+    #: query parameter) instead of encoding the value once more. ``value`` encodes to this
+    #: very text again, except where two keys of one dict were the same once made strings
+    #: (``1`` and ``"1"``): the text holds both, ``value`` the last, as PostgreSQL's jsonb
+    #: reads that text too. So the text is never longer than what it stands for, and never
+    #: the bytes of a blob (``blobs.large_text`` encodes a value it offloads itself).
     text: str | None = None
 
 

@@ -94,8 +94,8 @@ def start_attempt(
     (``args_from``) keeps its first attempt's arguments, lease key and rate key: the store
     copies them from that attempt's row.
     """
-    if not args:  # no arguments (None): stored as {}
-        args, args_text = {}, "{}"
+    if not args:  # no arguments (None): stored as {}; a retry's are copied from its first's
+        args, args_text = {}, ("{}" if args_from is None else None)
     ns = t.nodes[node]
     slot = ns.step if slot is None else slot
     spec = t.attempt_spec(node)

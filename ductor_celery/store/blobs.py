@@ -76,24 +76,31 @@ def offloaded(conn: Any, run_id: str, value: Any, threshold: int, text: str | No
 def large_text(value: Any, threshold: int, text: str | None = None) -> str | None:
     """The JSON of a value to offload (over ``threshold`` bytes, not a reference already), or
     None: one serialization, no query. ``text``: the value's JSON as ``payloads.check_json``
-    made it (the same encoding as here), which is then not made again."""
+    made it (the same encoding as here), which is then not made again for a value under the
+    threshold. Over it, the value is encoded here all the same: that text may hold a key
+    twice (``JsonCheck.text``), and a blob's bytes, size and digest must be the value's."""
     if value is None or ref_of(value) is not None:
         return None
     try:
-        if text is None:
+        if text is None or not _within(text, threshold):
             text = _ENCODER.encode(value)
-        # Each character is 1..4 UTF-8 bytes: most values are decided without encoding them
-        # (more characters than the threshold is over it; an ASCII text's bytes are its
-        # characters).
-        if len(text) <= threshold // 4:
-            return None
-        if len(text) <= threshold and (text.isascii() or len(text.encode("utf-8")) <= threshold):
+        if _within(text, threshold):
             return None
     except (ValueError, TypeError):  # UnicodeEncodeError too
         # Not storable at all (a check let it through): left inline, where the database
         # refuses it and its writer records that instead (``store.db.ValuesRefused``).
         return None
     return text
+
+
+def _within(text: str, threshold: int) -> bool:
+    """Whether ``text`` is at most ``threshold`` UTF-8 bytes. Each character is 1..4 bytes:
+    most texts are decided without encoding them (more characters than the threshold is
+    over it; an ASCII text's bytes are its characters). Raises UnicodeEncodeError for a lone
+    surrogate."""
+    if len(text) <= threshold // 4:
+        return True
+    return len(text) <= threshold and (text.isascii() or len(text.encode("utf-8")) <= threshold)
 
 
 def size_of(value: Any) -> int:

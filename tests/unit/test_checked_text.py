@@ -34,22 +34,54 @@ VALUES = st.recursive(
         st.lists(inner, max_size=5)
         | st.tuples(inner, inner)
         | st.dictionaries(st.text(max_size=8).filter(lambda s: "\x00" not in s), inner, max_size=5)
-        | st.dictionaries(st.integers(), inner, max_size=3)
+        # Keys that collide once made strings (1 and "1", True and "true"): the check's text
+        # holds both, the value the last.
+        | st.dictionaries(
+            st.integers(-2, 2) | st.booleans() | st.none() | st.sampled_from(["1", "true", "null"]),
+            inner,
+            max_size=4,
+        )
     ),
     max_leaves=30,
 )
 
 
+def _as_written(text: str) -> Any:
+    """A JSON text's value with every number as the token it is written as: ``1e+16`` and
+    ``10000000000000000.0`` differ here (PostgreSQL's jsonb reads the first back as an int)."""
+    return json.loads(text, parse_float=lambda s: ("float", s), parse_int=lambda s: ("int", s))
+
+
 @given(VALUES)
-def test_the_checked_value_encodes_to_the_checks_own_text(value: Any) -> None:
+def test_the_checks_text_stands_for_the_checked_value(value: Any) -> None:
     checked = check_json(value, "x", LIMIT)
     assert checked.problem is None and checked.text is not None
-    # What blobs encodes (its threshold, its blob) and what the check made are one text.
-    assert blobs._ENCODER.encode(checked.value) == checked.text
+    encoded = blobs._ENCODER.encode(checked.value)
+    # The text reads back as the value (a key twice: the last, as jsonb reads it too); it is
+    # the value's own encoding but for such keys, and never shorter.
+    assert json.loads(checked.text) == json.loads(encoded)
+    assert checked.text == encoded or len(checked.text) > len(encoded)
+    # A value over the threshold is offloaded as its own encoding, whatever text it came with.
     if checked.value is not None:  # None is never offloaded
-        assert blobs.large_text(checked.value, 0) == checked.text
-    # The carried outcome's parameter: the value dumps_json stores, to the last digit.
-    assert json.loads(stored_json_text(checked.text)) == json.loads(dumps_json(checked.value))
+        assert blobs.large_text(checked.value, 0, checked.text) == encoded
+        assert blobs.large_text(checked.value, LIMIT, checked.text) is None
+    # The carried outcome's parameter: what dumps_json stores, every number as it writes it.
+    stored = _as_written(stored_json_text(checked.text))
+    assert stored == _as_written(dumps_json(json.loads(checked.text)))
+
+
+def test_colliding_keys_are_offloaded_as_the_value_and_read_back() -> None:
+    """``[{1: "a", "1": "b"}, ...]``: the check's text holds both keys, the value only "1":
+    "b". Offloaded, its blob is the value's own bytes, so it reads back (its digest holds)."""
+    from ductor_celery.definition.blobrefs import describe, iter_chunks, value_of
+
+    checked = check_json([{1: "a", "1": "b"}] * 200, "x", LIMIT)
+    assert checked.value == [{"1": "b"}] * 200 and checked.text is not None
+    assert checked.text.count('"1"') == 400
+    text = blobs.large_text(checked.value, 1000, checked.text)
+    assert text == blobs._ENCODER.encode(checked.value)
+    ref = describe(checked.value, text, "blob-1")
+    assert value_of(list(iter_chunks(checked.value, text)), ref) == checked.value
 
 
 def test_a_float_with_a_positive_exponent_is_stored_as_dumps_json_stores_it() -> None:
@@ -57,19 +89,16 @@ def test_a_float_with_a_positive_exponent_is_stored_as_dumps_json_stores_it() ->
     assert checked.text is not None and "e+" in checked.text
     stored = stored_json_text(checked.text)
     assert '"big": 10000000000000000.0' in stored and '"s": "1e+16"' in stored
-    assert json.loads(stored) == json.loads(dumps_json(checked.value))
+    assert _as_written(stored) == _as_written(dumps_json(checked.value))
 
 
-def test_large_text_takes_the_text_it_is_given() -> None:
-    """Given the check's text, the threshold is measured on it: the value is not encoded."""
-
-    class Unencodable:
-        pass
-
-    value = {"a": Unencodable()}  # encoding it would raise
-    assert blobs.large_text(value, 8, text='{"a": "0123456789"}') == '{"a": "0123456789"}'
-    assert blobs.large_text(value, 100, text='{"a": "0123456789"}') is None
-    assert blobs.large_text(value, 8) is None  # encoded here: refused, left inline
+def test_large_text_decides_on_the_text_it_is_given_and_offloads_the_value() -> None:
+    """Under the threshold, the given text decides (the value is not encoded); over it, the
+    value is encoded for its blob, and that text is what it returns."""
+    value = {"a": "x" * 1000}
+    assert blobs.large_text(value, 100, text='{"a": "short"}') is None
+    long_text = '{"a": "' + "y" * 200 + '"}'
+    assert blobs.large_text(value, 100, text=long_text) == blobs._ENCODER.encode(value)
 
 
 def test_a_refused_value_has_no_text() -> None:
