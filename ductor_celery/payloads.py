@@ -58,8 +58,8 @@ class JsonCheck(NamedTuple):
     #: query parameter) instead of encoding the value once more. ``value`` encodes to this
     #: very text again, except where two keys of one dict were the same once made strings
     #: (``1`` and ``"1"``): the text holds both, ``value`` the last, as PostgreSQL's jsonb
-    #: reads that text too. So the text is never longer than what it stands for, and never
-    #: the bytes of a blob (``blobs.large_text`` encodes a value it offloads itself).
+    #: reads that text too. So the text is never shorter than the value's own encoding, and
+    #: never the bytes of a blob (``blobs.large_text`` encodes a value it offloads itself).
     text: str | None = None
 
 

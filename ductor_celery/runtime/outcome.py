@@ -75,8 +75,8 @@ class Outcome:
     #: (``_storable``), the tags a list built for them: the values as stored, sharing nothing
     #: with the step (``steps._carried`` computes with them as they are).
     checked: bool = False
-    #: The JSON text ``output`` was checked as (``payloads.JsonCheck.text``): what its size,
-    #: its blob and the commit's parameter are taken from, instead of encoding it again.
+    #: The JSON text ``output`` was checked as (``payloads.JsonCheck.text``): what its size
+    #: and the commit's parameter are taken from, instead of encoding it again.
     #: Only beside a checked output; None as soon as the output is replaced (redacted, or by
     #: its reference).
     output_text: str | None = None

@@ -74,8 +74,8 @@ def payload_of(
 
 def checked_payload(value: Any, what: str, limit: int, *, refs_allowed: bool = False) -> JsonCheck:
     """``check_json``'s verdict on a value a step produced (its JSON text included), made
-    total here as well: whatever the check raises (a RecursionError
-    on a value nested thousands deep, a user's container misbehaving) is the problem.
+    total here as well: whatever the check raises (a RecursionError on a value nested
+    thousands deep, a user's container misbehaving) is the problem.
 
     ``refs_allowed``: the value was put together by ductor from values already checked one by
     one (a batch's list of item results, where a large item is ductor's own reference), so
