@@ -7,6 +7,8 @@ not the work:
   ``bench.echo`` steps, each fed the previous output). No result backend: ductor's tasks
   never use one. Its workers are the production commands
   ``celery -A bench_app worker -Q ductor-steps -c 2`` and ``... -Q ductor-coord -c 1``.
+  ``bench_chain10_carry`` (``bench.carry``; ``raw.carry`` on the raw side): the same chain
+  passing a document on from step to step, for ``run.py --payload-items``.
 * ``raw``: ``raw.echo`` (for ``chain``) and ``raw.count`` (for throughput: it INCRs a Redis
   counter, so the driver counts completions without a result per task). Its result backend is
   the benchmark's Redis (another db index). Worker: ``celery -A bench_app:raw worker -Q
@@ -134,6 +136,20 @@ for _i in range(1, 10):
 chain10.output("$.nodes.s9.output")
 ductor.register(chain10)
 
+
+@ductor.step(name="bench.carry")
+def carry(ctx: StepContext, value: dict[str, Any]) -> dict[str, Any]:
+    """``--payload-items``: a document passed on, its count one higher."""
+    return {"n": value["n"] + 1, "items": value["items"]}
+
+
+carry10 = Workflow("bench_chain10_carry", version=1)
+carry10.step("s0", carry, args={"value": "$.input.value"})
+for _i in range(1, 10):
+    carry10.step(f"s{_i}", carry, after=[f"s{_i - 1}"], args={"value": f"$.nodes.s{_i - 1}.output"})
+carry10.output("$.nodes.s9.output")
+ductor.register(carry10)
+
 #: The same chain under a rate limit that is never reached (benchmarks/rate_limit_cost.py):
 #: what the bucket costs a step. One key for every run, the worst case for the bucket's lock.
 RATED_WORKFLOW = "bench_chain10_rated"
@@ -203,6 +219,12 @@ raw.conf.update(
 @raw.task(name="raw.echo")
 def raw_echo(value: int = 0) -> int:
     return value + 1
+
+
+@raw.task(name="raw.carry")
+def raw_carry(value: dict[str, Any]) -> dict[str, Any]:
+    """``--payload-items``: as ``bench.carry``; a chain passes each result to the next."""
+    return {"n": value["n"] + 1, "items": value["items"]}
 
 
 @raw.task(name="raw.noop")

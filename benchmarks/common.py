@@ -23,6 +23,14 @@ TESTS_DIR = ROOT / "tests"
 
 WORKFLOW = "bench_chain10"
 STEPS = 10
+#: ``--payload-items``: the sequential runs' workflow, each step passing on a document.
+CARRY_WORKFLOW = "bench_chain10_carry"
+
+
+def payload_items(n: int) -> list[dict[str, Any]]:
+    """``n`` items of about 65 bytes of JSON each (an int, a string, a float, a list): 40 make
+    2.6 kB, the document ``--payload-items`` has each step of a chain pass on."""
+    return [{"id": i, "name": f"item-{i}", "price": i * 1.25, "tags": ["a", "b"]} for i in range(n)]
 
 
 class BenchTimeout(Exception):

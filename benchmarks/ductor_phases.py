@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 import critical_path
-from common import STEPS, WORKFLOW, cpu_name, log, summary_ms
+from common import CARRY_WORKFLOW, STEPS, WORKFLOW, cpu_name, log, payload_items, summary_ms
 from harness import Bench
 
 
@@ -16,11 +16,18 @@ def ductor_run(bench: Bench) -> tuple[float, str, float, float]:
     ductor = bench.app.ductor
     w0 = time.time()
     t0 = time.perf_counter()
-    handle = ductor.start(WORKFLOW, input={"value": 0})
+    items = bench.args.payload_items
+    if items:  # each step passes a document on (--payload-items)
+        document = {"n": 0, "items": payload_items(items)}
+        handle = ductor.start(CARRY_WORKFLOW, input={"value": document})
+        expected: Any = {"n": STEPS, "items": document["items"]}
+    else:
+        handle = ductor.start(WORKFLOW, input={"value": 0})
+        expected = STEPS
     view = ductor.wait(handle.run_id, timeout=60)
     elapsed = time.perf_counter() - t0
     w1 = time.time()
-    if view.status.value != "succeeded" or view.output != STEPS:
+    if view.status.value != "succeeded" or view.output != expected:
         raise RuntimeError(f"run {handle.run_id}: {view.status} output={view.output!r}")
     return elapsed, handle.run_id, w0, w1
 

@@ -5,19 +5,26 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from common import STEPS, log, summary_ms
+from common import STEPS, log, payload_items, summary_ms
 from harness import Bench
 
 
 def raw_chain_once(bench: Bench) -> float:
     from celery import chain
 
-    echo = bench.app.raw_echo
+    items = bench.args.payload_items
+    first: Any
+    if items:  # each task passes a document on (--payload-items), as ductor's steps do
+        document = {"n": 0, "items": payload_items(items)}
+        task, first = bench.app.raw_carry, document
+        expected: Any = {"n": STEPS, "items": document["items"]}
+    else:
+        task, first, expected = bench.app.raw_echo, 0, STEPS
     t0 = time.perf_counter()
-    result = chain(echo.s(0), *(echo.s() for _ in range(STEPS - 1))).apply_async()
+    result = chain(task.s(first), *(task.s() for _ in range(STEPS - 1))).apply_async()
     value = result.get(timeout=60)
     elapsed = time.perf_counter() - t0
-    if value != STEPS:
+    if value != expected:
         raise RuntimeError(f"raw chain returned {value!r}")
     result.forget()
     return elapsed

@@ -144,6 +144,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--batch-size", type=int, default=100, help="its batch_size (0 skips)")
     p.add_argument(
+        "--payload-items",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the sequential runs (ductor's and raw Celery's chains of 10) pass on a document of "
+        "N items of ~65 bytes of JSON (40: 2.6 kB) from step to step; the throughput and "
+        "scatter phases are unchanged (0: a small int, as always)",
+    )
+    p.add_argument(
         "--memory-scatters",
         type=int,
         default=0,
