@@ -129,12 +129,18 @@ def echo(ctx: StepContext, value: int = 0) -> int:
     return value + 1
 
 
-chain10 = Workflow("bench_chain10", version=1)
-chain10.step("s0", echo, args={"value": "$.input.value"})
-for _i in range(1, 10):
-    chain10.step(f"s{_i}", echo, after=[f"s{_i - 1}"], args={"value": f"$.nodes.s{_i - 1}.output"})
-chain10.output("$.nodes.s9.output")
-ductor.register(chain10)
+def _register_chain10(name: str, step: Any) -> None:
+    """10 sequential ``step`` steps, the first fed the input's ``value``, each next one the
+    output before it; the run's output is the last step's."""
+    chain = Workflow(name, version=1)
+    chain.step("s0", step, args={"value": "$.input.value"})
+    for i in range(1, 10):
+        chain.step(f"s{i}", step, after=[f"s{i - 1}"], args={"value": f"$.nodes.s{i - 1}.output"})
+    chain.output("$.nodes.s9.output")
+    ductor.register(chain)
+
+
+_register_chain10("bench_chain10", echo)
 
 
 @ductor.step(name="bench.carry")
@@ -143,12 +149,7 @@ def carry(ctx: StepContext, value: dict[str, Any]) -> dict[str, Any]:
     return {"n": value["n"] + 1, "items": value["items"]}
 
 
-carry10 = Workflow("bench_chain10_carry", version=1)
-carry10.step("s0", carry, args={"value": "$.input.value"})
-for _i in range(1, 10):
-    carry10.step(f"s{_i}", carry, after=[f"s{_i - 1}"], args={"value": f"$.nodes.s{_i - 1}.output"})
-carry10.output("$.nodes.s9.output")
-ductor.register(carry10)
+_register_chain10("bench_chain10_carry", carry)
 
 #: The same chain under a rate limit that is never reached (benchmarks/rate_limit_cost.py):
 #: what the bucket costs a step. One key for every run, the worst case for the bucket's lock.
@@ -160,14 +161,7 @@ def echo_rated(ctx: StepContext, value: int = 0) -> int:
     return value + 1
 
 
-rated10 = Workflow(RATED_WORKFLOW, version=1)
-rated10.step("s0", echo_rated, args={"value": "$.input.value"})
-for _i in range(1, 10):
-    rated10.step(
-        f"s{_i}", echo_rated, after=[f"s{_i - 1}"], args={"value": f"$.nodes.s{_i - 1}.output"}
-    )
-rated10.output("$.nodes.s9.output")
-ductor.register(rated10)
+_register_chain10(RATED_WORKFLOW, echo_rated)
 
 #: One no-op step per item: the scatter benchmark (benchmarks/scatter.py).
 scatter_wf = Workflow("bench_scatter", version=1)

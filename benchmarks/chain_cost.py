@@ -51,6 +51,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from celery import Celery  # noqa: E402
+from common import payload_items  # noqa: E402
 from servers import PostgresServer  # noqa: E402
 
 from ductor_celery import Ductor, Workflow  # noqa: E402
@@ -193,10 +194,7 @@ class _Bench:
         rt.dispatcher.send = self.sent.extend  # type: ignore[method-assign,assignment]
         rt.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
         rt.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
-        items = [
-            {"id": i, "name": f"item-{i}", "price": i * 1.25, "tags": ["a", "b"]}
-            for i in range(output_items)
-        ]
+        items = payload_items(output_items)
         output = {"items": items, "ok": 1} if items else {"ok": 1}
         ductor.step(name="c.step")(lambda ctx, prev=None: output)
         chain = Workflow("chain")

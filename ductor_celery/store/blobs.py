@@ -82,8 +82,9 @@ def large_text(value: Any, threshold: int, text: str | None = None) -> str | Non
     if value is None or ref_of(value) is not None:
         return None
     try:
-        if text is None or not _within(text, threshold):
-            text = _ENCODER.encode(value)
+        if text is not None and _within(text, threshold):
+            return None
+        text = _ENCODER.encode(value)
         if _within(text, threshold):
             return None
     except (ValueError, TypeError):  # UnicodeEncodeError too
