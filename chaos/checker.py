@@ -253,7 +253,7 @@ class Checker:
             )
         }
         self.transitions: dict[str, list[Any]] = defaultdict(list)
-        for r in self._all("SELECT * FROM eec_workflow_transition ORDER BY run_id, seq"):
+        for r in self._all("SELECT * FROM eec_workflow_history ORDER BY run_id, seq"):
             self.transitions[r["run_id"]].append(r)
         self.signals = self._all("SELECT * FROM eec_workflow_signal ORDER BY id")
         self.controls = self._all("SELECT * FROM eec_workflow_control ORDER BY id")

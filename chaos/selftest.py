@@ -97,8 +97,16 @@ def stale_accepted(conn: psycopg.Connection) -> None:
 
 
 def log_gap(conn: psycopg.Connection) -> None:
-    (run_id,) = one(conn, "SELECT run_id FROM eec_workflow_transition WHERE seq = 3 LIMIT 1")
+    """Seq 3 of one run's history lost, wherever it was kept: a row, or an attempt row's
+    ``dispatch_seq``/``success_seq`` (docs/history-in-attempt-rows.md)."""
+    (run_id,) = one(conn, "SELECT run_id FROM eec_workflow_history WHERE seq = 3 LIMIT 1")
     conn.execute("DELETE FROM eec_workflow_transition WHERE run_id = %s AND seq = 3", (run_id,))
+    for column in ("dispatch_seq", "success_seq"):
+        conn.execute(
+            f"UPDATE eec_workflow_step_attempt SET {column} = NULL "
+            f"WHERE run_id = %s AND {column} = 3",
+            (run_id,),
+        )
 
 
 def log_disagrees(conn: psycopg.Connection) -> None:

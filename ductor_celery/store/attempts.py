@@ -466,11 +466,11 @@ def finish_unleased_on(
 #: already, or holding a lease, is left alone. The JSON columns get the text ``finish``
 #: writes (``dumps_json``; None is JSON ``null``, as SQLAlchemy's JSON type stores it):
 #: tests/integration/test_carried_outcome.py compares the rows the two paths write.
-OUTCOME_SET = (
-    "finished_at = now(), outcome = %(c_outcome)s, output = %(c_output)s::jsonb, "
-    "error = %(c_error)s::jsonb, retryable = %(c_retryable)s, patch = %(c_patch)s::jsonb, "
-    "tags = %(c_tags)s::jsonb"
+OUTCOME_VALUES = (
+    "outcome = %(c_outcome)s, output = %(c_output)s::jsonb, error = %(c_error)s::jsonb, "
+    "retryable = %(c_retryable)s, patch = %(c_patch)s::jsonb, tags = %(c_tags)s::jsonb"
 )
+OUTCOME_SET = "finished_at = now(), " + OUTCOME_VALUES
 CARRIED_SET = OUTCOME_SET + ", folded = true"
 CARRIED_WHERE = "token = %(c_token)s AND finished_at IS NULL AND lease_key IS NULL"
 

@@ -19,7 +19,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from ..engine.tags import tags_problem
 from ..errors import ExportError
-from . import blobs
+from . import blobs, history
 from . import tags as run_tags
 from .db import aware
 from .dialect import dialect_of
@@ -186,9 +186,9 @@ def read_rows(engine: Engine, run_id: str) -> RunRows | None:
                 _all(conn, workflow_control, CONTROL_COLUMNS, run_id, workflow_control.c.id),
                 "control",
             ),
-            transitions=_all(
-                conn, workflow_transition, TRANSITION_COLUMNS, run_id, workflow_transition.c.seq
-            ),
+            # The whole history, rows and what attempt rows keep alike (store/history.py):
+            # an export writes each transition as a row.
+            transitions=_all(conn, history.view, TRANSITION_COLUMNS, run_id, history.view.c.seq),
             timer=aware(
                 conn.execute(
                     sa.select(workflow_timer.c.fire_at).where(workflow_timer.c.run_id == run_id)

@@ -95,6 +95,7 @@ def create_throwaway(url: str) -> Engine:
     every migration, and no fsync (the file is deleted when the harness exits)."""
     from sqlalchemy import event
 
+    from . import history
     from .schema import metadata
 
     engine = get_engine(url)
@@ -110,4 +111,6 @@ def create_throwaway(url: str) -> Engine:
         cur.close()
 
     metadata.create_all(engine)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(history.CREATE_VIEW)  # a view: not in the metadata
     return engine

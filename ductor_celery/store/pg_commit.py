@@ -41,7 +41,7 @@ from sqlalchemy.engine import Connection
 
 from ..coordinator.rows import OutboxIntent, folded_by_commit
 from ..engine import AttemptResult, NewAttempt, TickPayload
-from .attempts import CARRIED_SET, CARRIED_WHERE, carried_params
+from .attempts import CARRIED_WHERE, OUTCOME_VALUES, carried_params
 from .db import driver_cursor
 from .schema import dumps_json, stored_json_text
 from .state_text import state_text
@@ -102,6 +102,14 @@ class NextRead(NamedTuple):
     has_signals: bool
     has_results: bool
 
+
+#: The carried outcome's write in the commit (``CARRIED_SET`` but for two columns): finished
+#: at the tick's time, the time of everything else the commit writes; and, when the commit's
+#: transitions hold this attempt's success, its seq (``%(c_success_seq)s``), if the reason is
+#: the very one the row reads back as (docs/history-in-attempt-rows.md, store/history.py).
+_TICK_CARRIED_SET = f"""finished_at = %(now)s, {OUTCOME_VALUES}, folded = true,
+        success_seq = CASE WHEN %(c_success_reason)s = 'attempt ' || attempt || ' succeeded'
+                           THEN %(c_success_seq)s::int END"""
 
 _NEXT_READ = """,
        (SELECT rest FROM run_update) AS next_state, clock_timestamp() AS db_now,
@@ -208,14 +216,18 @@ def _statement(
     outbox_ids = "ARRAY(SELECT id FROM outbox ORDER BY id)" if sends else "'{}'::bigint[]"
     if carrying:
         carried = f"""carried AS (
-    UPDATE eec_workflow_step_attempt SET {CARRIED_SET}
+    UPDATE eec_workflow_step_attempt SET {_TICK_CARRIED_SET}
     WHERE {CARRIED_WHERE} AND {gate}
-    RETURNING 1
+    RETURNING success_seq
 ), """
         written = "EXISTS (SELECT 1 FROM carried)"
+        # The success transition this row took (docs/history-in-attempt-rows.md) is not
+        # written as a row too.
+        kept_by_row = "AND (t->>'seq')::int IS DISTINCT FROM (SELECT success_seq FROM carried)"
     else:
         carried = ""
         written = gate
+        kept_by_row = ""
     return f"""
 WITH {locked}{carried}run_update AS (
     UPDATE eec_workflow_run SET {sets}
@@ -225,13 +237,13 @@ WITH {locked}{carried}run_update AS (
     INSERT INTO eec_workflow_step_attempt
         (token, run_id, node, branch, generation, attempt, step, queue, args, timeout,
          created_at, folded, claimed_at, claimed_by, carrier, rate_key, rate_limit,
-         rate_period, priority)
+         rate_period, priority, dispatch_seq)
     SELECT a->>'token', %(run_id)s, a->>'node', (a->>'branch')::int,
            (a->>'generation')::int, (a->>'attempt')::int, a->>'step', a->>'queue',
            a->'args', (a->>'timeout')::float8, %(now)s, false,
            CASE WHEN a->>'claimed_by' IS NULL THEN NULL ELSE %(now)s END, a->>'claimed_by',
            a->>'carrier', a->>'rate_key', (a->>'rate_limit')::int,
-           (a->>'rate_period')::float8, %(priority)s
+           (a->>'rate_period')::float8, %(priority)s, (a->>'dispatch_seq')::int
     FROM jsonb_array_elements(%(attempts)s::jsonb) AS a
     WHERE EXISTS (SELECT 1 FROM run_update)
 ), transitions AS (
@@ -239,7 +251,7 @@ WITH {locked}{carried}run_update AS (
     SELECT %(run_id)s, (t->>'seq')::int, t->>'node', t->>'from_status', t->>'to_status',
            t->>'reason', %(now)s
     FROM jsonb_array_elements(%(transitions)s::jsonb) AS t
-    WHERE EXISTS (SELECT 1 FROM run_update)
+    WHERE EXISTS (SELECT 1 FROM run_update) {kept_by_row}
 ){outbox}{timer_write}
 SELECT {written} AS written, (SELECT count(*) FROM run_update) AS updated,
        {outbox_ids} AS outbox_ids, {gate} AS locked,
@@ -307,12 +319,21 @@ def commit(
             value = dumps_json(value)
         params[f"r_{column}"] = value
     new = payload.new_attempts
+    dispatched = _dispatch_seqs(new, transitions)
+    kept_by_rows = set(dispatched.values())
+    if carried is not None:
+        success = _success_transition(carried, transitions)
+        params["c_success_seq"] = None if success is None else success["seq"]
+        params["c_success_reason"] = None if success is None else success["reason"]
     params.update(
-        attempts="[" + ",".join(_attempt_json(a, claim) for a in new) + "]",
+        attempts="["
+        + ",".join(_attempt_json(a, claim, dispatched.get(a.token)) for a in new)
+        + "]",
         transitions=dumps_json(
             [
                 {k: t[k] for k in ("seq", "node", "from_status", "to_status", "reason")}
                 for t in transitions
+                if t["seq"] not in kept_by_rows
             ]
         ),
     )
@@ -343,9 +364,48 @@ def commit(
     )
 
 
-def _attempt_json(a: NewAttempt, claim: TickClaim | None) -> str:
+def _dispatch_seqs(new: list[NewAttempt], transitions: list[dict[str, Any]]) -> dict[str, int]:
+    """Token -> seq of each new attempt that is its node's "pending -> running, attempt N
+    dispatched" transition in this commit (its row keeps it: ``dispatch_seq``). Only a
+    node with exactly one new attempt, not a scatter's branch."""
+    by_node: dict[str, NewAttempt | None] = {}
+    for a in new:
+        by_node[a.node] = None if a.node in by_node or a.branch is not None else a
+    found: dict[str, int] = {}
+    for t in transitions:
+        one = by_node.get(t["node"]) if t["node"] is not None else None
+        if (
+            one is not None
+            and one.token not in found
+            and t["from_status"] == "pending"
+            and t["to_status"] == "running"
+            and t["reason"] == f"attempt {one.attempt} dispatched"
+        ):
+            found[one.token] = t["seq"]
+    return found
+
+
+def _success_transition(
+    carried: AttemptResult, transitions: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The transition of this commit that may be the carried attempt's success: its node's
+    ``running -> succeeded``. The statement keeps it in the attempt row only if its reason is
+    the one the row reads back as (``_TICK_CARRIED_SET``)."""
+    if carried.branch is not None or carried.outcome != "succeeded":
+        return None
+    for t in transitions:
+        if t["node"] == carried.node and (t["from_status"], t["to_status"]) == (
+            "running",
+            "succeeded",
+        ):
+            return t
+    return None
+
+
+def _attempt_json(a: NewAttempt, claim: TickClaim | None, dispatch_seq: int | None) -> str:
     """A new attempt as the statement's ``attempts`` array holds it: its arguments from their
-    check's text when the tick kept it (``NewAttempt.args_text``), not encoded again."""
+    check's text when the tick kept it (``NewAttempt.args_text``), not encoded again;
+    ``dispatch_seq``: the transition its row keeps (``_dispatch_seqs``)."""
     mine = claim if claim is not None and a.token == claim.token else None
     fields = dumps_json(
         {
@@ -362,6 +422,7 @@ def _attempt_json(a: NewAttempt, claim: TickClaim | None) -> str:
             "rate_key": a.rate_key,
             "rate_limit": a.rate_limit,
             "rate_period": a.rate_period,
+            "dispatch_seq": dispatch_seq,
         }
     )
     args = dumps_json(a.args) if a.args_text is None else stored_json_text(a.args_text)

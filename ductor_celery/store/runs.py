@@ -24,7 +24,7 @@ from ..definition.spec import WorkflowSpec
 from ..engine.kinds import AuditAction, ControlKind
 from ..engine.state import RunState
 from ..engine.status import OPEN_RUN_STATUSES, TERMINAL_RUN_STATUSES, RunStatus
-from . import audit, blobs, clock
+from . import audit, blobs, clock, history
 from . import tags as run_tags
 from .composed import outputs_cache
 from .db import autocommit, aware, driver_cursor
@@ -36,7 +36,6 @@ from .schema import (
     workflow_definition,
     workflow_run,
     workflow_timer,
-    workflow_transition,
 )
 from .start_requests import Requested, RequestKey, record_on, request_insert
 from .start_requests import find_on as find_request
@@ -849,12 +848,10 @@ def attempts_of(engine: Engine, run_id: str) -> list[Any]:
 
 def transitions_of(engine: Engine, run_id: str, limit: int = 200) -> list[Any]:
     """The run's most recent transitions, oldest first."""
+    h = history.view.c
     with engine.connect() as conn:
         rows = conn.execute(
-            sa.select(workflow_transition)
-            .where(workflow_transition.c.run_id == run_id)
-            .order_by(workflow_transition.c.seq.desc())
-            .limit(limit)
+            sa.select(history.view).where(h.run_id == run_id).order_by(h.seq.desc()).limit(limit)
         ).all()
     return list(reversed(rows))
 

@@ -226,6 +226,12 @@ step_attempt = sa.Table(
     # The tags the step set with ctx.tag ({key: value}), written with the outcome; the tick
     # that folds a succeeded outcome applies them to the run (docs/tags.md).
     sa.Column("tags", Json, nullable=True),
+    # The seq of the run's transition "pending -> running, attempt N dispatched" of this
+    # attempt's node, and of "running -> succeeded, attempt N succeeded", when this row is
+    # that transition instead of a row of eec_workflow_transition (at created_at and
+    # finished_at: docs/history-in-attempt-rows.md; store/history.py reads both).
+    sa.Column("dispatch_seq", sa.Integer, nullable=True),
+    sa.Column("success_seq", sa.Integer, nullable=True),
     sa.Index("eec_workflow_step_attempt_run_node", "run_id", "node"),
     # Attempts waiting for a rate-limit token, oldest first per key.
     sa.Index(

@@ -120,7 +120,7 @@ def test_a_sleep_survives_a_coordinator_sigkill_and_fires_once(
     with cluster.engine.connect() as conn:
         fired = conn.execute(
             sa.text(
-                "SELECT count(*) FROM eec_workflow_transition WHERE run_id = :r "
+                "SELECT count(*) FROM eec_workflow_history WHERE run_id = :r "
                 "AND node = 'nap' AND reason = 'timer fired'"
             ),
             {"r": handle.run_id},

@@ -43,6 +43,7 @@ TABLES = {
     "eec_workflow_run": "run_id",
     "eec_workflow_step_attempt": "token",
     "eec_workflow_transition": "run_id, seq",
+    "eec_workflow_history": "run_id, seq",
     "eec_workflow_signal": "id",
     "eec_workflow_control": "id",
     "eec_workflow_outbox": "id",

@@ -118,7 +118,7 @@ def test_fifty_duplicate_wakeups_leave_the_run_as_one_would(
     version = shared_cluster.record_version(handle.run_id)
     with shared_cluster.engine.connect() as conn:
         transitions = conn.execute(
-            sa.text("SELECT count(*) FROM eec_workflow_transition WHERE run_id = :r"),
+            sa.text("SELECT count(*) FROM eec_workflow_history WHERE run_id = :r"),
             {"r": handle.run_id},
         ).scalar_one()
     for _ in range(50):
@@ -131,7 +131,7 @@ def test_fifty_duplicate_wakeups_leave_the_run_as_one_would(
     with shared_cluster.engine.connect() as conn:
         assert (
             conn.execute(
-                sa.text("SELECT count(*) FROM eec_workflow_transition WHERE run_id = :r"),
+                sa.text("SELECT count(*) FROM eec_workflow_history WHERE run_id = :r"),
                 {"r": handle.run_id},
             ).scalar_one()
             == transitions

@@ -525,14 +525,14 @@ def consistent(w: World) -> None:
             for r in conn.execute(
                 sa.text(
                     "SELECT run_id, count(*) AS n, min(seq) AS lo, max(seq) AS hi FROM"
-                    " eec_workflow_transition GROUP BY run_id"
+                    " eec_workflow_history GROUP BY run_id"
                 )
             )
         }
         last_run_move = dict(
             conn.execute(
                 sa.text(
-                    "SELECT DISTINCT ON (run_id) run_id, to_status FROM eec_workflow_transition"
+                    "SELECT DISTINCT ON (run_id) run_id, to_status FROM eec_workflow_history"
                     " WHERE node IS NULL ORDER BY run_id, seq DESC"
                 )
             ).all()

@@ -25,7 +25,7 @@ from ductor_celery.engine import EngineConfig
 from ductor_celery.engine.kinds import ControlKind, DispatchKind
 from ductor_celery.engine.status import TERMINAL_RUN_STATUSES
 from ductor_celery.fakes import InMemoryStore, RecordingDispatcher
-from ductor_celery.store import attempts, external, runs
+from ductor_celery.store import attempts, external, history, runs
 from ductor_celery.store.db import get_engine
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.schema import (
@@ -33,7 +33,6 @@ from ductor_celery.store.schema import (
     workflow_control,
     workflow_run,
     workflow_signal,
-    workflow_transition,
 )
 
 #: cancel_grace=0: a cancel closes what is in flight in its own tick (the cooperative cancel's
@@ -258,7 +257,7 @@ class _Sql:
             def select(*columns: Any) -> list[Any]:
                 return [tuple(r) for r in conn.execute(sa.select(*columns))]
 
-            r, a, x = workflow_run.c, step_attempt.c, workflow_transition.c
+            r, a, x = workflow_run.c, step_attempt.c, history.view.c
             s, c = workflow_signal.c, workflow_control.c
             run_rows = select(
                 r.run_id,

@@ -66,7 +66,7 @@ def _rows(url: str, run_id: str) -> dict[str, Any]:
             ),
             "transitions": q(
                 "SELECT seq, node, from_status, to_status, replace(reason, :r, '') "
-                "FROM eec_workflow_transition WHERE run_id = :r ORDER BY seq"
+                "FROM eec_workflow_history WHERE run_id = :r ORDER BY seq"
             ),
         }
 

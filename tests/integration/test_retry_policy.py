@@ -148,7 +148,7 @@ def test_the_jittered_retry_time_is_fixed_by_the_failed_attempt_token(ductor: Du
         reasons = [
             r
             for (r,) in conn.execute(
-                sa.text("SELECT reason FROM eec_workflow_transition WHERE run_id = :r"),
+                sa.text("SELECT reason FROM eec_workflow_history WHERE run_id = :r"),
                 {"r": row.run_id},
             )
         ]

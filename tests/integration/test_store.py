@@ -83,9 +83,7 @@ def test_racing_coordinators_commit_each_version_once(engine: Any) -> None:
     assert sorted(outcomes) == ["lost", "lost", "lost", "won"]
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM eec_workflow_step_attempt")).scalar() == 1
-        seqs = conn.execute(
-            sa.text("SELECT seq FROM eec_workflow_transition ORDER BY seq")
-        ).scalars()
+        seqs = conn.execute(sa.text("SELECT seq FROM eec_workflow_history ORDER BY seq")).scalars()
         assert list(seqs) == [0, 1]
 
 

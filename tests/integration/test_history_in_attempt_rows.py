@@ -1,0 +1,236 @@
+"""A step's dispatch and success transitions kept by its attempt row (docs/history-in-attempt-
+rows.md): the history a run's readers see is exactly the transitions its ticks made, each
+once, whether the commit wrote it as a row or as the attempt row's ``dispatch_seq`` or
+``success_seq``; and an inline chain writes two transition rows a run, not two a step.
+
+Runs here go through production's code in this thread (first tick, inline steps, eager
+ticks, wake-ups) on the test's PostgreSQL: the one-statement commit is a PostgreSQL path."""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from ductor_celery import Ductor, RetryPolicy, Workflow
+from ductor_celery.engine.status import TERMINAL_RUN_STATUSES
+from ductor_celery.runtime.dispatch import first_tick_id
+from ductor_celery.runtime.steps import execute_attempt, first_tick
+from ductor_celery.runtime.tick_task import run_tick
+from ductor_celery.store import exports, history, migrate, runs, ticks
+from ductor_celery.store.schema import step_attempt, workflow_transition
+from ductor_celery.testing import Message, _RecordingDispatcher
+
+QUEUE = "ductor-steps"
+ROW = ("run_id", "seq", "node", "from_status", "to_status", "reason", "at")
+
+
+class _Made:
+    """Every transition the ticks made, as the commits were given them (the last making of a
+    seq wins: a commit that lost a race is computed again)."""
+
+    def __init__(self) -> None:
+        self.by_run: dict[str, dict[int, tuple[Any, ...]]] = {}
+        self.reworded: dict[str, str] = {}
+
+    def record(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for row in rows:
+            row["reason"] = self.reworded.get(row["reason"], row["reason"])
+            self.by_run.setdefault(row["run_id"], {})[row["seq"]] = tuple(row[k] for k in ROW)
+        return rows
+
+    def of(self, run_id: str) -> list[tuple[Any, ...]]:
+        made = self.by_run[run_id]
+        return [made[seq] for seq in sorted(made)]
+
+
+@pytest.fixture
+def made(monkeypatch: pytest.MonkeyPatch) -> _Made:
+    found = _Made()
+    making = ticks.transition_rows
+    monkeypatch.setattr(ticks, "transition_rows", lambda *args: found.record(making(*args)))
+    return found
+
+
+@pytest.fixture
+def ductor(database_url: str, tmp_path: Path) -> Any:
+    app = Celery(f"hist{tmp_path.name}", set_as_current=False)
+    app.conf.broker_url = "memory://"
+    d = Ductor(app, database_url=database_url)
+    d.queue: deque[Message] = deque()  # type: ignore[attr-defined]
+    d.runtime.dispatcher = _RecordingDispatcher(d.queue, [])  # type: ignore[attr-defined,assignment]
+    failures: dict[str, int] = {}
+
+    @d.step(name="hist.ok")
+    def ok(ctx: Any, value: Any = None) -> dict[str, int]:
+        return {"ok": 1}
+
+    @d.step(name="hist.flaky", retry=RetryPolicy(max_attempts=3, initial_interval=0.0))
+    def flaky(ctx: Any) -> str:
+        failures[ctx.run_id] = failures.get(ctx.run_id, 0) + 1
+        if failures[ctx.run_id] < 2:
+            raise RuntimeError("first attempt fails")
+        return "second"
+
+    @d.step(name="hist.broken", retry=RetryPolicy(max_attempts=1))
+    def broken(ctx: Any) -> None:
+        raise ValueError("never works")
+
+    chain = Workflow("hist_chain")
+    for i in range(4):
+        chain.step(f"s{i}", "hist.ok", after=[f"s{i - 1}"] if i else [])
+    d.register(chain)
+    diamond = Workflow("hist_diamond")
+    diamond.step("a", "hist.ok")
+    diamond.step("b", "hist.ok", after=["a"])
+    diamond.step("c", "hist.ok", after=["a"])
+    diamond.step("d", "hist.ok", after=["b", "c"])
+    d.register(diamond)
+    retried = Workflow("hist_retried")
+    retried.step("first", "hist.ok")
+    retried.step("flaky", "hist.flaky", after=["first"])
+    retried.step("last", "hist.ok", after=["flaky"])
+    d.register(retried)
+    scattered = Workflow("hist_scatter")
+    scattered.step("items", "hist.ok")
+    scattered.scatter("each", "hist.ok", over="$.input.items", item_arg="value", after=["items"])
+    scattered.step("after", "hist.ok", after=["each"])
+    d.register(scattered)
+    failing = Workflow("hist_failing")
+    failing.step("first", "hist.ok")
+    failing.step("broken", "hist.broken", after=["first"])
+    d.register(failing)
+    return d
+
+
+def _run(d: Any, workflow: str) -> str:
+    """Start a run and deliver every message (inline steps, eager ticks) until it ends."""
+    run_id = d.start(workflow, input={"items": [1, 2, 3]}).run_id
+    rt = d.runtime
+    for _ in range(500):
+        if d.queue:
+            message = d.queue.popleft()
+            if message.kind == "first_tick":
+                first_tick(rt, message.run_id, "h", QUEUE, first_tick_id(message.run_id))
+            elif message.kind == "step":
+                step = rt.step_named(message.task)
+                execute_attempt(
+                    rt, step, message.token, hostname="h", queue=QUEUE, carrier=message.token
+                )
+            elif message.kind == "wakeup":
+                run_tick(rt, message.run_id)
+        elif d.get(run_id).status in TERMINAL_RUN_STATUSES:
+            return run_id
+        else:
+            run_tick(rt, run_id)  # a retry's backoff of 0 s is due: what its timer would do
+    raise AssertionError(f"run {run_id} did not end: {d.get(run_id).status}")
+
+
+def _history(d: Any, run_id: str) -> list[tuple[Any, ...]]:
+    return [tuple(r) for r in runs.transitions_of(d.runtime.engine(), run_id, 10_000)]
+
+
+def _count(d: Any, query: Any) -> int:
+    with d.runtime.engine().connect() as conn:
+        return int(conn.execute(query).scalar_one())
+
+
+def _rows_of(run_id: str) -> Any:
+    return sa.select(sa.func.count()).where(workflow_transition.c.run_id == run_id)
+
+
+def _kept_by_attempts(run_id: str) -> Any:
+    a = step_attempt.c
+    return sa.select(sa.func.count(a.dispatch_seq) + sa.func.count(a.success_seq)).where(
+        a.run_id == run_id
+    )
+
+
+@pytest.mark.parametrize(
+    ("workflow", "status"),
+    [
+        ("hist_chain", "succeeded"),
+        ("hist_diamond", "succeeded"),
+        ("hist_retried", "succeeded"),
+        ("hist_scatter", "succeeded"),
+        ("hist_failing", "failed"),
+    ],
+)
+def test_history_is_every_transition_the_ticks_made_once(
+    ductor: Any, made: _Made, workflow: str, status: str
+) -> None:
+    run_id = _run(ductor, workflow)
+    assert ductor.get(run_id).status == status
+    assert _history(ductor, run_id) == made.of(run_id)
+    # The attempt rows did keep some: this is the path under test.
+    assert _count(ductor, _kept_by_attempts(run_id)) > 0
+
+
+def test_an_inline_chain_writes_two_transition_rows_a_run(ductor: Any, made: _Made) -> None:
+    run_id = _run(ductor, "hist_chain")
+    assert len(made.of(run_id)) == 10  # started, 4 x (dispatched, succeeded), finished
+    assert _count(ductor, _rows_of(run_id)) == 2
+    assert _count(ductor, _kept_by_attempts(run_id)) == 8
+
+
+def test_a_retried_steps_attempt_keeps_its_own_number(ductor: Any, made: _Made) -> None:
+    run_id = _run(ductor, "hist_retried")
+    reasons = [(row[2], row[5]) for row in _history(ductor, run_id)]
+    assert ("flaky", "attempt 2 succeeded") in reasons
+    assert ("flaky", "attempt 1 succeeded") not in reasons
+
+
+def test_a_reason_the_row_would_not_read_back_stays_a_row(ductor: Any, made: _Made) -> None:
+    """The success's reason is checked by the statement against the row it updates, the
+    dispatch's by the commit against the attempt it inserts: worded otherwise, both are rows,
+    and the history still reads exactly what was made."""
+    made.reworded = {
+        "attempt 1 succeeded": "attempt 1 succeeded (worded otherwise)",
+        "attempt 1 dispatched": "attempt 1 dispatched (worded otherwise)",
+    }
+    run_id = _run(ductor, "hist_chain")
+    assert _history(ductor, run_id) == made.of(run_id)
+    assert _count(ductor, _kept_by_attempts(run_id)) == 0
+    assert _count(ductor, _rows_of(run_id)) == 10
+
+
+def test_an_export_holds_the_whole_history_as_rows(ductor: Any, made: _Made) -> None:
+    run_id = _run(ductor, "hist_diamond")
+    rows = exports.read_rows(ductor.runtime.engine(), run_id)
+    assert rows is not None
+    assert [
+        (run_id, *(t[k] for k in exports.TRANSITION_COLUMNS)) for t in rows.transitions
+    ] == made.of(run_id)
+    assert all("dispatch_seq" not in a and "success_seq" not in a for a in rows.attempts)
+
+
+def test_the_downgrade_writes_kept_transitions_back_as_rows(
+    ductor: Any, made: _Made, database_url: str
+) -> None:
+    run_id = _run(ductor, "hist_chain")
+    before = _history(ductor, run_id)
+    migrate.downgrade(database_url, "0017")
+    try:
+        with ductor.runtime.engine().connect() as conn:
+            rows = conn.execute(
+                sa.text(
+                    "SELECT run_id, seq, node, from_status, to_status, reason, at "
+                    "FROM eec_workflow_transition WHERE run_id = :r ORDER BY seq"
+                ),
+                {"r": run_id},
+            ).all()
+        assert [tuple(r) for r in rows] == before == made.of(run_id)
+    finally:
+        migrate.upgrade(database_url)
+    # Upgraded again: the rows are the history, nothing is read twice.
+    assert _history(ductor, run_id) == before
+
+
+def test_the_view_has_a_transition_rows_columns(ductor: Any) -> None:
+    with ductor.runtime.engine().connect() as conn:
+        found = conn.execute(sa.text("SELECT * FROM eec_workflow_history LIMIT 0")).keys()
+    assert tuple(found) == tuple(history.view.c.keys()) == ROW
