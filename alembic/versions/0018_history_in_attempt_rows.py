@@ -9,6 +9,12 @@ step's WAL. From here on such a transition is the attempt row's ``dispatch_seq``
 is both, with a transition row's columns: what every reader of a run's history reads
 (``store/history.py`` holds the same definition, for the test harness's SQLite file).
 
+A later migration that rebuilds either table (SQLite's batch mode copies it and renames the
+copy, which SQLite refuses while a view reads the table) or changes the type of a column the
+view reads (PostgreSQL refuses that too) drops the view first and creates it again after,
+from ``store/history.py``'s ``CREATE_VIEW`` as it is then
+(tests/integration/test_history_in_attempt_rows.py does it).
+
 Adding nullable columns without a default rewrites nothing. The downgrade writes every
 derived transition back as a row before dropping the view and the columns: no history is
 lost.

@@ -107,7 +107,7 @@ def reproduce(url: str) -> dict[str, object]:
             tuple(r)
             for r in conn.execute(
                 sa.text(
-                    "SELECT seq, node, from_status, to_status, reason FROM eec_workflow_transition "
+                    "SELECT seq, node, from_status, to_status, reason FROM eec_workflow_history "
                     "WHERE run_id = :r ORDER BY seq"
                 ),
                 {"r": run_id},

@@ -16,6 +16,8 @@ from .schema import Ts
 #: The view, as migration 0018 creates it (and ``migrate.create_throwaway`` for the test
 #: harness's SQLite file, which is made from the metadata instead of the migrations). A
 #: derived entry is built from the attempt row's own columns: what it says, the row says.
+#: A migration that rebuilds either table, or changes the type of a column the view reads,
+#: drops the view first and runs this again after (migration 0018's docstring).
 CREATE_VIEW = """
 CREATE VIEW eec_workflow_history AS
 SELECT run_id, seq, node, from_status, to_status, reason, at

@@ -22,6 +22,7 @@ from ductor_celery.runtime.dispatch import first_tick_id
 from ductor_celery.runtime.steps import execute_attempt, first_tick
 from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import exports, history, migrate, runs, ticks
+from ductor_celery.store.db import get_engine
 from ductor_celery.store.schema import step_attempt, workflow_transition
 from ductor_celery.testing import Message, _RecordingDispatcher
 
@@ -234,3 +235,61 @@ def test_the_view_has_a_transition_rows_columns(ductor: Any) -> None:
     with ductor.runtime.engine().connect() as conn:
         found = conn.execute(sa.text("SELECT * FROM eec_workflow_history LIMIT 0")).keys()
     assert tuple(found) == tuple(history.view.c.keys()) == ROW
+
+
+def test_a_later_migration_can_rebuild_both_tables_around_the_view(tmp_path: Path) -> None:
+    """What migration 0018 tells a later one to do: drop the view, rebuild a table it reads
+    (SQLite's batch mode, which refuses while the view is there), create the view again
+    from ``history.CREATE_VIEW``; the history reads as before."""
+    from alembic.migration import MigrationContext
+    from alembic.operations import Operations
+
+    url = f"sqlite:///{tmp_path}/ductor.sqlite3"
+    migrate.upgrade(url)
+    engine = get_engine(url)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(workflow_transition).values(
+                run_id="r",
+                seq=0,
+                node=None,
+                from_status="pending",
+                to_status="running",
+                reason="started",
+                at=sa.func.current_timestamp(),
+            )
+        )
+        conn.execute(
+            sa.insert(step_attempt).values(
+                token="r:a:1",
+                run_id="r",
+                node="a",
+                generation=1,
+                attempt=1,
+                step="s",
+                args={},
+                timeout=60.0,
+                dispatch_seq=1,
+            )
+        )
+    before = _history_at(engine)
+    assert [row[1:6] for row in before] == [
+        (0, None, "pending", "running", "started"),
+        (1, "a", "pending", "running", "attempt 1 dispatched"),
+    ]
+    with engine.begin() as conn:
+        ops = Operations(MigrationContext.configure(conn, opts={"render_as_batch": True}))
+        for table in ("eec_workflow_step_attempt", "eec_workflow_transition"):
+            with pytest.raises(sa.exc.OperationalError, match="eec_workflow_history"):
+                with conn.begin_nested(), ops.batch_alter_table(table, recreate="always"):
+                    pass
+        conn.exec_driver_sql("DROP VIEW eec_workflow_history")
+        for table in ("eec_workflow_step_attempt", "eec_workflow_transition"):
+            with ops.batch_alter_table(table, recreate="always"):
+                pass
+        conn.exec_driver_sql(history.CREATE_VIEW)
+    assert _history_at(engine) == before
+
+
+def _history_at(engine: Any) -> list[tuple[Any, ...]]:
+    return [tuple(r) for r in runs.transitions_of(engine, "r")]
