@@ -32,6 +32,14 @@ SELECT run_id, success_seq, node, 'running', 'succeeded',
 FROM eec_workflow_step_attempt WHERE success_seq IS NOT NULL
 """
 
+
+def kept_reason(attempt: int, word: str) -> str:
+    """The reason an attempt row's kept entry reads back as (``CREATE_VIEW``: ``word`` is
+    ``dispatched`` or ``succeeded``). A commit keeps a transition in the row only if its
+    reason is exactly this; otherwise it is a row of its own."""
+    return f"attempt {attempt} {word}"
+
+
 #: The view's columns, a transition row's. Its own MetaData: the schema's ``create_all``
 #: must not make it a table.
 view = sa.Table(

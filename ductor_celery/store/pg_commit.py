@@ -43,6 +43,7 @@ from ..coordinator.rows import OutboxIntent, folded_by_commit
 from ..engine import AttemptResult, NewAttempt, TickPayload
 from .attempts import CARRIED_WHERE, OUTCOME_VALUES, carried_params
 from .db import driver_cursor
+from .history import kept_reason
 from .schema import dumps_json, stored_json_text
 from .state_text import state_text
 
@@ -106,7 +107,8 @@ class NextRead(NamedTuple):
 #: The carried outcome's write in the commit (``CARRIED_SET`` but for two columns): finished
 #: at the tick's time, the time of everything else the commit writes; and, when the commit's
 #: transitions hold this attempt's success, its seq (``%(c_success_seq)s``), if the reason is
-#: the very one the row reads back as (docs/history-in-attempt-rows.md, store/history.py).
+#: the very one the row reads back as (``history.kept_reason``, checked here in SQL against
+#: the row's own attempt number; docs/history-in-attempt-rows.md).
 _TICK_CARRIED_SET = f"""finished_at = %(now)s, {OUTCOME_VALUES}, folded = true,
         success_seq = CASE WHEN %(c_success_reason)s = 'attempt ' || attempt || ' succeeded'
                            THEN %(c_success_seq)s::int END"""
@@ -379,7 +381,7 @@ def _dispatch_seqs(new: list[NewAttempt], transitions: list[dict[str, Any]]) -> 
             and one.token not in found
             and t["from_status"] == "pending"
             and t["to_status"] == "running"
-            and t["reason"] == f"attempt {one.attempt} dispatched"
+            and t["reason"] == kept_reason(one.attempt, "dispatched")
         ):
             found[one.token] = t["seq"]
     return found
