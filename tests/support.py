@@ -286,3 +286,32 @@ def record_psycopg_statements(monkeypatch: Any) -> list[tuple[str, bool]]:
 
     monkeypatch.setattr(psycopg.Cursor, "execute", record)
     return seen
+
+
+def run_to_end(d: Any, workflow: str, input: Any, queue: str = "ductor-steps") -> str:
+    """Start a run on ``d`` (a Ductor whose dispatcher records into ``d.queue``, as
+    ``ductor_celery.testing``'s does) and deliver every message the way a step worker and the
+    coordinator handle them (a run's first tick, inline steps, eager ticks) until it ends."""
+    from ductor_celery.runtime.dispatch import first_tick_id
+    from ductor_celery.runtime.steps import execute_attempt, first_tick
+    from ductor_celery.runtime.tick_task import run_tick
+
+    run_id: str = d.start(workflow, input=input).run_id
+    rt = d.runtime
+    for _ in range(500):
+        if d.queue:
+            message = d.queue.popleft()
+            if message.kind == "first_tick":
+                first_tick(rt, message.run_id, "h", queue, first_tick_id(message.run_id))
+            elif message.kind == "step":
+                step = rt.step_named(message.task)
+                execute_attempt(
+                    rt, step, message.token, hostname="h", queue=queue, carrier=message.token
+                )
+            elif message.kind == "wakeup":
+                run_tick(rt, message.run_id)
+        elif d.get(run_id).status in TERMINAL_RUN_STATUSES:
+            return run_id
+        else:
+            run_tick(rt, run_id)  # a retry's backoff of 0 s is due: what its timer would do
+    raise AssertionError(f"run {run_id} did not end: {d.get(run_id).status}")

@@ -70,9 +70,7 @@ def recent_attempts(
             a.c.finished_at,
             a.c.outcome,
             a.c.error,
-            sa.and_(a.c.lease_key.is_not(None), a.c.finished_at.is_(None), ~held).label(
-                "waiting_for_lease"
-            ),
+            sa.and_(a.c.lease_waiting, ~held).label("waiting_for_lease"),
         )
         .where(*where)
         .order_by(a.c.created_at.desc(), a.c.token.desc())
@@ -208,8 +206,6 @@ def lease_waiters(engine: Engine) -> dict[str, int]:
     held = sa.exists().where(concurrency_lease.c.token == a.c.token)
     with engine.connect() as conn:
         rows = conn.execute(
-            sa.select(a.c.step, sa.func.count())
-            .where(a.c.lease_key.is_not(None), a.c.finished_at.is_(None), ~held)
-            .group_by(a.c.step)
+            sa.select(a.c.step, sa.func.count()).where(a.c.lease_waiting, ~held).group_by(a.c.step)
         ).all()
     return {step: int(n) for step, n in rows}

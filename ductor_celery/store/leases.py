@@ -129,7 +129,7 @@ def _has_waiters(conn: Connection, key: str, exclude: set[str]) -> bool:
             .select_from(step_attempt)
             .where(
                 step_attempt.c.lease_key == key,
-                step_attempt.c.finished_at.is_(None),
+                step_attempt.c.lease_waiting,
                 step_attempt.c.token.not_in(exclude),
                 ~holds_lease(),
             )
@@ -176,7 +176,7 @@ def grant_waiting(conn: Connection, keys: Iterable[str], now: datetime) -> list[
             )
             .where(
                 step_attempt.c.lease_key == key,
-                step_attempt.c.finished_at.is_(None),
+                step_attempt.c.lease_waiting,
                 ~holds_lease(),
             )
             .order_by(

@@ -405,8 +405,7 @@ def _results_column(run_id: Any, postgres: bool) -> Any:
     (read next by ``_results``: SQLite is in-process, a second query costs no trip)."""
     unfolded = (
         step_attempt.c.run_id == run_id,
-        step_attempt.c.finished_at.is_not(None),
-        sa.not_(step_attempt.c.folded),
+        step_attempt.c.unfolded,
     )
     if not postgres:
         return exists_where(step_attempt, *unfolded).label("has_results")
@@ -425,8 +424,7 @@ def _results_statement() -> Any:
         sa.select(*(step_attempt.c[c] for c in RESULT_COLUMNS))
         .where(
             step_attempt.c.run_id == sa.bindparam("b_run", type_=sa.String),
-            step_attempt.c.finished_at.is_not(None),
-            sa.not_(step_attempt.c.folded),
+            step_attempt.c.unfolded,
         )
         .order_by(step_attempt.c.finished_at, step_attempt.c.token)
     )

@@ -120,8 +120,7 @@ _NEXT_READ = """,
        EXISTS (SELECT 1 FROM eec_workflow_signal s
                WHERE s.run_id = %(run_id)s AND s.applied_at IS NULL) AS has_signals,
        EXISTS (SELECT 1 FROM eec_workflow_step_attempt r
-               WHERE r.run_id = %(run_id)s AND r.finished_at IS NOT NULL
-                 AND NOT r.folded) AS has_results"""
+               WHERE r.run_id = %(run_id)s AND r.unfolded) AS has_results"""
 
 
 def eligible(payload: TickPayload) -> bool:

@@ -149,8 +149,7 @@ def older_waiter(
             sa.select(sa.literal(1))
             .where(
                 step_attempt.c.rate_key == key,
-                step_attempt.c.rate_wait_since.is_not(None),
-                step_attempt.c.finished_at.is_(None),
+                step_attempt.c.rate_waiting,
                 sa.or_(
                     step_attempt.c.priority > priority,
                     sa.and_(
@@ -222,8 +221,7 @@ WITH taken AS (
           AND NOT EXISTS (
               SELECT 1 FROM eec_workflow_step_attempt w
               WHERE w.rate_key = :b_key
-                AND w.rate_wait_since IS NOT NULL
-                AND w.finished_at IS NULL
+                AND w.rate_waiting
                 AND (w.priority > :b_priority
                      OR (w.priority = :b_priority
                          AND (w.created_at, w.token) < (:b_created, :b_token))))
@@ -291,9 +289,7 @@ def keys_with_waiters(
     wrapping around: a scan of an index that is empty when none wait."""
 
     def keys(conn: Connection, start: str | None, n: int) -> list[str]:
-        query = sa.select(step_attempt.c.rate_key).where(
-            step_attempt.c.rate_wait_since.is_not(None), step_attempt.c.finished_at.is_(None)
-        )
+        query = sa.select(step_attempt.c.rate_key).where(step_attempt.c.rate_waiting)
         if start is not None:
             query = query.where(step_attempt.c.rate_key > start)
         return list(
@@ -311,8 +307,7 @@ def keys_with_waiters(
 def _in_line(key: str) -> tuple[Any, ...]:
     return (
         step_attempt.c.rate_key == key,
-        step_attempt.c.rate_wait_since.is_not(None),
-        step_attempt.c.finished_at.is_(None),
+        step_attempt.c.rate_waiting,
     )
 
 

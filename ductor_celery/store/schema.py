@@ -169,6 +169,27 @@ workflow_run = sa.Table(
     ),
 )
 
+#: The attempt table's generated columns, each the predicate of the partial index of its name
+#: (migration 0019 added them; its SQL says the same and must not change with this).
+ATTEMPT_PREDICATES = {
+    "rate_waiting": "rate_wait_since IS NOT NULL AND finished_at IS NULL",
+    "lease_waiting": "lease_key IS NOT NULL AND finished_at IS NULL",
+    "unfolded": "finished_at IS NOT NULL AND NOT folded",
+}
+
+
+def _attempt_predicate_index(suffix: str, column: str, *keys: str) -> sa.Index:
+    """A partial index of the attempt table on one generated column: true where it holds
+    (SQLite's form of it is ``= 1``, the form SQLAlchemy writes a boolean test in there, so
+    that its planner matches the two)."""
+    return sa.Index(
+        f"eec_workflow_step_attempt_{suffix}",
+        *keys,
+        postgresql_where=sa.text(column),
+        sqlite_where=sa.text(f"{column} = 1"),
+    )
+
+
 step_attempt = sa.Table(
     "eec_workflow_step_attempt",
     metadata,
@@ -232,30 +253,21 @@ step_attempt = sa.Table(
     # finished_at: docs/history-in-attempt-rows.md; store/history.py reads both).
     sa.Column("dispatch_seq", sa.Integer, nullable=True),
     sa.Column("success_seq", sa.Integer, nullable=True),
+    # The three partial indexes' predicates, computed by the database at every write
+    # (ATTEMPT_PREDICATES): an index whose predicate names finished_at or folded makes every
+    # finish a full update, with new entries in every index; an inline step's finish changes
+    # none of these three, so it is a HOT update (docs/hot-attempt-finish.md).
+    *(
+        sa.Column(name, sa.Boolean, sa.Computed(expression, persisted=True))
+        for name, expression in ATTEMPT_PREDICATES.items()
+    ),
     sa.Index("eec_workflow_step_attempt_run_node", "run_id", "node"),
     # Attempts waiting for a rate-limit token, oldest first per key.
-    sa.Index(
-        "eec_workflow_step_attempt_rate_wait",
-        "rate_key",
-        "created_at",
-        postgresql_where=sa.text("rate_wait_since IS NOT NULL AND finished_at IS NULL"),
-        sqlite_where=sa.text("rate_wait_since IS NOT NULL AND finished_at IS NULL"),
-    ),
-    # Attempts waiting for a lease of their key, oldest first.
-    sa.Index(
-        "eec_workflow_step_attempt_lease_wait",
-        "lease_key",
-        "created_at",
-        postgresql_where=sa.text("lease_key IS NOT NULL AND finished_at IS NULL"),
-        sqlite_where=sa.text("lease_key IS NOT NULL AND finished_at IS NULL"),
-    ),
+    _attempt_predicate_index("rate_wait", "rate_waiting", "rate_key", "created_at"),
+    # Attempts with a lease key and open (waiting for a slot, or holding one), oldest first.
+    _attempt_predicate_index("lease_wait", "lease_waiting", "lease_key", "created_at"),
     # The loader's and sweeper's view of outcomes waiting to be folded.
-    sa.Index(
-        "eec_workflow_step_attempt_unfolded",
-        "run_id",
-        postgresql_where=sa.text("finished_at IS NOT NULL AND NOT folded"),
-        sqlite_where=sa.text("finished_at IS NOT NULL AND NOT folded"),
-    ),
+    _attempt_predicate_index("unfolded", "unfolded", "run_id"),
 )
 
 #: One token bucket per rate-limit key (GCRA): full when ``tat`` is in the past; a claim at

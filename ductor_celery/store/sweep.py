@@ -74,8 +74,7 @@ def unfolded_runs(engine: Engine, *, older_than: float, limit: int = 1000) -> li
     return _run_ids(
         engine,
         sa.select(step_attempt.c.run_id).where(
-            step_attempt.c.finished_at.is_not(None),
-            sa.not_(step_attempt.c.folded),
+            step_attempt.c.unfolded,
             step_attempt.c.finished_at <= _cutoff(engine, older_than),
         ),
         limit,
@@ -217,8 +216,7 @@ def lease_keys_to_sweep(engine: Engine, *, now: datetime, limit: int = 100) -> l
         .scalar_subquery()
     )
     starved = sa.select(step_attempt.c.lease_key.label("key")).where(
-        step_attempt.c.lease_key.is_not(None),
-        step_attempt.c.finished_at.is_(None),
+        step_attempt.c.lease_waiting,
         ~leases.holds_lease(),
         held < sa.func.coalesce(step_attempt.c.lease_limit, 1),
     )

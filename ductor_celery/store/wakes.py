@@ -88,8 +88,7 @@ def _settled(postgres: bool) -> Any:
         ~exists_where(
             step_attempt,
             step_attempt.c.run_id == run_id,
-            step_attempt.c.finished_at.is_not(None),
-            sa.not_(step_attempt.c.folded),  # the partial index's own predicate
+            step_attempt.c.unfolded,  # the partial index's own predicate
         ),
         ~exists_where(
             workflow_control,

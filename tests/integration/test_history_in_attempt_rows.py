@@ -15,18 +15,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from celery import Celery
+from support import run_to_end
 
 from ductor_celery import Ductor, RetryPolicy, Workflow
-from ductor_celery.engine.status import TERMINAL_RUN_STATUSES
-from ductor_celery.runtime.dispatch import first_tick_id
-from ductor_celery.runtime.steps import execute_attempt, first_tick
-from ductor_celery.runtime.tick_task import run_tick
 from ductor_celery.store import exports, history, migrate, runs, ticks
 from ductor_celery.store.db import get_engine
-from ductor_celery.store.schema import step_attempt, workflow_transition
+from ductor_celery.store.schema import ATTEMPT_PREDICATES, step_attempt, workflow_transition
 from ductor_celery.testing import Message, _RecordingDispatcher
 
-QUEUE = "ductor-steps"
 ROW = ("run_id", "seq", "node", "from_status", "to_status", "reason", "at")
 
 
@@ -109,26 +105,7 @@ def ductor(database_url: str, tmp_path: Path) -> Any:
 
 
 def _run(d: Any, workflow: str) -> str:
-    """Start a run and deliver every message (inline steps, eager ticks) until it ends."""
-    run_id = d.start(workflow, input={"items": [1, 2, 3]}).run_id
-    rt = d.runtime
-    for _ in range(500):
-        if d.queue:
-            message = d.queue.popleft()
-            if message.kind == "first_tick":
-                first_tick(rt, message.run_id, "h", QUEUE, first_tick_id(message.run_id))
-            elif message.kind == "step":
-                step = rt.step_named(message.task)
-                execute_attempt(
-                    rt, step, message.token, hostname="h", queue=QUEUE, carrier=message.token
-                )
-            elif message.kind == "wakeup":
-                run_tick(rt, message.run_id)
-        elif d.get(run_id).status in TERMINAL_RUN_STATUSES:
-            return run_id
-        else:
-            run_tick(rt, run_id)  # a retry's backoff of 0 s is due: what its timer would do
-    raise AssertionError(f"run {run_id} did not end: {d.get(run_id).status}")
+    return run_to_end(d, workflow, {"items": [1, 2, 3]})
 
 
 def _history(d: Any, run_id: str) -> list[tuple[Any, ...]]:
@@ -240,7 +217,9 @@ def test_the_view_has_a_transition_rows_columns(ductor: Any) -> None:
 def test_a_later_migration_can_rebuild_both_tables_around_the_view(tmp_path: Path) -> None:
     """What migration 0018 tells a later one to do: drop the view, rebuild a table it reads
     (SQLite's batch mode, which refuses while the view is there), create the view again
-    from ``history.CREATE_VIEW``; the history reads as before."""
+    from ``history.CREATE_VIEW``; the history reads as before. The attempt table is rebuilt
+    as migration 0019 says (its generated columns dropped and added in the batch); they and
+    their indexes are as before."""
     from alembic.migration import MigrationContext
     from alembic.operations import Operations
 
@@ -279,16 +258,53 @@ def test_a_later_migration_can_rebuild_both_tables_around_the_view(tmp_path: Pat
     ]
     with engine.begin() as conn:
         ops = Operations(MigrationContext.configure(conn, opts={"render_as_batch": True}))
-        for table in ("eec_workflow_step_attempt", "eec_workflow_transition"):
-            with pytest.raises(sa.exc.OperationalError, match="eec_workflow_history"):
-                with conn.begin_nested(), ops.batch_alter_table(table, recreate="always"):
-                    pass
-        conn.exec_driver_sql("DROP VIEW eec_workflow_history")
-        for table in ("eec_workflow_step_attempt", "eec_workflow_transition"):
-            with ops.batch_alter_table(table, recreate="always"):
+        with pytest.raises(sa.exc.OperationalError, match="eec_workflow_history"):
+            with conn.begin_nested():
+                _rebuild_attempt_table(ops)
+        with pytest.raises(sa.exc.OperationalError, match="eec_workflow_history"):
+            with (
+                conn.begin_nested(),
+                ops.batch_alter_table("eec_workflow_transition", recreate="always"),
+            ):
                 pass
+        conn.exec_driver_sql("DROP VIEW eec_workflow_history")
+        _rebuild_attempt_table(ops)
+        with ops.batch_alter_table("eec_workflow_transition", recreate="always"):
+            pass
         conn.exec_driver_sql(history.CREATE_VIEW)
     assert _history_at(engine) == before
+    with engine.connect() as conn:
+        assert conn.execute(
+            sa.select(step_attempt.c.unfolded, step_attempt.c.lease_waiting)
+        ).all() == [(False, False)]
+        indexes = {i["name"]: i for i in sa.inspect(conn).get_indexes(step_attempt.name)}
+        sql = dict(
+            conn.exec_driver_sql(
+                "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
+            ).all()
+        )
+    assert "eec_workflow_step_attempt_unfolded" in indexes
+    assert sql["eec_workflow_step_attempt_unfolded"].endswith("WHERE unfolded = 1")
+
+
+def _rebuild_attempt_table(ops: Any) -> None:
+    """Migration 0019's recipe for a rebuild of the attempt table on SQLite: alembic's batch
+    copy would insert into its generated columns (which SQLite refuses), so the batch drops
+    them and adds them again (their values computed anew), with their indexes dropped before
+    and created after."""
+    for index in _partial_indexes():
+        ops.drop_index(index.name, table_name=step_attempt.name)
+    with ops.batch_alter_table(step_attempt.name, recreate="always") as batch:
+        for name in ATTEMPT_PREDICATES:
+            batch.drop_column(name)
+        for name, expression in ATTEMPT_PREDICATES.items():
+            batch.add_column(sa.Column(name, sa.Boolean, sa.Computed(expression, persisted=True)))
+    for index in _partial_indexes():
+        index.create(ops.get_bind())
+
+
+def _partial_indexes() -> list[sa.Index]:
+    return [i for i in step_attempt.indexes if i.dialect_options["sqlite"]["where"] is not None]
 
 
 def _history_at(engine: Any) -> list[tuple[Any, ...]]:
