@@ -28,11 +28,12 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from sqlalchemy.engine import Engine
 
 from ..engine.status import TERMINAL_RUN_STATUSES
 from . import clock
-from .db import autocommit
+from .db import autocommit, driver_cursor
 from .dialect import dialect_of
 from .load import exists_where
 from .schema import step_attempt, workflow_control, workflow_run, workflow_timer, workflow_wake
@@ -68,8 +69,18 @@ def clear_wake(engine: Engine, run_id: str) -> bool:
         with engine.connect() as conn:
             found = conn.execute(_settled(False), {"b_run": run_id, "b_now": clock.now(engine)})
             return found.first() is not None
-    with autocommit(engine) as conn:
-        return conn.execute(_settled(True), {"b_run": run_id}).first() is not None
+    # Straight to psycopg's cursor: the text never changes and the one value is plain, so
+    # SQLAlchemy's execution context and result wrapping were most of a duplicate wake-up's
+    # CPU (benchmarks/README.md, sixteenth round).
+    with autocommit(engine) as conn, driver_cursor(conn) as cursor:
+        cursor.execute(_settled_text(), {"b_run": run_id})
+        return cursor.fetchone() is not None
+
+
+@functools.cache
+def _settled_text() -> str:
+    """``_settled(True)`` as psycopg's text (``%(b_run)s``), compiled once per process."""
+    return str(_settled(True).compile(dialect=psycopg_dialect()))  # type: ignore[no-untyped-call]
 
 
 @functools.cache

@@ -97,23 +97,25 @@ def test_an_outcome_written_alone_still_changes_the_unfolded_index(
     assert set(_heap_only(engine, run_id).values()) == {False}
 
 
-def _plans(engine: Any, call: Callable[[], Any]) -> list[str]:
-    """The plans of the statements on the attempt table that ``call`` runs, each explained
-    again with its own parameters and sequential scans off (a table this small would be
-    scanned whole whatever its indexes)."""
+def _plans(engine: Any, call: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The plans of the statements on the attempt table that ``call`` sends to psycopg
+    (through SQLAlchemy or straight to its cursor), each explained again with its own
+    parameters and sequential scans off (a table this small would be scanned whole whatever
+    its indexes)."""
+    import psycopg
+
     seen: list[tuple[str, Any]] = []
+    execute = psycopg.Cursor.execute
 
-    def record(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> None:
-        if "eec_workflow_step_attempt" in statement and statement.lstrip().startswith(
-            ("SELECT", "WITH")
-        ):
-            seen.append((statement, params))
+    def record(cursor: Any, query: Any, params: Any = None, *args: Any, **kwargs: Any) -> Any:
+        text = str(query)
+        if "eec_workflow_step_attempt" in text and text.lstrip().startswith(("SELECT", "WITH")):
+            seen.append((text, params))
+        return execute(cursor, query, params, *args, **kwargs)
 
-    sa.event.listen(engine, "before_cursor_execute", record)
-    try:
+    with monkeypatch.context() as patched:
+        patched.setattr(psycopg.Cursor, "execute", record)
         call()
-    finally:
-        sa.event.remove(engine, "before_cursor_execute", record)
     assert seen, "the call read no attempt row"
     plans = []
     with engine.connect() as conn:
@@ -137,12 +139,12 @@ def _plans(engine: Any, call: Callable[[], Any]) -> list[str]:
     ids=["sweeper-unfolded", "settled-run", "console-lease", "sweeper-lease", "rate-line"],
 )
 def test_the_readers_ask_what_the_indexes_hold(
-    database_url: str, index: str, reader: Callable[[Any], Any]
+    database_url: str, index: str, reader: Callable[[Any], Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A partial index serves a query only if the query's WHERE implies its predicate, and
     PostgreSQL cannot see what a generated column holds: each reader names the column."""
     engine = get_engine(database_url)
-    plans = _plans(engine, lambda: reader(engine))
+    plans = _plans(engine, lambda: reader(engine), monkeypatch)
     assert any(f"eec_workflow_step_attempt_{index}" in p for p in plans), plans
 
 

@@ -44,14 +44,28 @@ def ductor(url: str, tmp_path: Path) -> Any:
 
 
 @pytest.fixture
-def statements(url: str) -> Iterator[list[str]]:
+def statements(url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Every statement the test's own thread sends on the runtime's engine while it runs.
     Not the others': the dispatcher deletes a commit's sent outbox rows from a thread of its
     own, off the tick's path, and on a loaded machine that delete of the run's last commit can
-    come after the test has started counting."""
+    come after the test has started counting. On PostgreSQL what psycopg is sent, through
+    SQLAlchemy or straight to its cursor (the settled read goes that way)."""
     seen: list[str] = []
-    engine = get_engine(url)
     me = threading.get_ident()
+    if url.startswith("postgresql"):
+        import psycopg
+
+        execute = psycopg.Cursor.execute
+
+        def sent(cursor: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == me:
+                seen.append(" ".join(str(query).split()))
+            return execute(cursor, query, *args, **kwargs)
+
+        monkeypatch.setattr(psycopg.Cursor, "execute", sent)
+        yield seen
+        return
+    engine = get_engine(url)
 
     def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         if threading.get_ident() == me:
