@@ -423,11 +423,7 @@ class Harness:
                 or 0
             ),
             "unfolded": int(
-                self.scalar(
-                    "SELECT count(*) FROM eec_workflow_step_attempt WHERE finished_at IS NOT NULL "
-                    "AND NOT folded"
-                )
-                or 0
+                self.scalar("SELECT count(*) FROM eec_workflow_step_attempt WHERE unfolded") or 0
             ),
             "outbox": int(self.scalar("SELECT count(*) FROM eec_workflow_outbox") or 0),
             "leases": int(self.scalar("SELECT count(*) FROM eec_concurrency_lease") or 0),

@@ -381,13 +381,18 @@ def driver_errors(conn: Connection) -> Iterator[None]:
     ``OperationalError`` from a healthy connection included (a lock or statement timeout, a
     deadlock, a serialization failure), leaves the connection to the pool, where it is rolled
     back as any other, and counts no outage: an outage makes ``runtime/lost_outcomes.py``
-    write again every outcome it keeps."""
+    write again every outcome it keeps. A lost connection invalidates the pool, as
+    SQLAlchemy's path does (``_on_error``)."""
     global _outages
     try:
         yield
     except psycopg.Error as exc:
         if exc.sqlstate in _LOST_CONNECTION_SQLSTATES or _broken(conn):
             _outages += 1
+            # What SQLAlchemy's own path does on a disconnect: every connection the pool made
+            # before now is replaced at its next check-out, not only this one (after a restart
+            # or a failover they are all dead, and each would cost a retry of its own).
+            conn.engine.pool._invalidate(conn.connection, exc)
             conn.invalidate(exc)
         raise
 

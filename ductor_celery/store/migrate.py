@@ -62,9 +62,31 @@ def alembic_config(url: str) -> Config:
 _ALEMBIC_LOCK = threading.RLock()
 
 
+#: The oldest SQLite the schema works on: the attempt table has stored generated columns
+#: (migration 0019), which SQLite has from 3.31 (2020) on.
+OLDEST_SQLITE = (3, 31, 0)
+
+
+def require_sqlite_version(engine: Engine) -> None:
+    """A clear error, before anything is written, on a SQLite too old for the schema
+    (without it, the migration would fail halfway with SQLite's own syntax error)."""
+    if engine.dialect.name != "sqlite":
+        return
+    import sqlite3
+
+    if sqlite3.sqlite_version_info < OLDEST_SQLITE:
+        raise RuntimeError(
+            f"ductor needs SQLite {'.'.join(map(str, OLDEST_SQLITE))} or later for its "
+            f"embedded database; this Python's sqlite3 module is SQLite "
+            f"{sqlite3.sqlite_version}. Use a Python built with a newer SQLite, or PostgreSQL "
+            "(--database-url postgresql+psycopg://...)"
+        )
+
+
 def upgrade(url: str, revision: str = "head") -> None:
     cfg = alembic_config(url)
     engine = get_engine(url, prepare=False)  # not hot; and safe behind any pooler
+    require_sqlite_version(engine)
     with _ALEMBIC_LOCK, engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
@@ -103,6 +125,7 @@ def create_throwaway(url: str) -> Engine:
 
     if dialect_of(engine) is not SQLITE:
         raise ValueError("a throwaway database is a SQLite file")
+    require_sqlite_version(engine)
 
     @event.listens_for(engine, "connect")
     def _no_fsync(dbapi_conn: Any, _record: Any) -> None:

@@ -97,3 +97,26 @@ def test_an_error_on_a_healthy_connection_leaves_it_to_the_pool(
         with pytest.raises(psycopg.errors.ReadOnlySqlTransaction), driver_cursor(conn) as cur:
             cur.execute("CREATE TABLE refused (id int)")
         assert conn.invalidated and db.outages() == seen + 1
+
+
+def test_a_lost_connection_has_the_pool_replace_every_older_one(database_url: str) -> None:
+    """As SQLAlchemy's own path does on a disconnect: after a restart or a failover every
+    pooled connection is dead, so the first one found lost invalidates them all, and the next
+    check-out of another is a new connection, not a second failure (and a second retry)."""
+    engine = sa.create_engine(database_url, pool_size=2, max_overflow=0)
+    try:
+        first, second = engine.connect(), engine.connect()
+        pids = [c.exec_driver_sql("SELECT pg_backend_pid()").scalar_one() for c in (first, second)]
+        first.rollback()
+        second.close()  # back in the pool, idle
+        with psycopg.connect(**psycopg_connect_args(database_url), autocommit=True) as admin:
+            for pid in pids:
+                assert admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,)).fetchone()[0]
+        with pytest.raises(psycopg.OperationalError), driver_cursor(first) as cursor:
+            cursor.execute("SELECT 1")
+        assert first.invalidated
+        first.close()
+        with engine.connect() as conn:  # the pooled one the server dropped too: replaced
+            assert conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one() not in pids
+    finally:
+        engine.dispose()

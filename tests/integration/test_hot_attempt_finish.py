@@ -21,7 +21,7 @@ from celery import Celery
 from support import run_to_end
 
 from ductor_celery import Ductor, Workflow
-from ductor_celery.store import console, load, migrate, rates, sweep, wakes
+from ductor_celery.store import console, leases, load, migrate, rates, sweep, wakes
 from ductor_celery.store.db import get_engine
 from ductor_celery.store.schema import ATTEMPT_PREDICATES, step_attempt
 from ductor_celery.testing import Message, _RecordingDispatcher
@@ -68,8 +68,8 @@ def _heap_only(engine: Any, run_id: str) -> dict[str, bool]:
 
 def test_an_inline_steps_finish_writes_no_index_entry(ductor: Any) -> None:
     """Every attempt of a 4-step inline chain is finished by a tick's commit that carries its
-    outcome: each row's current version is heap-only, and the primary key and ``(run_id,
-    node)`` index hold one entry per attempt, not two."""
+    outcome: each row's current version is heap-only, the version a HOT update writes, with
+    no index entry of its own."""
     engine = ductor.runtime.engine()
     run_id = run_to_end(ductor, "hot_chain", {})
     assert ductor.get(run_id).status == "succeeded"
@@ -127,6 +127,11 @@ def _plans(engine: Any, call: Callable[[], Any], monkeypatch: pytest.MonkeyPatch
     return plans
 
 
+def _on(engine: Any, read: Callable[[Any], Any]) -> Any:
+    with engine.connect() as conn:
+        return read(conn)
+
+
 @pytest.mark.parametrize(
     ("index", "reader"),
     [
@@ -134,9 +139,22 @@ def _plans(engine: Any, call: Callable[[], Any], monkeypatch: pytest.MonkeyPatch
         ("unfolded", lambda e: wakes.clear_wake(e, "r")),
         ("lease_wait", lambda e: console.lease_waiters(e)),
         ("lease_wait", lambda e: sweep.lease_keys_to_sweep(e, now=datetime.now(UTC))),
+        ("lease_wait", lambda e: _on(e, lambda c: leases._has_waiters(c, "s|k", {"t"}))),
         ("rate_wait", lambda e: rates.keys_with_waiters(e)),
+        (
+            "rate_wait",
+            lambda e: _on(e, lambda c: rates.older_waiter(c, "s|k", datetime.now(UTC), "t")),
+        ),
     ],
-    ids=["sweeper-unfolded", "settled-run", "console-lease", "sweeper-lease", "rate-line"],
+    ids=[
+        "sweeper-unfolded",
+        "settled-run",
+        "console-lease",
+        "sweeper-lease",
+        "lease-waiters",
+        "rate-keys",
+        "rate-line",
+    ],
 )
 def test_the_readers_ask_what_the_indexes_hold(
     database_url: str, index: str, reader: Callable[[Any], Any], monkeypatch: pytest.MonkeyPatch
@@ -264,3 +282,38 @@ def test_the_migration_on_sqlite(tmp_path: Path) -> None:
         columns = {c["name"] for c in sa.inspect(conn).get_columns("eec_workflow_step_attempt")}
         assert conn.exec_driver_sql("SELECT count(*) FROM eec_workflow_step_attempt").scalar() == 16
     assert not columns & set(ATTEMPT_PREDICATES)
+
+
+def test_a_sqlite_too_old_for_the_schema_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sqlite3
+
+    monkeypatch.setattr(sqlite3, "sqlite_version_info", (3, 30, 1))
+    monkeypatch.setattr(sqlite3, "sqlite_version", "3.30.1")
+    url = f"sqlite:///{tmp_path}/old.sqlite3"
+    with pytest.raises(RuntimeError, match=r"needs SQLite 3\.31\.0 or later.*SQLite 3\.30\.1"):
+        migrate.upgrade(url)
+    with get_engine(url).connect() as conn:
+        assert sa.inspect(conn).get_table_names() == []
+
+
+def test_the_migration_and_the_schema_say_the_same_predicates() -> None:
+    """Migration 0019 is a snapshot of ``schema.ATTEMPT_PREDICATES`` (a migration must not
+    change with the code): the two agree, and each index of the schema is on its column.
+    Alembic's comparison of a migrated database with the schema sees neither generated
+    expressions nor index predicates."""
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory.from_config(migrate.alembic_config("sqlite://"))
+    migration = scripts.get_revision("0019").module
+    assert migration._COLUMNS == ATTEMPT_PREDICATES
+    by_name = {i.name: i for i in step_attempt.indexes}
+    for name, (keys, column) in migration._INDEXES.items():
+        index = by_name[name]
+        assert tuple(c.name for c in index.columns) == keys
+        assert str(index.dialect_options["postgresql"]["where"]) == column
+        assert str(index.dialect_options["sqlite"]["where"]) == f"{column} = 1"
+    for column, expression in ATTEMPT_PREDICATES.items():
+        assert step_attempt.c[column].computed.sqltext.text == expression
+        assert step_attempt.c[column].computed.persisted
