@@ -288,10 +288,28 @@ def record_psycopg_statements(monkeypatch: Any) -> list[tuple[str, bool]]:
     return seen
 
 
+def recording_ductor(database_url: str, name: str) -> Any:
+    """A Ductor on ``database_url`` whose dispatcher records every message into its ``queue``
+    (``ductor_celery.testing``'s), for ``run_to_end`` to deliver."""
+    from collections import deque
+
+    from celery import Celery
+
+    from ductor_celery import Ductor
+    from ductor_celery.testing import _RecordingDispatcher
+
+    app = Celery(name, set_as_current=False)
+    app.conf.broker_url = "memory://"
+    d = Ductor(app, database_url=database_url)
+    d.queue = deque()  # type: ignore[attr-defined]
+    d.runtime.dispatcher = _RecordingDispatcher(d.queue, [])  # type: ignore[attr-defined,assignment]
+    return d
+
+
 def run_to_end(d: Any, workflow: str, input: Any, queue: str = "ductor-steps") -> str:
-    """Start a run on ``d`` (a Ductor whose dispatcher records into ``d.queue``, as
-    ``ductor_celery.testing``'s does) and deliver every message the way a step worker and the
-    coordinator handle them (a run's first tick, inline steps, eager ticks) until it ends."""
+    """Start a run on ``d`` (``recording_ductor``'s) and deliver every message the way a step
+    worker and the coordinator handle them (a run's first tick, inline steps, eager ticks)
+    until it ends."""
     from ductor_celery.runtime.dispatch import first_tick_id
     from ductor_celery.runtime.steps import execute_attempt, first_tick
     from ductor_celery.runtime.tick_task import run_tick

@@ -8,20 +8,17 @@ ticks, wake-ups) on the test's PostgreSQL: the one-statement commit is a Postgre
 
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from celery import Celery
-from support import run_to_end
+from support import recording_ductor, run_to_end
 
-from ductor_celery import Ductor, RetryPolicy, Workflow
+from ductor_celery import RetryPolicy, Workflow
 from ductor_celery.store import exports, history, migrate, runs, ticks
 from ductor_celery.store.db import get_engine
 from ductor_celery.store.schema import ATTEMPT_PREDICATES, step_attempt, workflow_transition
-from ductor_celery.testing import Message, _RecordingDispatcher
 
 ROW = ("run_id", "seq", "node", "from_status", "to_status", "reason", "at")
 
@@ -55,11 +52,7 @@ def made(monkeypatch: pytest.MonkeyPatch) -> _Made:
 
 @pytest.fixture
 def ductor(database_url: str, tmp_path: Path) -> Any:
-    app = Celery(f"hist{tmp_path.name}", set_as_current=False)
-    app.conf.broker_url = "memory://"
-    d = Ductor(app, database_url=database_url)
-    d.queue: deque[Message] = deque()  # type: ignore[attr-defined]
-    d.runtime.dispatcher = _RecordingDispatcher(d.queue, [])  # type: ignore[attr-defined,assignment]
+    d = recording_ductor(database_url, f"hist{tmp_path.name}")
     failures: dict[str, int] = {}
 
     @d.step(name="hist.ok")

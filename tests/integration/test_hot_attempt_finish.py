@@ -9,7 +9,6 @@ tuple, with no new index entry. On a real PostgreSQL, through production's code.
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -17,14 +16,12 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from celery import Celery
-from support import run_to_end
+from support import recording_ductor, run_to_end
 
-from ductor_celery import Ductor, Workflow
+from ductor_celery import Workflow
 from ductor_celery.store import console, leases, load, migrate, rates, sweep, wakes
 from ductor_celery.store.db import get_engine
 from ductor_celery.store.schema import ATTEMPT_PREDICATES, step_attempt
-from ductor_celery.testing import Message, _RecordingDispatcher
 
 #: ``t_infomask2``'s flag of a heap-only tuple (PostgreSQL's htup_details.h): the version a
 #: HOT update wrote.
@@ -33,11 +30,7 @@ HEAP_ONLY_TUPLE = 0x8000
 
 @pytest.fixture
 def ductor(database_url: str, tmp_path: Path) -> Any:
-    app = Celery(f"hot{tmp_path.name}", set_as_current=False)
-    app.conf.broker_url = "memory://"
-    d = Ductor(app, database_url=database_url)
-    d.queue: deque[Message] = deque()  # type: ignore[attr-defined]
-    d.runtime.dispatcher = _RecordingDispatcher(d.queue, [])  # type: ignore[attr-defined,assignment]
+    d = recording_ductor(database_url, f"hot{tmp_path.name}")
 
     @d.step(name="hot.ok")
     def ok(ctx: Any) -> dict[str, int]:
