@@ -126,6 +126,8 @@ class BrokerQueues:
         #: Every queue ductor's messages travel on (``Runtime.ductor_queues``).
         self._names = names
         self._amqp: bool | None = None
+        #: The key of ductor's confirming producer pool (``producer``), made once.
+        self._pool_key: Any = None
 
     def names(self) -> list[str]:
         """ductor's queues, in a stable order."""
@@ -207,9 +209,14 @@ class BrokerQueues:
 
         # kombu keys its global pools by the connection's parameters, transport options
         # included: this is a pool of its own, next to the app's, and kombu empties it in a
-        # forked child (billiard's after-fork hooks) as it does the app's.
-        options = {"confirm_publish": True}
-        pool = pools.producers[self.app.connection_for_write(transport_options=options)]
+        # forked child (billiard's after-fork hooks) as it does the app's. The key is a
+        # connection never opened (the pool opens clones of it), made once: making one at
+        # every publish cost a quarter of a first tick's send (kombu tries to import
+        # librabbitmq at each).
+        if self._pool_key is None:
+            options = {"confirm_publish": True}
+            self._pool_key = self.app.connection_for_write(transport_options=options)
+        pool = pools.producers[self._pool_key]
         producer = pool.acquire(block=True, timeout=self.app.conf.broker_pool_acquire_timeout)
         try:
             yield producer

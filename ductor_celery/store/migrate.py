@@ -70,9 +70,12 @@ OLDEST_SQLITE = (3, 31, 0)
 def require_sqlite_version(engine: Engine) -> None:
     """A clear error, before anything is written, on a SQLite too old for the schema
     (without it, the migration would fail halfway with SQLite's own syntax error)."""
-    if engine.dialect.name != "sqlite":
-        return
     import sqlite3
+
+    from .dialect import SQLITE, dialect_of
+
+    if dialect_of(engine) is not SQLITE:
+        return
 
     if sqlite3.sqlite_version_info < OLDEST_SQLITE:
         raise RuntimeError(
