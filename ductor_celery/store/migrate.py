@@ -76,7 +76,6 @@ def require_sqlite_version(engine: Engine) -> None:
 
     if dialect_of(engine) is not SQLITE:
         return
-
     if sqlite3.sqlite_version_info < OLDEST_SQLITE:
         raise RuntimeError(
             f"ductor needs SQLite {'.'.join(map(str, OLDEST_SQLITE))} or later for its "
