@@ -12,7 +12,6 @@ from typing import Any
 
 import sqlalchemy as sa
 from psycopg.rows import namedtuple_row
-from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from sqlalchemy.engine import Connection, Engine
 
 from ..definition.spec import compensated_node, compensation_id
@@ -23,6 +22,7 @@ from .db import (
     ValuesRefused,
     autocommit,
     aware,
+    driver_compiled,
     driver_cursor,
     one_line_cause,
     refusing_values,
@@ -307,7 +307,7 @@ def _pg_claim_text(check_step: bool) -> tuple[str, dict[str, Any]]:
     process, with the values of the literals it binds (the JSON key ``context``, an EXISTS
     probe's ``1``). Its rows are named tuples with the statement's labels, JSON and
     timestamps decoded by psycopg as SQLAlchemy's psycopg dialect leaves them."""
-    compiled = _pg_claim_statement(check_step).compile(dialect=psycopg_dialect())  # type: ignore[no-untyped-call]
+    compiled = driver_compiled(_pg_claim_statement(check_step))
     fixed = {k: v for k, v in compiled.params.items() if k not in _CLAIM_PARAMS}
     return str(compiled), fixed
 

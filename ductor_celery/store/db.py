@@ -403,6 +403,15 @@ def _broken(conn: Connection) -> bool:
     return dbapi is None or bool(dbapi.closed) or bool(dbapi.broken)
 
 
+def driver_compiled(statement: Any) -> Any:
+    """``statement`` compiled for psycopg's own cursor (``driver_cursor``): ``str()`` of it
+    is the text with ``%(name)s`` parameters, ``.params`` the values it binds. Compile once
+    per process (``functools.cache``) and send the text on every call."""
+    from sqlalchemy.dialects.postgresql.psycopg import dialect
+
+    return statement.compile(dialect=dialect())  # type: ignore[no-untyped-call]
+
+
 @contextmanager
 def driver_cursor(conn: Connection, row_factory: Any = None) -> Iterator[Any]:
     """psycopg's own cursor (with ``row_factory``, if given) on the connection of ``conn``,

@@ -17,7 +17,6 @@ import psycopg
 import sqlalchemy as sa
 from psycopg.rows import namedtuple_row
 from sqlalchemy.dialects.postgresql import aggregate_order_by
-from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from sqlalchemy.engine import Connection, Engine
 
 from ..coordinator.port import LoadedRun, RunBusy
@@ -45,7 +44,7 @@ from ..engine.tick import ACTIVE, read_nodes
 from ..engine.versions import successor_spec_hash
 from . import blobs, clock, run_slots
 from .composed import ImmutableCache, PerDatabase, cache_for, children_of, gather_any
-from .db import aware, driver_cursor
+from .db import aware, driver_compiled, driver_cursor
 from .dialect import dialect_of
 from .inputs import redriven_input
 from .leases import holds_lease
@@ -332,7 +331,7 @@ def _run_row_text(
                 sa.true(),
             ).label("bound_lock"),
         )
-    return str(query.compile(dialect=psycopg_dialect()))  # type: ignore[no-untyped-call]
+    return str(driver_compiled(query))
 
 
 @functools.cache

@@ -28,12 +28,11 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from sqlalchemy.engine import Engine
 
 from ..engine.status import TERMINAL_RUN_STATUSES
 from . import clock
-from .db import autocommit, driver_cursor
+from .db import autocommit, driver_compiled, driver_cursor
 from .dialect import dialect_of
 from .load import exists_where
 from .schema import step_attempt, workflow_control, workflow_run, workflow_timer, workflow_wake
@@ -80,7 +79,7 @@ def clear_wake(engine: Engine, run_id: str) -> bool:
 @functools.cache
 def _settled_text() -> str:
     """``_settled(True)`` as psycopg's text (``%(b_run)s``), compiled once per process."""
-    return str(_settled(True).compile(dialect=psycopg_dialect()))  # type: ignore[no-untyped-call]
+    return str(driver_compiled(_settled(True)))
 
 
 @functools.cache
