@@ -5,6 +5,7 @@ this process saw, which attempts are still open and whose claim they carry."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -13,16 +14,32 @@ from ductor_celery.runtime import lost_outcomes as lo
 
 
 class FakeDatabase:
+    """Answers the keeper under test, which looks from the test's own thread (``watch=False``).
+    A keeper an earlier test left in this process still looks from its own thread every
+    ``CHECK_EVERY_S``: it is answered by the real functions, so it neither counts as a lookup
+    here nor sees this fake server."""
+
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._test_thread = threading.get_ident()
+        real_identity, real_outages = lo.server_identity, lo.outages
+        real_open_claims = lo.attempts.open_claims
         self.identity = "10.0.0.1 5432 t0"
         self.down = False
         self.outages = 0
         #: token -> claimed_by, for attempts still open
         self.open: dict[str, str | None] = {}
         self.lookups = 0
-        monkeypatch.setattr(lo, "server_identity", self._identity)
-        monkeypatch.setattr(lo, "outages", lambda: self.outages)
-        monkeypatch.setattr(lo.attempts, "open_claims", self._open_claims)
+        monkeypatch.setattr(lo, "server_identity", self._ours(self._identity, real_identity))
+        monkeypatch.setattr(lo, "outages", self._ours(lambda: self.outages, real_outages))
+        monkeypatch.setattr(
+            lo.attempts, "open_claims", self._ours(self._open_claims, real_open_claims)
+        )
+
+    def _ours(self, fake: Any, real: Any) -> Any:
+        def answer(*args: Any) -> Any:
+            return (fake if threading.get_ident() == self._test_thread else real)(*args)
+
+        return answer
 
     def _identity(self, engine: Any) -> str:
         if self.down:
