@@ -134,6 +134,10 @@ class InlineChain:
     _claimed_next: tuple[ClaimedAttempt, Step, str] | None = None
     #: When this chain last published its buffered task events (``flush_events_now``).
     events_flushed_at: float = field(default_factory=time.monotonic)
+    #: Choices whose commit this worker never saw succeed (``in_doubt``).
+    _in_doubt: list[tuple[tuple[ClaimedAttempt, Step, str], list[_Held]]] = field(
+        default_factory=list
+    )
 
     @classmethod
     def start(
@@ -163,6 +167,7 @@ class InlineChain:
         after a quick step, more branches of the same scatter to run after it (``held``).
         Only attempts of the chain's own run: its message (the carrier) is killed when that
         run is terminated, so it must never be running another run's step then."""
+        self._doubt_chosen()
         self._chosen = None
         self._chosen_held = []
         self._rate = None
@@ -287,6 +292,33 @@ class InlineChain:
             self._held.extend(self._chosen_held)
             self._chosen_held = []
 
+    def _doubt_chosen(self) -> None:
+        """The last choice was never confirmed (``committed``): its commit failed, or landed
+        with its answer lost (the connection dropped after PostgreSQL committed). Kept for
+        ``in_doubt``; a commit that did not land is told apart there."""
+        if self._chosen is not None:
+            self._in_doubt.append((self._chosen, self._chosen_held))
+        self._chosen, self._chosen_held = None, []
+
+    def in_doubt(self) -> tuple[ClaimedAttempt, Step, str] | None:
+        """The next choice whose commit this worker never saw succeed: the caller looks up
+        whether the database has its attempt open and claimed by the identity it carried
+        (``claimed.token``, the ``str``), and if so runs it (``confirm``). Only this worker
+        holds that identity: if it moved on, the step would wait for its timeout. A choice
+        whose commit did not land is not there, or its retry claimed the same attempt under
+        another identity."""
+        self._doubt_chosen()
+        if not self._in_doubt:
+            return None
+        return self._in_doubt[0][0]
+
+    def confirm(self, ours: bool) -> None:
+        """The answer for ``in_doubt``'s choice: claimed by this worker (its held branches are
+        then held again, claimed one by one as after any commit), or not."""
+        _, held = self._in_doubt.pop(0)
+        if ours:
+            self._held.extend(held)
+
     def ran(self, seconds: float, step: str | None = None, node: str | None = None) -> None:
         """The attempt just run (of ``step`` at ``node``, when named) took ``seconds``. After
         a slow one, the branches held behind it go back to the broker: other workers may run
@@ -394,8 +426,14 @@ class InlineChain:
     @property
     def has_next(self) -> bool:
         """An attempt is claimed for this worker to run next (by a tick, or with the last
-        held outcome), or branches are held for it."""
-        return self._kept is not None or self._claimed_next is not None or bool(self._held)
+        held outcome), or branches are held for it, or a claim's commit is in doubt."""
+        return (
+            self._kept is not None
+            or self._claimed_next is not None
+            or bool(self._held)
+            or self._chosen is not None
+            or bool(self._in_doubt)
+        )
 
     def pop(self) -> tuple[ClaimedAttempt, Step, str] | None:
         """The attempt to run next (claimed by the worker identity returned with it)."""

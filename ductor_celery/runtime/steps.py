@@ -307,10 +307,30 @@ def _next_inline(
             if isinstance(claimed, attempts.ClaimedAttempt):
                 return claimed, step, me, True
             continue
+        doubt = chain.in_doubt()
+        if doubt is not None:
+            ours = _still_claimed_by(engine, doubt[0].token, doubt[2])
+            chain.confirm(ours)
+            if ours:
+                log.warning(
+                    "attempt %s: claimed for this worker by a commit whose answer was lost "
+                    "(the connection dropped after it committed); running it",
+                    doubt[0].token,
+                )
+                return (*doubt, False)
+            continue
         if chain.unticked is None:
             return None
         run_id, chain.unticked = chain.unticked, None
         _advance_run(rt, engine, run_id, chain)
+
+
+def _still_claimed_by(engine: Engine, token: str, me: str) -> bool:
+    """Whether the attempt is open and claimed by the identity ``me`` (unique per claim)."""
+    found = with_retry(
+        lambda: attempts.open_claims(engine, [token]), what="look up a claim in doubt"
+    )
+    return found.get(token) == me
 
 
 def _claim_first(
