@@ -108,7 +108,38 @@ def json_problem(value: Any, what: str, limit: int) -> tuple[Any, str | None]:
     return checked.value, checked.problem
 
 
+#: Integers within this bound take the scalar path (``_scalar_text``); a larger one goes the
+#: whole way, where an integer too long to print (``sys.set_int_max_str_digits``) is refused.
+_PLAIN_INT_BOUND = 10**18
+
+
+def _scalar_text(value: Any) -> str | None:
+    """The JSON text of a plain scalar (``None``, a ``bool``, a bounded ``int``, a finite
+    ``float``; exactly those types, no subclass), which JSON reads back as the very same
+    value: nothing in it to walk, escape, measure as UTF-8 or decode again. ``None`` for any
+    other value. Many steps return one of these (a count, a flag, an id); a batch checks
+    each of its items' results."""
+    kind = type(value)
+    if value is None:
+        return "null"
+    if kind is bool:
+        return "true" if value else "false"
+    if kind is int:
+        return int.__repr__(value) if -_PLAIN_INT_BOUND < value < _PLAIN_INT_BOUND else None
+    if kind is float:
+        return float.__repr__(value) if math.isfinite(value) else None
+    return None
+
+
 def _check(value: Any, what: str, limit: int, door: DoorCheck | None) -> JsonCheck:
+    scalar = _scalar_text(value)
+    if scalar is not None:
+        # ASCII, and no key: no byte count, NUL or reserved key to look for.
+        if len(scalar) > limit:
+            return JsonCheck(
+                None, f"{what} is {len(scalar)} bytes, over ductor_max_payload_bytes={limit}", True
+            )
+        return JsonCheck(value, text=scalar)
     try:
         # ensure_ascii=False: the text's UTF-8 encoding is what is measured, and encoding it
         # is what finds a lone surrogate.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -239,6 +239,29 @@ def resolve(template: Any, scope: Scope) -> Any:
     if isinstance(template, list | tuple):
         return [resolve(v, scope) for v in template]
     return template
+
+
+def item_resolver(template: Any, scope: Scope) -> Callable[[Any], Any]:
+    """``resolve(template, <scope with item=x>)`` as a function of ``x``, for a batch's items:
+    the parts that read no item are resolved once, here, and each item's call only digs into
+    the item. The value of a part read once is the same object in every item's result (the
+    callers normalize the list through JSON before anything keeps it)."""
+    if is_path(template):
+        path = parse_path(template)
+        if path.root != "item":
+            value = resolve_path(path, scope)
+            return lambda item: value
+        keys, blobs = path.keys, scope.blobs
+        if path.text.startswith("!"):
+            return lambda item: not truthy(_dig(item, keys, blobs))
+        return lambda item: _dig(item, keys, blobs)
+    if isinstance(template, Mapping):
+        parts = [(key, item_resolver(value, scope)) for key, value in template.items()]
+        return lambda item: {key: part(item) for key, part in parts}
+    if isinstance(template, list | tuple):
+        elements = [item_resolver(value, scope) for value in template]
+        return lambda item: [part(item) for part in elements]
+    return lambda item: template
 
 
 def secret_slots(template: Any) -> tuple[tuple[tuple[str | int, ...], str], ...]:

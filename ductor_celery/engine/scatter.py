@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..definition.blobrefs import BlobRef, BlobValues, ref_of
-from ..definition.paths import Scope, resolve
+from ..definition.paths import Scope, item_resolver, resolve
 from ..definition.spec import BATCH_ARG, ChildScatterNodeSpec, ScatterNodeSpec
 from ..payloads import check_json, refusal, refusal_error
 from . import children
@@ -266,7 +266,8 @@ def _start_batch(
     span = sc.batch_items(branch)
     sc.next = span.stop
     template = spec.branch_args()
-    resolved = [resolve(template, _item_scope(scope, items[index])) for index in span]
+    of_item = item_resolver(template, scope)
+    resolved = [of_item(items[index]) for index in span]
     # The batch's arguments checked as one value first: each item's text is a part of the
     # list's, so a list within the limit (and storable) has every item within it. Only a
     # refused list is checked item by item, to find and name the items refused.

@@ -143,31 +143,45 @@ def _input_reader(engine: Engine, run_id: str) -> Callable[[], Any]:
     )
 
 
-def _context(
+def _contexts(
     engine: Engine,
     claimed: attempts.ClaimedAttempt,
-    branch: int | None,
     read_input: Callable[[], Any],
     limit: int,
     secrets: AttemptSecrets,
-) -> StepContext:
+) -> Callable[[int | None], StepContext]:
+    """Makes the step's context for one call of the attempt (``branch``: the branch, or a
+    batch item's index). What ties a context to the attempt (its heartbeats, its cancel, its
+    run's input) is made once per attempt and shared by a batch's items: their heartbeats are
+    the attempt's own."""
     pause = HeartbeatPause()
-    return StepContext(
-        run_id=claimed.run_id,
-        workflow_id=claimed.workflow_id,
-        node=claimed.node,
-        branch=branch,
-        attempt=claimed.attempt,
-        input_fn=read_input,
-        context=claimed.context,
-        heartbeat_fn=lambda details: heartbeat(
-            engine, claimed.token, details, limit, secrets.redact, pause
-        ),
-        secret_fn=secrets.get,
-        cancelled_fn=lambda: should_stop(engine, claimed.token),
-        cancelled=claimed.cancel_requested,
-        undone_fn=lambda: attempts.times_undone(engine, claimed.run_id, claimed.node),
-    )
+
+    def heartbeat_fn(details: Any) -> bool | None:
+        return heartbeat(engine, claimed.token, details, limit, secrets.redact, pause)
+
+    def cancelled_fn() -> bool:
+        return should_stop(engine, claimed.token)
+
+    def undone_fn() -> int:
+        return attempts.times_undone(engine, claimed.run_id, claimed.node)
+
+    def context(branch: int | None) -> StepContext:
+        return StepContext(
+            run_id=claimed.run_id,
+            workflow_id=claimed.workflow_id,
+            node=claimed.node,
+            branch=branch,
+            attempt=claimed.attempt,
+            input_fn=read_input,
+            context=claimed.context,
+            heartbeat_fn=heartbeat_fn,
+            secret_fn=secrets.get,
+            cancelled_fn=cancelled_fn,
+            cancelled=claimed.cancel_requested,
+            undone_fn=undone_fn,
+        )
+
+    return context
 
 
 def _run_batch(
@@ -197,9 +211,10 @@ def _run_batch(
     # carries them, applied if it succeeds (docs/tags.md).
     tags: dict[str, str] = {}  # key -> value, in the order first set
 
+    context = _contexts(engine, claimed, read_input, limit, call_info.secrets)
+
     def call(index: int, args: dict[str, Any]) -> tuple[batch.ItemOutcome, BaseException | None]:
-        ctx = _context(engine, claimed, index, read_input, limit, call_info.secrets)
-        item, interrupt = _run(step, ctx, args, token, limit, call_info)
+        item, interrupt = _run(step, context(index), args, token, limit, call_info)
         if item.tags:
             tags.update((k, v) for k, v in item.tags)
         # Each item's large output alone: the batch's list (and its checkpoints) hold references.
@@ -432,7 +447,7 @@ def call_attempt(
             result, interrupt = _run_batch(engine, step, claimed, me, limit, call)
         else:
             read_input = _input_reader(engine, claimed.run_id)
-            ctx = _context(engine, claimed, claimed.branch, read_input, limit, call.secrets)
+            ctx = _contexts(engine, claimed, read_input, limit, call.secrets)(claimed.branch)
             result, interrupt = _run(step, ctx, claimed.args, claimed.token, limit, call)
             result = _by_reference(engine, claimed.run_id, result, call.offload_bytes)
         tracing.mark_outcome(span, result.outcome, result.error)

@@ -74,8 +74,9 @@ class StepContext:
         self.attempt = attempt
         self._input = input
         self._input_fn = input_fn
-        # Typed values rebuilt (a class this process cannot import stays as its JSON).
-        self.context: Mapping[str, Any] = _ReadOnly(decode_lenient(context))
+        # Typed values rebuilt (a class this process cannot import stays as its JSON); most
+        # runs keep no context (a batch makes a context per item).
+        self.context: Mapping[str, Any] = _ReadOnly(decode_lenient(context) if context else {})
         self._patch: dict[str, Any] = {}
         self._tags: dict[str, str] = {}
         self._heartbeat_fn = heartbeat_fn

@@ -158,3 +158,49 @@ def test_plain_arguments_are_passed_as_they_are() -> None:
     args = {"a": {"n": [1, 2]}, "b": "s"}
     prepared = prepare(lambda ctx, a, b: None, "s", args, plain=True)
     assert prepared == args and prepared["a"] is args["a"]
+
+
+def _whole_way(value: Any) -> tuple[Any, str]:
+    """What the check made of a value before scalars had a path of their own: its encoding,
+    and that encoding read back."""
+    text = blobs._ENCODER.encode(value)
+    return json.loads(text), text
+
+
+@given(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.sampled_from([-0.0, 1e16, 1e-7, 2.5e300, 10**18 - 1, -(10**18) + 1, 10**18, -(10**18)])
+)
+def test_a_scalar_is_checked_as_the_whole_way_checks_it(value: Any) -> None:
+    """The scalar path (``payloads._scalar_text``) gives the text and the value the whole way
+    gives: the same type (``1`` stays an int, ``1.0`` a float, ``True`` a bool), the same
+    token (``1e+16``, ``-0.0``)."""
+    checked = check_json(value, "x", LIMIT)
+    expected_value, expected_text = _whole_way(value)
+    assert checked.problem is None and checked.text == expected_text
+    assert checked.value == expected_value and type(checked.value) is type(expected_value)
+    assert json.loads(checked.text) == value
+
+
+def test_what_the_scalar_path_leaves_to_the_whole_way() -> None:
+    """Subclasses are normalized to what JSON reads back; non-finite floats and integers too
+    long to print are refused; the size limit holds for a scalar too."""
+    import enum
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    checked = check_json(Level.HIGH, "x", LIMIT)
+    assert checked.value == 3 and type(checked.value) is int and checked.text == "3"
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        assert check_json(bad, "x", LIMIT).problem is not None
+    huge = check_json(10**5000, "x", LIMIT)
+    assert huge.problem is not None and huge.value is None
+    assert check_json(10**17, "x", LIMIT).text == "100000000000000000"
+    too_large = check_json(123456, "result", 5)
+    assert too_large.too_large and too_large.value is None
+    assert too_large.problem == "result is 6 bytes, over ductor_max_payload_bytes=5"
+    assert check_json(12345, "result", 5).text == "12345"

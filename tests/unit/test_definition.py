@@ -7,6 +7,8 @@ import re
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from support import FakeStep
 
 from ductor_celery.definition import RetryPolicy, RetrySpec, Workflow
@@ -493,3 +495,39 @@ def test_the_graph_lists_the_nodes_each_tick_pass_looks_at_in_topological_order(
     assert graph.scatters == ("fan", "kids")
     assert graph.parked == ("paid", "kyc", "nap", "ok")
     assert graph.subworkflows == ("child",)  # "nap", declared before "fan", comes after it
+
+
+# -- a batch's items resolved by one resolver ---------------------------------------------------
+
+_TEMPLATE_LEAVES = st.sampled_from(
+    ["$.item", "$.item.a", "$.item.b[1]", "!$.item.a", "$.input.x", "$.context.c", "!$.input.x",
+     "$.nodes.n.output.k", "$.secret.token", "plain", 3, None, True]
+)  # fmt: skip
+_TEMPLATES = st.recursive(
+    _TEMPLATE_LEAVES,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.sampled_from(["value", "x", "y"]), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_ITEMS = st.recursive(
+    st.none() | st.integers() | st.text(max_size=3) | st.booleans(),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.sampled_from(["a", "b", "c"]), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+@given(_TEMPLATES, st.lists(_ITEMS, max_size=4))
+def test_an_item_resolver_resolves_each_item_as_resolve_does(template: Any, items: list) -> None:
+    from ductor_celery.definition.paths import item_resolver
+
+    scope = Scope(input={"x": [1, {"y": 2}]}, context={"c": "ctx"}, outputs={"n": {"k": 7}})
+    of_item = item_resolver(template, scope)
+    for item in items:
+        with_item = Scope(scope.input, scope.context, scope.outputs, item=item)
+        assert of_item(item) == resolve(template, with_item)
