@@ -276,7 +276,15 @@ class Coordinator(Generic[TxT]):
                 claim = None if keep is None else keep.choose(loaded, payload)
                 if self.observer is not None:
                     self.observer.computed(loaded, payload)
-                outbox = tx.commit(loaded, payload, claim, carried)
+                try:
+                    outbox = tx.commit(loaded, payload, claim, carried)
+                except (VersionConflict, RunBusy, OutcomeNotCarried):
+                    # Told by the commit itself: it wrote nothing, so it claimed nothing. Any
+                    # other error may have come after the commit landed (its answer lost):
+                    # the choice then stays in doubt (runtime/inline.py, ``in_doubt``).
+                    if keep is not None:
+                        keep.refused()
+                    raise
                 return TickResult(TickOutcome.COMMITTED, payload, outbox)
         except WorkflowIdTaken:
             # A redrive reopening the run while another run of its workflow id is open (the

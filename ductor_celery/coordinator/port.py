@@ -196,3 +196,7 @@ class Keeper(Protocol):
 
     def committed(self) -> None:
         """After the commit: the attempt last chosen is this worker's to run."""
+
+    def refused(self) -> None:
+        """The commit ran and wrote nothing (the run busy or moved on, the outcome it carried
+        not written): the attempt last chosen was not claimed."""

@@ -292,6 +292,10 @@ class InlineChain:
             self._held.extend(self._chosen_held)
             self._chosen_held = []
 
+    def refused(self) -> None:
+        """``Keeper.refused``: the commit wrote nothing, so the choice made for it is void."""
+        self._chosen, self._chosen_held = None, []
+
     def _doubt_chosen(self) -> None:
         """The last choice was never confirmed (``committed``): its commit failed, or landed
         with its answer lost (the connection dropped after PostgreSQL committed). Kept for
@@ -317,6 +321,7 @@ class InlineChain:
         then held again, claimed one by one as after any commit), or not."""
         _, held = self._in_doubt.pop(0)
         if ours:
+            self.left -= 1 + len(held)
             self._held.extend(held)
 
     def ran(self, seconds: float, step: str | None = None, node: str | None = None) -> None:

@@ -202,6 +202,14 @@ def first_tick(
             else:
                 rt.wake(run_id)
                 _start_message_done(rt, hostname, carrier, run_id, began, tick)
+                if chain is not None and chain.has_next:
+                    # A try of this tick may have landed with its answer lost, claiming the
+                    # run's first step for this worker, before a retry failed or found the
+                    # run busy: the chain runs it if so (``InlineChain.in_doubt``).
+                    try:
+                        _run_inline(rt, engine, chain, hostname)
+                    except Exception as exc:  # noqa: BLE001 - its step times out, as a lost worker's
+                        log.warning("run %s: a claim in doubt not looked up (%s)", run_id, exc)
         finally:
             # What the chain did not publish (it had nothing to run, or did not run): the
             # event; never left in the thread's buffer for another task's publish.

@@ -308,6 +308,9 @@ def test_an_eager_tick_claims_the_attempt_its_worker_keeps_and_sends_no_message_
         def committed(self) -> None:
             self.chosen.append("committed")
 
+        def refused(self) -> None:
+            self.chosen.append("refused")
+
     keep = Keep()
     result = coordinator.tick(run_id, eager=True, keep=keep)
     assert result.outcome == "committed" and keep.chosen == ["committed"]
@@ -336,6 +339,9 @@ def test_a_terminate_also_kills_the_carrier_of_an_attempt_with_no_message_of_its
             return TickClaim(payload.new_attempts[0].token, "w-inline", carrier=first)
 
         def committed(self) -> None:
+            pass
+
+        def refused(self) -> None:
             pass
 
     coordinator.tick(run_id, eager=True, keep=Keep())
