@@ -131,15 +131,18 @@ def _scalar_text(value: Any) -> str | None:
     return None
 
 
+def _too_large(what: str, size: int, limit: int) -> JsonCheck | None:
+    """The refusal of a payload of ``size`` bytes over ``limit``, or None."""
+    if size <= limit:
+        return None
+    return JsonCheck(None, f"{what} is {size} bytes, over ductor_max_payload_bytes={limit}", True)
+
+
 def _check(value: Any, what: str, limit: int, door: DoorCheck | None) -> JsonCheck:
     scalar = _scalar_text(value)
     if scalar is not None:
         # ASCII, and no key: no byte count, NUL or reserved key to look for.
-        if len(scalar) > limit:
-            return JsonCheck(
-                None, f"{what} is {len(scalar)} bytes, over ductor_max_payload_bytes={limit}", True
-            )
-        return JsonCheck(value, text=scalar)
+        return _too_large(what, len(scalar), limit) or JsonCheck(value, text=scalar)
     try:
         # ensure_ascii=False: the text's UTF-8 encoding is what is measured, and encoding it
         # is what finds a lone surrogate.
@@ -151,10 +154,8 @@ def _check(value: Any, what: str, limit: int, door: DoorCheck | None) -> JsonChe
         return _refused(value, what, exc)
     if "\\u0000" in text and _NUL.search(text):
         return _refused(value, what, None)
-    if size > limit:
-        return JsonCheck(
-            None, f"{what} is {size} bytes, over ductor_max_payload_bytes={limit}", True
-        )
+    if (too_large := _too_large(what, size, limit)) is not None:
+        return too_large
     normalized = json.loads(text)
     if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _deeper_than(
         normalized, MAX_JSON_DEPTH

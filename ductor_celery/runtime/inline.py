@@ -167,9 +167,7 @@ class InlineChain:
         after a quick step, more branches of the same scatter to run after it (``held``).
         Only attempts of the chain's own run: its message (the carrier) is killed when that
         run is terminated, so it must never be running another run's step then."""
-        self._doubt_chosen()
-        self._chosen = None
-        self._chosen_held = []
+        self._doubt_chosen()  # clears the last choice
         self._rate = None
         if self._kept is not None or self.left <= 0 or time.monotonic() > self.deadline:
             return None
@@ -309,8 +307,8 @@ class InlineChain:
         whether the database has its attempt open and claimed by the identity it carried
         (``claimed.token``, the ``str``), and if so runs it (``confirm``). Only this worker
         holds that identity: if it moved on, the step would wait for its timeout. A choice
-        whose commit did not land is not there, or its retry claimed the same attempt under
-        another identity."""
+        whose commit did not land finds its attempt absent, unclaimed, finished, or claimed
+        under another identity (the retry's own claim of the same attempt)."""
         self._doubt_chosen()
         if not self._in_doubt:
             return None
