@@ -19,8 +19,17 @@ Per step, over the ``execute_attempt`` calls only (medians over rounds):
 ``--statements N``: one more round, then the N statements PostgreSQL spent most time on
 (executing and planning them). ``--extra-attempts N``: N more attempt rows in the table
 before the measured rounds, as a scatter of N items leaves them.
-``--waldump``: one more round, then where its WAL went (``pg_waldump --stats=record``), per
-step, by record kind.
+``--waldump``: one more round, then where its WAL went (``pg_waldump``), per step, by record
+kind, then by table or index and record kind.
+``--state-what-if W``: the state text each commit stores leaves out what a design keeping
+finished step nodes in their attempt rows would not store, to measure the WAL it would write:
+``lean-finished``, a succeeded step node's times and output token; ``lean-finished-no-pending``,
+those and the nodes that never started (the definition gives them); ``open-only``, every
+succeeded step node and every node that never started. A what-if for the WAL only: the chain
+runs on the nodes its commits return (store/next_read.py, kept however old), and the run is
+checked afterwards (every run succeeded, each node ran once).
+``--pg-perf N``: one more round with Linux ``perf`` sampling PostgreSQL's backends, then the
+N functions with the most CPU (their callees' included): where the server's share goes.
 ``--profile N``: one more round under cProfile, printing the N functions with the most own
 time. A/B two checkouts side by side with ``PYTHONPATH=<checkout>``.
 
@@ -41,9 +50,12 @@ import cProfile
 import functools
 import os
 import pstats
+import re
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -56,11 +68,15 @@ from servers import PostgresServer  # noqa: E402
 
 from ductor_celery import Ductor, Workflow  # noqa: E402
 from ductor_celery.engine.kinds import DispatchKind  # noqa: E402
+from ductor_celery.engine.state import AttemptOutput, NodeState, RunState  # noqa: E402
+from ductor_celery.engine.status import NodeStatus  # noqa: E402
 from ductor_celery.runtime.dispatch import first_tick_id  # noqa: E402
 from ductor_celery.runtime.steps import execute_attempt, first_tick  # noqa: E402
 from ductor_celery.runtime.tick_task import run_tick  # noqa: E402
 from ductor_celery.settings import Settings  # noqa: E402
+from ductor_celery.store import next_read, pg_commit  # noqa: E402
 from ductor_celery.store.migrate import upgrade  # noqa: E402
+from ductor_celery.store.schema import dumps_json  # noqa: E402
 
 #: Steps per chain unless ``--steps`` says otherwise.
 STEPS = 10
@@ -85,6 +101,19 @@ def main() -> None:
         "--waldump",
         action="store_true",
         help="one more round, then its WAL per step by record kind (pg_waldump --stats=record)",
+    )
+    parser.add_argument(
+        "--pg-perf",
+        type=int,
+        default=0,
+        metavar="N",
+        help="one more round with Linux perf sampling PostgreSQL's backends, then the N "
+        "functions with the most CPU, their callees' included (needs perf: linux-perf)",
+    )
+    parser.add_argument(
+        "--state-what-if",
+        choices=sorted(STATE_WHAT_IFS),
+        help="store a leaner run state (a WAL what-if; see the module's docstring)",
     )
     parser.add_argument(
         "--extra-attempts",
@@ -132,6 +161,8 @@ def main() -> None:
         "shared_preload_libraries": "pg_stat_statements",
         "pg_stat_statements.track_planning": "on",
     }
+    if args.state_what_if:
+        _store_leaner_states(args.state_what_if)
     with PostgresServer(settings=settings) as pg:
         pg.create_database("chain_cost")
         with pg.connect("chain_cost") as admin:
@@ -161,6 +192,10 @@ def main() -> None:
             bench.statements(args.runs, args.statements)
         if args.waldump:
             bench.waldump(args.runs)
+        if args.pg_perf:
+            bench.pg_perf(args.runs, args.pg_perf)
+        if args.state_what_if:
+            check_what_if(pg, args.steps)
         if args.profile:
             profile = cProfile.Profile()
             bench.round(args.runs, profile)
@@ -192,7 +227,7 @@ class _Bench:
         self.sent: list[Any] = []
         rt = ductor.runtime
         rt.dispatcher.send = self.sent.extend  # type: ignore[method-assign,assignment]
-        rt.dispatcher.wake = lambda run_id: None  # type: ignore[method-assign]
+        rt.dispatcher.wake = lambda run_id, quick=None: None  # type: ignore[method-assign]
         rt.dispatcher.first_tick = lambda run_id: None  # type: ignore[method-assign]
         items = payload_items(output_items)
         output = {"items": items, "ok": 1} if items else {"ok": 1}
@@ -297,30 +332,27 @@ class _Bench:
             )
 
     def waldump(self, runs: int) -> None:
-        """One more round, then its WAL by record kind, per step (``pg_waldump``)."""
+        """One more round, then its WAL per step (``pg_waldump``): by record kind, then by
+        table or index and record kind."""
         lsn = "SELECT pg_current_wal_lsn()::text"
         with self.pg.connect("chain_cost") as conn:
             start = conn.execute(lsn).fetchone()[0]  # type: ignore[index]
+            names = dict(
+                conn.execute(
+                    "SELECT pg_relation_filenode(oid)::text, relname FROM pg_class "
+                    "WHERE pg_relation_filenode(oid) IS NOT NULL"
+                ).fetchall()
+            )
         self.round(runs)
         with self.pg.connect("chain_cost") as conn:
             conn.execute("SELECT pg_switch_wal()")  # the round's last record complete on disk
             end = conn.execute(lsn).fetchone()[0]  # type: ignore[index]
-        out = subprocess.run(
-            [
-                str(self.pg.bindir / "pg_waldump"),
-                "--stats=record",
-                "-p",
-                str(self.pg.data_dir / "pg_wal"),
-                "-s",
-                start,
-                "-e",
-                end,
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
         steps = runs * self.steps
+        dump = [str(self.pg.bindir / "pg_waldump"), "-p", str(self.pg.data_dir / "pg_wal")]
+        span = ["-s", start, "-e", end]
+        out = subprocess.run(
+            [*dump, "--stats=record", *span], check=True, capture_output=True, text=True
+        ).stdout
         sys.stdout.write(f"WAL per step by record kind ({steps} steps, pg_waldump):\n")
         for line in out.splitlines():
             # "Heap/UPDATE   1234 ( 12.34)   56789 ( 12.34)   0 ( 0.00)   56789 ( 12.34)"
@@ -333,6 +365,52 @@ class _Bench:
                 )
             elif line.startswith("Total"):
                 sys.stdout.write(line + "\n")
+        records = subprocess.run([*dump, *span], check=True, capture_output=True, text=True)
+        by_relation = _wal_by_relation(records.stdout, names)
+        sys.stdout.write("WAL per step by table or index and record kind (the 20 largest):\n")
+        for (relation, kind), (count, size) in sorted(
+            by_relation.items(), key=lambda item: -item[1][1]
+        )[:20]:
+            sys.stdout.write(
+                f"{relation:44} {kind:22} {count / steps:6.2f} records {size / steps:6.0f} B\n"
+            )
+
+    def pg_perf(self, runs: int, top: int) -> None:
+        """One more round with ``perf record`` on the server's backends (sampled by the CPU
+        clock, with call graphs), then the ``top`` functions by CPU with their callees'."""
+        backends = [
+            pid
+            for pid in _children_of(_postmaster_pid(self.pg))
+            if "chain_cost" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+        ]
+        with tempfile.TemporaryDirectory(prefix="chain-cost-perf-") as tmp:
+            data = str(Path(tmp) / "perf.data")
+            record = ["perf", "record", "-e", "cpu-clock", "-F", "4000", "-g", "-o", data]
+            perf = subprocess.Popen(
+                [*record, "-p", ",".join(map(str, backends))],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            time.sleep(0.5)  # perf attached before the round begins
+            self.round(runs)
+            perf.send_signal(signal.SIGINT)
+            perf.wait()
+            report = subprocess.run(
+                ["perf", "report", "-i", data, "--stdio", "--children", "--sort", "symbol"]
+                + ["-g", "none"],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        sys.stdout.write(f"PostgreSQL's backends, CPU with callees (perf, {runs} runs):\n")
+        # "    21.80%     0.19%  [.] standard_ExecutorStart   -   -": named functions only.
+        rows = [
+            line.split()
+            for line in report.splitlines()
+            if line.strip().endswith("-") and "%" in line and "] 0x" not in line
+        ]
+        for fields in rows[:top]:
+            sys.stdout.write(f"{fields[0]:>8} (own {fields[1]:>7})  {fields[3]}\n")
 
     def _server_counters(self) -> tuple[int, int]:
         """Statements executed so far (all databases) and the WAL position, in bytes."""
@@ -343,6 +421,94 @@ class _Bench:
             ).fetchone()
         assert row is not None
         return int(row[0] or 0), int(row[1])
+
+
+#: One record of ``pg_waldump``'s listing: its kind, total length, description and first
+#: block reference's relation file ("rel 1663/16384/16465"), when it has one.
+_WAL_RECORD = re.compile(
+    r"rmgr: (?P<rmgr>\S+)\s+len \(rec/tot\):\s+\d+/\s*(?P<total>\d+),.*?desc: (?P<desc>\S+)"
+    r"(?:.*?blkref #0: rel \d+/\d+/(?P<file>\d+))?"
+)
+
+
+def _wal_by_relation(listing: str, names: dict[str, str]) -> dict[tuple[str, str], list[int]]:
+    """Records and bytes of ``pg_waldump``'s listing by relation name and record kind."""
+    found: dict[tuple[str, str], list[int]] = {}
+    for line in listing.splitlines():
+        record = _WAL_RECORD.search(line)
+        if record is None:
+            continue
+        file = record["file"]
+        relation = "-" if file is None else names.get(file, f"file {file}")
+        entry = found.setdefault((relation, f"{record['rmgr']}/{record['desc']}"), [0, 0])
+        entry[0] += 1
+        entry[1] += int(record["total"])
+    return found
+
+
+def _lean_finished(node: NodeState, data: dict[str, Any]) -> dict[str, Any] | None:
+    """A succeeded step node as a design keeping its times and output token in its attempt
+    row alone would store it."""
+    if node.status == NodeStatus.SUCCEEDED and isinstance(node.output, AttemptOutput):
+        return {key: data[key] for key in ("status", "attempt", "generation") if key in data}
+    return data
+
+
+def _lean_no_pending(node: NodeState, data: dict[str, Any]) -> dict[str, Any] | None:
+    """As ``_lean_finished``, and no node that never started (the definition gives them)."""
+    if node.status == NodeStatus.PENDING and node.generation == 0:
+        return None
+    return _lean_finished(node, data)
+
+
+def _open_only(node: NodeState, data: dict[str, Any]) -> dict[str, Any] | None:
+    """No succeeded step node (its attempt row would be its state) and no node that never
+    started: the run row holds the open nodes only."""
+    if node.status == NodeStatus.SUCCEEDED and isinstance(node.output, AttemptOutput):
+        return None
+    return _lean_no_pending(node, data)
+
+
+STATE_WHAT_IFS = {
+    "lean-finished": _lean_finished,
+    "lean-finished-no-pending": _lean_no_pending,
+    "open-only": _open_only,
+}
+
+
+def _store_leaner_states(what_if: str) -> None:
+    """Make every commit store the state as ``what_if`` says (``--state-what-if``)."""
+    lean = STATE_WHAT_IFS[what_if]
+
+    def state_text(run_id: str, state: RunState) -> str:
+        nodes = {}
+        for name, node in state.nodes.items():
+            data = lean(node, node.to_json())
+            if data is not None:
+                nodes[name] = data
+        return dumps_json({"nodes": nodes, **state.to_json_but_nodes()})
+
+    pg_commit.state_text = state_text  # type: ignore[attr-defined]
+    # A tick that read the run row back would find its succeeded nodes gone ("open-only") and
+    # run them again: the chain ticks on the read its commit returned, however old
+    # (``check_what_if`` counts the attempts afterwards).
+    next_read.NEXT_READ_FRESH_FOR_S = 3600.0
+
+
+def check_what_if(pg: PostgresServer, steps: int) -> None:
+    """After a ``--state-what-if`` run: every run succeeded, each node ran once."""
+    with pg.connect("chain_cost") as conn:
+        runs, succeeded, attempts, nodes = conn.execute(
+            "SELECT (SELECT count(*) FROM eec_workflow_run), "
+            "(SELECT count(*) FROM eec_workflow_run WHERE status = 'succeeded'), "
+            "count(*), count(DISTINCT (run_id, node)) FROM eec_workflow_step_attempt"
+        ).fetchone()  # type: ignore[misc]
+    if not (runs == succeeded and attempts == nodes == runs * steps):
+        sys.exit(
+            f"the what-if did not run as the real code would: {succeeded} of {runs} runs "
+            f"succeeded, {attempts} attempts for {nodes} nodes (expected {runs * steps})"
+        )
+    sys.stdout.write(f"what-if check: {runs} runs succeeded, each of their nodes ran once\n")
 
 
 def _postgres_cpu(pg: PostgresServer) -> float:

@@ -529,6 +529,18 @@ def open_claims(engine: Engine, tokens: list[str]) -> dict[str, str | None]:
     return found
 
 
+def finished_as(engine: Engine, token: str) -> tuple[str | None, str | None] | None:
+    """A finished attempt's claim identity and outcome; ``None`` when it is open or absent.
+    ``runtime/steps.py``: an outcome a commit wrote while its answer was lost."""
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(step_attempt.c.claimed_by, step_attempt.c.outcome).where(
+                step_attempt.c.token == token, step_attempt.c.finished_at.is_not(None)
+            )
+        ).first()
+    return None if row is None else (row.claimed_by, row.outcome)
+
+
 @refusing_values()
 def heartbeat(engine: Engine, token: str, details: Any = None) -> bool:
     """Record that the attempt is alive (and how far it got); a closed attempt is left alone.

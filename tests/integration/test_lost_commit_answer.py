@@ -125,3 +125,25 @@ def test_a_first_tick_whose_retry_fails_still_runs_the_claim_its_lost_commit_mad
     assert failed, "the retry did not fail: the test did not test anything"
     _ran_once_each(chain, run_id, lost)
     assert [r for r in caplog.records if _RUN_IT in r.getMessage()]
+
+
+@pytest.mark.parametrize("which", ["first", "carried"])
+def test_an_outcome_written_by_a_commit_whose_answer_was_lost_is_reported_as_written(
+    chain: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, which: str
+) -> None:
+    """The carried tick's commit wrote the step's outcome and its answer was lost: the retry
+    finds the attempt finished. The step's result (Flower's view) and the attempt metrics
+    say what it was, as for every other step, not "closed" (an attempt someone else closed,
+    counted by whoever closed it)."""
+    from ductor_celery.runtime import metrics
+
+    recorded: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        metrics, "record_attempt", lambda step, outcome, seconds: recorded.append((step, outcome))
+    )
+    lost = _answer_lost(monkeypatch, which)
+    run_id = run_to_end(chain, "la_chain", {"value": 10})
+    _ran_once_each(chain, run_id, lost)
+    assert recorded == [("la.step", "succeeded")] * STEPS
+    written = [r for r in caplog.records if "written by a commit whose answer" in r.getMessage()]
+    assert len(written) == (1 if which == "carried" else 0)
