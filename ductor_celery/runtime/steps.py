@@ -448,13 +448,15 @@ def _run_claimed(
                 outcome = _record_then_claim(rt, engine, step, claimed, result, keep)
                 keep.unticked = claimed.run_id
             else:
-                outcome = _record_and_advance(rt, engine, step, claimed, result, keep, me)
+                outcome = _record_and_advance(rt, engine, step, claimed, result, keep)
         except Exception:
             if remember is not None:
                 remember(False)  # not written: written once the database is back
             raise
         if remember is not None:
             remember(True)
+        if outcome == "closed":
+            outcome = _written_by_this_claim(engine, claimed.token, me, result) or outcome
         if outcome != "closed":  # a closed attempt was counted by the tick that closed it
             metrics.record_attempt(step.name, outcome, ran_s)
     finally:
@@ -505,7 +507,6 @@ def _record_and_advance(
     claimed: attempts.ClaimedAttempt,
     result: Outcome,
     keep: Keeper | None = None,
-    me: str | None = None,
 ) -> str:
     """Write the outcome, then make sure a tick folds it.
 
@@ -517,15 +518,11 @@ def _record_and_advance(
     wake.
 
     ``keep``: handed to the eager tick (runtime/inline.py), which may claim one of the steps
-    it starts for this worker to run next. ``me``: the identity the attempt was claimed with.
+    it starts for this worker to run next.
     """
     token, run_id = claimed.token, claimed.run_id
     tick: TickOutcome | None = None
-    # The outcome goes with the eager tick's commit (and the attempt is closed by it).
-    carried = (
-        rt.settings.eager_ticks and step.concurrency is None and attempts.finishes_in_tick(engine)
-    )
-    if carried:
+    if rt.settings.eager_ticks and step.concurrency is None and attempts.finishes_in_tick(engine):
         try:
             tick = run_tick(rt, run_id, eager=True, carried=_carried(claimed, result), keep=keep)
         except OutcomeNotCarried:
@@ -536,8 +533,6 @@ def _record_and_advance(
             # The outcome's value: the task's result, shown by Flower, is the plain string.
             return result.outcome.value
     outcome = _record(rt, engine, step, token, result)
-    if outcome == "closed" and carried and me is not None:
-        outcome = _written_by_a_lost_answer(engine, token, me, result) or outcome
     if tick == TickOutcome.BUSY:  # another tick holds the run: the coordinator folds it
         _wake_coordinator(rt, engine, run_id, keep)
     else:
@@ -545,22 +540,31 @@ def _record_and_advance(
     return outcome
 
 
-def _written_by_a_lost_answer(engine: Engine, token: str, me: str, result: Outcome) -> str | None:
-    """The outcome, when the attempt found closed was finished with it under this claim: the
-    carried tick's commit wrote it and its answer was lost (the connection dropped after the
-    commit), so its retry found the attempt finished. Reported as what it is (the task's
-    result, the attempt metrics), not as an attempt someone else closed. A ``cancelled``
-    outcome stays "closed": a tick closing the attempt writes that one too."""
+def _written_by_this_claim(engine: Engine, token: str, me: str, result: Outcome) -> str | None:
+    """The outcome, when the attempt its write found closed was finished with it under this
+    very claim: this worker's own commit wrote it, and the worker did not see that commit
+    succeed (its answer lost when the connection dropped after it committed; a carried
+    tick that raised after its commit), so the write that followed found it finished.
+    Reported as what it is (the task's result, the attempt metrics), not as an attempt
+    someone else closed. A ``cancelled`` outcome stays "closed": a tick closing the attempt
+    writes that one too. Asked only when a write found its attempt closed; a lookup that
+    fails leaves it "closed", as before."""
     if result.outcome == AttemptOutcome.CANCELLED:
         return None
-    found = with_retry(
-        lambda: attempts.finished_as(engine, token), what="look up a closed attempt's outcome"
-    )
+    try:
+        found = with_retry(
+            lambda: attempts.finished_as(engine, token),
+            what="look up a closed attempt's outcome",
+            deadline_s=30.0,
+        )
+    except Exception as exc:  # noqa: BLE001 - only what the step's result says depends on it
+        log.warning("attempt %s: closed, its outcome not looked up (%s)", token, exc)
+        return None
     if found != (me, result.outcome.value):
         return None
     log.warning(
-        "attempt %s: its outcome was written by a commit whose answer was lost (the "
-        "connection dropped after it committed)",
+        "attempt %s: its outcome was written by this worker's own commit, which it did not "
+        "see succeed (its answer lost)",
         token,
     )
     return result.outcome.value

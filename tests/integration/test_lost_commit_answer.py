@@ -145,5 +145,5 @@ def test_an_outcome_written_by_a_commit_whose_answer_was_lost_is_reported_as_wri
     run_id = run_to_end(chain, "la_chain", {"value": 10})
     _ran_once_each(chain, run_id, lost)
     assert recorded == [("la.step", "succeeded")] * STEPS
-    written = [r for r in caplog.records if "written by a commit whose answer" in r.getMessage()]
+    written = [r for r in caplog.records if "this worker's own commit" in r.getMessage()]
     assert len(written) == (1 if which == "carried" else 0)
