@@ -480,7 +480,8 @@ def _store_leaner_states(what_if: str) -> None:
     """Make every commit store the state as ``what_if`` says (``--state-what-if``)."""
     lean = STATE_WHAT_IFS[what_if]
 
-    def state_text(run_id: str, state: RunState) -> str:
+    def state_text(run_id: str, state: RunState, done: frozenset[str] = frozenset()) -> str:
+        # The whole state, then leaner: what the stored format would be (``done`` ignored).
         nodes = {}
         for name, node in state.nodes.items():
             data = lean(node, node.to_json())

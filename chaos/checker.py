@@ -238,7 +238,13 @@ class Checker:
             return list(conn.execute(sa.text(query)).mappings())
 
     def load(self) -> None:
-        self.runs = {r["run_id"]: r for r in self._all("SELECT * FROM eec_workflow_run")}
+        # The whole state: on PostgreSQL the row names the nodes its attempt rows keep and
+        # those never started, and gives them back through eec_run_state (migration 0020).
+        whole = "state" if self.engine.dialect.name == "sqlite" else "eec_run_state(state, run_id)"
+        self.runs = {
+            r["run_id"]: {**r, "state": r["whole_state"]}
+            for r in self._all(f"SELECT *, {whole} AS whole_state FROM eec_workflow_run")
+        }
         self._run_rank = None
         self.specs = {
             r["spec_hash"]: r["spec"]

@@ -85,7 +85,8 @@ def stale_accepted(conn: psycopg.Connection) -> None:
         SELECT a.token, a.run_id, a.node, a.generation FROM eec_workflow_step_attempt a
         JOIN eec_workflow_run r ON r.run_id = a.run_id
         WHERE a.outcome = 'succeeded' AND a.branch IS NULL AND r.status = 'succeeded'
-          AND r.state->'nodes'->a.node->>'output_token' = a.token LIMIT 1""",
+          AND eec_run_state(r.state, r.run_id)->'nodes'->a.node->>'output_token' = a.token
+        LIMIT 1""",
     )
     conn.execute(
         "INSERT INTO eec_workflow_step_attempt (token, run_id, node, generation, attempt, step,"

@@ -224,7 +224,9 @@ class Workload:
         return self._db(
             lambda conn: conn.execute(
                 sa.text(
-                    "SELECT run_id, status, state FROM eec_workflow_run WHERE workflow_id = :w "
+                    # The whole state (migration 0020: the row names some nodes it does not hold).
+                    "SELECT run_id, status, eec_run_state(state, run_id) AS state "
+                    "FROM eec_workflow_run WHERE workflow_id = :w "
                     "ORDER BY created_at DESC, run_id DESC LIMIT 1"
                 ),
                 {"w": workflow_id},

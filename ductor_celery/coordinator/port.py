@@ -50,6 +50,9 @@ class LoadedRun:
     concurrency_limit: int = 0
     #: The run's priority (0..9, higher first).
     priority: int = 0
+    #: The nodes its stored state left to their attempt rows (store/done_nodes.py), given
+    #: back in ``state``: a commit may leave them there again.
+    done: frozenset[str] = frozenset()
 
 
 #: What a load returns: the run, its pinned definition, and the tick's inputs.

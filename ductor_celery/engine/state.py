@@ -535,6 +535,13 @@ class NodeState:
         return twin
 
 
+#: The stored state's lists of nodes it names instead of holding (store/done_nodes.py): those
+#: its attempt rows keep, and those never started. The store gives them back before a state
+#: is decoded.
+DONE_KEY = "done"
+UNSTARTED_KEY = "unstarted"
+
+
 @dataclass(slots=True)
 class RunState:
     status: RunStatus = RunStatus.PENDING
@@ -618,6 +625,14 @@ class RunState:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunState:
+        for named in (DONE_KEY, UNSTARTED_KEY):
+            if named in data:
+                # Nodes the stored state names instead of holding (store/done_nodes.py): a
+                # state read without them given back would take succeeded steps for pending
+                # ones, or lose nodes.
+                raise ValueError(
+                    f"a run state naming {named!r} nodes was read without them: {data[named]}"
+                )
         return cls(
             status=RunStatus(data.get("status", "pending")),
             nodes={k: NodeState.from_json(v) for k, v in data.get("nodes", {}).items()},

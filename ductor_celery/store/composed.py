@@ -30,6 +30,7 @@ from ..engine.scatter import (
     child_final,
 )
 from ..engine.state import ScatterState
+from .done_nodes import full_state
 from .schema import step_attempt, workflow_run
 
 
@@ -106,7 +107,7 @@ def child_runs(conn: Connection, ids: list[str], with_state: bool = False) -> di
         workflow_run.c.output,
         workflow_run.c.error,
         workflow_run.c.continued_to,
-        (workflow_run.c.state if with_state else sa.literal(None)).label("state"),
+        (full_state() if with_state else sa.literal(None)).label("state"),
     ]
     out: dict[str, Any] = {}
     pending = {i: i for i in ids}  # id to read -> the id the caller asked for

@@ -23,6 +23,7 @@ from . import blobs, history
 from . import tags as run_tags
 from .db import aware
 from .dialect import dialect_of
+from .done_nodes import full_state
 from .schema import (
     step_attempt,
     workflow_control,
@@ -151,7 +152,14 @@ def _plain(row: Any, columns: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _select(table: sa.Table, columns: tuple[str, ...]) -> sa.Select[Any]:
-    return sa.select(*(table.c[name] for name in columns))
+    """The columns by name; a run's state whole (its done nodes given back: an export holds
+    whole states, which every version reads)."""
+    return sa.select(
+        *(
+            full_state().label(name) if table is workflow_run and name == "state" else table.c[name]
+            for name in columns
+        )
+    )
 
 
 def read_rows(engine: Engine, run_id: str) -> RunRows | None:

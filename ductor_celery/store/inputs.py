@@ -15,6 +15,7 @@ from sqlalchemy.engine import Connection, Engine
 from ..engine.state import RunState
 from . import blobs
 from .composed import ImmutableCache
+from .done_nodes import full_state
 from .schema import workflow_control, workflow_run
 
 
@@ -54,7 +55,7 @@ def current_input(engine: Engine, run_id: str) -> Any:
     """``ctx.input``: the run's input as its nodes see it now (read only when a step asks)."""
     with engine.connect() as conn:
         row = conn.execute(
-            sa.select(workflow_run.c.input, workflow_run.c.state).where(
+            sa.select(workflow_run.c.input, full_state().label("state")).where(
                 workflow_run.c.run_id == run_id
             )
         ).one_or_none()

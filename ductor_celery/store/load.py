@@ -39,13 +39,15 @@ from ..engine.kinds import ControlKind
 from ..engine.outputs import OutputRef, output_ref, received_events, resolve_outputs
 from ..engine.redrive import reads_for
 from ..engine.slots import slots
+from ..engine.state import DONE_KEY
 from ..engine.status import TERMINAL_RUN_STATUSES, RunStatus
 from ..engine.tick import ACTIVE, read_nodes
 from ..engine.versions import successor_spec_hash
-from . import blobs, clock, run_slots
+from . import blobs, clock, done_nodes, run_slots
 from .composed import ImmutableCache, PerDatabase, cache_for, children_of, gather_any
 from .db import aware, driver_compiled, driver_cursor
 from .dialect import dialect_of
+from .done_nodes import read_done
 from .inputs import redriven_input
 from .leases import holds_lease
 from .outputs import ConnectionOutputs, signal_payloads
@@ -145,6 +147,7 @@ def load_on(
         created_at=aware(row.created_at),
         trace_context=row.trace_context,
         priority=row.priority or 0,
+        done=read_done(getattr(row, "done", None)),
     )
     spec = spec_for(row.spec_hash, conn)
     if "results" in row._fields:
@@ -355,7 +358,7 @@ def _run_row_statement(
         workflow_run.c.workflow,
         workflow_run.c.spec_hash,
         workflow_run.c.record_version,
-        workflow_run.c.state,
+        done_nodes.full_state().label("state"),
         (workflow_run.c.input if with_input else sa.null()).label("input"),
         workflow_run.c.parent_run_id,
         workflow_run.c.created_at,
@@ -374,6 +377,12 @@ def _run_row_statement(
         .scalar_subquery()
         .label("timer_at"),
         _results_column(run_id, postgres),
+        # The nodes the state left to their attempt rows (given back in ``state``).
+        (
+            workflow_run.c.state.op("->")(sa.literal_column(f"'{DONE_KEY}'"))
+            if postgres
+            else sa.null()
+        ).label("done"),
         exists_where(
             workflow_control,
             workflow_control.c.run_id == run_id,

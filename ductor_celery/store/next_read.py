@@ -61,6 +61,8 @@ class RunRow(NamedTuple):
     results: Any
     has_control: bool
     has_signals: bool
+    #: The nodes the stored state left to their attempt rows (store/done_nodes.py).
+    done: Any = None
 
 
 class _Kept(NamedTuple):
@@ -70,6 +72,7 @@ class _Kept(NamedTuple):
     read: NextRead
     nodes: dict[str, NodeState]
     at: float
+    done: frozenset[str]
 
 
 _local = threading.local()
@@ -81,11 +84,13 @@ def keep(
     timer_at: datetime | None,
     read: NextRead,
     nodes: dict[str, NodeState],
+    done: frozenset[str] = frozenset(),
 ) -> None:
     """Keep what the commit of ``loaded``'s run returned (``Committed.next_read``), with the
     timer row as the commit left it and the nodes it stored (the tick's state's: nothing
-    changes them after the commit, and the next tick's computation copies them first)."""
-    _local.kept = _Kept(engine, loaded, timer_at, read, nodes, time.monotonic())
+    changes them after the commit, and the next tick's computation copies them first;
+    ``done``: those it left to their attempt rows)."""
+    _local.kept = _Kept(engine, loaded, timer_at, read, nodes, time.monotonic(), done)
 
 
 def take(engine: Any, run_id: str) -> RunRow | None:
@@ -123,6 +128,7 @@ def take(engine: Any, run_id: str) -> RunRow | None:
         results=None,
         has_control=False,
         has_signals=False,
+        done=kept.done,
     )
 
 

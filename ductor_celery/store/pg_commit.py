@@ -142,6 +142,7 @@ def _statement(
     next_read: bool = False,
     folds: bool = True,
     sends: bool = True,
+    carried_done: bool = False,
 ) -> str:
     sets = ", ".join(
         f"{c} = %(r_{c})s::jsonb" if c in _JSON_RUN_COLUMNS else f"{c} = %(r_{c})s"
@@ -216,9 +217,12 @@ def _statement(
     )
     outbox_ids = "ARRAY(SELECT id FROM outbox ORDER BY id)" if sends else "'{}'::bigint[]"
     if carrying:
+        # ``carried_done``: the state leaves the carried node to this row (store/done_nodes.py),
+        # which gives it back only if it was created when the node started.
+        started = " AND created_at = %(c_started)s" if carried_done else ""
         carried = f"""carried AS (
     UPDATE eec_workflow_step_attempt SET {_TICK_CARRIED_SET}
-    WHERE {CARRIED_WHERE} AND {gate}
+    WHERE {CARRIED_WHERE}{started} AND {gate}
     RETURNING success_seq
 ), """
         written = "EXISTS (SELECT 1 FROM carried)"
@@ -233,7 +237,7 @@ def _statement(
 WITH {locked}{carried}run_update AS (
     UPDATE eec_workflow_run SET {sets}
     WHERE run_id = %(run_id)s AND record_version = %(version)s AND {written}
-    RETURNING {"state - 'nodes' AS rest" if next_read else "1"}
+    RETURNING {"state - 'nodes' - 'done' - 'unstarted' AS rest" if next_read else "1"}
 ){folded}, attempts AS (
     INSERT INTO eec_workflow_step_attempt
         (token, run_id, node, branch, generation, attempt, step, queue, args, timeout,
@@ -279,6 +283,7 @@ def commit(
     notify: str | None = None,
     timer: tuple[str, datetime | None] | None = None,
     next_read: bool = False,
+    done: frozenset[str] = frozenset(),
 ) -> Committed:
     """Run the five writes (six with ``carried``). ``claim``: that new attempt is inserted
     claimed by its worker (runtime/inline.py). ``alone``: the statement is the whole tick
@@ -287,7 +292,8 @@ def commit(
     ``timer_read`` (``RUN_AS_READ``). ``notify``: the channel to announce the run on (it
     finishes), if the run update matched. ``timer``: the run's timer row written too
     (``("set", fire_at)`` or ``("delete", None)``). ``next_read``: return what the run's next
-    read would find (``Committed.next_read``; docs/next-read-from-commit.md)."""
+    read would find (``Committed.next_read``; docs/next-read-from-commit.md). ``done``: the
+    nodes the state leaves to their attempt rows (``done_nodes.done_nodes``)."""
     columns = tuple(sorted(run_values))
     folded = folded_by_commit(payload, carried)
     params: dict[str, Any] = {
@@ -310,12 +316,15 @@ def commit(
         if lock_timeout is None:
             raise ValueError("a commit alone sets its own lock timeout")
         params.update(lock_timeout=lock_timeout, timer_read=timer_read)
+    carried_done = carried is not None and carried.node in done
     if carried is not None:
         params.update(carried_params(carried))
+        if carried_done:
+            params["c_started"] = payload.state.nodes[carried.node].started_at
     for column in columns:
         value = run_values[column]
         if column == "state":
-            value = state_text(run_id, value)
+            value = state_text(run_id, value, done)
         elif column in _JSON_RUN_COLUMNS:
             value = dumps_json(value)
         params[f"r_{column}"] = value
@@ -352,6 +361,7 @@ def commit(
             next_read,
             bool(folded),
             bool(outbox),
+            carried_done,
         )
         cursor.execute(statement, params)
         written, updated, outbox_ids, locked, _notified, *read = cursor.fetchone()

@@ -29,6 +29,7 @@ from . import tags as run_tags
 from .composed import outputs_cache
 from .db import autocommit, aware, driver_cursor
 from .dialect import dialect_of
+from .done_nodes import full_state
 from .schema import audit as audit_table
 from .schema import (
     step_attempt,
@@ -47,7 +48,7 @@ RUN_COLUMNS = (
     workflow_run.c.version,
     workflow_run.c.spec_hash,
     workflow_run.c.status,
-    workflow_run.c.state,
+    full_state().label("state"),
     workflow_run.c.input,
     workflow_run.c.output,
     workflow_run.c.error,
@@ -626,7 +627,7 @@ def _finished_outputs() -> Any:
     (token -> output), or NULL (an open run, or none), up to ``WAIT_READ_OUTPUTS_MAX_BYTES``:
     PostgreSQL's ``jsonb`` functions read the tokens out of the state
     (``engine/state.output_to_json`` writes ``output_token``)."""
-    node = sa.func.jsonb_each(workflow_run.c.state["nodes"]).table_valued("value").alias("node")
+    node = sa.func.jsonb_each(full_state()["nodes"]).table_valued("value").alias("node")
     named = (
         sa.select(node.c.value.op("->>")("output_token")).correlate(workflow_run).scalar_subquery()
     )

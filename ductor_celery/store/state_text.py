@@ -19,12 +19,15 @@ an event set's) or a scatter is always encoded: those are mutable objects.
 from __future__ import annotations
 
 import operator
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
 from ..engine.state import (
+    DONE_KEY,
+    UNSTARTED_KEY,
     AttemptOutput,
     ChildWork,
     NodeState,
@@ -54,17 +57,32 @@ _Texts = dict[str, tuple[tuple[Any, ...], str]]
 
 _local = threading.local()
 
+#: A node that never started: stored as its name in the ``unstarted`` list.
+_UNSTARTED = NodeState()
 
-def state_text(run_id: str, state: RunState) -> str:
+#: A name a list of names may hold (a node id: ``definition/validate.py``); any other node is
+#: stored whole.
+_NAMED = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
+
+
+def state_text(run_id: str, state: RunState, done: frozenset[str] = frozenset()) -> str:
     """``dumps_json(state.to_json())``, as the same JSON value (keys in another order: the
     ``jsonb`` column orders them itself), reusing this thread's texts of the nodes of
-    ``run_id``'s last commit that are unchanged since."""
+    ``run_id``'s last commit that are unchanged since. ``done``: nodes left to their attempt
+    rows, named in the ``done`` list instead; a node that never started is named in the
+    ``unstarted`` list (store/done_nodes.py)."""
     kept = getattr(_local, "kept", None)
     before: _Texts = kept[1] if kept is not None and kept[0] == run_id else {}
     now: _Texts = {}
     parts = []
     is_ = operator.is_
+    unstarted = []
     for name, node in state.nodes.items():
+        if name in done:
+            continue
+        if node == _UNSTARTED and _NAMED.fullmatch(name):
+            unstarted.append(name)
+            continue
         values_of = None if holds_step_values(node) else _VALUES.get(type(node.work))
         if values_of is None:
             parts.append(_node_text(name, node))
@@ -80,7 +98,12 @@ def state_text(run_id: str, state: RunState) -> str:
             parts.append(text)
     _local.kept = (run_id, now)
     rest = dumps_json(state.to_json_but_nodes())  # never "{}": it has status and context
-    return '{"nodes":{' + ",".join(parts) + "}," + rest[1:]
+    # Each list as one string, the names joined by commas (a node id has none): ``jsonb``
+    # spends a few bytes on a string, more on each element of an array.
+    named = f'"{DONE_KEY}":"{",".join(sorted(done))}",' if done else ""
+    if unstarted:
+        named += f'"{UNSTARTED_KEY}":"{",".join(unstarted)}",'
+    return '{"nodes":{' + ",".join(parts) + "}," + named + rest[1:]
 
 
 def holds_step_values(node: NodeState) -> bool:

@@ -39,7 +39,7 @@ from ..engine import AttemptResult, RunState, TickPayload
 from ..engine.children import child_workflow_id
 from ..engine.deadline import deadline_after
 from ..engine.kinds import CONTROL_APPLIED, AuditAction, AuditSource
-from . import attempts, audit, blobs, leases, pg_commit, rates, run_slots
+from . import attempts, audit, blobs, done_nodes, leases, pg_commit, rates, run_slots
 from . import tags as run_tags
 from .db import driver_cursor
 from .dialect import Dialect, dialect_of
@@ -280,6 +280,14 @@ def _commit_in_one_statement(
     run's next read would find for this thread's next tick (``store/next_read.py``)."""
     intents = outbox_intents(payload, unsent(claim), loaded.priority)
     timer = _timer_change(loaded, payload.next_wake_at)
+    kept_by_attempts = done_nodes.done_nodes(
+        loaded.run_id,
+        payload.state.nodes,
+        loaded.done,
+        loaded.state.nodes,
+        None if carried is None else carried.node,
+        now,
+    )
     done = pg_commit.commit(
         conn,
         run_id=loaded.run_id,
@@ -298,6 +306,7 @@ def _commit_in_one_statement(
         notify=RUN_FINISHED_CHANNEL if payload.finished else None,
         timer=timer,
         next_read=next_read,
+        done=kept_by_attempts,
     )
     if not done.locked:
         # Alone: another tick holds the run, or committed it after our read. Nothing written.
@@ -309,7 +318,9 @@ def _commit_in_one_statement(
         raise VersionConflict(loaded.run_id)
     if done.next_read is not None:
         timer_at = loaded.timer_at if timer is None else timer[1]
-        next_read_kept(conn.engine, loaded, timer_at, done.next_read, payload.state.nodes)
+        next_read_kept(
+            conn.engine, loaded, timer_at, done.next_read, payload.state.nodes, kept_by_attempts
+        )
     return [outbox_row(i, r) for i, r in zip(done.outbox_ids, intents, strict=True)]
 
 

@@ -27,6 +27,7 @@ from ductor_celery.engine.status import TERMINAL_RUN_STATUSES
 from ductor_celery.fakes import InMemoryStore, RecordingDispatcher
 from ductor_celery.store import attempts, external, history, runs
 from ductor_celery.store.db import get_engine
+from ductor_celery.store.done_nodes import full_state
 from ductor_celery.store.migrate import upgrade
 from ductor_celery.store.schema import (
     step_attempt,
@@ -263,7 +264,7 @@ class _Sql:
                 r.run_id,
                 r.workflow_id,
                 r.status,
-                r.state,
+                full_state(),  # the whole state: as every reader selects it
                 r.output,
                 r.error,
                 r.record_version,

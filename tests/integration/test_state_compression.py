@@ -51,11 +51,14 @@ def test_the_migration_sets_lz4_on_the_state_and_its_downgrade_takes_it_back(
 def test_a_large_run_state_a_tick_writes_is_stored_lz4_compressed_and_reads_back(
     database_url: str,
 ) -> None:
-    """A 40-step chain run inline: its state passes the threshold halfway, and every later
-    tick's version of the row holds it compressed with lz4; the run reads back whole."""
+    """A 40-step chain run inline, each step adding to the run's context: its state passes
+    the threshold halfway, and every later tick's version of the row holds it compressed
+    with lz4; the run reads back whole. (Its nodes alone would not: a succeeded step's is
+    kept by its attempt row, store/done_nodes.py.)"""
     ductor, recorder = make_ductor(database_url)
 
     def add_one(ctx: StepContext, value: int = 0) -> int:
+        ctx.patch({f"note_{value}": f"step {value} was here, and it says so at length"})
         return value + 1
 
     step = ductor.step(name="lz4.add")(add_one)
