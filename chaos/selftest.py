@@ -118,8 +118,10 @@ def log_disagrees(conn: psycopg.Connection) -> None:
         "workflow = 'chaos_dag' LIMIT 1",
     )
     conn.execute(
-        "UPDATE eec_workflow_run SET state = jsonb_set(state, '{nodes,b,status}', "
-        "'\"skipped\"') WHERE run_id = %s",
+        # The whole state (a succeeded step may be only named in the stored one: migration
+        # 0020), with b's status changed.
+        "UPDATE eec_workflow_run SET state = jsonb_set(eec_run_state(state, run_id), "
+        "'{nodes,b,status}', '\"skipped\"') WHERE run_id = %s",
         (run_id,),
     )
 

@@ -7,8 +7,11 @@ gives the state back whole, as every reader selects it: each ``done`` node as it
 ``<run>:<node>:1`` says, each ``unstarted`` one as ``{"status": "pending"}``, in the keys and
 forms ``NodeState.to_json`` writes (times as UTC ISO 8601 texts).
 
-PostgreSQL only (SQLite's commit never writes ``done``). No table changes. The downgrade
-writes every state back whole first: code from before this revision does not know ``done``.
+Such a state holds the nodes it does hold under ``open`` and has ``"nodes": null``: a process
+of a version before 0.3.18 (a rolling upgrade's) fails on it instead of taking the named
+nodes for pending ones. PostgreSQL only (SQLite's commit never writes it). No table changes.
+The downgrade writes every state back whole first, and refuses if a ``done`` node's attempt
+row is gone.
 
 Revision ID: 0020
 Revises: 0019
@@ -30,9 +33,9 @@ _ISO = """to_char({0} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"')"
 _CREATE = f"""
 CREATE OR REPLACE FUNCTION eec_run_state(stored jsonb, of_run text) RETURNS jsonb
 LANGUAGE sql STABLE PARALLEL SAFE AS $$
-    SELECT CASE WHEN NOT (stored ? 'done' OR stored ? 'unstarted') THEN stored ELSE (
-        SELECT (stored - 'done' - 'unstarted')
-            || jsonb_build_object('nodes', COALESCE(stored -> 'nodes', '{{}}'::jsonb)
+    SELECT CASE WHEN NOT stored ? 'open' THEN stored ELSE (
+        SELECT (stored - 'open' - 'done' - 'unstarted')
+            || jsonb_build_object('nodes', COALESCE(stored -> 'open', '{{}}'::jsonb)
                 || COALESCE((
                     SELECT jsonb_object_agg(u, '{{"status": "pending"}}'::jsonb)
                     FROM unnest(string_to_array(stored ->> 'unstarted', ',')) AS u
@@ -62,9 +65,21 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    if op.get_bind().dialect.name == "postgresql":
-        op.execute(
-            "UPDATE eec_workflow_run SET state = eec_run_state(state, run_id) "
-            "WHERE state ? 'done' OR state ? 'unstarted'"
-        )
-        op.execute("DROP FUNCTION eec_run_state(jsonb, text)")
+    if op.get_bind().dialect.name != "postgresql":
+        return
+    # A done node whose attempt row is gone cannot be written back: refuse, rather than leave
+    # a state that code from before 0.3.18 would read with that node pending.
+    op.execute(
+        """
+DO $$ BEGIN
+    IF EXISTS (SELECT 1 FROM eec_workflow_run
+               WHERE state ? 'open' AND eec_run_state(state, run_id) ? 'done') THEN
+        RAISE EXCEPTION 'a run state names a succeeded step whose attempt row is gone: '
+            'its state cannot be written back whole (see docs/done-nodes.md)';
+    END IF;
+END $$"""
+    )
+    op.execute(
+        "UPDATE eec_workflow_run SET state = eec_run_state(state, run_id) WHERE state ? 'open'"
+    )
+    op.execute("DROP FUNCTION eec_run_state(jsonb, text)")

@@ -117,7 +117,8 @@ def reproduce(url: str) -> dict[str, object]:
             sa.text("SELECT fire_at FROM eec_workflow_timer WHERE run_id = :r"), {"r": run_id}
         ).scalar_one_or_none()
         state = conn.execute(
-            sa.text("SELECT state FROM eec_workflow_run WHERE run_id = :r"), {"r": run_id}
+            sa.text("SELECT eec_run_state(state, run_id) FROM eec_workflow_run WHERE run_id = :r"),
+            {"r": run_id},
         ).scalar_one()
     engine.dispose()
     nap = state["nodes"]["nap"]

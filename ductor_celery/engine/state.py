@@ -540,6 +540,9 @@ class NodeState:
 #: is decoded.
 DONE_KEY = "done"
 UNSTARTED_KEY = "unstarted"
+#: Where such a state holds the nodes it does hold: its ``nodes`` is ``null``, which a version
+#: before 0.3.18 cannot read (it fails, never takes named nodes for pending ones).
+OPEN_KEY = "open"
 
 
 @dataclass(slots=True)
@@ -625,7 +628,7 @@ class RunState:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunState:
-        for named in (DONE_KEY, UNSTARTED_KEY):
+        for named in (DONE_KEY, UNSTARTED_KEY, OPEN_KEY):
             if named in data:
                 # Nodes the stored state names instead of holding (store/done_nodes.py): a
                 # state read without them given back would take succeeded steps for pending

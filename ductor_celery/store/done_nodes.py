@@ -35,7 +35,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import GenericFunction
 
-from ..engine.state import DONE_KEY, UNSTARTED_KEY, AttemptOutput, NodeState, StepWork
+from ..engine.state import DONE_KEY, OPEN_KEY, UNSTARTED_KEY, AttemptOutput, NodeState, StepWork
 from ..engine.status import NodeStatus
 from .schema import Json, workflow_run
 
@@ -133,14 +133,13 @@ def read_done(stored: Any) -> frozenset[str]:
 
 
 def with_unstarted(stored: dict[str, Any]) -> dict[str, Any]:
-    """A stored state's JSON with its ``unstarted`` names given back as pending nodes, as
-    ``eec_run_state`` gives them back (its ``done`` ones need their attempt rows)."""
-    names = stored.get(UNSTARTED_KEY)
-    if not names:
+    """A stored state's JSON with its held nodes under ``nodes`` and its ``unstarted`` names
+    given back as pending nodes, as ``eec_run_state`` gives them back (its ``done`` ones need
+    their attempt rows, and stay named)."""
+    if OPEN_KEY not in stored:
         return stored
-    whole = {k: v for k, v in stored.items() if k != UNSTARTED_KEY}
-    whole["nodes"] = {
-        **stored.get("nodes", {}),
-        **{n: {"status": "pending"} for n in names.split(",")},
-    }
+    whole = {k: v for k, v in stored.items() if k not in (OPEN_KEY, UNSTARTED_KEY)}
+    names = stored.get(UNSTARTED_KEY)
+    unstarted = {n: {"status": "pending"} for n in names.split(",")} if names else {}
+    whole["nodes"] = {**stored[OPEN_KEY], **unstarted}
     return whole

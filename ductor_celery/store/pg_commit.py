@@ -237,7 +237,7 @@ def _statement(
 WITH {locked}{carried}run_update AS (
     UPDATE eec_workflow_run SET {sets}
     WHERE run_id = %(run_id)s AND record_version = %(version)s AND {written}
-    RETURNING {"state - 'nodes' - 'done' - 'unstarted' AS rest" if next_read else "1"}
+    RETURNING {"state - 'nodes' - 'open' - 'done' - 'unstarted' AS rest" if next_read else "1"}
 ){folded}, attempts AS (
     INSERT INTO eec_workflow_step_attempt
         (token, run_id, node, branch, generation, attempt, step, queue, args, timeout,

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..engine.state import (
     DONE_KEY,
+    OPEN_KEY,
     UNSTARTED_KEY,
     AttemptOutput,
     ChildWork,
@@ -100,10 +101,16 @@ def state_text(run_id: str, state: RunState, done: frozenset[str] = frozenset())
     rest = dumps_json(state.to_json_but_nodes())  # never "{}": it has status and context
     # Each list as one string, the names joined by commas (a node id has none): ``jsonb``
     # spends a few bytes on a string, more on each element of an array.
+    held = ",".join(parts)
+    if not (done or unstarted):
+        return '{"nodes":{' + held + "}," + rest[1:]
+    # The nodes it holds under "open", and "nodes" null: a reader from before 0.3.18 fails on
+    # it (a rolling upgrade's old process), where "nodes" without the named ones would have
+    # passed for a run whose succeeded steps are pending.
     named = f'"{DONE_KEY}":"{",".join(sorted(done))}",' if done else ""
     if unstarted:
         named += f'"{UNSTARTED_KEY}":"{",".join(unstarted)}",'
-    return '{"nodes":{' + ",".join(parts) + "}," + named + rest[1:]
+    return '{"nodes":null,"' + OPEN_KEY + '":{' + held + "}," + named + rest[1:]
 
 
 def holds_step_values(node: NodeState) -> bool:
