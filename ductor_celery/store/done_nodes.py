@@ -35,13 +35,13 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import GenericFunction
 
-from ..engine.state import DONE_KEY, OPEN_KEY, UNSTARTED_KEY, AttemptOutput, NodeState, StepWork
+from ..engine.state import OPEN_KEY, UNSTARTED_KEY, AttemptOutput, NodeState, StepWork
 from ..engine.status import NodeStatus
 from .schema import Json, workflow_run
 
-#: A name the ``done`` list may hold (a node id: ``definition/validate.py``): the list is one
-#: string, the names joined by commas.
-_NAMED = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
+#: A name the ``done`` and ``unstarted`` lists may hold (a node id: ``definition/validate.py``):
+#: each list is one string, the names joined by commas.
+NODE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
 
 #: The only step bookkeeping such a node has left.
 _DONE_WORK = StepWork(attempt=1)
@@ -56,7 +56,7 @@ def shaped_done(run_id: str, name: str, node: NodeState) -> bool:
     """Whether ``node`` is a succeeded step node its first attempt row can give back."""
     output = node.output
     return (
-        _NAMED.fullmatch(name) is not None
+        NODE_NAME.fullmatch(name) is not None
         and node.status == NodeStatus.SUCCEEDED
         and node.generation == 1
         and node.error is None
@@ -122,13 +122,11 @@ def _full_state_postgresql(element: full_state, compiler: SQLCompiler, **kw: Any
     return f"eec_run_state({compiler.process(element.clauses, **kw)})"
 
 
-def read_done(stored: Any) -> frozenset[str]:
-    """The ``done`` list of a state's stored JSON, or its ``done`` key's value (the names
-    joined by commas), or the names themselves (a kept read's: store/next_read.py)."""
+def read_done(stored: str | frozenset[str] | None) -> frozenset[str]:
+    """The names of a stored state's ``done`` value (joined by commas), or the names
+    themselves (a kept read's: store/next_read.py)."""
     if isinstance(stored, frozenset):
         return stored
-    if isinstance(stored, dict):
-        stored = stored.get(DONE_KEY)
     return frozenset(stored.split(",")) if stored else frozenset()
 
 

@@ -19,7 +19,6 @@ an event set's) or a scatter is always encoded: those are mutable objects.
 from __future__ import annotations
 
 import operator
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import fields
@@ -37,6 +36,7 @@ from ..engine.state import (
     SignalOutput,
     StepWork,
 )
+from .done_nodes import NODE_NAME
 from .schema import dumps_json
 
 _OF_NODE = ("status", "generation", "output", "started_at", "finished_at", "work.__class__")
@@ -61,10 +61,6 @@ _local = threading.local()
 #: A node that never started: stored as its name in the ``unstarted`` list.
 _UNSTARTED = NodeState()
 
-#: A name a list of names may hold (a node id: ``definition/validate.py``); any other node is
-#: stored whole.
-_NAMED = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
-
 
 def state_text(run_id: str, state: RunState, done: frozenset[str] = frozenset()) -> str:
     """``dumps_json(state.to_json())``, as the same JSON value (keys in another order: the
@@ -81,7 +77,7 @@ def state_text(run_id: str, state: RunState, done: frozenset[str] = frozenset())
     for name, node in state.nodes.items():
         if name in done:
             continue
-        if node == _UNSTARTED and _NAMED.fullmatch(name):
+        if node == _UNSTARTED and NODE_NAME.fullmatch(name):
             unstarted.append(name)
             continue
         values_of = None if holds_step_values(node) else _VALUES.get(type(node.work))
