@@ -324,5 +324,8 @@ class InMemoryTransaction:
         current = loaded.timer_at
         if current is None or current > loaded.now or current == fire_at:
             return False
-        committing.set_timer(self._store.tables, loaded, fire_at)
+        tables = self._store.tables
+        committing.set_timer(tables, loaded, fire_at)
+        # store/ticks.py: a timer row moved gives the run a new version.
+        tables.runs[loaded.run_id].record_version += 1
         return True

@@ -363,6 +363,10 @@ def _on_error(context: Any) -> None:
         _outages += 1
 
 
+#: PostgreSQL's "lock_timeout" error: a tick waited ``TICK_LOCK_TIMEOUT`` for a run's lock (the
+#: statement failed as a whole, nothing written).
+LOCK_NOT_AVAILABLE = "55P03"
+
 #: psycopg's own errors, from a statement sent straight to its cursor, that mean "this
 #: connection is no use": lost, idle too long in its transaction (25P03), or on a server that
 #: became read-only (a demoted primary).

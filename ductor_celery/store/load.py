@@ -45,7 +45,7 @@ from ..engine.tick import ACTIVE, read_nodes
 from ..engine.versions import successor_spec_hash
 from . import blobs, clock, done_nodes, run_slots
 from .composed import ImmutableCache, PerDatabase, cache_for, children_of, gather_any
-from .db import aware, driver_compiled, driver_cursor
+from .db import LOCK_NOT_AVAILABLE, aware, driver_compiled, driver_cursor
 from .dialect import dialect_of
 from .done_nodes import read_done
 from .inputs import redriven_input
@@ -253,10 +253,6 @@ def _run_exists(conn: Connection, run_id: str) -> bool:
 def _remember(cache: ImmutableCache, key: str, value: Any) -> Any:
     cache.put(key, value)
     return value
-
-
-#: PostgreSQL's "lock_timeout" error: the tick's ``FOR UPDATE`` waited ``TICK_LOCK_TIMEOUT``.
-LOCK_NOT_AVAILABLE = "55P03"
 
 
 def _run_row(

@@ -27,8 +27,11 @@ once, and the run update is conditional on that having matched too: an attempt f
 closed already writes nothing at all, and the caller rolls back (``OutcomeNotCarried``;
 docs/one-statement-step.md).
 
-``alone``: the statement is the whole tick, in autocommit, and locks the run itself first
-(``run_locked``; docs/tick-without-transaction.md).
+``alone``: the statement is the whole tick, in autocommit. Its run update is its first write,
+and takes the run's lock (waiting for a tick that holds it, at most the statement's
+``lock_timeout``); the carried outcome and everything else wait for it, and a statement that
+updated the run but could not write its outcome rolls itself back (``eec_refuse``, SQLSTATE
+``REFUSED``; docs/tick-without-transaction.md, "Nineteenth round").
 """
 
 from __future__ import annotations
@@ -37,12 +40,13 @@ import functools
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import psycopg
 from sqlalchemy.engine import Connection
 
 from ..coordinator.rows import OutboxIntent, folded_by_commit
 from ..engine import AttemptResult, NewAttempt, TickPayload
 from .attempts import CARRIED_WHERE, OUTCOME_VALUES, carried_params
-from .db import driver_cursor
+from .db import LOCK_NOT_AVAILABLE, driver_cursor
 from .history import kept_reason
 from .schema import dumps_json, stored_json_text
 from .state_text import state_text
@@ -73,14 +77,14 @@ class Committed(NamedTuple):
 
 
 #: The run row as the tick read it (a WHERE on ``eec_workflow_run``; parameters ``run_id``,
-#: ``version``, ``timer_read``): at its version, and with its timer row where it was. A tick
-#: with nothing to commit moves a stale timer row without a new version
-#: (``ticks.refresh_stale_timer``); a tick that locks the run only at its commit must not
-#: keep an earlier row it read that another tick has moved meanwhile (docs/tick-without-
-#: transaction.md).
-RUN_AS_READ = """run_id = %(run_id)s AND record_version = %(version)s
-      AND (SELECT t.fire_at FROM eec_workflow_timer t WHERE t.run_id = %(run_id)s)
-          IS NOT DISTINCT FROM %(timer_read)s::timestamptz"""
+#: ``version``): at its version. Every write a tick reads gives the run a new version, a
+#: stale timer row's move included (``ticks.refresh_stale_timer``), so a tick that locks the
+#: run only at its commit never keeps an earlier timer row it read that another tick has
+#: moved meanwhile (docs/tick-without-transaction.md, "The timer row").
+RUN_AS_READ = "run_id = %(run_id)s AND record_version = %(version)s"
+
+#: What ``eec_refuse`` raises (migration 0021): the statement rolled itself back.
+REFUSED = "EEC01"
 
 
 class NextRead(NamedTuple):
@@ -149,20 +153,14 @@ def _statement(
         for c in run_columns
     )
     # ``alone``: the statement is the whole tick, in autocommit (docs/tick-without-
-    # transaction.md); it takes the run's lock itself, at the version the tick read, before
-    # any write, and writes nothing if another tick holds the run or committed it since.
-    # Its lock timeout is set as the run is locked, before the carried CTE (one-time filter
-    # on run_locked) may wait for the attempt row's lock: as in a tick's transaction.
-    locked = (
-        f"""run_locked AS (
-    SELECT set_config('lock_timeout', %(lock_timeout)s, true) FROM eec_workflow_run
-    WHERE {RUN_AS_READ}
-    FOR UPDATE SKIP LOCKED
-), """
-        if alone
-        else ""
-    )
-    gate = "EXISTS (SELECT 1 FROM run_locked)" if alone else "true"
+    # transaction.md, "Nineteenth round"). Its first write is the run update, at the version
+    # the tick read: it takes the run's lock (no lock of its own before it: a row lock is a
+    # WAL record), waiting for a tick that holds the run, and a version moved meanwhile
+    # matches nothing. The lock timeout is set by its WHERE, on the row found, before the
+    # row's lock is waited for. The carried outcome is written only after it (the run row's
+    # lock before the attempt row's, as in every tick), and the last SELECT rolls the
+    # statement back if the run was updated without it.
+    bounded = " AND set_config('lock_timeout', %(lock_timeout)s, true) IS NOT NULL" if alone else ""
     # ``notify``: the run finishes; its waiters hear it when the statement's commit lands.
     notified = (
         "CASE WHEN EXISTS (SELECT 1 FROM run_update) THEN pg_notify(%(channel)s, %(run_id)s) END"
@@ -216,29 +214,44 @@ def _statement(
         else ""
     )
     outbox_ids = "ARRAY(SELECT id FROM outbox ORDER BY id)" if sends else "'{}'::bigint[]"
+    run_update = f"""run_update AS (
+    UPDATE eec_workflow_run SET {sets}
+    WHERE run_id = %(run_id)s AND record_version = %(version)s{bounded}{{after_carried}}
+    RETURNING {"state - 'nodes' - 'open' - 'done' - 'unstarted' AS rest" if next_read else "1"}
+)"""
+    refused = "NULL"
     if carrying:
         # ``carried_done``: the state leaves the carried node to this row (store/done_nodes.py),
         # which gives it back only if it was created when the node started.
         started = " AND created_at = %(c_started)s" if carried_done else ""
+        written = "EXISTS (SELECT 1 FROM carried)"
+        # In a transaction (the run locked since the read) the outcome is written first and
+        # the run update requires it; alone, the run update is first and the outcome
+        # requires it, and a run updated without its outcome is refused.
         carried = f"""carried AS (
     UPDATE eec_workflow_step_attempt SET {_TICK_CARRIED_SET}
-    WHERE {CARRIED_WHERE}{started} AND {gate}
+    WHERE {CARRIED_WHERE}{started}{" AND EXISTS (SELECT 1 FROM run_update)" if alone else ""}
     RETURNING success_seq
-), """
-        written = "EXISTS (SELECT 1 FROM carried)"
+)"""
+        if alone:
+            parts = f"{run_update.format(after_carried='')}, {carried}"
+            refused = (
+                f"CASE WHEN EXISTS (SELECT 1 FROM run_update) AND NOT {written} THEN "
+                "eec_refuse('the carried outcome of attempt ' || %(c_token)s || ' was not "
+                "written: the attempt was finished or closed meanwhile') END"
+            )
+        else:
+            parts = f"{carried}, {run_update.format(after_carried=f' AND {written}')}"
         # The success transition this row took (docs/history-in-attempt-rows.md) is not
         # written as a row too.
         kept_by_row = "AND (t->>'seq')::int IS DISTINCT FROM (SELECT success_seq FROM carried)"
     else:
-        carried = ""
-        written = gate
+        parts = run_update.format(after_carried="")
+        written = "true"
         kept_by_row = ""
+    matched = "EXISTS (SELECT 1 FROM run_update)"
     return f"""
-WITH {locked}{carried}run_update AS (
-    UPDATE eec_workflow_run SET {sets}
-    WHERE run_id = %(run_id)s AND record_version = %(version)s AND {written}
-    RETURNING {"state - 'nodes' - 'open' - 'done' - 'unstarted' AS rest" if next_read else "1"}
-){folded}, attempts AS (
+WITH {parts}{folded}, attempts AS (
     INSERT INTO eec_workflow_step_attempt
         (token, run_id, node, branch, generation, attempt, step, queue, args, timeout,
          created_at, folded, claimed_at, claimed_by, carrier, rate_key, rate_limit,
@@ -259,8 +272,8 @@ WITH {locked}{carried}run_update AS (
     WHERE EXISTS (SELECT 1 FROM run_update) {kept_by_row}
 ){outbox}{timer_write}
 SELECT {written} AS written, (SELECT count(*) FROM run_update) AS updated,
-       {outbox_ids} AS outbox_ids, {gate} AS locked,
-       {notified} AS notified{_NEXT_READ if next_read else ""}
+       {outbox_ids} AS outbox_ids, {matched if alone else "true"} AS locked,
+       {notified} AS notified, {refused} AS refused{_NEXT_READ if next_read else ""}
 """
 
 
@@ -279,7 +292,6 @@ def commit(
     carried: AttemptResult | None = None,
     alone: bool = False,
     lock_timeout: str | None = None,
-    timer_read: datetime | None = None,
     notify: str | None = None,
     timer: tuple[str, datetime | None] | None = None,
     next_read: bool = False,
@@ -287,9 +299,8 @@ def commit(
 ) -> Committed:
     """Run the five writes (six with ``carried``). ``claim``: that new attempt is inserted
     claimed by its worker (runtime/inline.py). ``alone``: the statement is the whole tick
-    (autocommit) and takes the run's lock itself, at ``version``, waiting at most
-    ``lock_timeout`` for any other lock, and only if the run's timer row is still at
-    ``timer_read`` (``RUN_AS_READ``). ``notify``: the channel to announce the run on (it
+    (autocommit) and takes the run's lock itself by its run update, at ``version``, waiting
+    at most ``lock_timeout`` for any lock. ``notify``: the channel to announce the run on (it
     finishes), if the run update matched. ``timer``: the run's timer row written too
     (``("set", fire_at)`` or ``("delete", None)``). ``next_read``: return what the run's next
     read would find (``Committed.next_read``; docs/next-read-from-commit.md). ``done``: the
@@ -315,7 +326,7 @@ def commit(
     if alone:
         if lock_timeout is None:
             raise ValueError("a commit alone sets its own lock timeout")
-        params.update(lock_timeout=lock_timeout, timer_read=timer_read)
+        params["lock_timeout"] = lock_timeout
     carried_done = carried is not None and carried.node in done
     if carried is not None:
         params.update(carried_params(carried))
@@ -363,8 +374,18 @@ def commit(
             bool(outbox),
             carried_done,
         )
-        cursor.execute(statement, params)
-        written, updated, outbox_ids, locked, _notified, *read = cursor.fetchone()
+        try:
+            cursor.execute(statement, params)
+        except psycopg.Error as error:
+            # Alone, in autocommit: the statement rolled back as a whole, nothing written.
+            if alone and error.sqlstate == LOCK_NOT_AVAILABLE:
+                # Another tick held the run past the lock timeout (stopped or cut off).
+                return Committed(False, False, False, [])
+            if alone and error.sqlstate == REFUSED:
+                # The run matched; the carried outcome's attempt was finished or closed.
+                return Committed(True, False, False, [])
+            raise
+        written, updated, outbox_ids, locked, _notified, _refused, *read = cursor.fetchone()
     matched = updated == 1
     return Committed(
         bool(locked),

@@ -302,7 +302,6 @@ def _commit_in_one_statement(
         carried=carried,
         alone=lock_timeout is not None,
         lock_timeout=lock_timeout,
-        timer_read=loaded.timer_at,
         notify=RUN_FINISHED_CHANNEL if payload.finished else None,
         timer=timer,
         next_read=next_read,
@@ -364,10 +363,11 @@ def commit_alone(
     carried: AttemptResult | None,
     lock_timeout: str,
 ) -> list[OutboxRow]:
-    """A commit ``commits_alone`` approved, as one statement in autocommit on ``conn``: it
-    takes the run's lock as the tick read it itself (and waits at most ``lock_timeout`` for
-    any other lock). ``RunBusy`` (another tick holds the run or wrote it since the read) and
-    ``OutcomeNotCarried``: nothing was written."""
+    """A commit ``commits_alone`` approved, as one statement in autocommit on ``conn``: its
+    run update takes the run's lock at the version read (waiting at most ``lock_timeout``
+    for a tick that holds it, or for any other lock). ``RunBusy`` (another tick wrote the
+    run since the read, or held it past the timeout) and ``OutcomeNotCarried``: nothing
+    was written."""
     values = _run_values(loaded, payload)
     return _commit_in_one_statement(
         conn,
@@ -405,7 +405,7 @@ _LOCK_AT_VERSION = (
 
 def lock_at_version(conn: Connection, loaded: LoadedRun, idle: str, lock: str) -> None:
     """In a transaction begun after the tick's read (PostgreSQL): lock the run row as the
-    tick read it (its version, its timer row), so every write that follows is made as if
+    tick read it (its version), so every write that follows is made as if
     the lock had been held since the read; ``RunBusy`` if another tick holds it or wrote it
     since."""
     params = {
@@ -413,7 +413,6 @@ def lock_at_version(conn: Connection, loaded: LoadedRun, idle: str, lock: str) -
         "lock": lock,
         "run_id": loaded.run_id,
         "version": loaded.record_version,
-        "timer_read": loaded.timer_at,
     }
     with driver_cursor(conn) as cursor:
         cursor.execute(_LOCK_AT_VERSION, params)
@@ -508,7 +507,20 @@ def refresh_stale_timer(conn: Connection, loaded: LoadedRun, fire_at: datetime |
     if not timer_is_stale(loaded, fire_at):
         return False
     _set_timer(conn, loaded, fire_at)
+    # A new version, and nothing else of the run changed: a tick that read the run before
+    # and locks it only at its commit must not keep the earlier timer row it read (its
+    # commit is at the version read; docs/tick-without-transaction.md, "The timer row").
+    conn.execute(_bump_version_statement(), {"b_run": loaded.run_id})
     return True
+
+
+@functools.cache
+def _bump_version_statement() -> Any:
+    return (
+        sa.update(workflow_run)
+        .where(workflow_run.c.run_id == sa.bindparam("b_run", type_=sa.String))
+        .values(record_version=workflow_run.c.record_version + 1)
+    )
 
 
 def timer_is_stale(loaded: LoadedRun, fire_at: datetime | None) -> bool:

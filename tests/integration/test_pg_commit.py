@@ -252,7 +252,7 @@ def test_a_commit_with_nothing_to_fold_reads_no_attempt_rows_for_it(
             sent.append((text, params))
 
         def fetchone(self) -> Any:
-            return True, 1, [], True, None
+            return True, 1, [], True, None, None
 
     @contextlib.contextmanager
     def recording(conn: Any) -> Any:

@@ -7,6 +7,7 @@ the carried outcome included."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 from ductor_celery import Ductor, Workflow
-from ductor_celery.coordinator import RunBusy
+from ductor_celery.coordinator import OutcomeNotCarried, RunBusy
 from ductor_celery.coordinator.loop import TickOutcome
 from ductor_celery.engine import AttemptResult
 from ductor_celery.engine.status import AttemptOutcome
@@ -128,6 +129,13 @@ def _attempt(d: Ductor, token: str) -> tuple[Any, ...]:
         )
 
 
+def _timer_at(d: Ductor, run_id: str) -> Any:
+    with d.runtime.engine().connect() as conn:
+        return conn.execute(
+            sa.text("SELECT fire_at FROM eec_workflow_timer WHERE run_id = :r"), {"r": run_id}
+        ).scalar_one()
+
+
 def _version(d: Ductor, run_id: str) -> int:
     with d.runtime.engine().connect() as conn:
         return int(
@@ -180,19 +188,19 @@ def test_another_commit_between_the_read_and_the_commit_makes_it_busy_writing_no
     assert ductor.get(run_id).nodes["a"].status == "running"
 
 
-def test_a_run_locked_by_another_tick_at_the_commit_makes_it_busy_without_waiting(
-    ductor: Ductor,
-) -> None:
-    run_id, token = _open_attempt(ductor)
-    engine = ductor.runtime.engine()
+def _held_during_the_commit(d: Ductor, run_id: str, then: Any) -> threading.Thread:
+    """Another transaction locks the run as the tick reaches its commit (its
+    ``before_commit`` point), holds it for a moment, then runs ``then(conn)`` and commits:
+    the tick's commit meets the run locked and must wait for it."""
+    engine = d.runtime.engine()
     locked = threading.Event()
-    release = threading.Event()
 
     def hold_the_run() -> None:
         with engine.begin() as conn:
             _lock_run(conn, run_id)
             locked.set()
-            release.wait(30)
+            time.sleep(0.3)
+            then(conn)
 
     holder = threading.Thread(target=hold_the_run)
 
@@ -201,14 +209,108 @@ def test_a_run_locked_by_another_tick_at_the_commit_makes_it_busy_without_waitin
             holder.start()
             assert locked.wait(10)
 
-    ductor.runtime.failpoint = lock_before_commit
+    d.runtime.failpoint = lock_before_commit
+    return holder
+
+
+def test_a_run_another_tick_holds_and_commits_is_waited_for_then_busy_writing_nothing(
+    ductor: Ductor,
+) -> None:
+    """The commit's run update takes the run's lock itself (no lock record of its own): it
+    waits for the tick that holds the run, and finds the version that tick committed, not
+    the one it read: it writes nothing, the carried outcome included (busy)."""
+    run_id, token = _open_attempt(ductor)
+    version = _version(ductor, run_id)
+
+    def commit_a_new_version(conn: Any) -> None:
+        conn.execute(
+            sa.update(workflow_run)
+            .where(workflow_run.c.run_id == run_id)
+            .values(record_version=workflow_run.c.record_version + 1)
+        )
+
+    holder = _held_during_the_commit(ductor, run_id, commit_a_new_version)
     try:
         outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
     finally:
-        release.set()
         holder.join(10)
     assert outcome == TickOutcome.BUSY
     assert _attempt(ductor, token) == (None, False)
+    assert _version(ductor, run_id) == version + 1, "only the holder's commit"
+
+
+def test_a_run_another_tick_holds_and_leaves_unchanged_is_waited_for_then_committed(
+    ductor: Ductor,
+) -> None:
+    """A holder that writes nothing (a no-op tick) leaves the run at the version read: the
+    waiting commit then lands whole."""
+    run_id, token = _open_attempt(ductor)
+    version = _version(ductor, run_id)
+    holder = _held_during_the_commit(ductor, run_id, lambda conn: None)
+    try:
+        outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
+    finally:
+        holder.join(10)
+    assert outcome == TickOutcome.COMMITTED
+    assert _attempt(ductor, token)[1] is True
+    assert _version(ductor, run_id) == version + 1
+    assert ductor.get(run_id).nodes["a"].status == "succeeded"
+
+
+def test_a_run_held_past_the_lock_timeout_is_busy_writing_nothing(
+    ductor: Ductor, monkeypatch: Any
+) -> None:
+    """A holder that keeps the run (a process stopped mid-tick) is waited for at most the
+    tick's lock timeout, set by the statement itself before its run update waits: then the
+    statement fails as a whole and the tick is busy."""
+    from ductor_celery.store import tick_store
+
+    monkeypatch.setattr(tick_store, "TICK_LOCK_TIMEOUT", "200ms")
+    run_id, token = _open_attempt(ductor)
+    version = _version(ductor, run_id)
+    engine = ductor.runtime.engine()
+    reached: list[str] = []
+    ductor.runtime.failpoint = reached.append
+    with engine.begin() as holder:
+        _lock_run(holder, run_id)
+        outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
+    assert outcome == TickOutcome.BUSY
+    assert "before_commit" in reached, "the tick read and computed: its read took no lock"
+    assert _attempt(ductor, token) == (None, False)
+    assert _version(ductor, run_id) == version
+
+
+def test_a_run_updated_whose_outcome_cannot_be_written_is_rolled_back_whole(
+    ductor: Ductor,
+) -> None:
+    """The run update comes first; the carried outcome after it, on its attempt row. An
+    attempt finished meanwhile by someone else (here, directly) leaves the run updated and
+    the outcome unwritten: ``eec_refuse`` rolls the statement back, and the tick says the
+    outcome was not carried."""
+    run_id, token = _open_attempt(ductor)
+    version = _version(ductor, run_id)
+    engine = ductor.runtime.engine()
+
+    def finished_meanwhile(point: str) -> None:
+        if point == "before_commit":
+            with engine.begin() as conn:
+                conn.execute(
+                    sa.update(step_attempt)
+                    .where(step_attempt.c.token == token)
+                    .values(finished_at=sa.func.now(), outcome="failed")
+                )
+
+    ductor.runtime.failpoint = finished_meanwhile
+    with pytest.raises(OutcomeNotCarried):
+        run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
+    assert _version(ductor, run_id) == version, "the run update was rolled back"
+    assert _attempt(ductor, token)[1] is False
+    assert ductor.get(run_id).nodes["a"].status == "running"
+    with engine.connect() as conn:
+        attempts_of_run = conn.execute(
+            sa.select(sa.func.count()).where(step_attempt.c.run_id == run_id)
+        ).scalar_one()
+    assert attempts_of_run == 1, "no next attempt inserted"
 
 
 def test_a_commit_that_is_more_than_one_statement_locks_the_run_at_the_version_read(
@@ -300,33 +402,14 @@ def test_the_tick_that_finishes_the_run_commits_alone_and_notifies_its_waiters(
     assert _attempt(ductor, second)[1] is True
 
 
-def test_the_read_takes_no_lock_so_a_run_held_elsewhere_is_busy_at_the_commit(
-    ductor: Ductor,
-) -> None:
-    """The read in autocommit locks nothing (a lock there would end with the statement, and
-    cost it a commit record and a WAL flush): with the run held by another transaction for
-    the whole tick, the tick reads and computes, then its commit finds the run locked and
-    writes nothing."""
-    run_id, token = _open_attempt(ductor)
-    engine = ductor.runtime.engine()
-    reached: list[str] = []
-    ductor.runtime.failpoint = reached.append
-    with engine.begin() as holder:
-        _lock_run(holder, run_id)
-        outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
-    assert outcome == TickOutcome.BUSY
-    assert "before_commit" in reached, "the tick read and computed: its read took no lock"
-    assert _attempt(ductor, token) == (None, False)
-
-
 @pytest.mark.parametrize("alone", [True, False], ids=["commit alone", "in a transaction"])
 def test_a_timer_row_moved_since_the_read_makes_it_busy_writing_nothing(
     ductor: Ductor, monkeypatch: Any, alone: bool
 ) -> None:
-    """A tick with nothing to commit moves a stale timer row without a new version
-    (``refresh_stale_timer``). A tick that read the row before and locks the run only at its
-    commit would keep the earlier row it read, and the run would wake late: the run is
-    locked only as it was read, timer row included."""
+    """A tick with nothing to commit moves a stale timer row (``refresh_stale_timer``). A
+    tick that read the row before and locks the run only at its commit would keep the
+    earlier row it read, and the run would wake late: moving the row gives the run a new
+    version, so that tick is busy and writes nothing."""
     from ductor_celery.store import tick_store
 
     if not alone:
@@ -334,21 +417,27 @@ def test_a_timer_row_moved_since_the_read_makes_it_busy_writing_nothing(
     run_id, token = _open_attempt(ductor)
     assert _timer_rows(ductor, run_id) == 1
     engine = ductor.runtime.engine()
+    with engine.begin() as conn:
+        # The row came due early: the next tick with nothing to do moves it.
+        conn.execute(
+            sa.text(
+                "UPDATE eec_workflow_timer SET fire_at = now() - interval '1 minute' "
+                "WHERE run_id = :r"
+            ),
+            {"r": run_id},
+        )
+    stale = _timer_at(ductor, run_id)
+    refreshed: list[TickOutcome] = []
 
-    def timer_moved(point: str) -> None:
-        if point == "before_commit":
-            with engine.begin() as conn:
-                conn.execute(
-                    sa.text(
-                        "UPDATE eec_workflow_timer SET fire_at = fire_at + interval '1 hour' "
-                        "WHERE run_id = :r"
-                    ),
-                    {"r": run_id},
-                )
+    def coordinator_ticks_meanwhile(point: str) -> None:
+        if point == "before_commit" and not refreshed:
+            refreshed.append(run_tick(ductor.runtime, run_id))
 
-    ductor.runtime.failpoint = timer_moved
+    ductor.runtime.failpoint = coordinator_ticks_meanwhile
     version = _version(ductor, run_id)
     outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
+    assert refreshed == [TickOutcome.NOOP]
+    assert _timer_at(ductor, run_id) > stale, "the no-op tick moved the stale row"
     assert outcome == TickOutcome.BUSY
     assert _attempt(ductor, token) == (None, False)
-    assert _version(ductor, run_id) == version
+    assert _version(ductor, run_id) == version + 1, "the timer's move is a new version"
