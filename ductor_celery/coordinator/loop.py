@@ -57,7 +57,9 @@ class TickOutcome(StrEnum):
     MISSING = "missing"
     #: It gave up after ``MAX_CONFLICT_RETRIES`` recomputes; nothing was written.
     CONFLICT = "conflict"
-    #: Another tick held the run's lock (an eager tick at once; others after the lock timeout).
+    #: Another tick held the run's lock (an eager tick that reads under the lock: at once) or
+    #: committed it since the read (an eager tick that locks at its commit, after waiting for
+    #: that tick); any tick after the lock timeout.
     BUSY = "busy"
 
 
@@ -162,9 +164,10 @@ class Coordinator(Generic[TxT]):
     ) -> TickResult:
         """One tick of one run (docs/architecture.md, "One writer per run").
 
-        ``eager``: a step worker's tick: it does not wait for the run's lock ("busy" instead)
-        and leaves the coalesced wake-up alone (a tick message is queued whose tick has not
-        started; that tick clears it).
+        ``eager``: a step worker's tick: its read does not wait for the run's lock ("busy"
+        instead; a tick that locks at its commit waits there for a tick that holds the run, and
+        is busy if that tick committed) and leaves the coalesced wake-up alone (a tick message
+        is queued whose tick has not started; that tick clears it).
 
         ``carried`` (eager ticks only): the outcome of an attempt the step worker running the
         tick holds in memory, not written yet. The tick computes with it as one more result

@@ -117,7 +117,8 @@ class WorkflowIdTaken(Exception):
 
 
 class RunBusy(Exception):
-    """Another tick holds the run's lock (only raised when asked not to wait for it)."""
+    """Another tick holds the run's lock (when asked not to wait for it), held it past the lock
+    timeout, or committed the run since this tick read it (a tick that locks at its commit)."""
 
 
 class OutcomeNotCarried(Exception):
@@ -156,7 +157,10 @@ class TickTransaction(Protocol):
         unleased (``OutcomeNotCarried``: roll back)."""
 
     def refresh_stale_timer(self, loaded: LoadedRun, fire_at: datetime | None) -> bool:
-        """A tick with nothing to commit still moves a timer row that came due early."""
+        """A tick with nothing to commit still moves a timer row that came due early, and then
+        gives the run a new version (``record_version``): a tick that read the run before and
+        locks it only at its commit, at the version it read, must not keep the earlier row
+        (docs/tick-without-transaction.md, "The timer row")."""
 
     def read_values(self, inputs: TickInputs, needs: BlobNeeds) -> TickInputs:
         """``inputs`` with the large values and list pages a computation needed read in

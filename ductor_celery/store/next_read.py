@@ -4,7 +4,7 @@ A commit alone that claims the chain's next attempt for this worker returns, in 
 statement, what the run's next read would find (``pg_commit.NextRead``). This thread
 keeps it (``keep``) for the next tick of the same run in the same thread, which takes it
 (``take``) instead of reading the run row again, when it is still fresh. The next commit is
-conditional on the run being as the kept read describes it (its version and its timer row,
+conditional on the run being as the kept read describes it (its version,
 ``pg_commit.RUN_AS_READ``), exactly as on a read: a tick that committed in between makes it
 busy.
 
@@ -73,6 +73,8 @@ class _Kept(NamedTuple):
     nodes: dict[str, NodeState]
     at: float
     done: frozenset[str]
+    #: How old its snapshot was when the statement returned (it waited for the run's lock).
+    age: float
 
 
 _local = threading.local()
@@ -90,7 +92,8 @@ def keep(
     timer row as the commit left it and the nodes it stored (the tick's state's: nothing
     changes them after the commit, and the next tick's computation copies them first;
     ``done``: those it left to their attempt rows)."""
-    _local.kept = _Kept(engine, loaded, timer_at, read, nodes, time.monotonic(), done)
+    age = 0.0 if read.db_began is None else (read.db_now - read.db_began).total_seconds()
+    _local.kept = _Kept(engine, loaded, timer_at, read, nodes, time.monotonic(), done, age)
 
 
 def take(engine: Any, run_id: str) -> RunRow | None:
@@ -102,7 +105,9 @@ def take(engine: Any, run_id: str) -> RunRow | None:
     _local.kept = None
     elapsed = time.monotonic() - kept.at
     loaded = kept.loaded
-    if kept.engine is not engine or loaded.run_id != run_id or elapsed > NEXT_READ_FRESH_FOR_S:
+    # Fresh as its snapshot is: the flags below are as of the statement's start.
+    stale = elapsed + kept.age > NEXT_READ_FRESH_FOR_S
+    if kept.engine is not engine or loaded.run_id != run_id or stale:
         return None
     read = kept.read
     if read.has_results or read.has_control or read.has_signals or read.state is None:

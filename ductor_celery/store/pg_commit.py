@@ -22,10 +22,11 @@ run_update)``): a tick that lost a version race writes nothing, not even a row t
 collide with the winner's, and the caller rolls back and recomputes (``VersionConflict``).
 
 A tick that carries a step's outcome (``Coordinator.tick``'s ``carried``: an inline step's
-eager tick) writes it first, in a ``carried`` CTE that finishes and folds its attempt at
-once, and the run update is conditional on that having matched too: an attempt finished or
-closed already writes nothing at all, and the caller rolls back (``OutcomeNotCarried``;
-docs/one-statement-step.md).
+eager tick) writes it in a ``carried`` CTE that finishes and folds its attempt at once. In a
+transaction it is written first, and the run update is conditional on it; alone, after the
+run update, conditional on it, and a run updated without it is refused (below). Either way
+an attempt finished or closed already writes nothing at all, and the caller rolls back
+(``OutcomeNotCarried``; docs/one-statement-step.md).
 
 ``alone``: the statement is the whole tick, in autocommit. Its run update is its first write,
 and takes the run's lock (waiting for a tick that holds it, at most the statement's
@@ -62,8 +63,9 @@ _JSON_RUN_COLUMNS = frozenset({"state", "output", "error"})
 class Committed(NamedTuple):
     """What the statement did."""
 
-    #: ``alone``: the run was locked at the tick's version (else nothing was written: another
-    #: tick holds the run or committed it since). Always True otherwise.
+    #: ``alone``: the run update matched, at the tick's version (else nothing was written:
+    #: another tick committed the run since the read, or held it past the lock timeout).
+    #: Always True otherwise.
     locked: bool
     #: The carried outcome was written (True when there is none).
     written: bool
@@ -106,6 +108,11 @@ class NextRead(NamedTuple):
     has_control: bool
     has_signals: bool
     has_results: bool
+    #: The database's clock as the statement began (``statement_timestamp()``): its snapshot's
+    #: time, the flags' above. Earlier than ``db_now`` by more than the statement's own work
+    #: when it waited for the run's lock (docs/tick-without-transaction.md, "Nineteenth
+    #: round"); the kept read's age counts from here. None: not read (a test's own).
+    db_began: datetime | None = None
 
 
 #: The carried outcome's write in the commit (``CARRIED_SET`` but for two columns): finished
@@ -124,7 +131,8 @@ _NEXT_READ = """,
        EXISTS (SELECT 1 FROM eec_workflow_signal s
                WHERE s.run_id = %(run_id)s AND s.applied_at IS NULL) AS has_signals,
        EXISTS (SELECT 1 FROM eec_workflow_step_attempt r
-               WHERE r.run_id = %(run_id)s AND r.unfolded) AS has_results"""
+               WHERE r.run_id = %(run_id)s AND r.unfolded) AS has_results,
+       statement_timestamp() AS db_began"""
 
 
 def eligible(payload: TickPayload) -> bool:

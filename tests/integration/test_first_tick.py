@@ -87,9 +87,15 @@ def test_a_duplicate_start_message_is_a_no_op(url: str) -> None:
     assert first_tick(ductor.runtime, "no-such-run", "w2@host", QUEUE) == "missing"
 
 
-def test_a_run_another_tick_holds_is_left_to_the_coordinator(database_url: str) -> None:
-    """PostgreSQL: the first tick takes the run's lock without waiting; when a coordinator
-    tick holds it, the worker wakes the coordinator and runs nothing."""
+def test_a_run_another_tick_holds_is_left_to_the_coordinator(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: the first tick takes the run's lock at its commit, waiting at most the
+    tick's lock timeout; when a coordinator tick holds it past that, the worker wakes the
+    coordinator and runs nothing."""
+    from ductor_celery.store import tick_store
+
+    monkeypatch.setattr(tick_store, "TICK_LOCK_TIMEOUT", "200ms")
     ductor, recorder = make_ductor(database_url)
     _chain(ductor, 2)
     run_id = ductor.start("chain").run_id

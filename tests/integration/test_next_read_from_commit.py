@@ -447,7 +447,7 @@ def test_a_chain_into_a_scatter_and_out_of_it_folds_every_branch_once(
 
 
 def test_a_kept_read_is_taken_once_and_only_for_its_run_and_engine() -> None:
-    from datetime import UTC, datetime
+    from datetime import UTC, datetime, timedelta
 
     from ductor_celery.coordinator.port import LoadedRun
     from ductor_celery.engine import RunState
@@ -489,6 +489,13 @@ def test_a_kept_read_is_taken_once_and_only_for_its_run_and_engine() -> None:
     for flags in [(True, False, False), (False, True, False), (False, False, True)]:
         next_read.keep(engine, loaded, None, NextRead({}, now, *flags), nodes)
         assert next_read.take(engine, "r1") is None  # something else to apply: read
+
+    # A statement that waited for the run's lock: its flags are as of its start, too old.
+    began = now - timedelta(seconds=1)
+    next_read.keep(engine, loaded, None, read._replace(db_began=began), nodes)
+    assert next_read.take(engine, "r1") is None
+    next_read.keep(engine, loaded, None, read._replace(db_began=now), nodes)
+    assert next_read.take(engine, "r1") is not None
 
     next_read.keep(engine, loaded, None, read, nodes)
     next_read.forget()

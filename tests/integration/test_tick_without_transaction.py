@@ -188,10 +188,12 @@ def test_another_commit_between_the_read_and_the_commit_makes_it_busy_writing_no
     assert ductor.get(run_id).nodes["a"].status == "running"
 
 
-def _held_during_the_commit(d: Ductor, run_id: str, then: Any) -> threading.Thread:
+def _held_during_the_commit(
+    d: Ductor, run_id: str, then: Any, waited: list[bool]
+) -> threading.Thread:
     """Another transaction locks the run as the tick reaches its commit (its
-    ``before_commit`` point), holds it for a moment, then runs ``then(conn)`` and commits:
-    the tick's commit meets the run locked and must wait for it."""
+    ``before_commit`` point), holds it until the tick's commit waits for its lock (``waited``
+    says whether it was seen waiting), then runs ``then(conn)`` and commits."""
     engine = d.runtime.engine()
     locked = threading.Event()
 
@@ -199,7 +201,7 @@ def _held_during_the_commit(d: Ductor, run_id: str, then: Any) -> threading.Thre
         with engine.begin() as conn:
             _lock_run(conn, run_id)
             locked.set()
-            time.sleep(0.3)
+            waited.append(_a_commit_waits_for_a_lock(engine))
             then(conn)
 
     holder = threading.Thread(target=hold_the_run)
@@ -211,6 +213,25 @@ def _held_during_the_commit(d: Ductor, run_id: str, then: Any) -> threading.Thre
 
     d.runtime.failpoint = lock_before_commit
     return holder
+
+
+def _a_commit_waits_for_a_lock(engine: Any) -> bool:
+    """Whether, within 10 s, a backend runs the tick's commit (its ``run_update``) waiting for
+    a lock."""
+    deadline = time.monotonic() + 10
+    with engine.connect() as conn:
+        while time.monotonic() < deadline:
+            found = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND query LIKE '%run_update AS%'"
+                )
+            ).scalar_one()
+            conn.rollback()
+            if found:
+                return True
+            time.sleep(0.01)
+    return False
 
 
 def test_a_run_another_tick_holds_and_commits_is_waited_for_then_busy_writing_nothing(
@@ -229,11 +250,13 @@ def test_a_run_another_tick_holds_and_commits_is_waited_for_then_busy_writing_no
             .values(record_version=workflow_run.c.record_version + 1)
         )
 
-    holder = _held_during_the_commit(ductor, run_id, commit_a_new_version)
+    waited: list[bool] = []
+    holder = _held_during_the_commit(ductor, run_id, commit_a_new_version, waited)
     try:
         outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
     finally:
         holder.join(10)
+    assert waited == [True], "the commit waited for the holder"
     assert outcome == TickOutcome.BUSY
     assert _attempt(ductor, token) == (None, False)
     assert _version(ductor, run_id) == version + 1, "only the holder's commit"
@@ -246,11 +269,13 @@ def test_a_run_another_tick_holds_and_leaves_unchanged_is_waited_for_then_commit
     waiting commit then lands whole."""
     run_id, token = _open_attempt(ductor)
     version = _version(ductor, run_id)
-    holder = _held_during_the_commit(ductor, run_id, lambda conn: None)
+    waited: list[bool] = []
+    holder = _held_during_the_commit(ductor, run_id, lambda conn: None, waited)
     try:
         outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
     finally:
         holder.join(10)
+    assert waited == [True], "the commit waited for the holder"
     assert outcome == TickOutcome.COMMITTED
     assert _attempt(ductor, token)[1] is True
     assert _version(ductor, run_id) == version + 1
@@ -406,9 +431,10 @@ def test_the_tick_that_finishes_the_run_commits_alone_and_notifies_its_waiters(
 def test_a_timer_row_moved_since_the_read_makes_it_busy_writing_nothing(
     ductor: Ductor, monkeypatch: Any, alone: bool
 ) -> None:
-    """A tick with nothing to commit moves a stale timer row (``refresh_stale_timer``). A
-    tick that read the row before and locks the run only at its commit would keep the
-    earlier row it read, and the run would wake late: moving the row gives the run a new
+    """A tick with nothing to commit moves a timer row that came due (``refresh_stale_timer``).
+    A tick that read the row before it came due, and locks the run only at its commit, would
+    keep it (a row in the future, no later than its own next wake-up, is left as it is) while
+    the row had moved later, and the run would wake late: moving the row gives the run a new
     version, so that tick is busy and writes nothing."""
     from ductor_celery.store import tick_store
 
@@ -418,10 +444,11 @@ def test_a_timer_row_moved_since_the_read_makes_it_busy_writing_nothing(
     assert _timer_rows(ductor, run_id) == 1
     engine = ductor.runtime.engine()
     with engine.begin() as conn:
-        # The row came due early: the next tick with nothing to do moves it.
+        # An early row, due just after the tick's read: the next tick with nothing to do
+        # moves it.
         conn.execute(
             sa.text(
-                "UPDATE eec_workflow_timer SET fire_at = now() - interval '1 minute' "
+                "UPDATE eec_workflow_timer SET fire_at = now() + interval '300 milliseconds' "
                 "WHERE run_id = :r"
             ),
             {"r": run_id},
@@ -431,6 +458,7 @@ def test_a_timer_row_moved_since_the_read_makes_it_busy_writing_nothing(
 
     def coordinator_ticks_meanwhile(point: str) -> None:
         if point == "before_commit" and not refreshed:
+            time.sleep(0.4)  # the row comes due
             refreshed.append(run_tick(ductor.runtime, run_id))
 
     ductor.runtime.failpoint = coordinator_ticks_meanwhile
