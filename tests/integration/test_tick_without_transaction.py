@@ -88,13 +88,18 @@ def _another_commit_before_the_commit(d: Ductor, run_id: str) -> None:
     def another_tick(point: str) -> None:
         if point == "before_commit":
             with engine.begin() as conn:
-                conn.execute(
-                    sa.update(workflow_run)
-                    .where(workflow_run.c.run_id == run_id)
-                    .values(record_version=workflow_run.c.record_version + 1)
-                )
+                _new_version(conn, run_id)
 
     d.runtime.failpoint = another_tick
+
+
+def _new_version(conn: Any, run_id: str) -> None:
+    """The run's version moved on in ``conn``'s transaction, as another tick's commit moves it."""
+    conn.execute(
+        sa.update(workflow_run)
+        .where(workflow_run.c.run_id == run_id)
+        .values(record_version=workflow_run.c.record_version + 1)
+    )
 
 
 def _lock_run(conn: Any, run_id: str) -> None:
@@ -243,15 +248,10 @@ def test_a_run_another_tick_holds_and_commits_is_waited_for_then_busy_writing_no
     run_id, token = _open_attempt(ductor)
     version = _version(ductor, run_id)
 
-    def commit_a_new_version(conn: Any) -> None:
-        conn.execute(
-            sa.update(workflow_run)
-            .where(workflow_run.c.run_id == run_id)
-            .values(record_version=workflow_run.c.record_version + 1)
-        )
-
     waited: list[bool] = []
-    holder = _held_during_the_commit(ductor, run_id, commit_a_new_version, waited)
+    holder = _held_during_the_commit(
+        ductor, run_id, lambda conn: _new_version(conn, run_id), waited
+    )
     try:
         outcome = run_tick(ductor.runtime, run_id, eager=True, carried=_succeeded(token))
     finally:
