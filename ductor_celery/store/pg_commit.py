@@ -222,11 +222,15 @@ def _statement(
         else ""
     )
     outbox_ids = "ARRAY(SELECT id FROM outbox ORDER BY id)" if sends else "'{}'::bigint[]"
-    run_update = f"""run_update AS (
+    returned = "state - 'nodes' - 'open' - 'done' - 'unstarted' AS rest" if next_read else "1"
+
+    def run_update(also: str = "") -> str:
+        return f"""run_update AS (
     UPDATE eec_workflow_run SET {sets}
-    WHERE run_id = %(run_id)s AND record_version = %(version)s{bounded}{{after_carried}}
-    RETURNING {"state - 'nodes' - 'open' - 'done' - 'unstarted' AS rest" if next_read else "1"}
+    WHERE run_id = %(run_id)s AND record_version = %(version)s{bounded}{also}
+    RETURNING {returned}
 )"""
+
     refused = "NULL"
     if carrying:
         # ``carried_done``: the state leaves the carried node to this row (store/done_nodes.py),
@@ -242,19 +246,19 @@ def _statement(
     RETURNING success_seq
 )"""
         if alone:
-            parts = f"{run_update.format(after_carried='')}, {carried}"
+            parts = f"{run_update()}, {carried}"
             refused = (
                 f"CASE WHEN EXISTS (SELECT 1 FROM run_update) AND NOT {written} THEN "
                 "eec_refuse('the carried outcome of attempt ' || %(c_token)s || ' was not "
                 "written: the attempt was finished or closed meanwhile') END"
             )
         else:
-            parts = f"{carried}, {run_update.format(after_carried=f' AND {written}')}"
+            parts = f"{carried}, {run_update(f' AND {written}')}"
         # The success transition this row took (docs/history-in-attempt-rows.md) is not
         # written as a row too.
         kept_by_row = "AND (t->>'seq')::int IS DISTINCT FROM (SELECT success_seq FROM carried)"
     else:
-        parts = run_update.format(after_carried="")
+        parts = run_update()
         written = "true"
         kept_by_row = ""
     matched = "EXISTS (SELECT 1 FROM run_update)"
