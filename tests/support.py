@@ -30,6 +30,7 @@ from ductor_celery.engine import (
     compute_tick,
 )
 from ductor_celery.engine.outputs import AttemptOutput, EventsOutput, LiteralOutput, SignalOutput
+from ductor_celery.engine.state import OPEN_KEY, UNSTARTED_KEY
 from ductor_celery.engine.status import TERMINAL_RUN_STATUSES
 from ductor_celery.fakes import RecordingDispatcher
 from ductor_celery.settings import Settings
@@ -333,3 +334,16 @@ def run_to_end(d: Any, workflow: str, input: Any, queue: str = "ductor-steps") -
         else:
             run_tick(rt, run_id)  # a retry's backoff of 0 s is due: what its timer would do
     raise AssertionError(f"run {run_id} did not end: {d.get(run_id).status}")
+
+
+def with_unstarted(stored: dict[str, Any]) -> dict[str, Any]:
+    """A stored state's JSON (``store/state_text.py``) with its held nodes under ``nodes`` and
+    its ``unstarted`` names given back as pending nodes, as ``eec_run_state`` (migration 0020)
+    gives them back; its ``done`` ones need their attempt rows, and stay named."""
+    if OPEN_KEY not in stored:
+        return stored
+    whole = {k: v for k, v in stored.items() if k not in (OPEN_KEY, UNSTARTED_KEY)}
+    names = stored.get(UNSTARTED_KEY)
+    unstarted = {n: {"status": "pending"} for n in names.split(",")} if names else {}
+    whole["nodes"] = {**stored[OPEN_KEY], **unstarted}
+    return whole

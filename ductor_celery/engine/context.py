@@ -13,6 +13,12 @@ from .state import NodeState
 from .status import NODE_TRANSITIONS, TERMINAL_RUN_STATUSES, NodeStatus, RunStatus
 
 
+def attempt_token(run_id: str, node: str, generation: int) -> str:
+    """The token of a node's attempt: its run, its node, its generation (every attempt of one
+    generation shares it; store/done_nodes.py rebuilds a first generation's from it)."""
+    return f"{run_id}:{node}:{generation}"
+
+
 @dataclass(slots=True)
 class TickContext:
     spec: WorkflowSpec
@@ -49,7 +55,7 @@ class TickContext:
         return spec
 
     def token_for(self, node: str, generation: int) -> str:
-        return f"{self.inputs.run_id}:{node}:{generation}"
+        return attempt_token(self.inputs.run_id, node, generation)
 
     def move_node(self, node: str, to: NodeStatus, reason: str) -> None:
         """Change a node's status along the allowed map and record the transition."""

@@ -16,8 +16,8 @@ through ``full_state()`` (on SQLite, which never writes ``done``, the column its
 A node goes into ``done`` only when its attempt row is known to give it back exactly:
 - the carried outcome of the commit that writes it: the commit finishes the attempt at its
   own ``now`` (the node's ``finished_at``), and only if the row's ``created_at`` is the node's
-  ``started_at`` (``CARRIED_STARTED``: else the carried outcome writes nothing and takes the
-  ordinary path, which keeps the node in ``nodes``);
+  ``started_at`` (``pg_commit``'s ``carried_done``: else the carried outcome writes nothing
+  and takes the ordinary path, which keeps the node in ``nodes``);
 - or a node the tick read from ``done`` and left alone (the very time objects it read).
 Anything else is written whole, as before; a state without ``done`` reads as it always did.
 ``RunState.from_json`` refuses a state that still names ``done``: a reader that forgot to
@@ -35,7 +35,8 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import GenericFunction
 
-from ..engine.state import OPEN_KEY, UNSTARTED_KEY, AttemptOutput, NodeState, StepWork
+from ..engine.context import attempt_token
+from ..engine.state import AttemptOutput, NodeState, StepWork
 from ..engine.status import NodeStatus
 from .schema import Json, workflow_run
 
@@ -47,11 +48,6 @@ NODE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
 _DONE_WORK = StepWork(attempt=1)
 
 
-def token_of(run_id: str, node: str) -> str:
-    """The attempt token of a done node (its first generation's: ``TickContext.token_for``)."""
-    return f"{run_id}:{node}:1"
-
-
 def shaped_done(run_id: str, name: str, node: NodeState) -> bool:
     """Whether ``node`` is a succeeded step node its first attempt row can give back."""
     output = node.output
@@ -61,7 +57,7 @@ def shaped_done(run_id: str, name: str, node: NodeState) -> bool:
         and node.generation == 1
         and node.error is None
         and isinstance(output, AttemptOutput)
-        and output.token == token_of(run_id, name)
+        and output.token == attempt_token(run_id, name, 1)
         and node.work == _DONE_WORK
         and node.started_at is not None
         and node.finished_at is not None
@@ -128,16 +124,3 @@ def read_done(stored: str | frozenset[str] | None) -> frozenset[str]:
     if isinstance(stored, frozenset):
         return stored
     return frozenset(stored.split(",")) if stored else frozenset()
-
-
-def with_unstarted(stored: dict[str, Any]) -> dict[str, Any]:
-    """A stored state's JSON with its held nodes under ``nodes`` and its ``unstarted`` names
-    given back as pending nodes, as ``eec_run_state`` gives them back (its ``done`` ones need
-    their attempt rows, and stay named)."""
-    if OPEN_KEY not in stored:
-        return stored
-    whole = {k: v for k, v in stored.items() if k not in (OPEN_KEY, UNSTARTED_KEY)}
-    names = stored.get(UNSTARTED_KEY)
-    unstarted = {n: {"status": "pending"} for n in names.split(",")} if names else {}
-    whole["nodes"] = {**stored[OPEN_KEY], **unstarted}
-    return whole

@@ -308,7 +308,8 @@ def _commit_in_one_statement(
         done=kept_by_attempts,
     )
     if not done.locked:
-        # Alone: another tick holds the run, or committed it after our read. Nothing written.
+        # Alone: another tick committed the run after our read, or held it past the lock
+        # timeout. Nothing written.
         raise RunBusy(loaded.run_id)
     if not done.written:
         assert carried is not None

@@ -7,12 +7,12 @@ import json
 from collections.abc import Iterator
 
 import pytest
+from support import with_unstarted
 
 from ductor_celery.engine import tick as engine_tick
 from ductor_celery.engine.context import TickContext
 from ductor_celery.engine.inputs import TickPayload
 from ductor_celery.store import blobs
-from ductor_celery.store.done_nodes import with_unstarted
 from ductor_celery.store.schema import dumps_json
 from ductor_celery.store.state_text import state_text
 

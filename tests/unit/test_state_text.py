@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import with_unstarted
 
 from ductor_celery.engine.state import (
     AttemptOutput,
@@ -25,7 +26,6 @@ from ductor_celery.engine.state import (
 )
 from ductor_celery.engine.status import NodeStatus, RunStatus
 from ductor_celery.store import state_text as state_text_module
-from ductor_celery.store.done_nodes import with_unstarted
 from ductor_celery.store.schema import dumps_json
 from ductor_celery.store.state_text import forget, state_text
 
