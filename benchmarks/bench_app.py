@@ -74,12 +74,23 @@ app.conf.update(
     worker_hijack_root_logger=False,
 )
 EXPERIMENTS = set(filter(None, os.environ.get("BENCH_EXPERIMENTS", "").split(",")))
-KNOWN_EXPERIMENTS = {"no-events", "no-pre-ping", "no-prepare", "no-sweeper", "classic-queues"}
+KNOWN_EXPERIMENTS = {
+    "no-events",
+    "no-sent-events",
+    "no-pre-ping",
+    "no-prepare",
+    "no-sweeper",
+    "classic-queues",
+}
 if EXPERIMENTS - KNOWN_EXPERIMENTS:
     raise SystemExit(f"unknown experiments {EXPERIMENTS - KNOWN_EXPERIMENTS}")
 if "no-events" in EXPERIMENTS:
     # ductor turns task events on unless the app decided; this is the app deciding "off".
     app.conf.update(worker_send_task_events=False, task_send_sent_event=False)
+if "no-sent-events" in EXPERIMENTS:
+    # Only the task-sent events that follow publishes (a step message, a wake-up; a run's
+    # start message has none since 0.3.20).
+    app.conf.update(task_send_sent_event=False)
 if "classic-queues" in EXPERIMENTS:
     # On RabbitMQ: ductor's queues declared classic, as raw Celery's are (quorum by default).
     app.conf.update(ductor_classic_queues=True)

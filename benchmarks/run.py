@@ -207,6 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         choices=[
             "no-events",
+            "no-sent-events",
             "no-pre-ping",
             "no-prepare",
             "no-sweeper",
@@ -215,7 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "coord-c2",
         ],
         help="what-if, for the report (repeatable): no-events = Celery task events\n"
-        "off in the ductor app (ductor turns them on); no-pre-ping = ductor's\n"
+        "off in the ductor app (ductor turns them on); no-sent-events = only\n"
+        "task_send_sent_event off there (workers still send theirs); no-pre-ping = ductor's\n"
         "engine without pool_pre_ping; no-prepare = psycopg\n"
         "prepare_threshold=None;\n"
         "no-sweeper = ductor_sweep_interval=3600 (no re-sent wake-ups);\n"

@@ -90,6 +90,8 @@ def test_flower_lists_step_and_tick_tasks_by_name(
         (start,) = [t for t in mine if t["name"] == "ductor.first_tick"]
         assert start["state"] == "SUCCESS" and start["result"] == "'committed'"
         assert start["received"] and start["started"] and start["worker"]
+        # No task-sent event follows a start message (runtime/dispatch.py, ``UNSENT``).
+        assert start.get("sent") is None
         assert all(handle.run_id not in t["name"] for t in tasks.values())  # names are labels
 
         # A chain runs most of its steps inline (no message of their own, runtime/inline.py):

@@ -1,0 +1,72 @@
+"""Which of ductor's publishes a ``task-sent`` event follows (runtime/dispatch.py): a step
+message's, as for any Celery task when ``task_send_sent_event`` is on (Flower's view of
+messages still waiting); never a run's start message's (``Dispatcher.first_tick``), which
+Flower lists by the one event its first tick sends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+from kombu import Exchange, Queue
+
+from ductor_celery.coordinator.port import OutboxRow
+from ductor_celery.engine.kinds import DispatchKind
+from ductor_celery.runtime.dispatch import FIRST_TICK_TASK_NAME, Dispatcher, first_tick_id
+
+
+@pytest.fixture
+def app() -> Celery:
+    app = Celery("sent_events", set_as_current=False, broker="memory://")
+    app.conf.task_send_sent_event = True
+    return app
+
+
+def _published(app: Celery, send: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """The task events and the task ids of the task messages ``send`` published."""
+    with app.connection_for_write() as conn:
+        events = Queue("sent-events", Exchange("celeryev", type="topic"), routing_key="task.#")
+        tasks = Queue("ductor-steps", Exchange("ductor-steps"), routing_key="ductor-steps")
+        for queue in (events, tasks):
+            queue(conn.default_channel).declare()
+        send()
+        found_events: list[dict[str, Any]] = []
+        found_ids: list[str] = []
+        while (message := events(conn.default_channel).get(no_ack=True)) is not None:
+            found_events.append(message.decode())
+        while (message := tasks(conn.default_channel).get(no_ack=True)) is not None:
+            found_ids.append(message.headers["id"])
+    return found_events, found_ids
+
+
+def test_a_step_message_is_followed_by_its_sent_event(app: Celery) -> None:
+    dispatcher = Dispatcher(app, "ductor-steps", "ductor-coord")
+    token = "a" * 32 + ":s1:1"
+    row = OutboxRow(1, "a" * 32, DispatchKind.STEP, "c.step", None, {"token": token, "node": "s1"})
+    events, ids = _published(app, lambda: dispatcher.send([row]))
+    assert ids == [token]
+    assert [(e["type"], e["uuid"], e["name"]) for e in events] == [("task-sent", token, "c.step")]
+
+
+def test_a_runs_start_message_is_sent_with_no_sent_event(app: Celery) -> None:
+    dispatcher = Dispatcher(app, "ductor-steps", "ductor-coord")
+    run_id = "b" * 32
+    events, ids = _published(app, lambda: dispatcher.first_tick(run_id))
+    assert ids == [first_tick_id(run_id)]
+    assert events == []
+    # The app's own tasks keep theirs: the setting is the user's, left as it is.
+    sent, _ = _published(app, lambda: app.send_task("user.task", queue="ductor-steps"))
+    assert [(e["type"], e["name"]) for e in sent] == [("task-sent", "user.task")]
+
+
+def test_the_start_message_is_still_the_first_tick_task(app: Celery) -> None:
+    """What the worker runs is unchanged: the message names the first-tick task."""
+    dispatcher = Dispatcher(app, "ductor-steps", "ductor-coord")
+    with app.connection_for_write() as conn:
+        tasks = Queue("ductor-steps", Exchange("ductor-steps"), routing_key="ductor-steps")
+        tasks(conn.default_channel).declare()
+        dispatcher.first_tick("c" * 32)
+        message = tasks(conn.default_channel).get(no_ack=True)
+    assert message.headers["task"] == FIRST_TICK_TASK_NAME
+    assert message.decode()[0] == ["c" * 32]
