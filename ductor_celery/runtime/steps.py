@@ -32,7 +32,14 @@ from .lost_outcomes import lost_outcomes
 from .outbox_janitor import sent_outbox
 from .outcome import Outcome, call_attempt, invalid, prepare_call
 from .step_context import Step
-from .task_events import TaskEvents, as_current_task, events_enabled, flush_events, tick_done
+from .task_events import (
+    TaskEvents,
+    as_current_task,
+    events_enabled,
+    flush_events,
+    publishing_after,
+    tick_done,
+)
 from .tick_task import Keeper, run_tick
 
 if TYPE_CHECKING:
@@ -194,7 +201,10 @@ def first_tick(
         except Exception as exc:  # noqa: BLE001 - the coordinator can always do it instead
             log.warning("first tick of run %s failed (%s); waking the coordinator", run_id, exc)
             tick = "failed"
-        try:
+        # What the chain did not publish (it had nothing to run, or did not run), the start
+        # message's event included: never left in the thread's buffer for another task's
+        # publish (a timer publishes it soon, or at once when this raises).
+        with publishing_after(rt.app, hostname):
             if tick in SETTLED_TICKS:
                 # Before the chain's steps: it goes out with their events.
                 _start_message_done(rt, hostname, carrier, run_id, began, tick)
@@ -210,10 +220,6 @@ def first_tick(
                         _run_inline(rt, engine, chain, hostname)
                     except Exception as exc:  # noqa: BLE001 - its step times out, as a lost worker's
                         log.warning("run %s: a claim in doubt not looked up (%s)", run_id, exc)
-        finally:
-            # What the chain did not publish (it had nothing to run, or did not run): the
-            # event; never left in the thread's buffer for another task's publish.
-            flush_events(rt.app, hostname)
     return tick
 
 
@@ -248,7 +254,7 @@ def _run_inline(
         return
     try:
         # One autocommit connection for the chain's claims, reads and commits.
-        with keeping_autocommit(engine):
+        with publishing_after(rt.app, hostname), keeping_autocommit(engine):
             events_on = events_enabled(rt.app)  # once per chain, not at every step
             while (kept := _next_inline(rt, engine, chain)) is not None:
                 next_claimed, next_step, next_me, held = kept
@@ -264,7 +270,6 @@ def _run_inline(
                     raise
                 events.finished(next_outcome)
     finally:
-        flush_events(rt.app, hostname)
         chain.release()
         next_read.forget()
 

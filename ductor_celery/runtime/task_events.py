@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from celery import signals
 from celery._state import pop_current_task, push_current_task
 from celery.app.task import Context
 from celery.local import Proxy
@@ -90,8 +92,9 @@ class TaskEvents:
     step (or first in a chain, unless that step ran quickly last time in this process), with
     the previous attempt's ``task-succeeded``; after a quick one at most every
     ``inline.EVENTS_AT_MOST_EVERY_S`` (``InlineChain.flush_events_now``); the rest at the
-    chain's end (``flush_events``). An event that cannot be sent is dropped: events are a
-    view, never the truth.
+    chain's end, or, when the thread published less than ``PUBLISH_AT_MOST_EVERY_S`` before,
+    that long after it, with the next chains' (``flush_events(soon=True)``). An event that
+    cannot be sent is dropped: events are a view, never the truth.
 
     An attempt whose start is not published at once sends one event, not two: its
     ``task-succeeded`` carries what its ``task-started`` would have (name, args, the time it
@@ -189,29 +192,121 @@ def tick_done(
     _send(app, hostname, "task-succeeded", task_id, fields)
 
 
+#: A chain that ends within this long of its thread's last publish leaves its events to a
+#: publish that long after the last (``flush_events(soon=True)``): a process running quick
+#: runs one after another publishes once for several, not once a run (each publish costs the
+#: worker about 0.2 ms, and the broker a message). Flower sees them at most this late.
+PUBLISH_AT_MOST_EVERY_S = 0.05
+
+
+class _Buffer:
+    """This thread's task events: Celery's dispatcher, which buffers them until ``flush``,
+    and when it last published. A publish put off (``publish_soon``) is made by a timer
+    thread, so every use of the dispatcher, which is not thread-safe (its connection), is
+    under ``lock``."""
+
+    def __init__(self, key: tuple[int, int, str | None], dispatcher: Any) -> None:
+        self.key = key
+        self.dispatcher = dispatcher
+        self.lock = threading.Lock()
+        self.published_at = -math.inf
+        #: The timer of a publish put off, until it is made.
+        self.later: threading.Timer | None = None
+        #: A send or publish failed: the next event makes a new dispatcher (and connection).
+        self.broken = False
+
+    def send(self, kind: str, task_id: str, fields: dict[str, Any]) -> None:
+        with self.lock:
+            try:
+                self.dispatcher.send(kind, uuid=task_id, **fields)
+            except Exception as exc:  # noqa: BLE001 - a view only
+                self.broken = True
+                log.debug("task event for %s not sent: %s", task_id, exc)
+
+    def publish(self) -> None:
+        with self.lock:
+            self._publish()
+
+    def publish_soon(self) -> None:
+        """Now if the last publish is ``PUBLISH_AT_MOST_EVERY_S`` old, else that long after it
+        (one timer for whatever is buffered meanwhile)."""
+        with self.lock:
+            wait = self.published_at + PUBLISH_AT_MOST_EVERY_S - time.monotonic()
+            if wait <= 0:
+                self._publish()
+            elif self.later is None:
+                self.later = threading.Timer(wait, self._publish_later)
+                self.later.daemon = True
+                _put_off.add(self)
+                self.later.start()
+
+    def _publish_later(self) -> None:
+        with self.lock:
+            self._publish()
+
+    def _publish(self) -> None:
+        if self.later is not None:
+            self.later.cancel()  # this publish takes what it would have
+            self.later = None
+            _put_off.discard(self)
+        self.published_at = time.monotonic()
+        try:
+            self.dispatcher.flush()
+        except Exception as exc:  # noqa: BLE001 - a view: never fail the attempt for it
+            self.broken = True
+            log.debug("task events not sent: %s", exc)
+
+
 def _send(app: Any, hostname: str | None, kind: str, task_id: str, fields: dict[str, Any]) -> None:
     """One task event into this thread's buffer; dropped (and the dispatcher made anew next
     time) if it cannot be: a view, never a reason to fail the attempt or the tick."""
     try:
-        _dispatcher(app, hostname).send(kind, uuid=task_id, **fields)
+        buffer = _buffer(app, hostname)
     except Exception as exc:  # noqa: BLE001 - a view only
-        _local.__dict__.pop("dispatcher", None)
         log.debug("task event for %s not sent: %s", task_id, exc)
-
-
-def flush_events(app: Any, hostname: str | None) -> None:
-    """Publish the task events buffered so far (at the end of a chain, and with each start)."""
-    found = getattr(_local, "dispatcher", None)
-    if found is None or found[0] != _key(app, hostname):
         return
+    buffer.send(kind, task_id, fields)
+
+
+def flush_events(app: Any, hostname: str | None, soon: bool = False) -> None:
+    """Publish the task events buffered so far: at once (a slow step's start, a chain that
+    stops on an error, a start message forwarded), or with ``soon`` at a chain's end, where
+    they may wait up to ``PUBLISH_AT_MOST_EVERY_S`` to go out with the next chains'."""
+    found = getattr(_local, "buffer", None)
+    if found is None or found.key != _key(app, hostname):
+        return
+    if soon:
+        found.publish_soon()
+    else:
+        found.publish()
+
+
+@contextlib.contextmanager
+def publishing_after(app: Any, hostname: str | None) -> Iterator[None]:
+    """Publish what is buffered when the block ends: soon when it ends normally (a chain's
+    end, ``flush_events(soon=True)``), at once when it raises (the process may be on its
+    way out, and a timer's thread with it)."""
     try:
-        found[1].flush()
-    except Exception as exc:  # noqa: BLE001 - a view: never fail the attempt for it
-        _local.__dict__.pop("dispatcher", None)
-        log.debug("task events not sent: %s", exc)
+        yield
+    except BaseException:
+        flush_events(app, hostname)
+        raise
+    flush_events(app, hostname, soon=True)
+
+
+def publish_put_off(**_: Any) -> None:
+    """Make every publish put off in this process now: its worker (or pool process) is
+    stopping, and the timer's thread would not outlive it (Celery's
+    ``worker_process_shutdown`` and ``worker_shutdown``)."""
+    for buffer in list(_put_off):
+        buffer.publish()
 
 
 _local = threading.local()
+#: The buffers of this process with a publish put off (``publish_put_off``).
+_put_off: set[_Buffer] = set()
+signals.worker_process_shutdown.connect(publish_put_off, weak=False)
+signals.worker_shutdown.connect(publish_put_off, weak=False)
 
 
 def events_enabled(app: Any) -> bool:
@@ -223,12 +318,14 @@ def _key(app: Any, hostname: str | None) -> tuple[int, int, str | None]:
     return (os.getpid(), id(app), hostname)
 
 
-def _dispatcher(app: Any, hostname: str | None) -> Any:
-    """This thread's event dispatcher (a forked child makes its own: the key has the pid).
-    Task events are buffered until ``flush``."""
+def _buffer(app: Any, hostname: str | None) -> _Buffer:
+    """This thread's event buffer (a forked child makes its own: the key has the pid), made
+    anew after a failure. Its dispatcher buffers task events until ``flush``."""
     key = _key(app, hostname)
-    found = getattr(_local, "dispatcher", None)
-    if found is None or found[0] != key:
+    found: _Buffer | None = getattr(_local, "buffer", None)
+    if found is None or found.key != key or found.broken:
+        if found is not None:
+            found.publish()  # what another app's (or a broken one's) chain left
         dispatcher = app.events.Dispatcher(
             app.connection_for_write(),
             hostname=hostname,
@@ -236,5 +333,5 @@ def _dispatcher(app: Any, hostname: str | None) -> Any:
             buffer_group=["task"],
             buffer_limit=64,
         )
-        _local.dispatcher = found = (key, dispatcher)
-    return found[1]
+        _local.buffer = found = _Buffer(key, dispatcher)
+    return found

@@ -140,3 +140,57 @@ def test_the_downgrade_refuses_a_state_whose_done_node_lost_its_attempt_row(
         downgrade(chain.url, "0019")
     raw, _whole = _raw_and_whole(chain.url, run_id)
     assert raw["done"].split(",") == [f"s{i}" for i in range(STEPS)]  # nothing written
+
+
+def test_the_plpgsql_function_gives_what_the_sql_one_gave(chain: Any) -> None:
+    """Migration 0022 rewrote ``eec_run_state`` in PL/pgSQL (its plan kept by the connection
+    instead of made at every call): for stored states of every shape, the same result as
+    0020's ``LANGUAGE sql`` body, which its downgrade puts back."""
+    from ductor_celery.store.db import forget_engine
+    from ductor_celery.store.migrate import downgrade, upgrade
+
+    run_id = run_to_end(chain, "dn_chain", {"value": 1})
+    raw, _whole = _raw_and_whole(chain.url, run_id)
+    inputs: list[tuple[str | None, str]] = [
+        (None, run_id),
+        ('{"nodes": {"a": {"status": "pending"}}, "status": "running"}', run_id),
+        ('{"nodes": null, "open": {}, "done": "", "unstarted": "a,b"}', run_id),
+        ('{"nodes": null, "open": {"x": {"status": "running"}}, "done": "s0,s2"}', run_id),
+        ('{"nodes": null, "open": {}, "done": "s0,gone"}', run_id),  # a lost attempt row
+        ('{"nodes": null, "open": {}, "done": "s1"}', "f" * 32),  # another run's names
+    ]
+    dsn = chain.url.replace("postgresql+psycopg", "postgresql")
+
+    def results() -> tuple[str, list[Any]]:
+        with psycopg.connect(dsn) as conn:
+            (language,) = conn.execute(
+                "SELECT l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang "
+                "WHERE p.proname = 'eec_run_state'"
+            ).fetchone() or ("missing",)
+            found = [
+                conn.execute("SELECT eec_run_state(%s::jsonb, %s)", (text, of_run)).fetchone()
+                for text, of_run in inputs
+            ]
+            found.append(
+                conn.execute(
+                    "SELECT eec_run_state(state, run_id) FROM eec_workflow_run WHERE run_id = %s",
+                    (run_id,),
+                ).fetchone()
+            )
+        return language, found
+
+    language, now = results()
+    assert language == "plpgsql"
+    assert now[0] == (None,) and now[3][0]["nodes"]["s2"]["status"] == "succeeded"
+    assert now[4][0]["done"] == "gone" and now[5][0]["done"] == "s1"
+    assert "done" in raw and now[-1][0]["nodes"].keys() == {f"s{i}" for i in range(STEPS)}
+    forget_engine(chain.url)
+    downgrade(chain.url, "0021")
+    try:
+        language, before = results()
+        assert language == "sql"
+        assert before == now
+    finally:
+        forget_engine(chain.url)
+        upgrade(chain.url)
+    assert results()[0] == "plpgsql"

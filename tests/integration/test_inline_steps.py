@@ -541,6 +541,8 @@ def test_after_a_slow_step_the_next_inline_steps_start_is_published_at_once(
     monkeypatch.setattr(type(ductor.app), "events", events, raising=False)
     monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 0.0)  # every step counts as slow
     monkeypatch.setattr(inline, "EVENTS_AT_MOST_EVERY_S", 10.0)
+    # The chain's end publishes at once, however recent the last publish was.
+    monkeypatch.setattr(task_events, "PUBLISH_AT_MOST_EVERY_S", 0.0)
     _chain(ductor, 3, _add_one(ductor))
     run_id, first = start_run(ductor, "chain", recorder)
     deliver(ductor, first)
@@ -565,6 +567,8 @@ def test_a_runs_first_step_is_announced_at_once_unless_it_ran_quickly_here_befor
     monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 10.0)  # every step counts as quick
     monkeypatch.setattr(inline, "EVENTS_AT_MOST_EVERY_S", 10.0)
     monkeypatch.setattr(inline, "_last_ran_by_step", {})  # a new process
+    # Each run's end publishes at once, however recent the last publish was.
+    monkeypatch.setattr(task_events, "PUBLISH_AT_MOST_EVERY_S", 0.0)
     _chain(ductor, 2, _add_one(ductor, name="inline.first_add"))
 
     def one_run() -> tuple[list[list[tuple[str, str]]], str, str]:
@@ -589,6 +593,71 @@ def test_a_runs_first_step_is_announced_at_once_unless_it_ran_quickly_here_befor
     inline._last_ran_by_step["inline.first_add"] = 60.0  # slow last time (over the bound)
     published, s0, s1 = one_run()
     assert published[0] == [("task-started", s0)]
+
+
+def test_quick_runs_one_after_another_publish_their_events_together(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain that ends soon after its thread's last publish leaves its events to a publish
+    ``PUBLISH_AT_MOST_EVERY_S`` after that one (a timer's), with whatever the next chains
+    buffer meanwhile: one broker message for several quick runs. A chain that raises
+    publishes at once, and so does a worker process that stops with a publish put off."""
+    from celery import signals
+
+    ductor, _recorder = make_ductor(database_url)
+    events = RecordingEvents()
+    monkeypatch.setattr(type(ductor.app), "events", events, raising=False)
+    monkeypatch.setattr(inline, "HOLD_IF_QUICKER_S", 10.0)  # every step counts as quick
+    monkeypatch.setattr(inline, "EVENTS_AT_MOST_EVERY_S", 10.0)
+    monkeypatch.setattr(inline, "_last_ran_by_step", {"inline.add": 0.0})  # quick before
+    window = 3.0
+    monkeypatch.setattr(task_events, "PUBLISH_AT_MOST_EVERY_S", window)
+    add = _add_one(ductor)
+    _chain(ductor, 2, add)
+
+    def one_run() -> list[str]:
+        """Its start message's id and its attempts' tokens, as its events name them."""
+        run_id = ductor.start("chain").run_id
+        message = first_tick_id(run_id)
+        assert first_tick(ductor.runtime, run_id, "w1@host", QUEUE, message) == "committed"
+        return [message, *(r.token for r in attempt_rows(ductor, run_id))]
+
+    def batches() -> list[list[str]]:
+        return [[f["uuid"] for _, f in batch] for batch in events.published]
+
+    began = time.monotonic()
+    first = one_run()  # no publish before: at once
+    assert batches() == [first]
+    second = one_run()  # within the window of that publish: put off
+    assert batches() == [first] and [f["uuid"] for _, f in events.buffer] == second
+    deadline = time.monotonic() + window + 30
+    while len(events.published) < 2:
+        assert time.monotonic() < deadline, "the put-off publish never came"
+        time.sleep(0.05)
+    assert time.monotonic() >= began + window  # not before the window's end
+    assert batches() == [first, second] and events.buffer == []
+
+    # Put off again, then the pool process stops: Celery's signal publishes it at once.
+    third = one_run()
+    fourth = one_run()
+    assert batches()[2:] in ([], [third])  # the window may have ended between the two
+    signals.worker_process_shutdown.send(sender=None, pid=os.getpid(), exitcode=0)
+    assert [u for b in batches()[2:] for u in b] == third + fourth and events.buffer == []
+
+    # A chain that raises publishes at once, however recent the last publish.
+    def exits(ctx: StepContext, value: int = 0) -> int:
+        raise SystemExit(3)
+
+    wf = Workflow("exits_at_once")
+    wf.step("a", add)
+    wf.step("b", ductor.step(name="inline.exits_at_once")(exits), after=["a"])
+    ductor.register(wf)
+    published = len(events.published)
+    run_id = ductor.start("exits_at_once").run_id
+    with pytest.raises(SystemExit):
+        first_tick(ductor.runtime, run_id, "w1@host", QUEUE, first_tick_id(run_id))
+    assert len(events.published) == published + 1 and events.buffer == []
+    assert events.published[-1][-1][0] == "task-failed"
 
 
 def test_a_runs_start_message_is_one_task_event_published_with_its_chains(
