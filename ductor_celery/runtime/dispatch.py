@@ -39,6 +39,32 @@ class _Unsent:
 #: ``send_task(event_dispatcher=UNSENT)``: no ``task-sent`` event after this message.
 UNSENT = _Unsent()
 
+#: ``send_task`` declares nothing: what ``declared`` gives for a queue declared already.
+_NOTHING_TO_DECLARE: dict[str, Any] = {"declare": []}
+
+
+def declared(producer: Any, app: Any, queue: str) -> dict[str, Any]:
+    """``send_task`` options that skip declaring ``queue`` when kombu has declared it on this
+    producer's connection already (its own cache: ``Connection.declared_entities``, which
+    kombu empties when the connection closes or is replaced), else none.
+
+    Celery has every publish declare its queue, and kombu's cache check sits behind a
+    retrying wrapper made anew each time (with a copy of the queue): a sixth of a publish's
+    CPU on RabbitMQ (a ``send_task`` 0.39 against 0.33 ms). The first publish on a
+    connection still declares the queue, so a client that starts runs before any worker ran
+    creates it as before; what is skipped is exactly what kombu itself would skip."""
+    cache = getattr(getattr(producer, "connection", None), "declared_entities", None)
+    if not cache:
+        return {}
+    queue_entity = app.amqp.queues.get(queue)
+    if (
+        queue_entity is None
+        or not queue_entity.can_cache_declaration
+        or hash(queue_entity) not in cache
+    ):
+        return {}
+    return _NOTHING_TO_DECLARE
+
 
 @dataclass(frozen=True, slots=True)
 class CarriedBranches:
@@ -167,12 +193,13 @@ class Dispatcher:
                 if row.kind == DispatchKind.STEP:
                     token = row.payload["token"]
                     held = row.payload.get("held")
+                    queue = row.queue or self.steps_queue
                     self.app.send_task(
                         row.task,
                         args=[token],
                         # The token as task id: `revoke` can name it, and Flower shows it.
                         task_id=token,
-                        queue=row.queue or self.steps_queue,
+                        queue=queue,
                         serializer="json",
                         producer=producer,
                         argsrepr=repr([token]),
@@ -180,6 +207,7 @@ class Dispatcher:
                         priority=self.broker_priority(int(row.payload.get("priority") or 0)),
                         headers=None if not held else {HELD_HEADER: held_header(row)},
                         **options,
+                        **declared(producer, self.app, queue),
                     )
                 elif row.kind == DispatchKind.REVOKE:
                     # Drops the message if it is still queued; a step already running finishes
@@ -234,6 +262,7 @@ class Dispatcher:
                 priority=self.broker_priority(priority),
                 event_dispatcher=UNSENT,
                 **self._options(),
+                **declared(producer, self.app, self.steps_queue),
             )
 
     def wake_many(self, run_ids: list[str]) -> None:
@@ -259,4 +288,5 @@ class Dispatcher:
             producer=producer,
             headers=None if quick is None else {QUICK_HEADER: quick.header()},
             **options,
+            **declared(producer, self.app, self.coord_queue),
         )

@@ -1,7 +1,8 @@
-"""Which of ductor's publishes a ``task-sent`` event follows (runtime/dispatch.py): a step
-message's, as for any Celery task when ``task_send_sent_event`` is on (Flower's view of
-messages still waiting); never a run's start message's (``Dispatcher.first_tick``), which
-Flower lists by the one event its first tick sends."""
+"""What ductor's publishes ask of Celery (runtime/dispatch.py): which of them a ``task-sent``
+event follows (a step message's, as for any Celery task when ``task_send_sent_event`` is on:
+Flower's view of messages still waiting; never a run's start message's, which Flower lists by
+the one event its first tick sends), and when they declare their queue (at a connection's
+first publish to it, as kombu's own cache says)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,35 @@ def test_the_start_message_is_still_the_first_tick_task(app: Celery) -> None:
         message = tasks(conn.default_channel).get(no_ack=True)
     assert message.headers["task"] == FIRST_TICK_TASK_NAME
     assert message.decode()[0] == ["c" * 32]
+
+
+def test_a_queue_is_declared_at_a_connections_first_publish_only(app: Celery) -> None:
+    """Celery has every publish declare its queue; ductor's skip it once kombu declared that
+    queue on the connection (``dispatch.declared``), as kombu itself then would, and declare
+    it again on a connection that replaced it. Every message arrives."""
+    from celery.signals import before_task_publish
+
+    declares: list[list[str]] = []
+
+    def record(declare: Any = None, **_: Any) -> None:
+        declares.append([q.name for q in declare or []])
+
+    before_task_publish.connect(record, weak=False)
+    try:
+        dispatcher = Dispatcher(app, "ductor-steps", "ductor-coord")
+        run_ids = ["d" * 32, "e" * 32, "f" * 32]
+        _events, ids = _published(
+            app, lambda: [dispatcher.first_tick(run_id) for run_id in run_ids[:2]]
+        )
+        assert ids == [first_tick_id(r) for r in run_ids[:2]]
+        assert declares == [["ductor-steps"], []]
+        with app.producer_or_acquire() as producer:
+            # What kombu does when the connection closes or is replaced: forget its
+            # declarations.
+            producer.connection.declared_entities.clear()
+        declares.clear()
+        _events, ids = _published(app, lambda: dispatcher.first_tick(run_ids[2]))
+        assert ids == [first_tick_id(run_ids[2])]
+        assert declares == [["ductor-steps"]]
+    finally:
+        before_task_publish.disconnect(record)
