@@ -3,8 +3,10 @@
 Migration 0020 wrote ``eec_run_state`` in ``LANGUAGE sql``. PostgreSQL cannot inline that
 function (its body has a subquery), so each statement that calls it parses, analyses and
 plans the body again (``fmgr_sql``): in a quick chain, 18% of the server's CPU (``perf``,
-``benchmarks/chain_cost.py --pg-perf``), though the body runs twice a run. A PL/pgSQL
-function prepares its query once per connection and keeps the plan; a state that names no
+``benchmarks/chain_cost.py --pg-perf``), though the body runs about once a run. A PL/pgSQL
+function parses its query once per connection and keeps it prepared (PostgreSQL's plan cache
+then reuses a generic plan or makes custom ones, as it does for any prepared statement); a
+state that names no
 nodes (no ``open`` key, as every state SQLite and code before 0.3.18 wrote) is returned by a
 plain expression, with no query at all.
 
@@ -56,6 +58,9 @@ _NAMED = f"""
 _PLPGSQL = f"""
 CREATE OR REPLACE FUNCTION eec_run_state(stored jsonb, of_run text) RETURNS jsonb
 LANGUAGE plpgsql STABLE PARALLEL SAFE AS $$
+-- The arguments, whatever columns the tables may gain (PL/pgSQL would otherwise refuse a
+-- name that is both).
+#variable_conflict use_variable
 BEGIN
     IF stored IS NULL OR NOT stored ? 'open' THEN
         RETURN stored;

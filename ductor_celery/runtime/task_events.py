@@ -210,7 +210,9 @@ class _Buffer:
         self.dispatcher = dispatcher
         self.lock = threading.Lock()
         self.published_at = -math.inf
-        #: The timer of a publish put off, until it is made.
+        #: Events were buffered since the last publish.
+        self.pending = False
+        #: The timer of a publish put off, until it is made (or made by another publish).
         self.later: threading.Timer | None = None
         #: A send or publish failed: the next event makes a new dispatcher (and connection).
         self.broken = False
@@ -222,6 +224,8 @@ class _Buffer:
             except Exception as exc:  # noqa: BLE001 - a view only
                 self.broken = True
                 log.debug("task event for %s not sent: %s", task_id, exc)
+            else:
+                self.pending = True
 
     def publish(self) -> None:
         with self.lock:
@@ -229,26 +233,38 @@ class _Buffer:
 
     def publish_soon(self) -> None:
         """Now if the last publish is ``PUBLISH_AT_MOST_EVERY_S`` old, else that long after it
-        (one timer for whatever is buffered meanwhile)."""
+        (one timer for whatever is buffered meanwhile); nothing when nothing is buffered."""
         with self.lock:
+            if not self.pending or self.later is not None:
+                return
             wait = self.published_at + PUBLISH_AT_MOST_EVERY_S - time.monotonic()
             if wait <= 0:
                 self._publish()
-            elif self.later is None:
-                self.later = threading.Timer(wait, self._publish_later)
-                self.later.daemon = True
-                _put_off.add(self)
-                self.later.start()
+                return
 
-    def _publish_later(self) -> None:
-        with self.lock:
-            self._publish()
+            def publish_later() -> None:
+                with self.lock:
+                    if self.later is timer:  # not made by another publish meanwhile
+                        self._publish()
+
+            timer = threading.Timer(wait, publish_later)
+            timer.daemon = True
+            self.later = timer
+            _put_off.add(self)
+            try:
+                timer.start()
+            except RuntimeError as exc:  # no thread to be had (a process's thread limit)
+                log.debug("task events published at once: no timer (%s)", exc)
+                self._publish()
 
     def _publish(self) -> None:
         if self.later is not None:
             self.later.cancel()  # this publish takes what it would have
             self.later = None
             _put_off.discard(self)
+        if not self.pending:
+            return
+        self.pending = False
         self.published_at = time.monotonic()
         try:
             self.dispatcher.flush()
@@ -309,6 +325,18 @@ signals.worker_process_shutdown.connect(publish_put_off, weak=False)
 signals.worker_shutdown.connect(publish_put_off, weak=False)
 
 
+def _forget_after_fork() -> None:
+    """A forked child never touches its parent's buffers: their connections are the
+    parent's, their locks may have been held by a thread that did not come along, and their
+    timers did not. It makes its own (``_buffer``'s key has the pid)."""
+    global _put_off
+    _put_off = set()
+    _local.__dict__.pop("buffer", None)
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def events_enabled(app: Any) -> bool:
     """Whether ``app`` sends task events (``worker_send_task_events``)."""
     return bool(app.conf.get("worker_send_task_events"))
@@ -324,7 +352,7 @@ def _buffer(app: Any, hostname: str | None) -> _Buffer:
     key = _key(app, hostname)
     found: _Buffer | None = getattr(_local, "buffer", None)
     if found is None or found.key != key or found.broken:
-        if found is not None:
+        if found is not None and found.key[0] == key[0]:
             found.publish()  # what another app's (or a broken one's) chain left
         dispatcher = app.events.Dispatcher(
             app.connection_for_write(),

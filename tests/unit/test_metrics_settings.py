@@ -32,6 +32,7 @@ def test_a_bad_port_names_the_setting(value: Any) -> None:
 
 def test_recording_with_metrics_off_creates_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DUCTOR_METRICS_ON", raising=False)
+    monkeypatch.setattr(metrics, "_on", False)  # as a process started without it reads it
     metrics.record_attempt("s", "succeeded", 0.1)
     metrics.record_claim("s", 0.1)
     metrics.record_tick("committed", 0.001, None)

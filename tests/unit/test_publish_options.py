@@ -31,6 +31,8 @@ def _published(app: Celery, send: Any) -> tuple[list[dict[str, Any]], list[str]]
         tasks = Queue("ductor-steps", Exchange("ductor-steps"), routing_key="ductor-steps")
         for queue in (events, tasks):
             queue(conn.default_channel).declare()
+            # kombu's in-memory broker is the whole process's: what another test left.
+            queue(conn.default_channel).purge()
         send()
         found_events: list[dict[str, Any]] = []
         found_ids: list[str] = []
@@ -74,32 +76,49 @@ def test_the_start_message_is_still_the_first_tick_task(app: Celery) -> None:
 
 
 def test_a_queue_is_declared_at_a_connections_first_publish_only(app: Celery) -> None:
-    """Celery has every publish declare its queue; ductor's skip it once kombu declared that
-    queue on the connection (``dispatch.declared``), as kombu itself then would, and declare
-    it again on a connection that replaced it. Every message arrives."""
+    """Celery has every publish declare its queue; ductor's skip it while kombu's cache says
+    the connection declared that queue already (``dispatch.declared``), as kombu itself then
+    would, and declare it again once the cache is emptied (a connection replaced or
+    reconnected), even between the check and the publish (a retry after a reconnect). Every
+    message arrives."""
     from celery.signals import before_task_publish
 
-    declares: list[list[str]] = []
+    declares: list[bool] = []  # whether each publish, as kombu reads it, declares anything
+    forget_before_publish: list[Any] = []
 
     def record(declare: Any = None, **_: Any) -> None:
-        declares.append([q.name for q in declare or []])
+        for connection in forget_before_publish:
+            connection.declared_entities.clear()
+        declares.append(bool(declare))
+
+    def forget() -> None:
+        """What kombu does when the connection closes, is replaced or reconnects: forget
+        what it declared."""
+        with app.producer_or_acquire() as producer:
+            producer.connection.declared_entities.clear()
 
     before_task_publish.connect(record, weak=False)
     try:
         dispatcher = Dispatcher(app, "ductor-steps", "ductor-coord")
-        run_ids = ["d" * 32, "e" * 32, "f" * 32]
+        run_ids = [c * 32 for c in "defg"]
         _events, ids = _published(
             app, lambda: [dispatcher.first_tick(run_id) for run_id in run_ids[:2]]
         )
         assert ids == [first_tick_id(r) for r in run_ids[:2]]
-        assert declares == [["ductor-steps"], []]
-        with app.producer_or_acquire() as producer:
-            # What kombu does when the connection closes or is replaced: forget its
-            # declarations.
-            producer.connection.declared_entities.clear()
+        assert declares == [True, False]
+        forget()
         declares.clear()
         _events, ids = _published(app, lambda: dispatcher.first_tick(run_ids[2]))
-        assert ids == [first_tick_id(run_ids[2])]
-        assert declares == [["ductor-steps"]]
+        assert ids == [first_tick_id(run_ids[2])] and declares == [True]
+        # Forgotten after ductor looked, before kombu publishes: kombu declares it again.
+        with app.producer_or_acquire() as producer:
+            assert hash(app.amqp.queues["ductor-steps"]) in producer.connection.declared_entities
+            forget_before_publish.append(producer.connection)
+        declares.clear()
+        _events, ids = _published(app, lambda: dispatcher.first_tick(run_ids[3]))
+        assert ids == [first_tick_id(run_ids[3])] and declares == [True]
+        forget_before_publish.clear()
+        with app.producer_or_acquire() as producer:
+            assert hash(app.amqp.queues["ductor-steps"]) in producer.connection.declared_entities
     finally:
         before_task_publish.disconnect(record)
