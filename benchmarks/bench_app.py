@@ -55,6 +55,7 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.signals import worker_process_shutdown, worker_ready
+from common import APP_EXPERIMENTS
 
 from ductor_celery import Ductor, RateLimit, StepContext, Workflow
 
@@ -74,14 +75,7 @@ app.conf.update(
     worker_hijack_root_logger=False,
 )
 EXPERIMENTS = set(filter(None, os.environ.get("BENCH_EXPERIMENTS", "").split(",")))
-KNOWN_EXPERIMENTS = {
-    "no-events",
-    "no-sent-events",
-    "no-pre-ping",
-    "no-prepare",
-    "no-sweeper",
-    "classic-queues",
-}
+KNOWN_EXPERIMENTS = set(APP_EXPERIMENTS)
 if EXPERIMENTS - KNOWN_EXPERIMENTS:
     raise SystemExit(f"unknown experiments {EXPERIMENTS - KNOWN_EXPERIMENTS}")
 if "no-events" in EXPERIMENTS:

@@ -17,6 +17,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+#: ``run.py --experiment`` what-ifs that ``bench_app`` applies to the ductor app, and those the
+#: harness applies to the coordinator's worker command instead.
+APP_EXPERIMENTS = (
+    "no-events",
+    "no-sent-events",
+    "no-pre-ping",
+    "no-prepare",
+    "no-sweeper",
+    "classic-queues",
+)
+WORKER_EXPERIMENTS = ("coord-solo", "coord-c2")
+
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 TESTS_DIR = ROOT / "tests"

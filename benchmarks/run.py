@@ -43,7 +43,13 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH_DIR), str(BENCH_DIR.parent / "tests")]
 
-from common import BenchTimeout, git_describe, log  # noqa: E402
+from common import (  # noqa: E402
+    APP_EXPERIMENTS,
+    WORKER_EXPERIMENTS,
+    BenchTimeout,
+    git_describe,
+    log,
+)
 from harness import Bench, machine_info  # noqa: E402
 from plan import default_time_limit, phase_plan, run_phases  # noqa: E402
 from repeat import run_rounds  # noqa: E402
@@ -205,16 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--experiment",
         action="append",
         default=[],
-        choices=[
-            "no-events",
-            "no-sent-events",
-            "no-pre-ping",
-            "no-prepare",
-            "no-sweeper",
-            "classic-queues",
-            "coord-solo",
-            "coord-c2",
-        ],
+        choices=[*APP_EXPERIMENTS, *WORKER_EXPERIMENTS],
         help="what-if, for the report (repeatable): no-events = Celery task events\n"
         "off in the ductor app (ductor turns them on); no-sent-events = only\n"
         "task_send_sent_event off there (workers still send theirs); no-pre-ping = ductor's\n"

@@ -329,8 +329,7 @@ def _forget_after_fork() -> None:
     """A forked child never touches its parent's buffers: their connections are the
     parent's, their locks may have been held by a thread that did not come along, and their
     timers did not. It makes its own (``_buffer``'s key has the pid)."""
-    global _put_off
-    _put_off = set()
+    _put_off.clear()  # the child's copy of the set
     _local.__dict__.pop("buffer", None)
 
 
